@@ -1,0 +1,26 @@
+"""Test setup: 8 emulated CPU devices, configured before JAX initialises a backend."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+from tlt_jax.models import ModelConfig, RopeConfig, init_params  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> ModelConfig:
+  """A tiny Qwen2-style policy: GQA 4 -> 2, QKV bias, untied head; every test shares it."""
+  return ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rope=RopeConfig(theta=10000.0),
+                     qkv_bias=True, max_position_embeddings=512, attention_impl="reference")
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+  return init_params(tiny_cfg, jax.random.key(0))

@@ -1,0 +1,126 @@
+"""HF export/load round trips and the error paths of the loader."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tests.models import hf_fixtures
+from tlt_jax.models.hf import (hf_config_from_model_config, load_hf_config, load_hf_params,
+                               load_tokenizer, model_config_from_hf, save_hf_checkpoint)
+
+
+def _assert_trees_equal(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+
+
+@pytest.mark.parametrize("max_shard_bytes", [4 << 30, 20_000])
+def test_export_then_load_is_bit_exact(tiny_cfg, tiny_params, tmp_path, max_shard_bytes):
+  save_hf_checkpoint(str(tmp_path), tiny_params, tiny_cfg, max_shard_bytes=max_shard_bytes)
+  sharded = os.path.exists(tmp_path / "model.safetensors.index.json")
+  assert sharded == (max_shard_bytes < 1 << 20)
+  cfg = load_hf_config(str(tmp_path), attention_impl=tiny_cfg.attention_impl)
+  assert cfg == tiny_cfg
+  _assert_trees_equal(load_hf_params(str(tmp_path), cfg), tiny_params)
+
+
+def test_export_loads_in_transformers(tiny_cfg, tiny_params, tmp_path):
+  from transformers import AutoModelForCausalLM
+  save_hf_checkpoint(str(tmp_path), tiny_params, tiny_cfg)
+  model = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True)
+  assert model.config.model_type == "qwen2"
+  got = model.model.layers[1].self_attn.k_proj.weight.detach().numpy()
+  want = np.asarray(tiny_params["layers"]["self_attn"]["k_proj"]["kernel"][1])
+  np.testing.assert_array_equal(got, want.reshape(tiny_cfg.hidden_size, -1).T)
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+  path = tmp_path_factory.mktemp("qwen_err")
+  hf_fixtures.save_random_model(hf_fixtures.qwen2_config(), str(path))
+  return path
+
+
+def _copy_with(src, dst, edit):
+  os.makedirs(dst, exist_ok=True)
+  with open(src / "config.json") as f:
+    cfg = json.load(f)
+  with open(dst / "config.json", "w") as f:
+    json.dump(cfg, f)
+  tensors = load_file(str(src / "model.safetensors"))
+  edit(tensors)
+  save_file(tensors, str(dst / "model.safetensors"))
+  return str(dst)
+
+
+def test_folder_without_config(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no config.json"):
+    load_hf_config(str(tmp_path))
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    load_hf_config(str(tmp_path / "nope"))
+
+
+def test_unsupported_model_type():
+  from transformers import GPT2Config
+  with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*llama.*qwen2"):
+    model_config_from_hf(GPT2Config())
+
+
+def test_missing_tensors_are_listed(qwen_dir, tmp_path):
+  def drop(t):
+    del t["model.layers.1.mlp.up_proj.weight"]
+    del t["lm_head.weight"]
+  path = _copy_with(qwen_dir, tmp_path / "m", drop)
+  cfg = load_hf_config(path)
+  with pytest.raises(ValueError, match=r"missing 2 tensors: lm_head.weight, "
+                                       r"model.layers.1.mlp.up_proj.weight"):
+    load_hf_params(path, cfg)
+
+
+def test_unexpected_tensors_are_listed(qwen_dir, tmp_path):
+  def add(t):
+    t["model.layers.0.extra.weight"] = np.zeros((2,), np.float32)
+  path = _copy_with(qwen_dir, tmp_path / "u", add)
+  with pytest.raises(ValueError, match=r"1 unexpected tensors.*model.layers.0.extra.weight"):
+    load_hf_params(path, load_hf_config(path))
+
+
+def test_shape_mismatch_names_tensor(qwen_dir, tmp_path):
+  def shrink(t):
+    t["model.norm.weight"] = t["model.norm.weight"][:-1].copy()
+  path = _copy_with(qwen_dir, tmp_path / "s", shrink)
+  with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(31,\), expected \(32,\)"):
+    load_hf_params(path, load_hf_config(path))
+
+
+def test_missing_weights_file(qwen_dir, tmp_path):
+  (tmp_path / "config.json").write_text((qwen_dir / "config.json").read_text())
+  with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+    load_hf_params(str(tmp_path), load_hf_config(str(tmp_path)))
+
+
+def test_config_round_trip_through_transformers(tiny_cfg):
+  llama = tiny_cfg.replace(model_type="llama", qkv_bias=False, tie_embeddings=True)
+  for cfg in (tiny_cfg, llama):
+    back = model_config_from_hf(hf_config_from_model_config(cfg),
+                                attention_impl=cfg.attention_impl)
+    assert back == cfg
+
+
+def test_tokenizer_round_trip(tmp_path):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+  vocab = {"<pad>": 0, "<eos>": 1, "1": 2, "+": 3, "=": 4, "2": 5}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                          eos_token="<eos>").save_pretrained(str(tmp_path))
+  loaded = load_tokenizer(str(tmp_path))
+  assert loaded("1 + 1 = 2")["input_ids"] == [2, 3, 2, 4, 5]
+  assert loaded.eos_token_id == 1
+  with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+    load_tokenizer(str(tmp_path / "empty"))

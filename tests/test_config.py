@@ -1,0 +1,108 @@
+"""Config schema validation and the command-line entry point's error handling."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from tlt_jax.config import ConfigError, base_config, model_config, validate_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _default(arg=None):
+  sys.path.insert(0, REPO)
+  try:
+    from configs import default
+  finally:
+    sys.path.pop(0)
+  return default.get_config(arg)
+
+
+def test_default_config_is_valid_and_locked():
+  c = _default()
+  validate_config(c, num_devices=2)
+  with pytest.raises(AttributeError, match='Did you mean "dtype"'):
+    c.model.dtyp = "float32"
+  cfg = model_config(c)
+  assert cfg.num_layers == c.model.num_layers and cfg.qkv_bias
+
+
+def test_unknown_key_in_an_unlocked_config_is_named():
+  c = base_config()
+  c.model.num_layer = 3
+  with pytest.raises(ConfigError, match=r"unknown config key 'model.num_layer'. Did you mean "
+                                        r"'model.num_layers'\?"):
+    validate_config(c)
+  c = base_config()
+  c.rolout = ml_collections.ConfigDict()
+  with pytest.raises(ConfigError, match="unknown config key 'rolout'.*Allowed under the top"):
+    validate_config(c)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("dtype", "fp8", r"model.dtype='fp8' is not allowed; allowed values: \('float32'"),
+    ("param_dtype", "int8", r"model.param_dtype='int8'"),
+    ("attention_impl", "flash", r"model.attention_impl='flash'.*'reference'"),
+    ("model_type", "gpt2", r"model.model_type='gpt2'.*'qwen2', 'llama'"),
+    ("path", "/does/not/exist", r"model.path='/does/not/exist' does not exist"),
+])
+def test_bad_model_values(key, value, match):
+  c = base_config()
+  c.model[key] = value
+  with pytest.raises(ConfigError, match=match):
+    validate_config(c)
+
+
+def test_mesh_larger_than_devices():
+  c = base_config()
+  c.mesh.axes.replica = 4
+  c.mesh.axes.fsdp = 4
+  with pytest.raises(ConfigError, match="needs 16 devices but 8 are available"):
+    validate_config(c, num_devices=8)
+
+
+def test_bad_architecture_is_a_config_error():
+  c = base_config()
+  c.model.num_kv_heads = 3
+  with pytest.raises(ConfigError, match="must be a multiple of num_kv_heads=3"):
+    model_config(c)
+
+
+def _cli(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "tlt_jax.generate", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config.model.dtyp=x"], 'config error: unknown config key \'dtyp\' Did you mean "dtype"'),
+    (["--config.mesh.axes.replica=3"], "config error: mesh.axes="),
+    (["--config.model.dtype=fp8"], "config error: model.dtype='fp8' is not allowed"),
+    (["--config.model.path=/nope"], "config error: model.path='/nope' does not exist"),
+])
+def test_cli_config_errors_are_one_line(args, message):
+  r = _cli("--config", "configs/default.py", *args)
+  assert r.returncode != 0
+  assert message in r.stderr
+  assert "Traceback" not in r.stderr
+
+
+def test_cli_bad_variant(tmp_path):
+  r = _cli("--config", "configs/default.py:nope")
+  assert r.returncode != 0 and "unknown variant 'nope'" in r.stderr
+  assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_generates_and_writes_outputs(tmp_path):
+  r = _cli("--config", "configs/default.py:runlocal", "--workdir", str(tmp_path))
+  assert r.returncode == 0, r.stderr
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["devices"] == 2 and summary["decode_tokens_per_s"] > 0
+  lines = (tmp_path / "generations.jsonl").read_text().splitlines()
+  assert len(lines) == 4
+  assert all(len(json.loads(line)["completion"]) == 8 for line in lines)

@@ -1,0 +1,79 @@
+"""Static description of a Llama/Qwen2-family decoder (hashable, so it can be a jit static arg)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ROPE_TYPES = ("default", "llama3")
+
+
+def dtype_from_name(name: str, what: str = "dtype"):
+  """Maps a dtype name ('float32', 'bfloat16', 'float16') to a jnp dtype, with a readable error."""
+  if name not in DTYPES:
+    raise ValueError(f"{what}={name!r} is not a supported dtype; allowed: {sorted(DTYPES)}")
+  return DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  """Rotary embedding parameters; `rope_type='llama3'` uses the Llama-3 frequency scaling."""
+  theta: float = 10000.0
+  rope_type: str = "default"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"rope_type={self.rope_type!r} is not supported; allowed: {ROPE_TYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of the policy decoder.
+
+  `dtype` is the activation/compute dtype, `param_dtype` the storage dtype of the weights;
+  attention softmax, norms and logits are always computed in float32.
+  """
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope: RopeConfig = RopeConfig()
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  max_position_embeddings: int = 32768
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  attention_impl: str = "auto"
+  model_type: str = "qwen2"
+
+  def __post_init__(self):
+    dtype_from_name(self.dtype, "model.dtype")
+    dtype_from_name(self.param_dtype, "model.param_dtype")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                       f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+
+  @property
+  def jnp_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def jnp_param_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)

@@ -1,0 +1,361 @@
+"""Hugging Face interop: config.json, safetensors weights (single or sharded) and tokenizers.
+
+transformers 5 has no Flax models, so weights are mapped here. Loading reads one tensor at a
+time (safetensors memory-maps the file) and places it directly with its target sharding, so a
+large model never sits whole in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from tlt_jax.mesh import DEFAULT_RULES, logical_to_mesh_spec
+from tlt_jax.models.config import ModelConfig, RopeConfig
+from tlt_jax.models.decoder import param_logical_axes
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Buffers some exporters write that carry no weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ---------------------------------------------------------------- config
+
+
+def _require_config(path: str) -> None:
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"model folder {path!r} does not exist")
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise FileNotFoundError(f"{path!r} has no config.json; expected a Hugging Face model folder "
+                            f"(config.json + {SAFETENSORS_FILE} or {SAFETENSORS_INDEX})")
+
+
+def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
+  """Maps a transformers Llama/Qwen2 config (object) to a ModelConfig; overrides win."""
+  mt = hf_config.model_type
+  if mt not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(f"unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
+  if getattr(hf_config, "hidden_act", "silu") != "silu":
+    raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only 'silu' is supported")
+  if mt == "qwen2" and getattr(hf_config, "use_sliding_window", False):
+    raise ValueError("Qwen2 sliding-window attention (use_sliding_window=True) is not supported")
+  if mt == "llama" and (getattr(hf_config, "attention_bias", False)
+                        or getattr(hf_config, "mlp_bias", False)):
+    raise ValueError("Llama attention_bias/mlp_bias=True is not supported")
+  # transformers 5 keeps theta in rope_parameters; older configs have rope_theta/rope_scaling.
+  rp = dict(getattr(hf_config, "rope_parameters", None) or {})
+  rp = rp or dict(getattr(hf_config, "rope_scaling", None) or {})
+  theta = rp.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+  rope_type = rp.get("rope_type", rp.get("type", "default"))
+  if rope_type not in ("default", "llama3"):
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: ('default', 'llama3')")
+  rope_kw = {k: rp[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                "original_max_position_embeddings") if k in rp}
+  heads = hf_config.num_attention_heads
+  kw = dict(
+      vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+      intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
+      num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+      head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+      rope=RopeConfig(theta=float(theta), rope_type=rope_type, **rope_kw),
+      rms_norm_eps=hf_config.rms_norm_eps, qkv_bias=(mt == "qwen2"),
+      tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+      max_position_embeddings=hf_config.max_position_embeddings, model_type=mt)
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+def load_hf_config(path: str, **overrides) -> ModelConfig:
+  """Reads `path/config.json` through transformers.AutoConfig (local files only)."""
+  from transformers import AutoConfig
+  _require_config(path)
+  return model_config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True),
+                              **overrides)
+
+
+def hf_config_from_model_config(cfg: ModelConfig):
+  """The transformers config object (LlamaConfig or Qwen2Config) describing `cfg`."""
+  from transformers import LlamaConfig, Qwen2Config
+  rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
+  if cfg.rope.rope_type == "llama3":
+    rope.update(factor=cfg.rope.factor, low_freq_factor=cfg.rope.low_freq_factor,
+                high_freq_factor=cfg.rope.high_freq_factor,
+                original_max_position_embeddings=cfg.rope.original_max_position_embeddings)
+  common = dict(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+      tie_word_embeddings=cfg.tie_embeddings,
+      max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
+      dtype=cfg.param_dtype)
+  if cfg.model_type == "qwen2":
+    if not cfg.qkv_bias:
+      raise ValueError("a qwen2 export needs qkv_bias=True")
+    return Qwen2Config(**common)
+  if cfg.model_type == "llama":
+    if cfg.qkv_bias:
+      raise ValueError("a llama export cannot carry qkv biases; use model_type='qwen2'")
+    return LlamaConfig(**common)
+  raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: "
+                   f"{SUPPORTED_MODEL_TYPES}")
+
+
+# ---------------------------------------------------------------- weight name mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  hf_name: str                      # with {i} for per-layer tensors
+  path: tuple[str, ...]             # our param path
+  to_ours: Callable[[np.ndarray], np.ndarray]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+  hf_shape: tuple[int, ...]
+  per_layer: bool = True
+
+
+def _tensor_table(cfg: ModelConfig) -> list[_Tensor]:
+  e, h, kv, d, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                       cfg.intermediate_size, cfg.vocab_size)
+  same = lambda w: w  # noqa: E731
+  t = lambda w: w.T  # noqa: E731
+
+  def proj_in(heads):  # HF [heads*D, E] <-> ours [E, heads, D]
+    return (lambda w: w.T.reshape(e, heads, d), lambda k: k.reshape(e, heads * d).T)
+
+  def bias(heads):  # HF [heads*D] <-> ours [heads, D]
+    return (lambda b: b.reshape(heads, d), lambda b: b.reshape(heads * d))
+
+  pre = "model.layers.{i}."
+  rows = [
+      _Tensor("model.embed_tokens.weight", ("embed", "embedding"), same, same, (v, e), False),
+      _Tensor("model.norm.weight", ("norm", "weight"), same, same, (e,), False),
+      _Tensor(pre + "input_layernorm.weight", ("layers", "input_layernorm", "weight"),
+              same, same, (e,)),
+      _Tensor(pre + "post_attention_layernorm.weight",
+              ("layers", "post_attention_layernorm", "weight"), same, same, (e,)),
+      _Tensor(pre + "self_attn.q_proj.weight", ("layers", "self_attn", "q_proj", "kernel"),
+              *proj_in(h), (h * d, e)),
+      _Tensor(pre + "self_attn.k_proj.weight", ("layers", "self_attn", "k_proj", "kernel"),
+              *proj_in(kv), (kv * d, e)),
+      _Tensor(pre + "self_attn.v_proj.weight", ("layers", "self_attn", "v_proj", "kernel"),
+              *proj_in(kv), (kv * d, e)),
+      _Tensor(pre + "self_attn.o_proj.weight", ("layers", "self_attn", "o_proj", "kernel"),
+              lambda w: w.T.reshape(h, d, e), lambda k: k.reshape(h * d, e).T, (e, h * d)),
+      _Tensor(pre + "mlp.gate_proj.weight", ("layers", "mlp", "gate_proj", "kernel"), t, t,
+              (f, e)),
+      _Tensor(pre + "mlp.up_proj.weight", ("layers", "mlp", "up_proj", "kernel"), t, t, (f, e)),
+      _Tensor(pre + "mlp.down_proj.weight", ("layers", "mlp", "down_proj", "kernel"), t, t,
+              (e, f)),
+  ]
+  if cfg.qkv_bias:
+    for name, heads in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
+      rows.append(_Tensor(pre + f"self_attn.{name}.bias", ("layers", "self_attn", name, "bias"),
+                          *bias(heads), (heads * d,)))
+  if not cfg.tie_embeddings:
+    rows.append(_Tensor("lm_head.weight", ("lm_head", "kernel"), t, t, (v, e), False))
+  return rows
+
+
+def _expected_names(cfg: ModelConfig) -> dict[str, tuple[_Tensor, int | None]]:
+  out = {}
+  for row in _tensor_table(cfg):
+    if row.per_layer:
+      for i in range(cfg.num_layers):
+        out[row.hf_name.format(i=i)] = (row, i)
+    else:
+      out[row.hf_name] = (row, None)
+  return out
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _weight_files(path: str) -> dict[str, str]:
+  """Maps each tensor name to the safetensors file that holds it."""
+  index = os.path.join(path, SAFETENSORS_INDEX)
+  if os.path.isfile(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    files = {os.path.join(path, fn) for fn in weight_map.values()}
+    missing = sorted(fn for fn in files if not os.path.isfile(fn))
+    if missing:
+      raise FileNotFoundError(f"{SAFETENSORS_INDEX} in {path!r} names shard files that do not "
+                              f"exist: {missing}")
+    return {name: os.path.join(path, fn) for name, fn in weight_map.items()}
+  single = os.path.join(path, SAFETENSORS_FILE)
+  if not os.path.isfile(single):
+    raise FileNotFoundError(f"{path!r} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}")
+  with safe_open(single, framework="np") as f:
+    return {name: single for name in f.keys()}
+
+
+def _listing(names, limit=20) -> str:
+  names = sorted(names)
+  more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+  return ", ".join(names[:limit]) + more
+
+
+def load_hf_params(path: str, cfg: ModelConfig, mesh: Mesh | None = None,
+                   rules=DEFAULT_RULES) -> dict:
+  """Loads HF safetensors weights into our parameter pytree.
+
+  Each tensor is read, converted to cfg.param_dtype and placed with the sharding that its
+  logical axes ask for on `mesh` (default: the default device), one tensor at a time. Per-layer
+  tensors are stacked on device along the leading `layers` axis.
+
+  Raises:
+    FileNotFoundError: no weights in the folder.
+    ValueError: missing tensors, unexpected tensors, or a tensor of the wrong shape (each
+      message names the tensors).
+  """
+  files = _weight_files(path)
+  expected = _expected_names(cfg)
+  present = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+  if cfg.tie_embeddings:
+    present.discard("lm_head.weight")  # some exporters also write the tied head
+  missing = set(expected) - present
+  if missing:
+    raise ValueError(f"checkpoint {path!r} is missing {len(missing)} tensors: {_listing(missing)}")
+  unexpected = present - set(expected)
+  if unexpected:
+    raise ValueError(f"checkpoint {path!r} has {len(unexpected)} unexpected tensors (does the "
+                     f"config match the weights?): {_listing(unexpected)}")
+
+  logical = param_logical_axes(cfg)
+  dtype = cfg.jnp_param_dtype
+  handles: dict[str, object] = {}
+
+  def read(name: str, row: _Tensor) -> np.ndarray:
+    fn = files[name]
+    if fn not in handles:
+      handles[fn] = safe_open(fn, framework="np").__enter__()
+    shape = tuple(handles[fn].get_slice(name).get_shape())
+    if shape != row.hf_shape:
+      raise ValueError(f"tensor {name!r} has shape {shape}, expected {row.hf_shape} "
+                       f"for this config")
+    return row.to_ours(handles[fn].get_tensor(name)).astype(dtype)
+
+  def sharding_for(spec: PartitionSpec, shape) -> jax.sharding.Sharding:
+    if mesh is None:
+      return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(mesh, logical_to_mesh_spec(spec, shape, mesh, rules))
+
+  params: dict = {}
+  try:
+    for row in _tensor_table(cfg):
+      spec = _get(logical, row.path)
+      if row.per_layer:
+        per_layer_spec = PartitionSpec(*spec[1:])
+        layers = []
+        for i in range(cfg.num_layers):
+          w = read(row.hf_name.format(i=i), row)
+          layers.append(jax.device_put(w, sharding_for(per_layer_spec, w.shape)))
+        full_shape = (cfg.num_layers, *layers[0].shape)
+        value = jax.jit(lambda *xs: jnp.stack(xs),
+                        out_shardings=sharding_for(spec, full_shape))(*layers)
+        del layers
+      else:
+        w = read(row.hf_name, row)
+        value = jax.device_put(w, sharding_for(spec, w.shape))
+      _set(params, row.path, value)
+  finally:
+    for h in handles.values():
+      h.__exit__(None, None, None)
+  return params
+
+
+def _get(tree, path):
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _set(tree, path, value):
+  for k in path[:-1]:
+    tree = tree.setdefault(k, {})
+  tree[path[-1]] = value
+
+
+# ---------------------------------------------------------------- export
+
+
+def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None,
+                       max_shard_bytes: int = 4 << 30) -> None:
+  """Writes config.json and safetensors weights (sharded with an index past max_shard_bytes).
+
+  Tensors are pulled to the host one at a time and written shard by shard.
+  """
+  os.makedirs(path, exist_ok=True)
+  hf_cfg = hf_config_from_model_config(cfg)
+  hf_cfg.architectures = ["Qwen2ForCausalLM" if cfg.model_type == "qwen2" else "LlamaForCausalLM"]
+  hf_cfg.save_pretrained(path)
+  if tokenizer is not None:
+    tokenizer.save_pretrained(path)
+
+  names = _expected_names(cfg)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  weight_map: dict[str, str] = {}
+  written: list[str] = []
+
+  def flush():
+    nonlocal size
+    if not shards[-1]:
+      return
+    fn = f"model-{len(written) + 1:05d}.safetensors"
+    save_file(shards[-1], os.path.join(path, fn), metadata={"format": "pt"})
+    written.append(fn)
+    weight_map.update({n: fn for n in shards[-1]})
+    shards[-1] = {}
+    size = 0
+
+  for name, (row, layer) in names.items():
+    value = _get(params, row.path)
+    value = value[layer] if layer is not None else value
+    arr = np.ascontiguousarray(row.to_hf(np.asarray(jax.device_get(value))))
+    if size and size + arr.nbytes > max_shard_bytes:
+      flush()
+    shards[-1][name] = arr
+    size += arr.nbytes
+  flush()
+
+  for stale in (SAFETENSORS_FILE, SAFETENSORS_INDEX):
+    if os.path.exists(os.path.join(path, stale)):
+      os.remove(os.path.join(path, stale))
+  if len(written) == 1:
+    os.replace(os.path.join(path, written[0]), os.path.join(path, SAFETENSORS_FILE))
+  else:
+    total = sum(int(np.prod(_get(params, r.path).shape)) * _get(params, r.path).dtype.itemsize
+                for r in _tensor_table(cfg))
+    n = len(written)
+    renamed = {fn: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, fn in enumerate(written)}
+    for old, new in renamed.items():
+      os.replace(os.path.join(path, old), os.path.join(path, new))
+    with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
+      json.dump({"metadata": {"total_size": total},
+                 "weight_map": {k: renamed[v] for k, v in weight_map.items()}}, f, indent=2)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(path: str):
+  """A transformers tokenizer from a local folder (tokenizer.json / tokenizer_config.json)."""
+  from transformers import AutoTokenizer
+  if not any(os.path.isfile(os.path.join(path, f))
+             for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    raise FileNotFoundError(f"{path!r} has no tokenizer files (tokenizer.json or "
+                            f"tokenizer_config.json)")
+  return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees, exact verification, strategies and the tuner."""
