@@ -108,3 +108,17 @@ def test_ancestor_mask_and_depths():
   np.testing.assert_array_equal(mask[0, 4], [True, True, False, True, True])
   np.testing.assert_array_equal(mask[0, 2], [True, False, True, False, False])
   np.testing.assert_array_equal(np.asarray(tree_depths(jnp.asarray(mask))), [[0, 1, 1, 2, 3]])
+
+
+def test_verify_with_pallas_kernel_matches_reference(tiny_cfg, tiny_params, fns, prefilled):
+  """The config switch `attention_impl` changes the kernel, not the results."""
+  parents = np.array([[-1, 0, 0, 1, 1, 2, 3, 0]] * len(PROMPT_LENS), np.int32)
+  tokens = np.random.default_rng(4).integers(0, tiny_cfg.vocab_size, parents.shape)
+  mask = ancestor_mask(jnp.asarray(parents))
+  args = (tiny_params, jnp.asarray(tokens, jnp.int32), tree_depths(mask), mask, prefilled)
+  ref_logits, ref_hidden, ref_kv = fns["verify"](*args)
+  kernel_cfg = tiny_cfg.replace(attention_impl="pallas_interpret")
+  logits, hidden, kv = jax.jit(functools.partial(verify, cfg=kernel_cfg))(*args)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(hidden), np.asarray(ref_hidden), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(kv.k), np.asarray(ref_kv.k), atol=1e-6)

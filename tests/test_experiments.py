@@ -1,0 +1,31 @@
+"""Experiment scripts run end to end in their quick modes and write their outputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_script(script, *args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script), *args],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r
+
+
+@pytest.mark.slow
+def test_bench_tree_attention_quick(tmp_path):
+  out = tmp_path / "bt.json"
+  _run_script("bench_tree_attention.py", "--quick", "--out", str(out), "--iters", "2",
+              "--warmup", "1")
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").exists()
+  assert len(data["results"]) == 8  # quick grid: 2 batches x 2 prefixes x 2 tree sizes
+  for row in data["results"]:
+    assert row["reference_status"] == "ok" and row["reference_ms"] > 0
+    assert row["kernel_status"] == "skipped: cpu: reference only"
