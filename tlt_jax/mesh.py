@@ -25,6 +25,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", (REPLICA_AXIS, "fsdp")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
+    ("embed_in", None),  # the drafter's fc input (token embedding + features)
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

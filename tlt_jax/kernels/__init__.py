@@ -18,12 +18,13 @@ def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
     "reference": the jnp reference.
     "pallas": the compiled Pallas kernel (Triton backend; needs a GPU to run).
     "pallas_interpret": the same kernel under the Pallas interpreter (slow; CPU tests).
-  Both Pallas choices fall back to the reference when T > 64.
+  Both Pallas choices fall back to the reference when T > 64, or when the uncached block has
+  more keys than queries (N > T, the drafter's tree expansion).
   """
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"unknown attention impl {impl!r}; allowed: {ATTENTION_IMPLS}")
   args = (q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask)
-  fits_kernel = q.shape[1] <= MAX_TREE_TOKENS
+  fits_kernel = q.shape[1] <= MAX_TREE_TOKENS and k_new.shape[1] == q.shape[1]
   if impl == "auto":
     impl = "pallas" if jax.default_backend() == "gpu" and fits_kernel else "reference"
   if impl == "reference" or not fits_kernel:

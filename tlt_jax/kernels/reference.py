@@ -24,15 +24,16 @@ def prefix_tree_attention_reference(
     *,
     scale: float | None = None,
 ) -> jax.Array:
-  """Attention of T new queries over a cached prefix and the T new keys.
+  """Attention of T new queries over a cached prefix and N >= T uncached keys.
 
   Args:
     q: [B, T, H, D] queries of the new tokens (any float dtype).
     k_cache, v_cache: [B, KVH, S, D] cached keys/values; entry s of row b is valid iff
       s < cache_lengths[b]. H must be a multiple of KVH (grouped-query attention).
     cache_lengths: [B] int32, valid prefix length per sequence (0 allowed).
-    k_new, v_new: [B, T, KVH, D] keys/values of the new tokens (not yet in the cache).
-    new_mask: [B, T, T] bool; new_mask[b, i, j] says query i may attend new token j
+    k_new, v_new: [B, N, KVH, D] keys/values not in the cache: usually the T new tokens
+      themselves (N = T); the drafter's tree expansion puts earlier draft nodes first (N > T).
+    new_mask: [B, T, N] bool; new_mask[b, i, j] says query i may attend uncached key j
       (causal for prefill, ancestor-or-self for a draft tree, False rows for padding).
     scale: softmax scale, default D ** -0.5.
 
@@ -53,7 +54,7 @@ def prefix_tree_attention_reference(
   kn = k_new.astype(jnp.float32)
   vn = v_new.astype(jnp.float32)
 
-  # Scores against the prefix [B, KVH, G, T, S] and against the new block [B, KVH, G, T, T].
+  # Scores against the prefix [B, KVH, G, T, S] and against the new block [B, KVH, G, T, N].
   s_prefix = jnp.einsum("btkgd,bksd->bkgts", qg, kc)
   s_new = jnp.einsum("btkgd,bjkd->bkgtj", qg, kn)
   prefix_valid = jnp.arange(s)[None, :] < cache_lengths[:, None]  # [B, S]

@@ -42,7 +42,10 @@ class Decoder(nn.Module):
 
   def __call__(self, tokens, positions, cache: KVCache, new_mask):
     x = self.embed_tokens(tokens)
-    x, (k_new, v_new) = self.layers(x, (cache.k, cache.v), positions, cache.lengths, new_mask)
+    no_extra = jnp.zeros((*cache.k.shape[:2], 0, *cache.k.shape[2:3], cache.k.shape[4]),
+                         cache.k.dtype)
+    x, (k_new, v_new) = self.layers(x, (cache.k, cache.v, no_extra, no_extra), positions,
+                                    cache.lengths, new_mask)
     hidden = self.norm(x)
     return self.logits(hidden), hidden, k_new, v_new
 

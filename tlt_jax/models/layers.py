@@ -66,8 +66,12 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, k_cache, v_cache, cache_lengths, new_mask):
+  def __call__(self, x, positions, layer_kv, cache_lengths, new_mask):
+    """layer_kv = (k_cache, v_cache [B, KVH, S, D], extra_k, extra_v [B, N0, KVH, D]): the
+    cached prefix and N0 uncached keys that precede this block (N0 = 0 except in the drafter's
+    tree expansion); new_mask [B, T, N0 + T]. Returns (out, k, v) with this block's k, v."""
     cfg = self.cfg
+    k_cache, v_cache, extra_k, extra_v = layer_kv
     dense = lambda feats, names, bias_names, name: nn.DenseGeneral(  # noqa: E731
         feats, use_bias=cfg.qkv_bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
         kernel_init=_kernel(names), bias_init=nn.with_logical_partitioning(
@@ -81,7 +85,9 @@ class Attention(nn.Module):
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    out = prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k, v, new_mask,
+    k_all = jnp.concatenate([extra_k.astype(k.dtype), k], axis=1)
+    v_all = jnp.concatenate([extra_v.astype(v.dtype), v], axis=1)
+    out = prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_all, v_all, new_mask,
                                 impl=cfg.attention_impl)
     out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=cfg.jnp_dtype,
                           param_dtype=cfg.jnp_param_dtype,
@@ -105,7 +111,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm attention + SwiGLU block. Scan-friendly: (x, per-layer cache) -> (x, new K/V).
+  """Pre-norm attention + SwiGLU block. Scan-friendly: (x, per-layer KV) -> (x, new K/V).
 
   `input_norm=False` makes the first norm the identity (the EAGLE drafter's first layer).
   """
@@ -117,10 +123,9 @@ class DecoderLayer(nn.Module):
     cfg = self.cfg
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype,  # noqa
                                 name=name)
-    k_cache, v_cache = layer_kv
     h = norm("input_layernorm")(x) if self.input_norm else x
-    attn, k, v = Attention(cfg, name="self_attn")(h, positions, k_cache, v_cache,
-                                                  cache_lengths, new_mask)
+    attn, k, v = Attention(cfg, name="self_attn")(h, positions, layer_kv, cache_lengths,
+                                                  new_mask)
     x = x + attn
     x = x + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x))
     return x, (k, v)

@@ -1,9 +1,15 @@
-"""Tree topology helpers: parent arrays to ancestor masks and depths."""
+"""Draft trees: topology helpers (ancestor masks, depths) and the EAGLE-2 dynamic tree."""
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterConfig, drafter_forward
+from tlt_jax.models.kv_cache import KVCache, append_kv
+from tlt_jax.speculative.strategy import Strategy
 
 
 def ancestor_mask(parents: jax.Array, valid: jax.Array | None = None) -> jax.Array:
@@ -32,3 +38,110 @@ def ancestor_mask(parents: jax.Array, valid: jax.Array | None = None) -> jax.Arr
 def tree_depths(mask: jax.Array) -> jax.Array:
   """[B, T] int32 depth of each node (root 0; padding nodes -1) from an ancestor mask."""
   return jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1
+
+
+@flax.struct.dataclass
+class DraftTree:
+  """A draft tree of T nodes per sequence, topologically ordered, node 0 = the root.
+
+  tokens [B, T] int32; parents [B, T] int32 (-1 for the root); mask [B, T, T] bool
+  ancestor-or-self; depths [B, T] int32 (root 0).
+  """
+  tokens: jax.Array
+  parents: jax.Array
+  mask: jax.Array
+  depths: jax.Array
+
+
+def tree_from_parents(tokens: jax.Array, parents: jax.Array) -> DraftTree:
+  """A DraftTree from tokens and a topologically ordered parent array (both [B, T])."""
+  mask = ancestor_mask(parents)
+  return DraftTree(tokens=tokens, parents=parents, mask=mask, depths=tree_depths(mask))
+
+
+def build_draft_tree(drafter_params: dict, policy_params: dict, root_tokens: jax.Array,
+                     root_features: jax.Array, drafter_cache: KVCache, active: jax.Array,
+                     strategy: Strategy, cfg: ModelConfig, dcfg: DrafterConfig):
+  """EAGLE-2 dynamic tree: expand the best `topk` beams by cumulative log-probability for
+  `steps` drafter passes, then keep the best `verify_tokens - 1` candidates plus the root.
+
+  Args:
+    root_tokens: [B] int32, the newest token (sampled, not yet in either cache).
+    root_features: [B, E] policy features of the token before it (f_{n-1}).
+    drafter_cache: the drafter's cache, same length n as the policy's.
+    active: [B] bool; inactive rows are drafted but their cache is not extended.
+  Returns:
+    (DraftTree with T = verify_tokens, drafter cache extended by the root pair).
+
+  A candidate's score is its parent's score plus a log-probability (<= 0), so a parent always
+  outranks its children, and `top_k` breaks ties toward the lower (earlier) index, which the
+  parent has: every kept node's parent is kept too.
+  """
+  k, steps = strategy.topk, strategy.steps
+  b = root_tokens.shape[0]
+  n = drafter_cache.lengths
+
+  # Pass 0: the root pair (x_n, f_{n-1}) at slot n; it is real, so it joins the cache.
+  feats, logits, k_root, v_root = drafter_forward(
+      drafter_params, policy_params, root_tokens[:, None], root_features[:, None],
+      n[:, None], drafter_cache, jnp.ones((b, 1, 1), bool), cfg, dcfg)
+  drafter_cache = append_kv(drafter_cache, k_root, v_root, active.astype(jnp.int32))
+  logp, tok = jax.lax.top_k(jax.nn.log_softmax(logits[:, 0]), k)  # [B, K]
+
+  cand_tokens, cand_scores, cand_parents = [tok], [logp], [jnp.full((b, k), -1, jnp.int32)]
+  beam_ids = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index
+  beam_scores, beam_tokens = logp, tok
+  beam_feats = jnp.repeat(feats, k, axis=1)  # [B, K, E]: the parent's predicted feature
+  buf_size = max(steps - 1, 1) * k
+  buf_shape = (dcfg.num_layers, b, buf_size, cfg.num_kv_heads, cfg.head_dim)
+  buf_k = jnp.zeros(buf_shape, drafter_cache.k.dtype)
+  buf_v = jnp.zeros(buf_shape, drafter_cache.k.dtype)
+  beam_anc = jnp.zeros((b, k, buf_size), bool)  # ancestors among earlier beams (buffer slots)
+  eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
+  next_id = k
+
+  for depth in range(1, steps):
+    mask = jnp.concatenate([beam_anc, eye], axis=-1)
+    feats, logits, k_new, v_new = drafter_forward(
+        drafter_params, policy_params, beam_tokens, beam_feats,
+        jnp.broadcast_to((n + depth)[:, None], (b, k)), drafter_cache, mask, cfg, dcfg,
+        extra_kv=(buf_k, buf_v))
+    slot0 = (depth - 1) * k
+    buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, k_new.astype(buf_k.dtype), slot0, 2)
+    buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, v_new.astype(buf_v.dtype), slot0, 2)
+
+    child_logp, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits), k)  # [B, K, K]
+    scores = (beam_scores[:, :, None] + child_logp).reshape(b, k * k)
+    child_tok = child_tok.reshape(b, k * k)
+    cand_tokens.append(child_tok)
+    cand_scores.append(scores)
+    cand_parents.append(jnp.repeat(beam_ids, k, axis=1))
+    if depth == steps - 1:
+      break
+    beam_scores, pick = jax.lax.top_k(scores, k)  # [B, K] among the K*K children
+    parent_beam = pick // k
+    beam_ids = next_id + pick
+    beam_tokens = jnp.take_along_axis(child_tok, pick, axis=1)
+    beam_feats = jnp.take_along_axis(feats, parent_beam[:, :, None], axis=1)
+    own_slot = jax.nn.one_hot(slot0 + parent_beam, buf_size, dtype=bool)
+    beam_anc = jnp.take_along_axis(beam_anc, parent_beam[:, :, None], axis=1) | own_slot
+    next_id += k * k
+
+  return _select_tree(root_tokens, jnp.concatenate(cand_tokens, 1),
+                      jnp.concatenate(cand_scores, 1), jnp.concatenate(cand_parents, 1),
+                      strategy.verify_tokens), drafter_cache
+
+
+def _select_tree(root_tokens, cand_tokens, cand_scores, cand_parents, size: int) -> DraftTree:
+  """Keeps the best size - 1 candidates (in candidate order) under the root."""
+  c = cand_tokens.shape[1]
+  _, keep = jax.lax.top_k(cand_scores, size - 1)
+  keep = jnp.sort(keep, axis=1)  # candidate order is topological
+  node_of_cand = jax.vmap(lambda kp: jnp.full((c,), -1, jnp.int32).at[kp].set(
+      jnp.arange(1, size, dtype=jnp.int32)))(keep)
+  cand_parent = jnp.take_along_axis(cand_parents, keep, axis=1)
+  parent_node = jnp.where(cand_parent < 0, 0, jnp.take_along_axis(
+      node_of_cand, jnp.maximum(cand_parent, 0), axis=1))
+  tokens = jnp.concatenate([root_tokens[:, None], jnp.take_along_axis(cand_tokens, keep, 1)], 1)
+  parents = jnp.concatenate([jnp.full_like(root_tokens[:, None], -1), parent_node], axis=1)
+  return tree_from_parents(tokens.astype(jnp.int32), parents.astype(jnp.int32))

@@ -1,0 +1,122 @@
+"""Greedy speculative decoding emits exactly what plain greedy decoding emits, and leaves the
+same policy cache, for any drafter and strategy; an oracle drafter accepts the maximum."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.speculative.drafters import oracle_drafter, random_drafter
+from tlt_jax.models import init_cache
+from tlt_jax.models.drafter import init_drafter_cache
+from tlt_jax.speculative.decoding import plain_step, sd_step, start
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = np.array([[5, 9, 2, 7, 1, 3, 8], [4, 4, 6, 0, 0, 0, 0], [1, 2, 3, 4, 5, 0, 0]],
+                   np.int32)
+LENGTHS = np.array([7, 3, 5], np.int32)
+
+
+def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None):
+  """Generates to completion; returns (final state, accepted counts per SD iteration)."""
+  b = len(LENGTHS)
+  margin = strategy.steps + 1 if strategy else 1
+  cap = PROMPTS.shape[1] + max_new + margin
+  dcfg, dparams = drafter if drafter else (None, None)
+  state = jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=eos_id,
+                                    cfg=cfg, dcfg=dcfg))(
+      params, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), init_cache(cfg, b, cap),
+      jax.random.key(0), drafter_params=dparams,
+      draft_cache=init_drafter_cache(cfg, dcfg, b, cap) if dcfg else None)
+  accepted = []
+  if strategy is None:
+    step = jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=eos_id, cfg=cfg))
+    while not bool(state.done.all()):
+      state, _ = step(params, state, jax.random.key(1))
+  else:
+    step = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=eos_id, strategy=strategy,
+                                     cfg=cfg, dcfg=dcfg))
+    while not bool(state.done.all()):
+      state, stats = step(params, dparams, state, jax.random.key(1))
+      accepted.append(np.asarray(stats.accepted))
+  return state, np.stack(accepted) if accepted else None
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_cfg, tiny_params):
+  """Plain greedy decoding of 14 tokens without EOS (the reference for every case)."""
+  state, _ = _run(tiny_cfg, tiny_params, 14, -1)
+  return np.asarray(state.out)
+
+
+def _drafter(kind, cfg, params):
+  if kind == "oracle":
+    return oracle_drafter(cfg, params)
+  if kind == "random":
+    return random_drafter(cfg, seed=3)
+  return random_drafter(cfg, seed=4, num_layers=2, use_features=False)
+
+
+@pytest.mark.parametrize("kind,strategy", [
+    ("oracle", (4, 2, 8)), ("random", (4, 2, 8)), ("random2", (3, 3, 10)), ("oracle", (8, 4, 48)),
+    ("oracle", (2, 1, 3))])
+def test_greedy_sd_equals_plain(tiny_cfg, tiny_params, plain_outputs, kind, strategy):
+  state, accepted = _run(tiny_cfg, tiny_params, 14, -1, Strategy(*strategy),
+                         _drafter(kind, tiny_cfg, tiny_params))
+  np.testing.assert_array_equal(np.asarray(state.out), plain_outputs)
+  np.testing.assert_array_equal(np.asarray(state.num_out), [14] * 3)
+  if kind == "oracle":
+    assert accepted.max() > 2  # the oracle's drafts are accepted past the first level
+
+
+@pytest.mark.parametrize("kind", ["oracle", "random"])
+def test_eos_and_length_cut_inside_accepted_paths(tiny_cfg, tiny_params, plain_outputs, kind):
+  # EOS: the token of row 0 whose first occurrence is latest, so the cut is mid-output.
+  row = list(plain_outputs[0])
+  first = {tok: row.index(tok) for tok in row}
+  eos = max(first, key=first.get)
+  cut = first[eos] + 1
+  assert cut > 1
+  max_new = 11  # not a multiple of the oracle's accepted lengths: cuts inside a path
+  plain, _ = _run(tiny_cfg, tiny_params, max_new, eos)
+  sd, accepted = _run(tiny_cfg, tiny_params, max_new, eos, Strategy(4, 1, 5),
+                      _drafter(kind, tiny_cfg, tiny_params))
+  np.testing.assert_array_equal(np.asarray(sd.num_out), np.asarray(plain.num_out))
+  np.testing.assert_array_equal(np.asarray(sd.out), np.asarray(plain.out))
+  out, num = np.asarray(sd.out), np.asarray(sd.num_out)
+  assert num[0] == min(cut, max_new) and (cut > max_new or out[0, cut - 1] == eos)
+  for b in range(3):
+    assert not out[b, num[b]:].any()  # nothing emitted after EOS or the budget
+    if num[b] < max_new:
+      assert out[b, num[b] - 1] == eos
+  if kind == "oracle":
+    assert (accepted[0] == 5).all()  # a chain of 4 fully accepted + bonus on the first pass
+
+
+def test_oracle_chain_accepts_maximum(tiny_cfg, tiny_params):
+  strategy = Strategy(4, 1, 5)
+  state, accepted = _run(tiny_cfg, tiny_params, 21, -1, strategy,
+                         oracle_drafter(tiny_cfg, tiny_params))
+  # 1 token from prefill, then 4 iterations of steps + 1 = 5 tokens each.
+  assert accepted.shape[0] == 4
+  assert (accepted == strategy.steps + 1).all()
+
+
+def test_policy_cache_after_sd_equals_plain(tiny_cfg, tiny_params):
+  plain, _ = _run(tiny_cfg, tiny_params, 12, -1)
+  sd, _ = _run(tiny_cfg, tiny_params, 12, -1, Strategy(3, 2, 6),
+               _drafter("oracle", tiny_cfg, tiny_params))
+  plain_len, sd_len = np.asarray(plain.cache.lengths), np.asarray(sd.cache.lengths)
+  np.testing.assert_array_equal(plain_len, LENGTHS + 11)  # the last token is not committed
+  assert (sd_len >= plain_len).all()
+  for b, n in enumerate(plain_len):
+    np.testing.assert_allclose(np.asarray(sd.cache.k[:, b, :, :n]),
+                               np.asarray(plain.cache.k[:, b, :, :n]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(sd.cache.v[:, b, :, :n]),
+                               np.asarray(plain.cache.v[:, b, :, :n]), atol=1e-5)
+  # The drafter cache stays as long as the policy cache.
+  np.testing.assert_array_equal(np.asarray(sd.draft_cache.lengths), sd_len)

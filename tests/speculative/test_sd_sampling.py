@@ -1,0 +1,118 @@
+"""Sampling with speculative decoding follows the policy's distribution exactly.
+
+N rows share one prompt and one forced first token; the next two generated tokens of each row
+are compared with their exact joint distribution q(t2) q(t3 | t2), computed from the policy, by
+a chi-square goodness-of-fit test at significance ALPHA. A random drafter makes both
+acceptances and rejections happen. The same test must reject a rule that resamples from q
+instead of the residual (the classic mistake), which shows it has the power to notice.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from tests.speculative.drafters import random_drafter
+from tlt_jax.models import ModelConfig, init_cache, init_params, prefill
+from tlt_jax.models.drafter import init_drafter_cache
+from tlt_jax.speculative import verify as verify_mod
+from tlt_jax.speculative.decoding import plain_step, sd_step, start
+from tlt_jax.speculative.sampling import SamplingParams, target_probs
+from tlt_jax.speculative.strategy import Strategy
+
+N = 4000            # samples (rows)
+ALPHA = 1e-3        # significance level of each goodness-of-fit test
+VOCAB = 8
+PROMPT = [3, 1, 4, 1, 5]
+FIRST = 2           # forced first generated token
+STRATEGY = Strategy(2, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def policy():
+  cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=8, attention_impl="reference")
+  params = init_params(cfg, jax.random.key(7))
+  # Sharpen the random head: q is far from uniform (entropy ~1.9 nats of ln 8 = 2.08), yet
+  # any two drafted tokens still hold 10-50% of its mass, so both accepts and rejects occur.
+  params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 10.0
+  return cfg, params
+
+
+def _exact_joint(cfg, params, sp):
+  """[V, V] exact probabilities of (t2, t3) after PROMPT + FIRST."""
+  ctx = np.array(PROMPT + [FIRST], np.int32)
+  seqs = np.concatenate([np.tile(ctx, (VOCAB, 1)), np.arange(VOCAB)[:, None]], 1)
+  logits, _, _ = prefill(params, jnp.asarray(seqs, jnp.int32),
+                         jnp.full((VOCAB,), seqs.shape[1], jnp.int32),
+                         init_cache(cfg, VOCAB, seqs.shape[1]), cfg)
+  q2 = np.asarray(target_probs(logits[0, len(ctx) - 1], sp), np.float64)
+  q3 = np.asarray(target_probs(logits[:, -1], sp), np.float64)  # [t2, t3]
+  return q2[:, None] * q3
+
+
+def _sample_pairs(cfg, params, sp, use_sd, seed=0):
+  prompts = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (N, 1))
+  lengths = jnp.full((N,), len(PROMPT), jnp.int32)
+  cap = len(PROMPT) + 8
+  dcfg, dparams = random_drafter(cfg, seed=11)
+  state = start(params, prompts, lengths, init_cache(cfg, N, cap), jax.random.key(seed), sp,
+                max_new_tokens=4, eos_id=-1, cfg=cfg, drafter_params=dparams,
+                draft_cache=init_drafter_cache(cfg, dcfg, N, cap), dcfg=dcfg)
+  state = state.replace(root=jnp.full((N,), FIRST, jnp.int32),
+                        out=state.out.at[:, 0].set(FIRST))
+  accepted = []
+  if use_sd:
+    step = jax.jit(functools.partial(sd_step, sp=sp, eos_id=-1, strategy=STRATEGY, cfg=cfg,
+                                     dcfg=dcfg))
+  else:
+    step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1, cfg=cfg))
+  for i in range(2):  # every step emits >= 1 token, so two give t2 and t3
+    key = jax.random.key(seed * 100 + i + 1)
+    state, st = step(params, dparams, state, key) if use_sd else step(params, state, key)
+    accepted.append(np.asarray(st.accepted))
+  out = np.asarray(state.out)
+  return out[:, 1], out[:, 2], np.stack(accepted)
+
+
+def _gof_pvalue(t2, t3, joint):
+  observed = np.bincount(t2 * VOCAB + t3, minlength=VOCAB * VOCAB).astype(np.float64)
+  expected = joint.reshape(-1) / joint.sum() * len(t2)  # float32 q sums to 1 +- 1e-7
+  assert observed[expected == 0].sum() == 0, "a token with zero probability was sampled"
+  small = expected < 5  # merge sparse cells so the chi-square approximation holds
+  obs = np.append(observed[~small], observed[small].sum())
+  exp = np.append(expected[~small], expected[small].sum())
+  if exp[-1] == 0:
+    obs, exp = obs[:-1], exp[:-1]
+  return stats.chisquare(obs, exp).pvalue
+
+
+SAMPLING = [SamplingParams(1.0), SamplingParams(0.6), SamplingParams(1.0, top_p=0.9)]
+
+
+@pytest.mark.parametrize("sp", SAMPLING, ids=["t1.0", "t0.6", "t1.0-top_p0.9"])
+@pytest.mark.parametrize("use_sd", [True, False], ids=["sd", "plain"])
+def test_two_token_distribution_is_exact(policy, sp, use_sd):
+  cfg, params = policy
+  t2, t3, accepted = _sample_pairs(cfg, params, sp, use_sd)
+  p = _gof_pvalue(t2, t3, _exact_joint(cfg, params, sp))
+  print(f"{'sd' if use_sd else 'plain'} {sp}: chi-square p = {p:.3f}; "
+        f"first-iteration accept rate {(accepted[0] > 1).mean():.2f}")
+  assert p > ALPHA, f"p-value {p:.2e}: samples do not follow the policy's distribution"
+  if use_sd:
+    # Both outcomes must be exercised for the test to mean anything.
+    assert (accepted[0] == 1).mean() > 0.1 and (accepted[0] > 1).mean() > 0.1
+
+
+def test_plain_resampling_on_rejection_is_detected(policy, monkeypatch):
+  """Resampling from q instead of the residual biases toward drafted tokens; must fail."""
+  cfg, params = policy
+  sp = SamplingParams(1.0)
+  monkeypatch.setattr(verify_mod, "residual_probs", lambda q, tried: q)
+  t2, t3, _ = _sample_pairs(cfg, params, sp, use_sd=True)
+  p = _gof_pvalue(t2, t3, _exact_joint(cfg, params, sp))
+  print(f"plain resampling on rejection: chi-square p = {p:.1e}")
+  assert p < ALPHA, f"p-value {p:.2e}: the biased rule went unnoticed"

@@ -1,0 +1,155 @@
+"""Generation state and the two steps that advance it: a plain decode step and one
+speculative-decoding iteration (draft a tree, verify, accept, commit), each a pure function
+that compiles to one program with no host sync inside.
+
+Invariant between steps, per row with n committed tokens (prompt + generated so far):
+  cache         policy KV of tokens x_0 .. x_{n-1}              (lengths n)
+  draft_cache   drafter KV of pairs (x_s, f_{s-1}), s < n       (lengths n; SD only)
+  root          x_n: sampled and emitted, not yet in either cache
+  features      f_{n-1}: the policy's final-norm hidden state of x_{n-1}
+  out/num_out   generated tokens so far (root included); done: EOS emitted or budget reached
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.decoder import commit, decode, prefill, verify
+from tlt_jax.models.drafter import DrafterConfig, drafter_forward
+from tlt_jax.models.kv_cache import KVCache, append_kv
+from tlt_jax.speculative.sampling import SamplingParams, sample_from_probs, target_probs
+from tlt_jax.speculative.strategy import Strategy
+from tlt_jax.speculative.tree import build_draft_tree
+from tlt_jax.speculative.verify import accept_tree
+
+
+@flax.struct.dataclass
+class GenState:
+  cache: KVCache
+  draft_cache: KVCache | None
+  root: jax.Array        # [B] int32
+  features: jax.Array    # [B, E]
+  out: jax.Array         # [B, max_new_tokens] int32 (0 past num_out)
+  num_out: jax.Array     # [B] int32
+  done: jax.Array        # [B] bool
+
+
+@flax.struct.dataclass
+class StepStats:
+  """Per-row counts of one step: emitted [B] tokens written to `out`; accepted [B] tree
+  nodes accepted including the root (1 for a plain step)."""
+  emitted: jax.Array
+  accepted: jax.Array
+
+
+def _emit(state: GenState, tokens: jax.Array, count: jax.Array, eos_id: int) -> tuple:
+  """Appends up to count[b] of tokens [B, P] to `out`, stopping after EOS or at the budget."""
+  p = tokens.shape[1]
+  j = jnp.arange(p)[None, :]
+  valid = (j < count[:, None]) & ~state.done[:, None]
+  is_eos = valid & (tokens == eos_id) if eos_id >= 0 else jnp.zeros_like(valid)
+  # Keep tokens up to and including the first EOS.
+  after_eos = (jnp.cumsum(is_eos, axis=1) - is_eos) > 0
+  room = state.out.shape[1] - state.num_out
+  keep = valid & ~after_eos & (j < room[:, None])
+  emitted = jnp.sum(keep, axis=1, dtype=jnp.int32)
+  slots = jnp.where(keep, state.num_out[:, None] + j, state.out.shape[1])
+  out = state.out.at[jnp.arange(tokens.shape[0])[:, None], slots].set(tokens, mode="drop")
+  num_out = state.num_out + emitted
+  done = state.done | jnp.any(is_eos & keep, axis=1) | (num_out >= state.out.shape[1])
+  return out, num_out, done, emitted
+
+
+def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KVCache,
+          key: jax.Array, sp: SamplingParams, max_new_tokens: int, eos_id: int,
+          cfg: ModelConfig, drafter_params: dict | None = None,
+          draft_cache: KVCache | None = None, dcfg: DrafterConfig | None = None) -> GenState:
+  """Prefills right-padded prompts [B, P] (lengths [B] >= 1) and samples the first token.
+
+  With a drafter, also fills its cache with the prompt pairs (x_s, f_{s-1}), f_{-1} = 0.
+  """
+  logits, hidden, cache = prefill(policy_params, prompts, lengths, cache, cfg)
+  last = lengths - 1
+  take_last = lambda x: jnp.take_along_axis(  # noqa: E731
+      x, last.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
+  root = sample_from_probs(key, target_probs(take_last(logits), sp))
+  if drafter_params is not None:
+    prev_features = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+    t = prompts.shape[1]
+    mask = jnp.tril(jnp.ones((t, t), bool))[None] & (jnp.arange(t) < lengths[:, None])[:, None]
+    _, _, k_new, v_new = drafter_forward(
+        drafter_params, policy_params, prompts, prev_features,
+        draft_cache.lengths[:, None] + jnp.arange(t)[None], draft_cache, mask, cfg, dcfg)
+    draft_cache = append_kv(draft_cache, k_new, v_new, lengths)
+  b = prompts.shape[0]
+  state = GenState(cache=cache, draft_cache=draft_cache, root=root,
+                   features=take_last(hidden), out=jnp.zeros((b, max_new_tokens), jnp.int32),
+                   num_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool))
+  out, num_out, done, _ = _emit(state, root[:, None], jnp.ones((b,), jnp.int32), eos_id)
+  return state.replace(out=out, num_out=num_out, done=done)
+
+
+def plain_step(policy_params: dict, state: GenState, key: jax.Array, sp: SamplingParams,
+               eos_id: int, cfg: ModelConfig, drafter_params: dict | None = None,
+               dcfg: DrafterConfig | None = None) -> tuple[GenState, StepStats]:
+  """Commits the root, samples one token. With a drafter, its cache is kept in step too."""
+  active = ~state.done
+  logits, hidden, cache = decode(policy_params, state.root, state.cache, cfg, active=active)
+  draft_cache = state.draft_cache
+  if drafter_params is not None:
+    b = state.root.shape[0]
+    _, _, k_new, v_new = drafter_forward(
+        drafter_params, policy_params, state.root[:, None], state.features[:, None],
+        draft_cache.lengths[:, None], draft_cache, jnp.ones((b, 1, 1), bool), cfg, dcfg)
+    draft_cache = append_kv(draft_cache, k_new, v_new, active.astype(jnp.int32))
+  nxt = sample_from_probs(key, target_probs(logits, sp))
+  state = state.replace(cache=cache, draft_cache=draft_cache,
+                        root=jnp.where(active, nxt, state.root),
+                        features=jnp.where(active[:, None], hidden, state.features))
+  out, num_out, done, emitted = _emit(state, nxt[:, None], active.astype(jnp.int32), eos_id)
+  stats = StepStats(emitted=emitted, accepted=active.astype(jnp.int32))
+  return state.replace(out=out, num_out=num_out, done=done), stats
+
+
+def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax.Array,
+            sp: SamplingParams, eos_id: int, strategy: Strategy, cfg: ModelConfig,
+            dcfg: DrafterConfig) -> tuple[GenState, StepStats]:
+  """One speculative iteration: draft a tree, verify it in one policy pass, accept exactly,
+  commit the accepted path to both caches, emit accepted tokens plus the bonus token."""
+  active = ~state.done
+  act = active.astype(jnp.int32)
+  tree, draft_cache = build_draft_tree(drafter_params, policy_params, state.root,
+                                       state.features, state.draft_cache, active, strategy,
+                                       cfg, dcfg)
+  logits, hidden, tree_kv = verify(policy_params, tree.tokens, tree.depths, tree.mask,
+                                   state.cache, cfg)
+  acc = accept_tree(tree, target_probs(logits, sp), key, strategy.steps, sp.greedy)
+  cache = commit(state.cache, tree_kv, acc.path, acc.num_nodes * act)
+
+  # Drafter catch-up: pairs (a_i, f of the node before a_i) for the accepted nodes below the
+  # root (the root pair joined its cache while drafting), with the policy's true features.
+  path_tokens = jnp.take_along_axis(tree.tokens, acc.path, axis=1)  # [B, D+1]
+  path_feats = jnp.take_along_axis(hidden, acc.path[:, :, None], axis=1)  # [B, D+1, E]
+  d = strategy.steps
+  b = state.root.shape[0]
+  block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((d, d), bool)), (b, d, d))
+  _, _, k_new, v_new = drafter_forward(
+      drafter_params, policy_params, path_tokens[:, 1:], path_feats[:, :-1],
+      draft_cache.lengths[:, None] + jnp.arange(d)[None], draft_cache, block_mask, cfg, dcfg)
+  draft_cache = append_kv(draft_cache, k_new, v_new, (acc.num_nodes - 1) * act)
+
+  last = acc.num_nodes - 1
+  emitted_tokens = jnp.concatenate([path_tokens[:, 1:], acc.next_token[:, None]], axis=1)
+  # Accepted children first, then the bonus token right after them.
+  emitted_tokens = jnp.where(jnp.arange(d + 1)[None] == last[:, None],
+                             acc.next_token[:, None], emitted_tokens)
+  new_features = jnp.take_along_axis(path_feats, last[:, None, None], axis=1)[:, 0]
+  state = state.replace(cache=cache, draft_cache=draft_cache,
+                        root=jnp.where(active, acc.next_token, state.root),
+                        features=jnp.where(active[:, None], new_features, state.features))
+  out, num_out, done, emitted = _emit(state, emitted_tokens, acc.num_nodes * act, eos_id)
+  stats = StepStats(emitted=emitted, accepted=acc.num_nodes * act)
+  return state.replace(out=out, num_out=num_out, done=done), stats
