@@ -29,3 +29,17 @@ def test_bench_tree_attention_quick(tmp_path):
   for row in data["results"]:
     assert row["reference_status"] == "ok" and row["reference_ms"] > 0
     assert row["kernel_status"] == "skipped: cpu: reference only"
+
+
+@pytest.mark.slow
+def test_bench_sd_step_quick(tmp_path):
+  out = tmp_path / "sd.json"
+  _run_script("bench_sd_step.py", "--quick", "--out", str(out))
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").exists()
+  assert {r["drafter"] for r in data["rows"]} == {"oracle", "random"}
+  for row in data["rows"]:
+    assert row["outputs_match_plain"]  # greedy SD is lossless
+    assert 1.0 <= row["accept_len"] <= 4.0  # strategy (3, 2, 6): at most steps + 1
+  oracle = next(r for r in data["rows"] if r["drafter"] == "oracle")
+  assert oracle["accept_len"] > 1.5

@@ -146,3 +146,17 @@ def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array
   pred, k_new, v_new = Drafter(cfg, dcfg).apply({"params": drafter_params}, embeds, features,
                                                 positions, cache, *extra_kv, new_mask)
   return pred, logits_with_policy(policy_params, pred, cfg), k_new, v_new
+
+
+def drafter_from_policy(cfg: ModelConfig, policy_params: dict) -> tuple[DrafterConfig, dict]:
+  """A drafter that computes exactly the policy's final-norm hidden state (no feature input,
+  identity fc, the policy's own layers and final norm): the accept-length upper bound under
+  greedy decoding, at the policy's full cost. For tests and benchmarks."""
+  dcfg = DrafterConfig(num_layers=cfg.num_layers, use_features=False, norm_input=True,
+                       norm_output=True)
+  params = {"fc": {"kernel": jnp.eye(cfg.hidden_size, dtype=cfg.jnp_param_dtype),
+                   "bias": jnp.zeros((cfg.hidden_size,), cfg.jnp_param_dtype)},
+            "norm": policy_params["norm"]}
+  for i in range(cfg.num_layers):
+    params[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], policy_params["layers"])
+  return dcfg, params

@@ -1,0 +1,162 @@
+"""Benchmark: one speculative-decoding iteration against one plain decode step.
+
+For each batch size, greedy generation of the same prompts with plain decoding and with SD for
+every (drafter, strategy), measured side by side in one run. Reports per configuration: mean
+accept length (tokens per SD iteration), the cost of an SD iteration relative to a plain
+step, and the resulting decode speedup (tokens/s ratio). Writes JSON and a PNG.
+
+  python experiments/bench_sd_step.py --out results/sd_step.json
+  python experiments/bench_sd_step.py --policy assets/tiny-policy --out results/sd_step.json
+
+Drafters: `oracle` (an exact copy of the policy: the accept-length upper bound, at the
+policy's cost) and `random` (an untrained 1-layer EAGLE drafter: the lower bound).
+Without --policy the model is the random tiny default of configs/default.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from tlt_jax.models import ModelConfig, init_cache, init_params  # noqa: E402
+from tlt_jax.models.drafter import (DrafterConfig, drafter_from_policy,  # noqa: E402
+                                    init_drafter_cache, init_drafter_params)
+from tlt_jax.speculative.decoding import plain_step, sd_step, start  # noqa: E402
+from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
+from tlt_jax.speculative.strategy import Strategy  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def load_policy(path: str | None) -> tuple[ModelConfig, dict]:
+  """The HF policy at `path`, or the random model of configs/default.py."""
+  if path:
+    from tlt_jax.models.hf import load_hf_config, load_hf_params
+    cfg = load_hf_config(path, attention_impl="reference")
+    return cfg, load_hf_params(path, cfg)
+  from configs.default import get_config
+  from tlt_jax.config import model_config
+  cfg = model_config(get_config()).replace(attention_impl="reference")
+  return cfg, init_params(cfg, jax.random.key(0))
+
+
+def _timed_loop(step, state, max_iters):
+  """Runs `step(state) -> (state, stats)` until all rows are done; per-iteration wall times
+  (after blocking) and accepted counts of the rows active in that iteration."""
+  times, accepted = [], []
+  for _ in range(max_iters):
+    if bool(state.done.all()):
+      break
+    active = ~np.asarray(state.done)
+    t0 = time.perf_counter()
+    state, stats = step(state)
+    jax.block_until_ready(state.num_out)
+    times.append(time.perf_counter() - t0)
+    accepted.append(float(np.asarray(stats.accepted)[active].mean()))
+  return state, times, accepted
+
+
+def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed=0):
+  rng = np.random.default_rng(seed)
+  prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
+  lengths = jnp.full((batch,), prompt_len, jnp.int32)
+  cap = prompt_len + new_tokens + max(s.steps for s in strategies) + 2
+  rows = []
+
+  def begin(dcfg=None, dparams=None):
+    return jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=new_tokens, eos_id=-1,
+                                     cfg=cfg, dcfg=dcfg))(
+        params, prompts, lengths, init_cache(cfg, batch, cap), jax.random.key(seed),
+        drafter_params=dparams,
+        draft_cache=init_drafter_cache(cfg, dcfg, batch, cap) if dcfg else None)
+
+  plain = jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1, cfg=cfg))
+  plain_state, plain_times, _ = _timed_loop(lambda s: plain(params, s, jax.random.key(1)),
+                                            begin(), new_tokens)
+  plain_step_s = statistics.median(plain_times[1:])  # the first call compiles
+  reference = np.asarray(plain_state.out)
+  for name, (dcfg, dparams) in drafters.items():
+    for strategy in strategies:
+      sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy,
+                                     cfg=cfg, dcfg=dcfg))
+      state, times, accepted = _timed_loop(
+          lambda s: sd(params, dparams, s, jax.random.key(1)), begin(dcfg, dparams),
+          new_tokens)
+      sd_iter_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
+      accept_len = float(np.mean(accepted))
+      rows.append(dict(
+          batch=batch, drafter=name, strategy=strategy.as_tuple(), accept_len=accept_len,
+          iterations=len(times), plain_step_s=plain_step_s, sd_iter_s=sd_iter_s,
+          iter_cost_ratio=sd_iter_s / plain_step_s,
+          decode_speedup=accept_len * plain_step_s / sd_iter_s,
+          outputs_match_plain=bool(np.array_equal(np.asarray(state.out), reference))))
+  return rows
+
+
+def plot(rows, path):
+  fig, ax = plt.subplots(figsize=(8, 4))
+  labels = [f"b{r['batch']} {r['drafter']}\n{tuple(r['strategy'])}" for r in rows]
+  ax.bar(range(len(rows)), [r["decode_speedup"] for r in rows],
+         color=["tab:green" if r["drafter"] == "oracle" else "tab:gray" for r in rows])
+  ax.axhline(1.0, color="k", lw=0.8)
+  ax.set_xticks(range(len(rows)), labels, fontsize=7)
+  ax.set_ylabel("decode speedup vs plain (x)")
+  ax.set_title("SD iteration: accept length / relative iteration cost")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, type=pathlib.Path)
+  parser.add_argument("--policy", default=None, help="local HF folder (default: random tiny)")
+  parser.add_argument("--strategies", nargs="+", default=["8,4,48", "4,2,8"])
+  parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+  parser.add_argument("--prompt-len", type=int, default=16)
+  parser.add_argument("--new-tokens", type=int, default=64)
+  parser.add_argument("--quick", action="store_true", help="small run for smoke tests")
+  args = parser.parse_args()
+  if args.quick:
+    args.strategies, args.batches, args.new_tokens = ["3,2,6"], [2], 12
+
+  cfg, params = load_policy(args.policy)
+  strategies = [Strategy.parse(s) for s in args.strategies]
+  drafters = {"oracle": drafter_from_policy(cfg, params),
+              "random": (DrafterConfig(), init_drafter_params(cfg, DrafterConfig(),
+                                                              jax.random.key(1)))}
+  rows = []
+  for batch in tqdm(args.batches, desc="batch sizes"):
+    rows += bench(cfg, params, drafters, strategies, batch, args.prompt_len, args.new_tokens)
+  result = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+                policy=args.policy or "random tiny default", layers=cfg.num_layers,
+                hidden=cfg.hidden_size, vocab=cfg.vocab_size, new_tokens=args.new_tokens,
+                rows=rows)
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps(result, indent=2))
+  plot(rows, args.out.with_suffix(".png"))
+  for r in rows:
+    print(f"batch {r['batch']:3d} {r['drafter']:7s} {tuple(r['strategy'])}: accept "
+          f"{r['accept_len']:.2f}, iteration {r['iter_cost_ratio']:.2f}x a plain step, "
+          f"speedup {r['decode_speedup']:.2f}x, outputs match plain: "
+          f"{r['outputs_match_plain']}")
+
+
+if __name__ == "__main__":
+  main()
