@@ -120,3 +120,37 @@ def test_policy_cache_after_sd_equals_plain(tiny_cfg, tiny_params):
                                np.asarray(plain.cache.v[:, b, :, :n]), atol=1e-5)
   # The drafter cache stays as long as the policy cache.
   np.testing.assert_array_equal(np.asarray(sd.draft_cache.lengths), sd_len)
+
+
+def test_fused_feature_drafter_is_lossless(tiny_cfg, tiny_params, plain_outputs):
+  """EAGLE-3 style: the policy returns [final ; layer 0] features, the drafter fuses them."""
+  fused_cfg = tiny_cfg.replace(feature_layers=(0,))
+  drafter = random_drafter(fused_cfg, seed=6, fused_features=1)
+  assert "fuse" in drafter[1]
+  state, _ = _run(fused_cfg, tiny_params, 14, -1, Strategy(3, 2, 6), drafter)
+  np.testing.assert_array_equal(np.asarray(state.out), plain_outputs)
+  assert state.features.shape == (3, 2 * tiny_cfg.hidden_size)
+
+
+def test_fused_features_layout_and_width_check(tiny_cfg, tiny_params):
+  from tlt_jax.models import prefill
+  from tlt_jax.models.drafter import DrafterConfig, drafter_forward, init_drafter_params
+  tokens = jnp.asarray(PROMPTS)
+  _, hidden, _ = prefill(tiny_params, tokens, jnp.asarray(LENGTHS), init_cache(tiny_cfg, 3, 8),
+                         tiny_cfg)
+  fused_cfg = tiny_cfg.replace(feature_layers=(1, 0))
+  _, feats, _ = prefill(tiny_params, tokens, jnp.asarray(LENGTHS),
+                        init_cache(fused_cfg, 3, 8), fused_cfg)
+  e = tiny_cfg.hidden_size
+  assert feats.shape == (3, 7, 3 * e)
+  np.testing.assert_allclose(np.asarray(feats[..., :e]), np.asarray(hidden), atol=1e-6)
+  # Layer 1 is the last layer: its output normed is the final hidden state.
+  assert not np.allclose(np.asarray(feats[..., e:2 * e]), np.asarray(hidden), atol=1e-3)
+  with pytest.raises(ValueError, match="out of range for 2 layers"):
+    tiny_cfg.replace(feature_layers=(2,))
+  dcfg = DrafterConfig()  # fused_features=0 cannot read 3E-wide features
+  dparams = init_drafter_params(tiny_cfg, dcfg, jax.random.key(0))
+  with pytest.raises(ValueError, match="feature_layers and the drafter's fused_features"):
+    drafter_forward(dparams, tiny_params, tokens[:, :1], feats[:, :1],
+                    jnp.zeros((3, 1), jnp.int32), init_drafter_cache(tiny_cfg, dcfg, 3, 8),
+                    jnp.ones((3, 1, 1), bool), tiny_cfg, dcfg)

@@ -55,6 +55,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   attention_impl: str = "auto"
   model_type: str = "qwen2"
+  # Layers (0-based) whose outputs the entry points append to the returned features, for an
+  # EAGLE-3-style drafter that fuses low/mid/high layers; () = final-norm hidden state only.
+  feature_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     dtype_from_name(self.dtype, "model.dtype")
@@ -62,10 +65,18 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    bad = [i for i in self.feature_layers if not 0 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"feature_layers {bad} out of range for {self.num_layers} layers")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim"):
       if getattr(self, name) <= 0:
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+
+  @property
+  def feature_size(self) -> int:
+    """Width of the features the entry points return: (1 + len(feature_layers)) * hidden."""
+    return (1 + len(self.feature_layers)) * self.hidden_size
 
   @property
   def jnp_dtype(self):

@@ -33,7 +33,8 @@ class Decoder(nn.Module):
     self.layers = nn.scan(
         DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
-        metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+        metadata_params={nn.PARTITION_NAME: "layers"})(
+            cfg, emit_hidden=bool(cfg.feature_layers))
     self.norm = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype)
     if not cfg.tie_embeddings:
       self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
@@ -44,10 +45,17 @@ class Decoder(nn.Module):
     x = self.embed_tokens(tokens)
     no_extra = jnp.zeros((*cache.k.shape[:2], 0, *cache.k.shape[2:3], cache.k.shape[4]),
                          cache.k.dtype)
-    x, (k_new, v_new) = self.layers(x, (cache.k, cache.v, no_extra, no_extra), positions,
-                                    cache.lengths, new_mask)
+    x, per_layer = self.layers(x, (cache.k, cache.v, no_extra, no_extra), positions,
+                               cache.lengths, new_mask)
     hidden = self.norm(x)
-    return self.logits(hidden), hidden, k_new, v_new
+    features = hidden
+    if self.cfg.feature_layers:
+      k_new, v_new, layer_out = per_layer  # layer_out [L, B, T, E]
+      features = jnp.concatenate(
+          [hidden] + [layer_out[i].astype(hidden.dtype) for i in self.cfg.feature_layers], -1)
+    else:
+      k_new, v_new = per_layer
+    return self.logits(hidden), features, k_new, v_new
 
   def embed_tokens(self, tokens):
     """[B, T] int32 -> [B, T, E] in the compute dtype."""
@@ -90,7 +98,11 @@ def _init_boxed(cfg: ModelConfig, rng):
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache,
             new_mask: jax.Array, cfg: ModelConfig):
-  """The shared forward: returns (logits [B,T,V] f32, hidden [B,T,E], k_new, v_new [L,B,T,KVH,D])."""
+  """The shared forward: (logits [B,T,V] f32, features [B,T,F], k_new, v_new [L,B,T,KVH,D]).
+
+  features[..., :E] is the final-norm hidden state; with cfg.feature_layers the outputs of
+  those layers follow (F = cfg.feature_size), for a fusing drafter.
+  """
   return Decoder(cfg).apply({"params": params}, tokens, positions, cache, new_mask)
 
 
@@ -104,8 +116,8 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
     cache: appended to at slots cache.lengths[b] + j (usually an empty cache; a non-empty one
       makes this a chunked prefill).
   Returns:
-    logits [B, T, V] float32, hidden [B, T, E] (final-norm hidden states), the new cache.
-    Entries at padding positions are meaningless.
+    logits [B, T, V] float32, features [B, T, F] (final-norm hidden states first; see
+    `forward`), the new cache. Entries at padding positions are meaningless.
   """
   t = tokens.shape[1]
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
@@ -124,7 +136,7 @@ def decode(params: dict, tokens: jax.Array, cache: KVCache, cfg: ModelConfig,
     tokens: [B] int32.
     active: optional [B] bool; inactive rows are computed but not written to the cache.
   Returns:
-    logits [B, V] float32, hidden [B, E], the new cache.
+    logits [B, V] float32, features [B, F], the new cache.
   """
   b = tokens.shape[0]
   num_new = jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32)
@@ -144,7 +156,7 @@ def verify(params: dict, tree_tokens: jax.Array, tree_depths: jax.Array, tree_ma
     tree_mask: [B, T, T] bool ancestor-or-self mask (all False rows for padding nodes);
       see `tlt_jax.speculative.tree.ancestor_mask`.
   Returns:
-    logits [B, T, V] float32, hidden [B, T, E], TreeKV of the T nodes for `commit`.
+    logits [B, T, V] float32, features [B, T, F], TreeKV of the T nodes for `commit`.
   """
   positions = cache.lengths[:, None] + tree_depths
   logits, hidden, k_new, v_new = forward(params, tree_tokens, positions, cache, tree_mask, cfg)

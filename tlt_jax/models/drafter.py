@@ -35,16 +35,23 @@ class DrafterConfig:
   norm_input: RMSNorm at the first layer's input (EAGLE-1 has none).
   norm_output: RMSNorm on the output (EAGLE-1 has none; with it and the policy's own layers,
     the drafter can be an exact copy of the policy, which tests use as an oracle).
+  fused_features: how many extra policy layers the features carry (the policy's
+    `feature_layers`, EAGLE-3 style); > 0 adds a `fuse` projection (1 + n) * E -> E for
+    features that come from the policy. Features the drafter predicted itself are E wide
+    and go in as they are.
   """
   num_layers: int = 1
   use_features: bool = True
   intermediate_size: int = 0
   norm_input: bool = False
   norm_output: bool = False
+  fused_features: int = 0
 
   def __post_init__(self):
     if self.num_layers < 1:
       raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+    if self.fused_features < 0:
+      raise ValueError(f"drafter.fused_features must be >= 0, got {self.fused_features}")
     if self.intermediate_size < 0:
       raise ValueError(f"drafter.intermediate_size must be >= 0, got {self.intermediate_size}")
 
@@ -68,6 +75,18 @@ class Drafter(nn.Module):
                new_mask):
     lcfg = drafter_model_config(self.cfg, self.dcfg)
     x = token_embeds
+    e = lcfg.hidden_size
+    policy_width = (1 + self.dcfg.fused_features) * e
+    if features.shape[-1] not in (e, policy_width):
+      raise ValueError(f"drafter got {features.shape[-1]}-wide features; expected {e} (its "
+                       f"own predictions) or {policy_width} (policy features with "
+                       f"drafter.fused_features={self.dcfg.fused_features}); the policy's "
+                       f"feature_layers and the drafter's fused_features must agree")
+    if features.shape[-1] != e:  # policy features: project the fused layers to E
+      features = nn.Dense(e, use_bias=False, dtype=lcfg.jnp_dtype,
+                          param_dtype=lcfg.jnp_param_dtype,
+                          kernel_init=_kernel(("embed_in", "embed")), name="fuse")(
+                              features.astype(x.dtype))
     if self.dcfg.use_features:
       x = jnp.concatenate([x, features.astype(x.dtype)], axis=-1)
     x = nn.Dense(lcfg.hidden_size, use_bias=True, dtype=lcfg.jnp_dtype,
@@ -103,8 +122,9 @@ def _init_boxed(cfg, dcfg, rng):
   cache = init_cache(lcfg, 1, 1)
   no_extra = jnp.zeros((dcfg.num_layers, 1, 0, cfg.num_kv_heads, cfg.head_dim), cfg.jnp_dtype)
   x = jnp.zeros((1, 1, cfg.hidden_size), cfg.jnp_dtype)
+  feats = jnp.zeros((1, 1, (1 + dcfg.fused_features) * cfg.hidden_size), cfg.jnp_dtype)
   pos = jnp.zeros((1, 1), jnp.int32)
-  return Drafter(cfg, dcfg).init(rng, x, x, pos, cache, no_extra, no_extra,
+  return Drafter(cfg, dcfg).init(rng, x, feats, pos, cache, no_extra, no_extra,
                                  jnp.ones((1, 1, 1), bool))
 
 
@@ -131,7 +151,8 @@ def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array
   """Runs T drafter slots.
 
   Args:
-    tokens: [B, T] int32 tokens x_s; features: [B, T, E] the features paired with them.
+    tokens: [B, T] int32 tokens x_s; features: [B, T, F] the features paired with them:
+      the policy's (F = cfg.feature_size) or the drafter's own predictions (F = E).
     positions: [B, T] int32 slots/positions s.
     cache: the drafter's KVCache (prefix, attended where slot < lengths).
     new_mask: [B, T, N0 + T] bool over (extra keys, this block).

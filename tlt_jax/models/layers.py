@@ -114,9 +114,11 @@ class DecoderLayer(nn.Module):
   """Pre-norm attention + SwiGLU block. Scan-friendly: (x, per-layer KV) -> (x, new K/V).
 
   `input_norm=False` makes the first norm the identity (the EAGLE drafter's first layer).
+  `emit_hidden=True` also returns the layer's output as a scan output (for fused features).
   """
   cfg: ModelConfig
   input_norm: bool = True
+  emit_hidden: bool = False
 
   @nn.compact
   def __call__(self, x, layer_kv, positions, cache_lengths, new_mask):
@@ -128,4 +130,4 @@ class DecoderLayer(nn.Module):
                                                   new_mask)
     x = x + attn
     x = x + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x))
-    return x, (k, v)
+    return x, ((k, v, x) if self.emit_hidden else (k, v))
