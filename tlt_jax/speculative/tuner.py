@@ -1,0 +1,389 @@
+"""Choosing the SD strategy per batch size: BEG-MAB, a fixed table, or one fixed strategy.
+
+A rollout engine asks `choose(batch_size)` between compiled SD iterations, runs the iteration
+with the returned `Strategy`, then reports `update(batch_size, strategy, accepted_tokens,
+iteration_seconds)`. Everything here is host-side Python/numpy: decisions happen between
+compiled calls, never inside them.
+
+Batch sizes map to buckets by thresholds: with [1, 2, 5, 21], bs 1 -> bucket 0, 2-4 -> 1,
+5-20 -> 2, >= 21 -> 3. One bucket per verify-token budget, because the best tree size shrinks as
+the batch grows (verification stops being free once decode is compute-bound).
+
+`strategies()` lists every strategy a tuner may return and `strategies_for(batch_size)` those of
+one bucket, so the engine can compile exactly those executables ahead of time.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import math
+import numbers
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from tlt_jax.speculative.strategy import Strategy
+
+DEFAULT_THRESHOLDS = (1, 2, 5, 21)
+# Verify budgets 48/32/16/8 as in the original system; several arms per bucket that differ in
+# depth and width, so that exploration compares genuinely different trees. Narrow shallow trees
+# such as (4, 2, 16) or (2, 2, 8) cannot fill their budget (Strategy rejects them), hence
+# (3, 3, 16) and (2, 4, 8) as the shallow, wide arms.
+DEFAULT_ARMS = (
+    ((8, 4, 48), (6, 4, 48), (10, 4, 48)),
+    ((8, 4, 32), (6, 3, 32), (4, 4, 32)),
+    ((6, 2, 16), (4, 4, 16), (3, 3, 16)),
+    ((4, 2, 8), (3, 2, 8), (2, 4, 8)),
+)
+# The original system's one arm per bucket; as a table it needs no exploration.
+DEFAULT_TABLE = ((8, 4, 48), (8, 4, 32), (8, 4, 16), (8, 4, 8))
+DEFAULT_STRATEGY = (8, 4, 48)
+DEFAULT_EPSILON = 0.1
+DEFAULT_WINDOW = 300
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: buckets, validation, rewards.
+# ---------------------------------------------------------------------------------------------
+
+def _is_int(value) -> bool:
+  """Python or numpy integers; bools are excluded since True as a size is always a mistake."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def validate_thresholds(thresholds) -> tuple[int, ...]:
+  """Thresholds as a tuple of ints: start at 1 (every batch size has a bucket), strictly rising."""
+  values = tuple(thresholds)
+  if not values:
+    raise ValueError("thresholds are empty; pass at least [1] (one bucket for every batch size)")
+  if not all(_is_int(t) for t in values):
+    raise ValueError(f"thresholds {list(values)} must be integers, e.g. {list(DEFAULT_THRESHOLDS)}")
+  values = tuple(int(t) for t in values)
+  if values[0] != 1:
+    raise ValueError(f"thresholds {list(values)} must start at 1 so that batch size 1 has a "
+                     f"bucket, e.g. {list(DEFAULT_THRESHOLDS)}")
+  if any(b <= a for a, b in zip(values, values[1:])):
+    raise ValueError(f"thresholds {list(values)} must be strictly increasing, "
+                     f"e.g. {list(DEFAULT_THRESHOLDS)}")
+  return values
+
+
+def check_batch_size(batch_size) -> int:
+  """A batch size as an int >= 1 (the number of running sequences)."""
+  if not _is_int(batch_size) or batch_size < 1:
+    raise ValueError(f"batch_size must be an integer >= 1 (running sequences), got {batch_size!r}")
+  return int(batch_size)
+
+
+def bucket_of(thresholds: Sequence[int], batch_size: int) -> int:
+  """Index of the last threshold <= batch_size."""
+  return bisect.bisect_right(thresholds, check_batch_size(batch_size)) - 1
+
+
+def bucket_range(thresholds: Sequence[int], bucket: int) -> tuple[int, int | None]:
+  """Smallest and largest batch size of a bucket; None as the largest for the last bucket."""
+  if not 0 <= bucket < len(thresholds):
+    raise ValueError(f"bucket {bucket} does not exist; there are {len(thresholds)} buckets "
+                     f"(thresholds {list(thresholds)})")
+  high = thresholds[bucket + 1] - 1 if bucket + 1 < len(thresholds) else None
+  return thresholds[bucket], high
+
+
+def describe_bucket(thresholds: Sequence[int], bucket: int) -> str:
+  """'2-4', '1' or '>=21': the batch sizes of a bucket, for messages and reports."""
+  low, high = bucket_range(thresholds, bucket)
+  if high is None:
+    return f">={low}"
+  return str(low) if low == high else f"{low}-{high}"
+
+
+def goodput(batch_size: int, accepted_tokens: float, iteration_seconds: float) -> float:
+  """Tokens per second over the whole batch: mean tokens emitted per sequence x batch size / time.
+
+  Raw acceptance length alone would always favour the biggest tree; dividing by the measured
+  iteration time charges each strategy for the verification work it costs at this batch size.
+  """
+  accepted_tokens, iteration_seconds = float(accepted_tokens), float(iteration_seconds)
+  if not math.isfinite(accepted_tokens) or accepted_tokens < 0:
+    raise ValueError(f"accepted_tokens must be a finite number >= 0 (mean tokens emitted per "
+                     f"sequence), got {accepted_tokens!r}")
+  if not math.isfinite(iteration_seconds) or iteration_seconds <= 0:
+    raise ValueError(f"iteration_seconds must be a finite number > 0 (wall time of the "
+                     f"iteration), got {iteration_seconds!r}")
+  return accepted_tokens * batch_size / iteration_seconds
+
+
+def _parse_strategies(values, what: str) -> tuple[Strategy, ...]:
+  """Strategies from Strategy/tuple/'s,k,v' entries; the error names which entry is bad."""
+  parsed = []
+  for i, value in enumerate(values):
+    try:
+      parsed.append(Strategy.parse(value))
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{what}, entry {i} ({value!r}): {e}") from e
+  return tuple(parsed)
+
+
+def _tuples(strategies: Sequence[Strategy]) -> list[list[int]]:
+  return [list(s.as_tuple()) for s in strategies]
+
+
+def _unique(strategies) -> list[Strategy]:
+  """First occurrence order, duplicates dropped: one executable per strategy."""
+  return list(dict.fromkeys(strategies))
+
+
+# ---------------------------------------------------------------------------------------------
+# The interface the rollout engine programs against.
+# ---------------------------------------------------------------------------------------------
+
+class Tuner(abc.ABC):
+  """Per-bucket strategy choice. Subclasses set `thresholds` and `arms` (a tuple per bucket)."""
+
+  kind: str = ""
+  thresholds: tuple[int, ...]
+  arms: tuple[tuple[Strategy, ...], ...]
+
+  @abc.abstractmethod
+  def choose(self, batch_size: int) -> Strategy:
+    """The strategy for the next SD iteration at this batch size."""
+
+  def update(self, batch_size: int, strategy, accepted_tokens: float,
+             iteration_seconds: float) -> float:
+    """Report one finished iteration; returns its reward (goodput). Default: nothing is learnt."""
+    bucket = self.bucket_of(batch_size)
+    self._arm_index(bucket, strategy)
+    return goodput(batch_size, accepted_tokens, iteration_seconds)
+
+  @abc.abstractmethod
+  def state_dict(self) -> dict:
+    """A plain JSON-serialisable dict that `load_state_dict` restores exactly."""
+
+  @abc.abstractmethod
+  def load_state_dict(self, state: dict) -> None:
+    """Restore `state_dict()` output into a tuner built with the same configuration."""
+
+  def summary(self) -> list[dict]:
+    """One row per (bucket, arm): bucket, batch_sizes, strategy, pulls, median_reward."""
+    return [dict(bucket=b, batch_sizes=describe_bucket(self.thresholds, b),
+                 strategy=s.as_tuple(), pulls=None, median_reward=None)
+            for b, arms in enumerate(self.arms) for s in arms]
+
+  def bucket_of(self, batch_size: int) -> int:
+    """The bucket index that `batch_size` falls in."""
+    return bucket_of(self.thresholds, batch_size)
+
+  def bucket_range(self, bucket: int) -> tuple[int, int | None]:
+    """(smallest, largest) batch size of `bucket`; largest is None for the last bucket."""
+    return bucket_range(self.thresholds, bucket)
+
+  def strategies(self) -> list[Strategy]:
+    """Every strategy this tuner may ever return, each once, in bucket order."""
+    return _unique(s for arms in self.arms for s in arms)
+
+  def strategies_for(self, batch_size: int) -> list[Strategy]:
+    """The strategies the bucket of `batch_size` may return, in arm order."""
+    return list(self.arms[self.bucket_of(batch_size)])
+
+  def _arm_index(self, bucket: int, strategy) -> int:
+    """Position of `strategy` among the bucket's arms; an unknown strategy is a caller bug."""
+    strategy = Strategy.parse(strategy)
+    arms = self.arms[bucket]
+    if strategy not in arms:
+      raise ValueError(
+          f"strategy {strategy.as_tuple()} is not an arm of bucket {bucket} (batch sizes "
+          f"{describe_bucket(self.thresholds, bucket)}); its arms are "
+          f"{[a.as_tuple() for a in arms]}. Update with the strategy that choose() returned "
+          f"for this batch size")
+    return arms.index(strategy)
+
+  def _check_config(self, state: dict, **expected) -> None:
+    """A checkpoint only fits a tuner with the same kind and arms (executables are per arm)."""
+    expected = dict(kind=self.kind, **expected)
+    for key, want in expected.items():
+      got = state.get(key) if isinstance(state, dict) else None
+      if got != want:
+        raise ValueError(f"tuner state does not match this tuner: {key} is {got!r} in the state "
+                         f"but {want!r} here; build the tuner with the configuration the state "
+                         f"was saved from")
+
+
+# ---------------------------------------------------------------------------------------------
+# BEG-MAB: bucketed epsilon-greedy multi-armed bandit.
+# ---------------------------------------------------------------------------------------------
+
+class BegMabTuner(Tuner):
+  """Per bucket: untried arms first, then epsilon-random, else the best windowed median reward.
+
+  The median (not the mean) over a sliding window resists the occasional slow iteration (a host
+  hiccup, a recompile) and lets the choice follow the drafter as spot training improves it and
+  the policy drifts away from it.
+  """
+
+  kind = "beg_mab"
+
+  def __init__(self, thresholds=DEFAULT_THRESHOLDS, arms=DEFAULT_ARMS, epsilon=DEFAULT_EPSILON,
+               window=DEFAULT_WINDOW, seed=0):
+    self.thresholds = validate_thresholds(thresholds)
+    arms = list(arms)
+    if len(arms) != len(self.thresholds):
+      raise ValueError(f"got {len(arms)} arm lists for {len(self.thresholds)} buckets "
+                       f"(thresholds {list(self.thresholds)}); pass one list of strategies per "
+                       f"threshold")
+    parsed = []
+    for b, bucket_arms in enumerate(arms):
+      what = f"bucket {b} (batch sizes {describe_bucket(self.thresholds, b)})"
+      bucket_arms = _parse_strategies(bucket_arms, what)
+      if not bucket_arms:
+        raise ValueError(f"{what} has no arms; give it at least one strategy")
+      if len(set(bucket_arms)) != len(bucket_arms):
+        raise ValueError(f"{what} lists a strategy twice: {[a.as_tuple() for a in bucket_arms]}; "
+                         f"each arm must be distinct so rewards have one owner")
+      parsed.append(bucket_arms)
+    self.arms = tuple(parsed)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not 0 <= epsilon <= 1:
+      raise ValueError(f"epsilon is the exploration probability and must be in [0, 1], "
+                       f"got {epsilon!r}")
+    self.epsilon = float(epsilon)
+    if not _is_int(window) or window < 1:
+      raise ValueError(f"window is the number of rewards kept per arm and must be an integer "
+                       f">= 1, got {window!r}")
+    self.window = int(window)
+    self.seed = int(seed)
+    self._rng = np.random.default_rng(self.seed)
+    self._rewards = [[deque(maxlen=self.window) for _ in a] for a in self.arms]
+    self._medians = [[None] * len(a) for a in self.arms]  # cached: choose() runs every iteration
+    self._pulls = [[0] * len(a) for a in self.arms]
+
+  def choose(self, batch_size: int) -> Strategy:
+    bucket = self.bucket_of(batch_size)
+    arms, pulls = self.arms[bucket], self._pulls[bucket]
+    for i, n in enumerate(pulls):
+      if n == 0:  # no randomness spent here, so the untried phase is the same for every seed
+        return arms[i]
+    if self._rng.random() < self.epsilon:
+      return arms[int(self._rng.integers(len(arms)))]
+    medians = self._medians[bucket]
+    return arms[max(range(len(arms)), key=lambda i: (medians[i], -i))]  # ties: earliest arm
+
+  def update(self, batch_size: int, strategy, accepted_tokens: float,
+             iteration_seconds: float) -> float:
+    bucket = self.bucket_of(batch_size)
+    arm = self._arm_index(bucket, strategy)
+    reward = goodput(batch_size, accepted_tokens, iteration_seconds)
+    window = self._rewards[bucket][arm]
+    window.append(reward)
+    self._medians[bucket][arm] = statistics.median(window)
+    self._pulls[bucket][arm] += 1
+    return reward
+
+  def summary(self) -> list[dict]:
+    rows = super().summary()
+    flat = [(b, i) for b, a in enumerate(self.arms) for i in range(len(a))]
+    for row, (b, i) in zip(rows, flat):
+      row.update(pulls=self._pulls[b][i], median_reward=self._medians[b][i])
+    return rows
+
+  def state_dict(self) -> dict:
+    return dict(
+        kind=self.kind, thresholds=list(self.thresholds),
+        arms=[_tuples(a) for a in self.arms], epsilon=self.epsilon, window=self.window,
+        # PCG64 state holds 128-bit Python ints: fine for json, not for 64-bit-only formats.
+        rng=self._rng.bit_generator.state,
+        rewards=[[list(w) for w in bucket] for bucket in self._rewards],
+        pulls=[list(p) for p in self._pulls])
+
+  def load_state_dict(self, state: dict) -> None:
+    self._check_config(state, thresholds=list(self.thresholds),
+                       arms=[_tuples(a) for a in self.arms], window=self.window)
+    missing = [k for k in ("rng", "rewards", "pulls") if k not in state]
+    if missing:
+      raise ValueError(f"tuner state lacks {missing}; pass what BegMabTuner.state_dict() returned")
+    rewards = [[deque((float(r) for r in w), maxlen=self.window) for w in bucket]
+               for bucket in state["rewards"]]
+    pulls = [[int(n) for n in bucket] for bucket in state["pulls"]]
+    if ([len(b) for b in rewards] != [len(a) for a in self.arms]
+        or [len(b) for b in pulls] != [len(a) for a in self.arms]):
+      raise ValueError("tuner state has reward windows or pull counts that do not match the "
+                       "arms; the state is corrupt or from another tuner")
+    rng = np.random.default_rng()
+    rng.bit_generator.state = state["rng"]
+    # Epsilon stays as constructed: it is configuration, while the state carries what was
+    # learnt (windows, counts) and where the random stream stands (so the seed no longer matters).
+    self._rng, self._rewards, self._pulls = rng, rewards, pulls
+    self._medians = [[statistics.median(w) if w else None for w in bucket] for bucket in rewards]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed policies: the baselines BEG-MAB is compared against.
+# ---------------------------------------------------------------------------------------------
+
+class TableTuner(Tuner):
+  """One fixed strategy per batch-size bucket; update() learns nothing."""
+
+  kind = "table"
+
+  def __init__(self, thresholds=DEFAULT_THRESHOLDS, strategies=DEFAULT_TABLE):
+    self.thresholds = validate_thresholds(thresholds)
+    strategies = _parse_strategies(strategies, "table strategies")
+    if len(strategies) != len(self.thresholds):
+      raise ValueError(f"got {len(strategies)} strategies for {len(self.thresholds)} buckets "
+                       f"(thresholds {list(self.thresholds)}); pass one strategy per threshold")
+    self.arms = tuple((s,) for s in strategies)
+
+  def choose(self, batch_size: int) -> Strategy:
+    return self.arms[self.bucket_of(batch_size)][0]
+
+  def state_dict(self) -> dict:
+    return dict(kind=self.kind, thresholds=list(self.thresholds),
+                strategies=[list(a[0].as_tuple()) for a in self.arms])
+
+  def load_state_dict(self, state: dict) -> None:
+    self._check_config(state, thresholds=list(self.thresholds),
+                       strategies=[list(a[0].as_tuple()) for a in self.arms])
+
+
+class FixedTuner(Tuner):
+  """The same strategy at every batch size (the original system's default is (8, 4, 48))."""
+
+  kind = "fixed"
+
+  def __init__(self, strategy=DEFAULT_STRATEGY):
+    self.thresholds = (1,)
+    self.arms = (_parse_strategies([strategy], "fixed strategy"),)
+
+  @property
+  def strategy(self) -> Strategy:
+    return self.arms[0][0]
+
+  def choose(self, batch_size: int) -> Strategy:
+    check_batch_size(batch_size)
+    return self.strategy
+
+  def state_dict(self) -> dict:
+    return dict(kind=self.kind, strategy=list(self.strategy.as_tuple()))
+
+  def load_state_dict(self, state: dict) -> None:
+    self._check_config(state, strategy=list(self.strategy.as_tuple()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction from configs.
+# ---------------------------------------------------------------------------------------------
+
+TUNERS = {"beg_mab": BegMabTuner, "table": TableTuner, "fixed": FixedTuner}
+
+
+def make_tuner(kind: str, **kwargs) -> Tuner:
+  """A tuner by name ("beg_mab", "table", "fixed"); kwargs go to its constructor."""
+  if kind not in TUNERS:
+    raise ValueError(f"unknown tuner kind {kind!r}; choose one of {sorted(TUNERS)}")
+  return TUNERS[kind](**kwargs)
+
+
+def default_beg_mab(seed: int = 0) -> BegMabTuner:
+  """BEG-MAB with the original system's buckets, budgets, epsilon 0.1 and window 300."""
+  return BegMabTuner(DEFAULT_THRESHOLDS, DEFAULT_ARMS, DEFAULT_EPSILON, DEFAULT_WINDOW, seed)
