@@ -1,0 +1,158 @@
+"""The rollout engine: lossless SD switch, continuous batching, compaction, slices, compiles."""
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from tests.speculative.drafters import random_drafter
+from tlt_jax.mesh import make_mesh
+from tlt_jax.models import ModelConfig, init_params, prefill, init_cache
+from tlt_jax.models.drafter import drafter_from_policy
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.speculative.sampling import SamplingParams, target_probs
+from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner
+
+GREEDY = SamplingParams(0.0)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [3, 3], [20, 1]]
+
+
+def _mesh(replicas, fsdp=1):
+  return make_mesh({"replica": replicas, "fsdp": fsdp, "tensor": 1},
+                   jax.devices()[:replicas * fsdp])
+
+
+def _eos(tiny_cfg, tiny_params):
+  """A token that ends some but not all greedy generations early."""
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1),
+                         EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12))
+  res = engine.generate(PROMPTS, 1, GREEDY, jax.random.key(0))
+  counts = {}
+  for toks in res.tokens:
+    for t in set(toks[2:]):
+      counts[t] = counts.get(t, 0) + 1
+  return min(counts, key=lambda t: abs(counts[t] - len(PROMPTS) / 2))
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny_cfg, tiny_params):
+  eos = _eos(tiny_cfg, tiny_params)
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, eos_id=eos)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec)
+  return ec, engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+
+
+@pytest.mark.parametrize("replicas,fsdp,max_batch,threshold,drafter", [
+    (1, 1, 8, 3, "oracle"), (2, 1, 4, 3, "random"), (2, 2, 2, 1, "oracle")])
+def test_greedy_engine_with_sd_equals_plain_engine(tiny_cfg, tiny_params, plain_reference,
+                                                   replicas, fsdp, max_batch, threshold,
+                                                   drafter):
+  ec, ref = plain_reference
+  reasons = set(ref.finish_reasons)
+  assert reasons == {"eos", "length"}  # sequences finish at different times
+  ec = EngineConfig(max_batch=max_batch, max_prompt_len=8, max_new_tokens=12,
+                    sd_threshold=threshold, eos_id=ec.eos_id)
+  d = drafter_from_policy(tiny_cfg, tiny_params) if drafter == "oracle" else random_drafter(
+      tiny_cfg, seed=2)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(replicas, fsdp), ec, drafter=d,
+                         tuner=FixedTuner((3, 2, 6)))
+  res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert res.tokens == ref.tokens
+  assert res.finish_reasons == ref.finish_reasons
+  modes = {r.mode for r in res.timeline}
+  assert {"prefill", "plain", "sd"} <= modes
+  # The switch happens exactly at the threshold.
+  for r in res.timeline:
+    if r.mode == "sd":
+      assert r.active <= threshold
+    elif r.mode == "plain":
+      assert r.active > threshold
+  # Rows were compacted into smaller buckets as sequences finished.
+  assert min(r.bucket for r in res.timeline if r.mode != "prefill") < max_batch
+  assert {r.slice for r in res.timeline} == set(range(replicas))
+  if max_batch < 8:  # 14 requests on fewer rows: refills happened
+    assert sum(r.mode == "prefill" for r in res.timeline) > replicas
+
+
+def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
+  ec, ref = plain_reference
+  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
+                    eos_id=ec.eos_id)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
+                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+  first = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert first.pool["compiles"] == first.pool["executables"]  # every program compiled once
+  second = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert second.pool["compiles"] == first.pool["compiles"]
+  assert second.tokens == first.tokens == ref.tokens
+
+
+def test_beg_mab_tuner_drives_strategies(tiny_cfg, tiny_params, plain_reference):
+  ec, ref = plain_reference
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=4,
+                    eos_id=ec.eos_id)
+  tuner = BegMabTuner(thresholds=(1, 3), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4), (2, 1, 3)]])
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
+                         drafter=drafter_from_policy(tiny_cfg, tiny_params), tuner=tuner)
+  res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert res.tokens == ref.tokens
+  used = {r.strategy for r in res.timeline if r.mode == "sd"}
+  assert len(used) >= 2  # untried arms are explored
+  assert sum(row["pulls"] for row in tuner.summary()) == sum(
+      r.mode == "sd" for r in res.timeline)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(prompts=[]), "no prompts"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    (dict(prompts=[list(range(1, 10))]), "more than rollout.max_prompt_len=8"),
+    (dict(num_samples=0), "num_samples must be >= 1"),
+    (dict(prompts=[[1, 999]]), r"outside \[0, 61\)"),
+])
+def test_bad_inputs(tiny_cfg, tiny_params, bad, match):
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1),
+                         EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=4))
+  kw = dict(prompts=[[1, 2]], num_samples=1) | bad
+  with pytest.raises(ValueError, match=match):
+    engine.generate(kw["prompts"], kw["num_samples"], GREEDY, jax.random.key(0))
+
+
+def test_bad_engine_config(tiny_cfg, tiny_params):
+  with pytest.raises(ValueError, match="max_batch=6 must be a power of two"):
+    EngineConfig(max_batch=6)
+  with pytest.raises(ValueError, match="exceeds the 6 draft candidates"):
+    FixedTuner((2, 2, 8))
+  with pytest.raises(ValueError, match="needs a tuner"):
+    RolloutEngine(tiny_cfg, tiny_params, _mesh(1), EngineConfig(),
+                  drafter=random_drafter(tiny_cfg))
+
+
+def test_sampled_engine_is_exact():
+  """Through the engine (continuous batching, SD from the first step): the first two tokens
+  follow q(t1) q(t2 | t1) exactly (chi-square, significance 1e-3, 2048 samples)."""
+  cfg = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=8, attention_impl="reference")
+  params = init_params(cfg, jax.random.key(3))
+  params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 8.0
+  prompt = [1, 4, 2]
+  sp = SamplingParams(0.8)
+  n = 2048
+  ec = EngineConfig(max_batch=1024, max_prompt_len=4, max_new_tokens=2, sd_threshold=1024)
+  engine = RolloutEngine(cfg, params, _mesh(1), ec, drafter=random_drafter(cfg, seed=9),
+                         tuner=FixedTuner((2, 2, 4)))
+  res = engine.generate([prompt], n, sp, jax.random.key(5))
+  assert any(r.mode == "sd" and r.accept_mean > 1.05 for r in res.timeline)
+  pairs = np.asarray([t[:2] for t in res.tokens])
+  # Exact joint from the policy.
+  seqs = np.asarray([prompt + [a] for a in range(6)], np.int32)
+  logits, _, _ = prefill(params, seqs, np.full((6,), 4, np.int32), init_cache(cfg, 6, 4), cfg)
+  q1 = np.asarray(target_probs(logits[0, 2], sp), np.float64)
+  q2 = np.asarray(target_probs(logits[:, 3], sp), np.float64)
+  joint = (q1[:, None] * q2).reshape(-1)
+  expected = joint / joint.sum() * n
+  observed = np.bincount(pairs[:, 0] * 6 + pairs[:, 1], minlength=36)
+  keep = expected >= 5
+  obs = np.append(observed[keep], observed[~keep].sum())
+  exp = np.append(expected[keep], expected[~keep].sum())
+  p = stats.chisquare(obs, exp).pvalue
+  assert p > 1e-3, f"chi-square p = {p:.2e}"
