@@ -1,0 +1,1 @@
+"""Drafter training: EAGLE-aligned loss, jitted update step, windows of policy features."""

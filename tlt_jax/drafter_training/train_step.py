@@ -1,0 +1,61 @@
+"""Drafter optimiser and the jitted, donated update step (only drafter weights train)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterConfig
+from tlt_jax.drafter_training.loss import Windows, drafter_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterOptConfig:
+  """AdamW as in EAGLE: betas (0.9, 0.95), weight decay 0.01, clip 1.0, linear warm-up."""
+  learning_rate: float = 3e-4
+  warmup_steps: int = 20
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.95
+  clip_norm: float = 1.0
+  ce_weight: float = 0.1
+
+
+def make_optimizer(oc: DrafterOptConfig) -> optax.GradientTransformation:
+  schedule = optax.linear_schedule(0.0, oc.learning_rate, max(oc.warmup_steps, 1))
+  return optax.chain(optax.clip_by_global_norm(oc.clip_norm),
+                     optax.adamw(schedule, b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay))
+
+
+@flax.struct.dataclass
+class DrafterTrainState:
+  params: dict
+  opt_state: optax.OptState
+  step: jax.Array  # int32, advanced by every update
+
+
+def init_train_state(params: dict, oc: DrafterOptConfig) -> DrafterTrainState:
+  return DrafterTrainState(params=params, opt_state=make_optimizer(oc).init(params),
+                           step=jnp.zeros((), jnp.int32))
+
+
+def train_step(state: DrafterTrainState, policy_params: dict, batch: Windows, cfg: ModelConfig,
+               dcfg: DrafterConfig, oc: DrafterOptConfig):
+  """One AdamW update of the drafter on a batch of windows -> (new state, metrics)."""
+  grads, metrics = jax.grad(drafter_loss, has_aux=True)(state.params, policy_params, batch, cfg,
+                                                        dcfg, oc.ce_weight)
+  updates, opt_state = make_optimizer(oc).update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
+  return DrafterTrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def jit_train_step(cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig):
+  """train_step compiled with the train state donated (updated in place)."""
+  return jax.jit(functools.partial(train_step, cfg=cfg, dcfg=dcfg, oc=oc), donate_argnums=(0,))
