@@ -152,14 +152,20 @@ class RolloutEngine:
     cfg, dcfg, ec = self.cfg, self.dcfg, self.econf
     b = prompts.shape[0]
 
-    def fn(params, dparams, prompts, lengths, key):
-      cache = init_cache(cfg, b, ec.capacity)
-      dcache = init_drafter_cache(cfg, dcfg, b, ec.capacity) if dcfg else None
-      return start(params, prompts, lengths, cache, key, sp, ec.max_new_tokens, ec.eos_id, cfg,
-                   drafter_params=dparams, draft_cache=dcache, dcfg=dcfg)
+    def empty_caches():
+      return (init_cache(cfg, b, ec.capacity),
+              init_drafter_cache(cfg, dcfg, b, ec.capacity) if dcfg else None)
 
-    args = (self._policy[s], self._drafter[s], prompts, lengths, key)
-    return self.pool.get((s, "prefill", b, prompts.shape[1], sp), fn, args,
+    def fn(params, dparams, prompts, lengths, key, caches):
+      return start(params, prompts, lengths, caches[0], key, sp, ec.max_new_tokens, ec.eos_id,
+                   cfg, drafter_params=dparams, draft_cache=caches[1], dcfg=dcfg)
+
+    # The empty caches are made by their own program and passed in (donated): built inside
+    # the prefill, they would be compile-time constants that XLA tries to fold through the
+    # attention, which makes compiles slow.
+    init = self.pool.get((s, "caches", b), empty_caches, (), out_shardings=self._layout(s))
+    args = (self._policy[s], self._drafter[s], prompts, lengths, key, init())
+    return self.pool.get((s, "prefill", b, prompts.shape[1], sp), fn, args, donate_argnums=(5,),
                          out_shardings=self._layout(s)), args
 
   def _step_exe(self, s, state, key, sp, strategy):

@@ -1,0 +1,189 @@
+"""Benchmark: the rollout engine with plain decoding vs SD (fixed strategies, BEG-MAB tuner).
+
+Same policy, same prompts, same drafter, measured side by side in one run. The drafter is
+warmed on the policy's own generations (on prompts disjoint from the benchmark's), unless
+--drafter-steps 0. Decoding is greedy by default so that every mode does exactly the same work
+(identical outputs); --temperature samples instead.
+
+  python experiments/bench_rollout.py --out results/rollout.json
+  python experiments/bench_rollout.py --policy assets/tiny-policy --out results/rollout.json
+
+JSON per mode: wall time, tokens/s, tail-phase tokens/s (running rows <= sd_threshold), mean
+accept length, executables compiled and compile seconds; plus speedup_wall and speedup_tail of
+the best SD mode vs plain. The PNG shows running rows and tokens/s over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tlt_jax.drafter_training.train_step import DrafterOptConfig  # noqa: E402
+from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
+from tlt_jax.mesh import make_mesh  # noqa: E402
+from tlt_jax.models.drafter import DrafterConfig, init_drafter_params  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
+from tlt_jax.speculative.strategy import Strategy  # noqa: E402
+from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner  # noqa: E402
+
+DEFAULT_POLICY = "assets/tiny-policy"
+
+
+def load_problem(policy: str, num_prompts: int, offset: int):
+  """(cfg, params, prompt id lists, eos id) for the policy folder and its built-in task."""
+  from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
+  from tlt_jax.rl.tasks.arithmetic import ArithmeticTask
+  from tlt_jax.rl.tokenizer import prompt_ids
+  cfg = load_hf_config(policy, attention_impl="reference")
+  params = load_hf_params(policy, cfg)
+  tok = load_tokenizer(policy)
+  task = ArithmeticTask(seed=1234)  # held out from any training seed
+  prompts = [prompt_ids(tok, ex.prompt) for ex in task.examples(num_prompts, start=offset)]
+  return cfg, params, prompts, tok.eos_token_id
+
+
+def summarize(result, threshold: int, compile_s: float, executables: int) -> dict:
+  steps = [r for r in result.timeline if r.mode != "prefill"]
+  tail = [r for r in steps if r.active <= threshold]
+  sd = [r for r in steps if r.mode == "sd"]
+  tokens = int(sum(len(t) for t in result.tokens))
+  tail_tokens = sum(r.emitted for r in tail)
+  tail_s = sum(r.wall_s for r in tail)
+  return dict(wall_s=result.wall_s, tokens=tokens, tokens_per_s=tokens / result.wall_s,
+              tail_tokens=tail_tokens, tail_s=tail_s,
+              tail_tokens_per_s=tail_tokens / tail_s if tail_s else None,
+              accept_len=float(np.mean([r.accept_mean for r in sd])) if sd else None,
+              sd_iterations=len(sd), executables=executables, compile_s=compile_s,
+              strategies_used=sorted({r.strategy for r in sd if r.strategy}))
+
+
+def run_mode(cfg, params, mesh, ec, drafter, tuner, prompts, samples, sp, key):
+  engine = RolloutEngine(cfg, params, mesh, ec, drafter=drafter, tuner=tuner)
+  first = engine.generate(prompts, samples, sp, key)  # compiles every program it needs
+  compile_s, executables = first.pool["compile_s"], first.pool["executables"]
+  result = engine.generate(prompts, samples, sp, key)  # the timed run: no compiles left
+  assert result.pool["compiles"] == first.pool["compiles"], "recompiled during the timed run"
+  return result, compile_s, executables
+
+
+def plot(runs: dict, path, threshold):
+  fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+  for name, res in runs.items():
+    steps = [r for r in res.timeline if r.mode != "prefill"]
+    t = [r.t_end_s for r in steps]
+    ax1.step(t, [r.active for r in steps], where="post", label=name)
+    ax2.plot(t, [r.emitted / r.wall_s for r in steps], ".", ms=3, label=name)
+  ax1.axhline(threshold, color="k", lw=0.6, ls="--")
+  ax1.set_ylabel("running sequences")
+  ax2.set_ylabel("tokens/s per call")
+  ax2.set_yscale("log")
+  ax2.set_xlabel("seconds since rollout start")
+  ax1.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, type=pathlib.Path)
+  parser.add_argument("--policy", default=DEFAULT_POLICY)
+  parser.add_argument("--num-prompts", type=int, default=16)
+  parser.add_argument("--num-samples", type=int, default=4)
+  parser.add_argument("--max-new-tokens", type=int, default=256)
+  parser.add_argument("--max-batch", type=int, default=64)
+  parser.add_argument("--sd-threshold", type=int, default=4)
+  parser.add_argument("--strategies", nargs="+", default=["4,2,8", "3,2,6", "6,2,12"])
+  parser.add_argument("--temperature", type=float, default=0.0)
+  parser.add_argument("--drafter-steps", type=int, default=400)
+  parser.add_argument("--drafter-prompts", type=int, default=64)
+  parser.add_argument("--quick", action="store_true", help="small run for smoke tests")
+  args = parser.parse_args()
+  if args.quick:
+    args.num_prompts, args.num_samples, args.max_new_tokens = 4, 2, 48
+    args.max_batch, args.strategies, args.drafter_steps, args.drafter_prompts = 8, ["3,2,6"], 20, 8
+  if not os.path.isdir(args.policy):
+    sys.exit(f"policy folder {args.policy!r} not found; make it with the SFT command in the "
+             f"README or pass --policy DIR")
+
+  cfg, params, prompts, eos = load_problem(args.policy, args.num_prompts, offset=0)
+  _, _, train_prompts, _ = load_problem(args.policy, args.drafter_prompts, offset=10_000)
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  longest = max(len(p) for p in prompts + train_prompts)
+  ec = EngineConfig(max_batch=args.max_batch, max_prompt_len=longest,
+                    max_new_tokens=args.max_new_tokens, sd_threshold=args.sd_threshold,
+                    eos_id=eos)
+  sp = SamplingParams(args.temperature)
+  key = jax.random.key(0)
+
+  # ---------------------------------------------------------------- drafter warm-up
+  dcfg = DrafterConfig()
+  dparams = init_drafter_params(cfg, dcfg, jax.random.key(1))
+  warm = {}
+  if args.drafter_steps:
+    plain_engine = RolloutEngine(cfg, params, mesh, ec)
+    gen = plain_engine.generate(train_prompts, 1, SamplingParams(1.0), jax.random.key(2))
+    samples = collect_samples(params, cfg, train_prompts, gen.tokens)
+    t0 = time.perf_counter()
+    dparams, hist = train_drafter(dparams, params, samples, cfg, dcfg,
+                                  DrafterOptConfig(learning_rate=1e-3, warmup_steps=20),
+                                  args.drafter_steps, window=256, batch_rows=8)
+    warm = dict(steps=args.drafter_steps, seconds=time.perf_counter() - t0,
+                loss_first=hist[0]["loss"], loss_last=hist[-1]["loss"],
+                top1_last=float(np.mean([h["top1"] for h in hist[-20:]])),
+                tokens=int(sum(len(s.tokens) for s in samples)))
+
+  # ---------------------------------------------------------------- modes, side by side
+  drafter = (dcfg, dparams)
+  modes = {"plain": (None, None)}
+  for s in args.strategies:
+    modes[f"sd{Strategy.parse(s).as_tuple()}"] = (drafter, FixedTuner(Strategy.parse(s)))
+  modes["sd-beg_mab"] = (drafter, BegMabTuner(
+      thresholds=(1, 2, 5), arms=[[Strategy.parse(s) for s in args.strategies]] * 3, seed=0))
+  rows, runs = {}, {}
+  for name, (d, tuner) in modes.items():
+    res, compile_s, exes = run_mode(cfg, params, mesh, ec, d, tuner, prompts,
+                                    args.num_samples, sp, key)
+    rows[name] = summarize(res, args.sd_threshold, compile_s, exes)
+    runs[name] = res
+    print(f"{name:14s} wall {res.wall_s:6.2f}s  tail tok/s "
+          f"{rows[name]['tail_tokens_per_s'] or 0:8.1f}  accept {rows[name]['accept_len']}")
+  plain_tokens = runs["plain"].tokens
+  lossless = {n: r.tokens == plain_tokens for n, r in runs.items()}
+  plain = rows["plain"]
+  sd_names = [n for n in rows if n != "plain"]
+  best = min(sd_names, key=lambda n: rows[n]["wall_s"])
+  result = dict(
+      device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+      policy=args.policy, layers=cfg.num_layers, hidden=cfg.hidden_size,
+      prompts=args.num_prompts, samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+      sd_threshold=args.sd_threshold, temperature=args.temperature, drafter_warmup=warm,
+      response_len=dict(mean=float(np.mean(runs["plain"].lengths)),
+                        max=int(np.max(runs["plain"].lengths))),
+      modes=rows, outputs_identical_to_plain=lossless, best_sd_mode=best,
+      speedup_wall=plain["wall_s"] / rows[best]["wall_s"],
+      speedup_tail=(rows[best]["tail_tokens_per_s"] / plain["tail_tokens_per_s"]
+                    if plain["tail_tokens_per_s"] and rows[best]["tail_tokens_per_s"] else None))
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps(result, indent=2))
+  plot({"plain": runs["plain"], best: runs[best]}, args.out.with_suffix(".png"),
+       args.sd_threshold)
+  print(json.dumps({k: result[k] for k in ("best_sd_mode", "speedup_wall", "speedup_tail")}))
+
+
+if __name__ == "__main__":
+  main()

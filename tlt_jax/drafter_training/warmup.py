@@ -1,0 +1,71 @@
+"""Offline drafter warm-up on the policy's own generations (the EAGLE warm-up stage).
+
+collect_samples: recompute the policy's features over prompt + completion (one batched
+prefill per group), so the drafter trains on exactly what it will be fed while drafting.
+train_drafter: packs the samples into windows once and runs jitted updates on random rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_state,
+                                                 jit_train_step)
+from tlt_jax.drafter_training.windows import Sample, pack_windows
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.decoder import prefill
+from tlt_jax.models.drafter import DrafterConfig
+from tlt_jax.models.kv_cache import init_cache
+
+
+def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[int]],
+                    completions: list[list[int]], batch_size: int = 32) -> list[Sample]:
+  """Samples (tokens, policy features) of prompt + completion pairs; training starts at the
+  last prompt token, whose feature predicts the first completion token."""
+  seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+  width = max(len(s) for s in seqs)
+  width = -(-width // 16) * 16  # a few shapes, not one per length
+  # The empty cache is an argument, not a constant XLA would fold through the attention.
+  run = jax.jit(lambda params, toks, lens, cache: prefill(params, toks, lens, cache, cfg)[1])
+  samples = []
+  for start in range(0, len(seqs), batch_size):
+    group = seqs[start:start + batch_size]
+    toks = np.zeros((batch_size, width), np.int32)
+    lens = np.ones((batch_size,), np.int32)
+    for i, s in enumerate(group):
+      toks[i, :len(s)] = s
+      lens[i] = len(s)
+    feats = np.asarray(run(policy_params, jnp.asarray(toks), jnp.asarray(lens),
+                           init_cache(cfg, batch_size, width)), np.float32)
+    for i, s in enumerate(group):
+      samples.append(Sample(tokens=np.asarray(s, np.int32), features=feats[i, :len(s)],
+                            train_from=len(prompts[start + i]) - 1))
+  return samples
+
+
+def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sample],
+                  cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig, steps: int,
+                  window: int = 256, batch_rows: int = 8, seed: int = 0,
+                  progress: bool = True) -> tuple[dict, list[dict]]:
+  """`steps` updates on batches of `batch_rows` random windows; returns (params, metrics per
+  step as floats)."""
+  windows = pack_windows(samples, window)
+  n_rows = windows.tokens.shape[0]
+  rng = np.random.default_rng(seed)
+  step = jit_train_step(cfg, dcfg, oc)
+  state = init_train_state(drafter_params, oc)
+  history = []
+  bar = tqdm(range(steps), desc="drafter warm-up", disable=not progress)
+  for _ in bar:
+    rows = rng.integers(0, n_rows, batch_rows)
+    batch = jax.tree.map(lambda x: jnp.asarray(x[rows]), windows)
+    state, metrics = step(state, policy_params, batch)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    history.append(metrics)
+    bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}")
+  return state.params, history
