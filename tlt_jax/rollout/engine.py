@@ -190,8 +190,12 @@ class RolloutEngine:
   # ---------------------------------------------------------------- generation
 
   def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingParams,
-               key: jax.Array) -> RolloutResult:
+               key: jax.Array, on_slice_idle=None) -> RolloutResult:
     """Generates `num_samples` completions for each prompt (token-id lists).
+
+    on_slice_idle: optional callback `fn(slice_index, mesh)`, called from this host loop the
+    moment a slice has no work left while others may still be decoding (spot training
+    dispatches its work there). It must return quickly: the loop waits for it.
 
     Deterministic for a given key and schedule; with a timing-driven tuner (BEG-MAB) the
     schedule, and so which random numbers a sampled row uses, can change between runs, not
@@ -215,6 +219,8 @@ class RolloutEngine:
           results.update(w.pop_finished())
           if not w.busy:
             slice_done[w.s] = time.perf_counter() - t0
+            if on_slice_idle is not None:
+              on_slice_idle(w.s, self.slices[w.s])
     tokens = [results[i][0] for i in range(n)]
     return RolloutResult(tokens=tokens, lengths=np.asarray([len(t) for t in tokens]),
                          finish_reasons=[results[i][1] for i in range(n)], timeline=timeline,
