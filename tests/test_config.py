@@ -106,3 +106,36 @@ def test_cli_generates_and_writes_outputs(tmp_path):
   lines = (tmp_path / "generations.jsonl").read_text().splitlines()
   assert len(lines) == 4
   assert all(len(json.loads(line)["completion"]) == 8 for line in lines)
+
+
+def test_rollout_sections_build_the_engine_pieces():
+  from tlt_jax.config import (drafter_config, engine_config, make_tuner_from_config,
+                              sampling_params)
+  c = _default()
+  assert engine_config(c).sd_threshold == c.rollout.sd_threshold
+  assert sampling_params(c).temperature == c.rollout.temperature
+  assert len(make_tuner_from_config(c).strategies()) == len(c.rollout.speculative.arms)
+  c.rollout.speculative.enable = False  # the baseline: never switches to SD
+  assert engine_config(c).sd_threshold == 0
+  c.drafter.fused_layers = (0, 2)
+  assert drafter_config(c).fused_features == 2
+  assert model_config(c).feature_layers == (0, 2)
+
+
+@pytest.mark.parametrize("path,value,match", [
+    ("rollout.max_batch", 48, "max_batch=48 must be a power of two"),
+    ("rollout.speculative.tuner", "ucb", r"tuner='ucb' is not allowed.*'beg_mab'"),
+    ("rollout.speculative.arms", ("2,2,8",), "exceeds the 6 draft candidates"),
+    ("rollout.top_p", 0.0, "top_p must be in"),
+    ("drafter.num_layers", 0, "drafter.num_layers must be >= 1"),
+    ("rollout.max_new_tokens", 10_000, "exceeds model.max_position_embeddings"),
+])
+def test_bad_rollout_values(path, value, match):
+  c = base_config()
+  section, key = path.rsplit(".", 1)
+  node = c
+  for part in section.split("."):
+    node = node[part]
+  node[key] = value
+  with pytest.raises(ConfigError, match=match):
+    validate_config(c)

@@ -59,6 +59,76 @@ def base_config() -> ml_collections.ConfigDict:
   c.generate.prompt_len = 16
   c.generate.max_new_tokens = 64
   c.generate.temperature = 0.0
+
+  # The built-in task (tlt_jax.rl.tasks.arithmetic); problem i depends only on (seed, i).
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "arithmetic"
+  c.task.seed = 0           # training problems
+  c.task.eval_seed = 1      # held-out problems (a different stream)
+  c.task.min_steps = 1
+  c.task.max_steps = 24
+  c.task.body_p = 0.4       # geometric body of the step count ...
+  c.task.tail_prob = 0.1    # ... mixed with a Zipf tail of this weight
+  c.task.tail_alpha = 0.5
+  c.task.max_value = 99
+  c.task.max_operand = 9
+  c.task.max_multiplier = 5
+
+  # A local Hugging Face tokenizer folder, or '' to train a byte-level BPE on the task's text.
+  c.tokenizer = ml_collections.ConfigDict()
+  c.tokenizer.path = ""
+  c.tokenizer.vocab_size = 320
+  c.tokenizer.num_train_examples = 4000
+
+  # Supervised fine-tuning on the task's worked solutions (python -m tlt_jax.sft).
+  c.sft = ml_collections.ConfigDict()
+  c.sft.num_train_examples = 1_000_000
+  c.sft.steps = 1000
+  c.sft.rows = 16           # batch rows, split over the ('replica', 'fsdp') mesh axes
+  c.sft.seq_len = 384       # tokens per row; several examples are packed into a row
+  c.sft.learning_rate = 3e-3
+  c.sft.warmup_steps = 50
+  c.sft.end_lr_fraction = 0.05
+  c.sft.weight_decay = 0.1
+  c.sft.b1 = 0.9
+  c.sft.b2 = 0.98
+  c.sft.grad_clip = 1.0
+  c.sft.log_every = 10
+  c.sft.eval_every = 250    # held-out greedy accuracy every N steps (0 = only at the end)
+  c.sft.num_eval_examples = 256
+  c.sft.eval_batch_size = 64
+  c.sft.eval_max_new_tokens = 256
+  c.sft.checkpoint_every = 250
+  c.sft.keep_checkpoints = 2
+  c.sft.export_dtype = "float32"
+
+  # The rollout engine (tlt_jax.rollout.engine): rows per replica slice, cache sizes, sampling.
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.max_batch = 64          # power of two, bounded by cache memory
+  c.rollout.max_prompt_len = 128
+  c.rollout.max_new_tokens = 256
+  c.rollout.sd_threshold = 4        # SD once this few sequences are still running
+  c.rollout.temperature = 1.0
+  c.rollout.top_k = 0
+  c.rollout.top_p = 1.0
+  c.rollout.speculative = ml_collections.ConfigDict()
+  c.rollout.speculative.enable = True
+  c.rollout.speculative.tuner = "beg_mab"   # or "table" (one arm per bucket) or "fixed"
+  c.rollout.speculative.strategy = "4,2,8"  # the "fixed" tuner's (steps, topk, verify_tokens)
+  # Batch-size buckets (first batch size of each) and the arms every bucket explores
+  # ("table": one arm per bucket, in bucket order).
+  c.rollout.speculative.bucket_thresholds = (1, 2, 5)
+  c.rollout.speculative.arms = ("4,2,8", "3,2,6", "6,2,12")
+  c.rollout.speculative.epsilon = 0.1
+  c.rollout.speculative.window = 300
+
+  # The EAGLE drafter (tlt_jax.models.drafter).
+  c.drafter = ml_collections.ConfigDict()
+  c.drafter.num_layers = 1
+  c.drafter.use_features = True
+  c.drafter.intermediate_size = 0   # 0 = the policy's
+  # Policy layers fused into the features (EAGLE-3 style), e.g. (1, 3); () = final hidden only.
+  c.drafter.fused_layers = ()
   return c
 
 
@@ -115,6 +185,123 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
       raise ConfigError(f"generate.{key}={g[key]} must be positive")
   if g.temperature < 0:
     raise ConfigError(f"generate.temperature={g.temperature} must be >= 0")
+  _validate_task(config.task)
+  _validate_tokenizer(config.tokenizer)
+  _validate_sft(config.sft)
+  _validate_rollout(config)
+
+
+TUNER_KINDS = ("beg_mab", "table", "fixed")
+
+
+def _validate_rollout(config: ml_collections.ConfigDict) -> None:
+  """Rollout, speculative and drafter values, by building the objects that use them."""
+  r, sd = config.rollout, config.rollout.speculative
+  _one_of(sd.tuner, TUNER_KINDS, "rollout.speculative.tuner")
+  for build in (engine_config, sampling_params, drafter_config, make_tuner_from_config):
+    try:
+      build(config)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  if r.max_prompt_len + r.max_new_tokens > config.model.max_position_embeddings:
+    raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
+                      f"{r.max_prompt_len + r.max_new_tokens} exceeds "
+                      f"model.max_position_embeddings={config.model.max_position_embeddings}")
+
+
+def engine_config(config: ml_collections.ConfigDict):
+  """The rollout EngineConfig; SD is off (threshold 0) unless rollout.speculative.enable."""
+  from tlt_jax.rollout.engine import EngineConfig
+  r = config.rollout
+  return EngineConfig(max_batch=r.max_batch, max_prompt_len=r.max_prompt_len,
+                      max_new_tokens=r.max_new_tokens,
+                      sd_threshold=r.sd_threshold if r.speculative.enable else 0)
+
+
+def sampling_params(config: ml_collections.ConfigDict):
+  """Rollout sampling (temperature 0 = greedy)."""
+  from tlt_jax.speculative.sampling import SamplingParams
+  r = config.rollout
+  return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+
+def drafter_config(config: ml_collections.ConfigDict):
+  """The DrafterConfig; fused_layers become the drafter's fused_features count."""
+  from tlt_jax.models.drafter import DrafterConfig
+  d = config.drafter
+  return DrafterConfig(num_layers=d.num_layers, use_features=d.use_features,
+                       intermediate_size=d.intermediate_size,
+                       fused_features=len(tuple(d.fused_layers)))
+
+
+def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None = None):
+  """The strategy tuner that rollout.speculative describes."""
+  from tlt_jax.speculative.tuner import make_tuner
+  sd = config.rollout.speculative
+  seed = config.seed if seed is None else seed
+  if sd.tuner == "fixed":
+    return make_tuner("fixed", strategy=sd.strategy)
+  thresholds = tuple(sd.bucket_thresholds)
+  if sd.tuner == "table":
+    return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
+  return make_tuner("beg_mab", thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
+                    epsilon=sd.epsilon, window=sd.window, seed=seed)
+
+
+TASK_NAMES = ("arithmetic",)
+
+
+def _validate_task(t: ml_collections.ConfigDict) -> None:
+  _one_of(t.name, TASK_NAMES, "task.name")
+  if t.seed == t.eval_seed:
+    raise ConfigError(f"task.eval_seed={t.eval_seed} equals task.seed: held-out problems must "
+                      f"come from a different seed")
+  try:  # the task checks its own values (and names them)
+    task_from_config(t)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def task_from_config(t: ml_collections.ConfigDict, eval_split: bool = False):
+  """The built-in task that `config.task` describes (held-out problems with eval_split)."""
+  from tlt_jax.rl.tasks.arithmetic import ArithmeticTask
+  return ArithmeticTask(seed=t.eval_seed if eval_split else t.seed, min_steps=t.min_steps,
+                        max_steps=t.max_steps, body_p=t.body_p, tail_prob=t.tail_prob,
+                        tail_alpha=t.tail_alpha, max_value=t.max_value,
+                        max_operand=t.max_operand, max_multiplier=t.max_multiplier)
+
+
+def _validate_tokenizer(t: ml_collections.ConfigDict) -> None:
+  if t.path:
+    if not os.path.isdir(t.path):
+      raise ConfigError(f"tokenizer.path={t.path!r} does not exist; give a local Hugging Face "
+                        f"tokenizer folder, or '' to train one on the task")
+    return
+  if t.vocab_size < 259:
+    raise ConfigError(f"tokenizer.vocab_size={t.vocab_size} must be >= 259 (256 bytes + 3 "
+                      f"special tokens)")
+  if t.num_train_examples <= 0:
+    raise ConfigError(f"tokenizer.num_train_examples={t.num_train_examples} must be positive")
+
+
+def _validate_sft(s: ml_collections.ConfigDict) -> None:
+  for key in ("num_train_examples", "steps", "rows", "seq_len", "log_every",
+              "num_eval_examples", "eval_batch_size", "eval_max_new_tokens", "keep_checkpoints"):
+    if s[key] <= 0:
+      raise ConfigError(f"sft.{key}={s[key]} must be positive")
+  for key in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "grad_clip"):
+    if s[key] < 0:
+      raise ConfigError(f"sft.{key}={s[key]} must be >= 0")
+  if s.warmup_steps >= s.steps:
+    raise ConfigError(f"sft.warmup_steps={s.warmup_steps} must be < sft.steps={s.steps}")
+  if s.learning_rate <= 0:
+    raise ConfigError(f"sft.learning_rate={s.learning_rate} must be positive")
+  if not 0.0 <= s.end_lr_fraction <= 1.0:
+    raise ConfigError(f"sft.end_lr_fraction={s.end_lr_fraction} must be in [0, 1]")
+  for key in ("b1", "b2"):
+    if not 0.0 <= s[key] < 1.0:
+      raise ConfigError(f"sft.{key}={s[key]} must be in [0, 1)")
+  _one_of(s.export_dtype, DTYPES, "sft.export_dtype")
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -122,6 +309,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   m = config.model
   runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl)
   if m.path:
+    runtime["feature_layers"] = tuple(config.drafter.fused_layers)
     from tlt_jax.models.hf import load_hf_config
     return load_hf_config(m.path, **runtime)
   try:
@@ -132,6 +320,6 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
         rope=RopeConfig(theta=m.rope_theta, rope_type=ROPE_TYPES[0]),
         rms_norm_eps=m.rms_norm_eps, qkv_bias=(m.model_type == "qwen2"),
         tie_embeddings=m.tie_embeddings, max_position_embeddings=m.max_position_embeddings,
-        model_type=m.model_type, **runtime)
+        model_type=m.model_type, feature_layers=tuple(config.drafter.fused_layers), **runtime)
   except ValueError as e:
     raise ConfigError(str(e)) from None

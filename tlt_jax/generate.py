@@ -28,16 +28,10 @@ from tlt_jax.config import model_config
 from tlt_jax.mesh import logical_shardings, make_mesh
 from tlt_jax.models import decode, init_cache, init_params, param_logical_axes, prefill
 from tlt_jax.models.kv_cache import CACHE_KV_AXES, CACHE_LENGTHS_AXES, KVCache
+from tlt_jax.rollout.plain import sample_next
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/generate", "Output folder.")
-
-
-def sample_next(logits: jax.Array, key: jax.Array, temperature: float) -> jax.Array:
-  """[B, V] float32 logits -> [B] int32 tokens: argmax at temperature 0, else a sample."""
-  if temperature == 0.0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
 def main(argv):

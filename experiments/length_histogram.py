@@ -1,0 +1,118 @@
+"""Response-length distribution of a policy's own samples on held-out problems.
+
+Samples one completion per held-out problem of the built-in task at temperature 1.0 (what an RL
+rollout does) and records its length in tokens. The point is the long tail: most responses end
+early and a few run several times longer, which is what makes rollout wait on stragglers.
+
+  python experiments/length_histogram.py --policy assets/tiny-policy --out results/lengths
+  python experiments/length_histogram.py --policy assets/tiny-policy --out /tmp/lh --quick
+
+Writes OUT/lengths.json (lengths, step counts, correctness, summary statistics) and
+OUT/length_histogram.png (log-scale counts). The task's parameters are read from the policy's
+sft_summary.json when it has one (the task it was trained on), else the config defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+# Runnable as a plain script from the repository root without installing the package.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tlt_jax.config import base_config  # noqa: E402
+from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer  # noqa: E402
+from tlt_jax.rl.evaluate import evaluate  # noqa: E402
+from tlt_jax.rl.tasks import ArithmeticTask  # noqa: E402
+
+_TASK_KEYS = ("min_steps", "max_steps", "body_p", "tail_prob", "tail_alpha", "max_value",
+              "max_operand", "max_multiplier")
+
+
+def heldout_task(policy: str) -> ArithmeticTask:
+  """The held-out split of the task the policy was trained on (config defaults otherwise)."""
+  task = dict(base_config().task)
+  summary = os.path.join(policy, "sft_summary.json")
+  if os.path.isfile(summary):
+    with open(summary) as f:
+      task.update(json.load(f)["config"]["task"])
+  return ArithmeticTask(seed=task["eval_seed"], **{k: task[k] for k in _TASK_KEYS})
+
+
+def summarize(lengths) -> dict:
+  a = np.asarray(lengths, np.float64)
+  return {"count": int(a.size), "mean": float(a.mean()), "median": float(np.median(a)),
+          "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)),
+          "max": int(a.max()), "min": int(a.min()),
+          "max_over_median": float(a.max() / max(np.median(a), 1.0))}
+
+
+def plot(lengths, stats: dict, path: str, title: str) -> None:
+  fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+  bins = np.arange(0, max(lengths) + 9, 8)
+  ax.hist(lengths, bins=bins, color="#3b6ea5", edgecolor="white", linewidth=0.4)
+  ax.set_yscale("log")
+  for name, style in (("median", "--"), ("p90", ":")):
+    ax.axvline(stats[name], color="#c0392b", linestyle=style, linewidth=1,
+               label=f"{name} {stats[name]:.0f}")
+  ax.set_xlabel("response length (tokens)")
+  ax.set_ylabel("responses (log scale)")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--policy", required=True, help="Hugging Face folder of the policy")
+  parser.add_argument("--out", required=True, help="output folder")
+  parser.add_argument("--quick", action="store_true", help="64 prompts, for a smoke run")
+  parser.add_argument("--num-prompts", type=int, default=1024)
+  parser.add_argument("--temperature", type=float, default=1.0)
+  parser.add_argument("--max-new-tokens", type=int, default=256)
+  parser.add_argument("--batch-size", type=int, default=64)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args()
+  num_prompts = 64 if args.quick else args.num_prompts
+  os.makedirs(args.out, exist_ok=True)
+
+  cfg = load_hf_config(args.policy, attention_impl="reference")
+  params = load_hf_params(args.policy, cfg)
+  tokenizer = load_tokenizer(args.policy)
+  examples = heldout_task(args.policy).examples(num_prompts)
+  t0 = time.perf_counter()
+  result = evaluate(params, cfg, tokenizer, examples, args.max_new_tokens, args.batch_size,
+                    temperature=args.temperature, key=jax.random.key(args.seed))
+  seconds = time.perf_counter() - t0
+  lengths = result["lengths"]
+  stats = summarize(lengths)
+  record = {"policy": args.policy, "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "summary": stats,
+            "accuracy": result["accuracy"],
+            "finished_fraction": float(np.mean(result["finished"])),
+            "sampling_s_incl_compile": seconds, "lengths": lengths,
+            "num_steps": [e.metadata["num_steps"] for e in examples],
+            "correct": result["correct"]}
+  with open(os.path.join(args.out, "lengths.json"), "w") as f:
+    json.dump(record, f)
+  title = (f"{os.path.basename(os.path.normpath(args.policy))}: {stats['count']} samples at "
+           f"T={args.temperature:g}; mean {stats['mean']:.0f}, max {stats['max']} tokens")
+  plot(lengths, stats, os.path.join(args.out, "length_histogram.png"), title)
+  print(json.dumps({**stats, "accuracy": result["accuracy"], "seconds": round(seconds, 1)}))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,87 @@
+"""JSONL loading (GSM8K / MATH / DAPO records), reasoning_gym adapter, resumable iterator."""
+
+import importlib.util
+import json
+
+import pytest
+
+from tlt_jax.rl.data import PromptIterator, example_from_record, load_jsonl, load_reasoning_gym
+
+RECORDS = [
+    {"question": "Tom has 3 apples and buys 1,200 more. How many?",
+     "answer": "He has 3 + 1200 = 1203 apples.\n#### 1,203"},
+    {"problem": "Compute 3/4 as a fraction.", "solution": r"It is $\boxed{\frac{3}{4}}$.",
+     "level": "Level 1"},
+    {"prompt": "What is 2-5?", "answer": r"\boxed{-3}"},
+    {"prompt": [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "What is 6*7?"}],
+     "reward_model": {"ground_truth": "42", "style": "rule"}},
+]
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory):
+  path = tmp_path_factory.mktemp("data") / "mixed.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n\n")
+  return str(path)
+
+
+def test_load_jsonl_keeps_the_final_answer(jsonl):
+  examples = load_jsonl(jsonl)
+  assert [e.answer for e in examples] == ["1,203", r"\frac{3}{4}", "-3", "42"]
+  assert examples[0].prompt.startswith("Tom has")
+  assert examples[0].solution.endswith("#### 1,203")  # GSM8K's worked solution is kept
+  assert examples[1].solution.startswith("It is") and examples[1].metadata == {"level": "Level 1"}
+  assert examples[3].prompt == "What is 6*7?"
+  assert len(load_jsonl(jsonl, limit=2)) == 2
+
+
+def test_bad_records_name_file_and_line(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps({"question": "q"}) + "\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl:2: no answer"):
+    load_jsonl(str(path))
+  path.write_text("{not json\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: not valid JSON"):
+    load_jsonl(str(path))
+  with pytest.raises(ValueError, match="no prompt field"):
+    example_from_record({"answer": "1"})
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    load_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is not None,
+                    reason="reasoning_gym is installed")
+def test_reasoning_gym_missing_says_how_to_install():
+  with pytest.raises(ImportError, match=r"pip install -e \"\.\[reasoning\]\""):
+    load_reasoning_gym("basic_arithmetic", size=2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
+                    reason="reasoning_gym is not installed")
+def test_reasoning_gym_examples():
+  examples = load_reasoning_gym("basic_arithmetic", size=3, seed=1)
+  assert len(examples) == 3 and all(e.prompt and e.answer for e in examples)
+  assert examples[0].metadata["source"] == "reasoning_gym/basic_arithmetic"
+
+
+def test_iterator_shuffles_per_epoch_and_visits_everything():
+  it = PromptIterator(list(range(10)), seed=0)
+  first, second = it.take(10), it.take(10)
+  assert sorted(first) == sorted(second) == list(range(10))
+  assert first != second and first != list(range(10))
+  assert PromptIterator(list(range(10)), seed=0).take(20) == first + second
+  assert PromptIterator(list(range(5)), seed=0, shuffle=False).take(7) == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_iterator_resume_gives_the_same_order():
+  reference = PromptIterator(list(range(7)), seed=3).take(30)
+  it = PromptIterator(list(range(7)), seed=3)
+  head = it.take(12)
+  state = json.loads(json.dumps(it.state_dict()))  # what a checkpoint stores
+  assert state == {"epoch": 1, "index": 5}
+  resumed = PromptIterator(list(range(7)), seed=3)
+  resumed.load_state_dict(state)
+  assert head + resumed.take(18) == reference
+  with pytest.raises(ValueError, match="bad iterator state"):
+    resumed.load_state_dict({"epoch": 0, "index": 8})

@@ -1,0 +1,186 @@
+"""SFT: packed loss, a sharded update that learns, the CLI with resume, and the shipped policy."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tlt_jax.mesh import make_mesh, shard_pytree
+from tlt_jax.models import init_params, param_logical_axes
+from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
+from tlt_jax.rl.data import PromptIterator
+from tlt_jax.rl.evaluate import evaluate
+from tlt_jax.rl.packing import next_packed_batch, pack_sequences
+from tlt_jax.rl.tasks import ArithmeticTask
+from tlt_jax.rl.tokenizer import prompt_ids, response_ids, train_tokenizer
+from tlt_jax.sft import init_optimizer, make_optimizer, make_train_step, sft_loss
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSET = os.path.join(REPO, "assets", "tiny-policy")
+
+
+def _load_config(arg=None):
+  sys.path.insert(0, REPO)
+  try:
+    from configs import tiny_sft
+  finally:
+    sys.path.pop(0)
+  return tiny_sft.get_config(arg)
+
+
+def test_packed_loss_equals_the_sequences_alone(tiny_cfg, tiny_params):
+  rng = np.random.default_rng(0)
+  seqs = [(rng.integers(3, 61, n).tolist(), rng.integers(3, 61, m).tolist())
+          for n, m in ((5, 4), (3, 7), (6, 2))]
+  packed = pack_sequences(seqs, rows=1, seq_len=32)
+  alone = pack_sequences(seqs, rows=3, seq_len=32)  # first-fit puts all three in row 0 ...
+  assert packed["segment_ids"].max() == 3
+  alone = [pack_sequences([s], rows=1, seq_len=32) for s in seqs]  # ... so pack each alone
+  loss, count = sft_loss(tiny_params, packed, tiny_cfg)
+  assert count == sum(len(r) for _, r in seqs)  # only response tokens are targets
+  total = sum(float(l) * float(c) for l, c in (sft_loss(tiny_params, b, tiny_cfg) for b in alone))
+  np.testing.assert_allclose(float(loss) * float(count), total, rtol=1e-5)
+
+
+def test_packing_consumes_only_what_fits():
+  it = PromptIterator([([1] * 3, [2] * 3), ([1] * 5, [2] * 5), ([1] * 3, [2] * 3),
+                       ([1] * 1, [2] * 1)], seed=0, shuffle=False)
+  batch, count = next_packed_batch(it, lambda x: x, rows=2, seq_len=10)
+  assert count == 2 and it.state_dict() == {"epoch": 0, "index": 2}  # the third did not fit
+  assert batch["loss_mask"].sum() == 3 + 5
+  batch, count = next_packed_batch(it, lambda x: x, rows=2, seq_len=10)
+  assert count == 3  # it starts the next batch, and the short fourth fits beside it
+  assert list(batch["segment_ids"][0]) == [1] * 6 + [2] * 2 + [0] * 2
+  with pytest.raises(ValueError, match="does not fit in sft.seq_len=4"):
+    next_packed_batch(it, lambda x: x, rows=2, seq_len=4)
+
+
+@pytest.fixture(scope="module")
+def task_tokenizer():
+  examples = ArithmeticTask(seed=0).examples(200)
+  return train_tokenizer([e.prompt for e in examples] + [e.solution for e in examples], 300)
+
+
+def test_sharded_train_step_lowers_the_loss(tiny_cfg, task_tokenizer):
+  config = _load_config("runlocal")
+  cfg = tiny_cfg.replace(vocab_size=len(task_tokenizer))
+  mesh = make_mesh({"replica": 2, "fsdp": -1, "tensor": 1})
+  params = shard_pytree(init_params(cfg, jax.random.key(0)), param_logical_axes(cfg), mesh)
+  tx = make_optimizer(config.sft)
+  opt_state, opt_sharding = init_optimizer(tx, params, mesh)
+  sharding = jax.tree.map(lambda x: x.sharding, params)
+  step = make_train_step(cfg, tx, sharding, opt_sharding)
+  it = PromptIterator(ArithmeticTask(seed=0, max_steps=4).examples(400), seed=0)
+  encode = lambda e: (prompt_ids(task_tokenizer, e.prompt),  # noqa: E731
+                      response_ids(task_tokenizer, e.solution))
+  losses = []
+  for _ in range(12):
+    batch, _ = next_packed_batch(it, encode, rows=8, seq_len=96)
+    params, opt_state, metrics = step(params, opt_state, batch)
+    losses.append(float(metrics["loss"]))
+  assert params["embed"]["embedding"].sharding == sharding["embed"]["embedding"]
+  assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+
+
+def _sft_cli(workdir, *overrides):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "tlt_jax.sft", "--config",
+                         "configs/tiny_sft.py:runlocal", "--workdir", str(workdir), *overrides],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("sft")
+  first = _sft_cli(workdir)
+  assert first.returncode == 0, first.stderr[-3000:]
+  return workdir, first
+
+
+@pytest.mark.slow
+def test_sft_cli_learns_and_exports(sft_run):
+  workdir, run = sft_run
+  losses = [json.loads(line)["loss"] for line in open(workdir / "metrics.jsonl")]
+  assert len(losses) == 12 and np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+  assert "held-out greedy accuracy" in run.stdout
+  export = str(workdir / "export")
+  cfg = load_hf_config(export)
+  assert cfg.num_layers == 2 and cfg.vocab_size == 320
+  params = load_hf_params(export, cfg)
+  tok = load_tokenizer(export)
+  assert tok.chat_template and tok.eos_token == "<|im_end|>"
+  assert params["embed"]["embedding"].shape == (320, 32)
+
+
+@pytest.mark.slow
+def test_sft_cli_resumes_from_the_latest_checkpoint(sft_run):
+  workdir, _ = sft_run
+  again = _sft_cli(workdir, "--config.sft.steps=14")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "resumed from step 12" in again.stdout
+  steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+  assert steps == list(range(1, 13)) + [13, 14]
+  assert json.load(open(workdir / "summary.json"))["step"] == 14
+
+
+def test_config_errors_are_one_line():
+  run = subprocess.run([sys.executable, "-m", "tlt_jax.sft", "--config",
+                        "configs/tiny_sft.py:runlocal", "--config.sft.warmup_steps=100"],
+                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                       capture_output=True, text=True, timeout=120)
+  assert run.returncode != 0
+  assert "config error: sft.warmup_steps=100 must be < sft.steps=12" in run.stderr
+
+
+# ---------------------------------------------------------------- the shipped policy
+
+
+@pytest.fixture(scope="module")
+def shipped():
+  cfg = load_hf_config(ASSET, attention_impl="reference")
+  return cfg, load_hf_params(ASSET, cfg), load_tokenizer(ASSET)
+
+
+def test_shipped_policy_is_small_and_described(shipped):
+  cfg, params, tok = shipped
+  size = sum(os.path.getsize(os.path.join(ASSET, f)) for f in os.listdir(ASSET))
+  assert size < 5 << 20
+  assert 6 <= cfg.num_layers <= 8 and cfg.hidden_size <= 128 and cfg.vocab_size <= 512
+  assert len(tok) <= cfg.vocab_size
+  readme = open(os.path.join(ASSET, "README.md")).read()
+  assert "python -m tlt_jax.sft --config configs/tiny_sft.py" in readme
+  summary = json.load(open(os.path.join(ASSET, "sft_summary.json")))
+  assert 0.3 <= summary["heldout_greedy_accuracy"] <= 0.7
+
+
+def test_shipped_policy_solves_heldout_problems(shipped):
+  cfg, params, tok = shipped
+  task = dict(json.load(open(os.path.join(ASSET, "sft_summary.json")))["config"]["task"])
+  del task["name"], task["seed"]
+  examples = ArithmeticTask(seed=task.pop("eval_seed"), **task).examples(32)
+  result = evaluate(params, cfg, tok, examples, max_new_tokens=160, batch_size=32)
+  assert result["accuracy"] > 0.1
+  # Valid text: every finished completion is a chain of 'a<op>b=c' lines and a '#### n' line.
+  finished = [t for t, f in zip(result["texts"], result["finished"]) if f]
+  assert len(finished) >= 24
+  well_formed = [t for t in finished if t.split("\n")[-1].startswith("#### ")]
+  assert len(well_formed) >= 0.9 * len(finished)
+
+
+@pytest.mark.slow
+def test_length_histogram_quick(tmp_path):
+  run = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "length_histogram.py"),
+                        "--policy", ASSET, "--out", str(tmp_path), "--quick"], cwd=REPO,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  data = json.loads((tmp_path / "lengths.json").read_text())
+  assert (tmp_path / "length_histogram.png").stat().st_size > 1000
+  assert len(data["lengths"]) == len(data["num_steps"]) == 64
+  stats = data["summary"]
+  assert stats["min"] <= stats["median"] <= stats["p90"] <= stats["max"]
+  assert stats["max"] > 2 * stats["median"]  # the long tail shows even in 64 samples

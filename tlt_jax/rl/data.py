@@ -1,0 +1,177 @@
+"""Real data sets as `Example`s, and a deterministic, resumable prompt iterator.
+
+  load_jsonl(path)                 GSM8K / MATH / DAPO-style JSON lines
+  load_reasoning_gym(name, ...)    a reasoning_gym procedural data set (optional dependency:
+                                   pip install -e ".[reasoning]")
+  PromptIterator(examples, seed)   shuffled per epoch from the seed; `state_dict()` ->
+                                   {"epoch", "index"} goes into checkpoints
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from tlt_jax.rl.answers import extract_boxed, extract_hash_answer
+from tlt_jax.rl.tasks.example import Example
+
+T = TypeVar("T")
+
+_PROMPT_KEYS = ("question", "prompt", "problem")
+
+
+def _final_answer(raw: str) -> str:
+  """GSM8K answers end in '#### x' and MATH/DAPO answers may be '\\boxed{x}': keep x."""
+  for extract in (extract_hash_answer, extract_boxed):
+    found = extract(raw)
+    if found is not None:
+      return found
+  return raw.strip()
+
+
+def _prompt_text(value: Any, where: str) -> str:
+  if isinstance(value, str):
+    return value
+  # DAPO/verl records carry the prompt as chat messages: keep the last user turn.
+  if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+    user = [m.get("content") for m in value if m.get("role") == "user"]
+    if user and isinstance(user[-1], str):
+      return user[-1]
+  raise ValueError(f"{where}: the prompt must be a string or a list of chat messages with a "
+                   f"'user' turn, got {type(value).__name__}")
+
+
+def example_from_record(record: dict, where: str = "record") -> Example:
+  """One JSON record -> Example.
+
+  Prompt: the first of 'question', 'prompt', 'problem'. Answer: 'answer' (its '#### x' or
+  '\\boxed{x}' part when present), else 'reward_model.ground_truth' (verl/DAPO), else the
+  boxed answer of 'solution' (MATH). The worked solution is kept when the record has one.
+  """
+  if not isinstance(record, dict):
+    raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+  key = next((k for k in _PROMPT_KEYS if k in record), None)
+  if key is None:
+    raise ValueError(f"{where}: no prompt field; expected one of {_PROMPT_KEYS}, found "
+                     f"{sorted(record)}")
+  prompt = _prompt_text(record[key], where)
+  solution = record.get("solution")
+  raw = record.get("answer")
+  if raw is None and isinstance(record.get("reward_model"), dict):
+    raw = record["reward_model"].get("ground_truth")
+  if raw is None and isinstance(solution, str):
+    raw = extract_boxed(solution)
+  if raw is None:
+    raise ValueError(f"{where}: no answer; expected an 'answer' field (GSM8K '... #### x' or "
+                     f"MATH '\\boxed{{x}}'), 'reward_model.ground_truth', or a 'solution' with "
+                     f"a \\boxed answer")
+  raw = str(raw)
+  if solution is None and extract_hash_answer(raw) is not None:
+    solution = raw  # GSM8K puts the worked solution in the answer field
+  metadata = {k: v for k, v in record.items()
+              if k not in (key, "answer", "solution") and _is_json(v)}
+  return Example(prompt=prompt, answer=_final_answer(raw),
+                 solution=solution if isinstance(solution, str) else None, metadata=metadata)
+
+
+def _is_json(value) -> bool:
+  try:
+    json.dumps(value)
+    return True
+  except (TypeError, ValueError):
+    return False
+
+
+def load_jsonl(path: str, limit: int | None = None) -> list[Example]:
+  """Reads a JSON-lines file of records (see `example_from_record`); blank lines are skipped.
+
+  Raises FileNotFoundError for a missing file and ValueError naming the file and line of a bad
+  record.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"data file {path!r} does not exist")
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{lineno}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+      out.append(example_from_record(record, where))
+      if limit is not None and len(out) >= limit:
+        break
+  return out
+
+
+def load_reasoning_gym(name: str, size: int, seed: int = 0, **task_kwargs) -> list[Example]:
+  """`size` problems of the reasoning_gym data set `name` (e.g. 'basic_arithmetic', 'chain_sum').
+
+  reasoning_gym scores some tasks with its own checker; `answers_match` covers the numeric and
+  exact-string ones.
+  """
+  try:
+    import reasoning_gym
+  except ImportError:
+    raise ImportError("load_reasoning_gym needs the optional 'reasoning-gym' package: "
+                      "pip install -e \".[reasoning]\" (or pip install reasoning-gym)") from None
+  dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **task_kwargs)
+  out = []
+  for i, entry in enumerate(dataset):
+    meta = {k: v for k, v in dict(entry.get("metadata") or {}).items() if _is_json(v)}
+    meta.update(source=f"reasoning_gym/{name}", index=i)
+    out.append(Example(prompt=entry["question"], answer=str(entry["answer"]), metadata=meta))
+  return out
+
+
+class PromptIterator(Generic[T], Iterator[T]):
+  """Endless iterator over `items`, reshuffled every epoch; resumable from `state_dict()`.
+
+  Epoch e visits the items in the order `default_rng([seed, e]).permutation(len(items))`
+  (or in order when shuffle=False), so the sequence is a pure function of (seed, position):
+  restoring {"epoch", "index"} continues exactly where a run stopped.
+  """
+
+  def __init__(self, items: Sequence[T], seed: int = 0, shuffle: bool = True):
+    if len(items) == 0:
+      raise ValueError("PromptIterator needs at least one item")
+    self.items = items
+    self.seed = seed
+    self.shuffle = shuffle
+    self.epoch = 0
+    self.index = 0
+    self._order = self._order_for(0)
+
+  def _order_for(self, epoch: int) -> np.ndarray:
+    if not self.shuffle:
+      return np.arange(len(self.items))
+    return np.random.default_rng([self.seed, epoch]).permutation(len(self.items))
+
+  def __next__(self) -> T:
+    if self.index >= len(self.items):
+      self.epoch += 1
+      self.index = 0
+      self._order = self._order_for(self.epoch)
+    item = self.items[int(self._order[self.index])]
+    self.index += 1
+    return item
+
+  def take(self, count: int) -> list[T]:
+    return [next(self) for _ in range(count)]
+
+  def state_dict(self) -> dict[str, int]:
+    return {"epoch": int(self.epoch), "index": int(self.index)}
+
+  def load_state_dict(self, state: dict) -> None:
+    epoch, index = int(state["epoch"]), int(state["index"])
+    if epoch < 0 or not 0 <= index <= len(self.items):
+      raise ValueError(f"bad iterator state {state!r} for {len(self.items)} items: need "
+                       f"epoch >= 0 and 0 <= index <= {len(self.items)}")
+    self.epoch, self.index = epoch, index
+    self._order = self._order_for(epoch)

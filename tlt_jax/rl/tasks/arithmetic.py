@@ -1,0 +1,154 @@
+"""Multi-step arithmetic word problems with a line-per-step solution and a verifiable answer.
+
+  prompt:   "Start with 7. Add 5. Multiply by 3. Subtract 4. What is the result?"
+  solution: "7+5=12\n12*3=36\n36-4=32\n#### 32"
+
+Built so that a tiny model can learn it and still has room to improve: every intermediate value
+stays in [0, max_value] (an operation is only drawn when its result stays in range, so there is
+no modular wrap-around to learn), operands are small, and each line repeats the previous result,
+so one step only needs the line above and the matching instruction. The number of steps is
+heavy-tailed (see `sample_num_steps`), so solution lengths are long-tailed like reasoning
+rollouts: most problems take a few lines, a few take ten times as many, and accuracy falls with
+length because every step is a chance to slip.
+
+Problem `index` of a task is a pure function of (seed, index), so a data set is a seed plus a
+range of indices: resumable, shardable, and the same on every machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tlt_jax.rl.tasks.example import Example
+
+OPS = ("add", "subtract", "multiply")
+_SYMBOL = {"add": "+", "subtract": "-", "multiply": "*"}
+_WORDS = {"add": "Add {k}.", "subtract": "Subtract {k}.", "multiply": "Multiply by {k}."}
+
+
+def sample_num_steps(rng: np.random.Generator, min_steps: int, max_steps: int, body_p: float,
+                     tail_prob: float, tail_alpha: float) -> int:
+  """Draws a number of steps from a truncated geometric body mixed with a truncated Zipf tail.
+
+  With probability 1 - tail_prob: min_steps + Geometric(body_p) - 1 (mean about 1 / body_p
+  above min_steps - 1); with probability tail_prob: n in [min_steps, max_steps] with
+  P(n) proportional to (n - min_steps + 1) ** -tail_alpha. Both are cut at max_steps
+  (geometric draws past it are redrawn, so the cap does not pile up mass at max_steps).
+  """
+  if rng.random() < tail_prob:
+    support = np.arange(min_steps, max_steps + 1)
+    weights = (support - min_steps + 1.0) ** -tail_alpha
+    return int(rng.choice(support, p=weights / weights.sum()))
+  while True:
+    n = min_steps + int(rng.geometric(body_p)) - 1
+    if n <= max_steps:
+      return n
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTask:
+  """Generator of arithmetic chains.
+
+  Attributes:
+    seed: the data set's seed; problem i depends only on (seed, i).
+    min_steps, max_steps: bounds on the number of operations.
+    body_p, tail_prob, tail_alpha: the step-count distribution (`sample_num_steps`).
+    max_value: every value (start, intermediate, answer) is in [0, max_value].
+    max_operand: add/subtract operands are in [1, max_operand].
+    max_multiplier: multiply operands are in [2, max_multiplier].
+  """
+  seed: int = 0
+  min_steps: int = 1
+  max_steps: int = 24
+  body_p: float = 0.4
+  tail_prob: float = 0.1
+  tail_alpha: float = 0.5
+  max_value: int = 99
+  max_operand: int = 9
+  max_multiplier: int = 5
+
+  def __post_init__(self):
+    if not 1 <= self.min_steps <= self.max_steps:
+      raise ValueError(f"task steps: need 1 <= min_steps <= max_steps, got min_steps="
+                       f"{self.min_steps}, max_steps={self.max_steps}")
+    if not 0.0 < self.body_p <= 1.0:
+      raise ValueError(f"task.body_p={self.body_p} must be in (0, 1]")
+    if not 0.0 <= self.tail_prob <= 1.0:
+      raise ValueError(f"task.tail_prob={self.tail_prob} must be in [0, 1]")
+    if self.tail_alpha < 0:
+      raise ValueError(f"task.tail_alpha={self.tail_alpha} must be >= 0")
+    if self.max_operand < 1 or self.max_multiplier < 2:
+      raise ValueError(f"task operands: need max_operand >= 1 and max_multiplier >= 2, got "
+                       f"{self.max_operand} and {self.max_multiplier}")
+    if self.max_value < max(self.max_operand, 2 * self.max_multiplier):
+      raise ValueError(f"task.max_value={self.max_value} is too small for the operands; use at "
+                       f"least {max(self.max_operand, 2 * self.max_multiplier)}")
+
+  def _allowed(self, value: int) -> list[tuple[str, int]]:
+    """Every (op, operand) whose result stays in [0, max_value]."""
+    out = [("add", k) for k in range(1, self.max_operand + 1) if value + k <= self.max_value]
+    out += [("subtract", k) for k in range(1, self.max_operand + 1) if value - k >= 0]
+    out += [("multiply", k) for k in range(2, self.max_multiplier + 1)
+            if value * k <= self.max_value]
+    return out
+
+  def example(self, index: int) -> Example:
+    """Problem number `index` (any int >= 0) of this task."""
+    if index < 0:
+      raise ValueError(f"example index must be >= 0, got {index}")
+    rng = np.random.default_rng([self.seed, index])
+    n = sample_num_steps(rng, self.min_steps, self.max_steps, self.body_p, self.tail_prob,
+                         self.tail_alpha)
+    value = int(rng.integers(0, self.max_value + 1))
+    words, lines = [f"Start with {value}."], []
+    for _ in range(n):
+      # Pick the operation first, then its operand, so that the three operations are about
+      # equally common whatever the current value allows.
+      allowed = self._allowed(value)
+      ops = sorted({op for op, _ in allowed}, key=OPS.index)
+      op = ops[int(rng.integers(len(ops)))]
+      ks = [k for o, k in allowed if o == op]
+      k = ks[int(rng.integers(len(ks)))]
+      new = apply_op(value, op, k)
+      words.append(_WORDS[op].format(k=k))
+      lines.append(f"{value}{_SYMBOL[op]}{k}={new}")
+      value = new
+    words.append("What is the result?")
+    solution = "\n".join(lines + [f"#### {value}"])
+    return Example(prompt=" ".join(words), answer=str(value), solution=solution,
+                   metadata={"task": "arithmetic", "seed": self.seed, "index": index,
+                             "num_steps": n})
+
+  def examples(self, count: int, start: int = 0) -> list[Example]:
+    """Problems start, start + 1, ..., start + count - 1."""
+    return [self.example(i) for i in range(start, start + count)]
+
+
+def apply_op(value: int, op: str, operand: int) -> int:
+  """The result of one step; raises ValueError for an unknown op."""
+  if op == "add":
+    return value + operand
+  if op == "subtract":
+    return value - operand
+  if op == "multiply":
+    return value * operand
+  raise ValueError(f"unknown op {op!r}; allowed: {OPS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSlice:
+  """Problems [start, start + size) of a task as a lazy sequence (generated on access), so a
+  data set of millions of problems costs nothing until it is read."""
+  task: ArithmeticTask
+  size: int
+  start: int = 0
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, i: int) -> Example:
+    if not -self.size <= i < self.size:
+      raise IndexError(f"index {i} out of range for {self.size} problems")
+    return self.task.example(self.start + (i % self.size))
