@@ -64,7 +64,8 @@ def summarize(result, threshold: int, compile_s: float, executables: int) -> dic
   tail_tokens = sum(r.emitted for r in tail)
   tail_s = sum(r.wall_s for r in tail)
   return dict(wall_s=result.wall_s, tokens=tokens, tokens_per_s=tokens / result.wall_s,
-              tail_tokens=tail_tokens, tail_s=tail_s,
+              tail_tokens=tail_tokens, tail_s=tail_s, tail_calls=len(tail),
+              tail_s_per_call=tail_s / len(tail) if tail else None,
               tail_tokens_per_s=tail_tokens / tail_s if tail_s else None,
               accept_len=float(np.mean([r.accept_mean for r in sd])) if sd else None,
               sd_iterations=len(sd), executables=executables, compile_s=compile_s,
@@ -102,15 +103,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, type=pathlib.Path)
   parser.add_argument("--policy", default=DEFAULT_POLICY)
-  parser.add_argument("--num-prompts", type=int, default=16)
-  parser.add_argument("--num-samples", type=int, default=4)
+  parser.add_argument("--num-prompts", type=int, default=96)
+  parser.add_argument("--num-samples", type=int, default=1)
   parser.add_argument("--max-new-tokens", type=int, default=256)
   parser.add_argument("--max-batch", type=int, default=64)
   parser.add_argument("--sd-threshold", type=int, default=4)
   parser.add_argument("--strategies", nargs="+", default=["4,2,8", "3,2,6", "6,2,12"])
   parser.add_argument("--temperature", type=float, default=0.0)
   parser.add_argument("--drafter-steps", type=int, default=400)
-  parser.add_argument("--drafter-prompts", type=int, default=64)
+  parser.add_argument("--drafter-prompts", type=int, default=256)
   parser.add_argument("--quick", action="store_true", help="small run for smoke tests")
   args = parser.parse_args()
   if args.quick:

@@ -43,3 +43,17 @@ def test_bench_sd_step_quick(tmp_path):
     assert 1.0 <= row["accept_len"] <= 4.0  # strategy (3, 2, 6): at most steps + 1
   oracle = next(r for r in data["rows"] if r["drafter"] == "oracle")
   assert oracle["accept_len"] > 1.5
+
+
+@pytest.mark.slow
+def test_bench_rollout_quick(tmp_path):
+  out = tmp_path / "rollout.json"
+  _run_script("bench_rollout.py", "--quick", "--policy", "assets/tiny-policy", "--out", str(out))
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").exists()
+  assert set(data["modes"]) == {"plain", "sd(3, 2, 6)", "sd-beg_mab"}
+  assert all(data["outputs_identical_to_plain"].values())  # greedy SD is lossless
+  assert data["drafter_warmup"]["loss_last"] < data["drafter_warmup"]["loss_first"]
+  for mode in data["modes"].values():
+    assert mode["executables"] > 0 and mode["tokens"] > 0
+  assert data["speedup_wall"] > 0
