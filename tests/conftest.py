@@ -8,6 +8,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import importlib  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 from tlt_jax.models import ModelConfig, RopeConfig, init_params  # noqa: E402
@@ -24,3 +27,16 @@ def tiny_cfg() -> ModelConfig:
 @pytest.fixture(scope="session")
 def tiny_params(tiny_cfg):
   return init_params(tiny_cfg, jax.random.key(0))
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def repo_config(name: str, arg: str | None = None):
+  """`configs/<name>.py`'s get_config(arg), as the CLI would load it."""
+  sys.path.insert(0, REPO)
+  try:
+    module = importlib.import_module(f"configs.{name}")
+  finally:
+    sys.path.pop(0)
+  return module.get_config(arg)

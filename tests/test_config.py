@@ -8,22 +8,14 @@ import sys
 import ml_collections
 import pytest
 
+from tests.conftest import repo_config
 from tlt_jax.config import ConfigError, base_config, model_config, validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _default(arg=None):
-  sys.path.insert(0, REPO)
-  try:
-    from configs import default
-  finally:
-    sys.path.pop(0)
-  return default.get_config(arg)
-
-
 def test_default_config_is_valid_and_locked():
-  c = _default()
+  c = repo_config("default")
   validate_config(c, num_devices=2)
   with pytest.raises(AttributeError, match='Did you mean "dtype"'):
     c.model.dtyp = "float32"
@@ -111,7 +103,7 @@ def test_cli_generates_and_writes_outputs(tmp_path):
 def test_rollout_sections_build_the_engine_pieces():
   from tlt_jax.config import (drafter_config, engine_config, make_tuner_from_config,
                               sampling_params)
-  c = _default()
+  c = repo_config("default")
   assert engine_config(c).sd_threshold == c.rollout.sd_threshold
   assert sampling_params(c).temperature == c.rollout.temperature
   assert len(make_tuner_from_config(c).strategies()) == len(c.rollout.speculative.arms)

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.conftest import repo_config
 from tlt_jax.mesh import make_mesh, shard_pytree
 from tlt_jax.models import init_params, param_logical_axes
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
@@ -22,14 +23,6 @@ from tlt_jax.sft import init_optimizer, make_optimizer, make_train_step, sft_los
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET = os.path.join(REPO, "assets", "tiny-policy")
 
-
-def _load_config(arg=None):
-  sys.path.insert(0, REPO)
-  try:
-    from configs import tiny_sft
-  finally:
-    sys.path.pop(0)
-  return tiny_sft.get_config(arg)
 
 
 def test_packed_loss_equals_the_sequences_alone(tiny_cfg, tiny_params):
@@ -66,7 +59,7 @@ def task_tokenizer():
 
 
 def test_sharded_train_step_lowers_the_loss(tiny_cfg, task_tokenizer):
-  config = _load_config("runlocal")
+  config = repo_config("tiny_sft", "runlocal")
   cfg = tiny_cfg.replace(vocab_size=len(task_tokenizer))
   mesh = make_mesh({"replica": 2, "fsdp": -1, "tensor": 1})
   params = shard_pytree(init_params(cfg, jax.random.key(0)), param_logical_axes(cfg), mesh)
