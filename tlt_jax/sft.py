@@ -34,7 +34,8 @@ from tlt_jax.mesh import logical_to_mesh_spec, make_mesh, shard_pytree
 from tlt_jax.models import ModelConfig, forward, init_cache, init_params, param_logical_axes
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import evaluate
-from tlt_jax.rl.packing import next_packed_batch, segment_attention_mask
+from tlt_jax.models.masks import segment_causal_mask
+from tlt_jax.rl.packing import next_packed_batch
 from tlt_jax.rl.tasks import ArithmeticTask, TaskSlice
 from tlt_jax.rl.tokenizer import prompt_ids, response_ids, train_tokenizer
 
@@ -108,7 +109,7 @@ def sft_loss(params: dict, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, ja
   rows = tokens.shape[0]
   # An empty cache: packed rows attend only within themselves through the segment mask.
   cache = init_cache(cfg, rows, 1)
-  mask = segment_attention_mask(batch["segment_ids"])
+  mask = segment_causal_mask(batch["segment_ids"])
   logits, _, _, _ = forward(params, tokens, batch["positions"], cache, mask, cfg)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   weight = batch["loss_mask"]

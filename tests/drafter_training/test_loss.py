@@ -14,6 +14,7 @@ from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_st
 from tlt_jax.drafter_training.windows import Sample, pack_windows
 from tlt_jax.models import init_cache, prefill
 from tlt_jax.models.drafter import drafter_forward, init_drafter_cache
+from tlt_jax.models.masks import segment_causal_mask
 
 
 def _samples(cfg, params, lengths, seed=0):
@@ -51,12 +52,11 @@ def test_packed_predictions_equal_separate_ones(tiny_cfg, tiny_params):
 
   def predict(w):
     b, t = w.tokens.shape
-    from tlt_jax.drafter_training.loss import segment_mask
     pred, _, _, _ = drafter_forward(
         dparams, tiny_params, jnp.asarray(w.tokens),
         previous_features(jnp.asarray(w.features), jnp.asarray(w.segment_ids)),
         jnp.asarray(w.positions), init_drafter_cache(tiny_cfg, dcfg, b, 1),
-        segment_mask(jnp.asarray(w.segment_ids)), tiny_cfg, dcfg)
+        segment_causal_mask(jnp.asarray(w.segment_ids)), tiny_cfg, dcfg)
     return np.asarray(pred)
 
   together = predict(packed)

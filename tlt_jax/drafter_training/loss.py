@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig, drafter_forward, init_drafter_cache
-from tlt_jax.models.drafter import logits_with_policy
+from tlt_jax.models.drafter import (DrafterConfig, drafter_forward, init_drafter_cache,
+                                    logits_with_policy)
+from tlt_jax.models.masks import segment_causal_mask
 
 
 @flax.struct.dataclass
@@ -32,14 +33,6 @@ class Windows:
   segment_ids: jax.Array
   positions: jax.Array
   loss_mask: jax.Array
-
-
-def segment_mask(segment_ids: jax.Array) -> jax.Array:
-  """[B, W] segment ids -> [B, W, W] causal mask that never crosses segments or padding."""
-  w = segment_ids.shape[1]
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
-  causal = jnp.tril(jnp.ones((w, w), bool))[None]
-  return same & causal & (segment_ids > 0)[:, :, None]
 
 
 def previous_features(features: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -63,7 +56,7 @@ def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg:
   pred, logits, _, _ = drafter_forward(
       drafter_params, policy_params, batch.tokens,
       previous_features(batch.features, batch.segment_ids), batch.positions, empty,
-      segment_mask(batch.segment_ids), cfg, dcfg)
+      segment_causal_mask(batch.segment_ids), cfg, dcfg)
   target = batch.features[..., :cfg.hidden_size].astype(jnp.float32)
   target_logits = jax.lax.stop_gradient(logits_with_policy(policy_params, target, cfg))
   mask = batch.loss_mask.astype(jnp.float32)

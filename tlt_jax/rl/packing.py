@@ -1,7 +1,7 @@
 """Packing (prompt, response) token sequences into fixed [rows, seq_len] training batches.
 
 Several sequences share a row, each with its own segment id; positions restart at 0 in every
-segment, and `segment_attention_mask` keeps segments from attending to each other, so a packed
+segment, and `tlt_jax.models.masks.segment_causal_mask` keeps segments from attending to each other, so a packed
 row computes exactly what the sequences would compute alone. Only response tokens are targets.
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -98,11 +96,3 @@ def next_packed_batch(iterator, encode: Callable[[Any], tuple[list[int], list[in
     _write(batch, row, fill[row], prompt, response)
     fill[row] += n
     count += 1
-
-
-def segment_attention_mask(segment_ids: jax.Array) -> jax.Array:
-  """[B, T] segment ids -> [B, T, T] bool causal mask within each segment (padding: all False)."""
-  t = segment_ids.shape[1]
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
-  causal = jnp.tril(jnp.ones((t, t), bool))[None]
-  return same & causal & (segment_ids[:, :, None] > 0)

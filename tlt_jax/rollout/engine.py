@@ -115,6 +115,7 @@ class RolloutEngine:
     self.pool = ExecutablePool()
     self._policy_axes = param_logical_axes(cfg)
     self._drafter_axes = drafter_logical_axes(cfg, self.dcfg) if drafter else None
+    self._drafter = [None] * len(self.slices)
     self.update_params(policy_params, drafter[1] if drafter else None)
 
   # ---------------------------------------------------------------- parameters
@@ -127,8 +128,6 @@ class RolloutEngine:
     if drafter_params is not None:
       self._drafter = [jax.device_put(drafter_params, logical_shardings(
           self._drafter_axes, m, self.rules, drafter_params)) for m in self.slices]
-    elif not hasattr(self, "_drafter"):
-      self._drafter = [None] * len(self.slices)
 
   @property
   def speculative(self) -> bool:
@@ -336,14 +335,13 @@ class _SliceWorker:
                             strategy, stats)
 
   def _after_call(self, t0, t, mode, active, bucket, strategy, stats) -> StepRecord:
-    # The one host sync per call: which rows are done, and how many tokens each holds.
-    done = np.asarray(self.state.done)
+    # The one host sync per call: which rows are done, and the step's counts.
+    done, stats = jax.device_get((self.state.done, stats))
     wall = time.perf_counter() - t
     emitted, accept = active if mode == "prefill" else 0, 0.0
     if stats is not None:
-      emitted_rows = np.asarray(stats.emitted)
-      emitted = int(emitted_rows.sum())
-      accepted = np.asarray(stats.accepted)
+      emitted = int(stats.emitted.sum())
+      accepted = stats.accepted
       live = accepted > 0
       accept = float(accepted[live].mean()) if live.any() else 0.0
       if strategy is not None:
