@@ -31,6 +31,7 @@ from tqdm import tqdm
 from tlt_jax import cli
 from tlt_jax.config import model_config, task_from_config
 from tlt_jax.mesh import logical_to_mesh_spec, make_mesh, shard_pytree
+from tlt_jax.optim import init_optimizer
 from tlt_jax.models import ModelConfig, forward, init_cache, init_params, param_logical_axes
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import evaluate
@@ -76,15 +77,6 @@ def make_optimizer(s: ml_collections.ConfigDict) -> optax.GradientTransformation
       optax.clip_by_global_norm(s.grad_clip) if s.grad_clip > 0 else optax.identity(),
       optax.adamw(schedule, b1=s.b1, b2=s.b2, weight_decay=s.weight_decay,
                   mask=_decay_mask))
-
-
-def init_optimizer(tx: optax.GradientTransformation, params: dict, mesh):
-  """The optimizer state on the mesh and its shardings: moments follow their params; scalars
-  (step counts), which jit would leave on one device, are replicated."""
-  opt_state = jax.jit(tx.init)(params)
-  sharding = jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
-                          else NamedSharding(mesh, P()), opt_state)
-  return jax.device_put(opt_state, sharding), sharding
 
 
 def _decay_mask(params: dict) -> dict:

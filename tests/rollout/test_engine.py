@@ -82,8 +82,9 @@ def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
                          drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
   idle = []
   first = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0),
-                          on_slice_idle=lambda s, mesh: idle.append((s, mesh.devices.size)))
-  assert idle == [(0, 1)]  # told once, when the slice ran out of work
+                          on_slice_idle=lambda s, mesh, block: idle.append(
+                              (s, mesh.devices.size, block)))
+  assert idle == [(0, 1, None)]  # told once, when the slice ran out of work
   assert first.pool["compiles"] == first.pool["executables"]  # every program compiled once
   second = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
   assert second.pool["compiles"] == first.pool["compiles"]

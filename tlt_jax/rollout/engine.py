@@ -15,6 +15,9 @@ The drafter's cache is kept in step during plain decoding (one small drafter lay
 so switching to SD needs no re-prefill: the per-row last hidden state is already in the state.
 Every program comes from an ExecutablePool keyed by (slice, program, bucket, strategy), so a
 rollout never recompiles once its shapes have been seen.
+
+With `log_features`, the policy's features of (a chosen subset of) the sequences are kept on
+the slice's devices as they are decoded (tlt_jax.rollout.feature_log), for drafter training.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import param_logical_axes
 from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, init_drafter_cache
 from tlt_jax.models.kv_cache import CACHE_KV_AXES, init_cache
+from tlt_jax.rollout.feature_log import FeatureBlock, store_rows
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.state_ops import put_rows, take_rows
 from tlt_jax.speculative.decoding import GenState, plain_step, sd_step, start
@@ -95,6 +99,9 @@ class RolloutResult:
   slice_done_s: list[float]  # when each slice ran out of work, since the start
   wall_s: float
   pool: dict
+  feature_blocks: list[FeatureBlock | None]  # per slice; None without feature logging
+  t_start: float = 0.0       # time.perf_counter() at the start and the end of generate()
+  t_end: float = 0.0
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -106,10 +113,13 @@ class RolloutEngine:
 
   def __init__(self, cfg: ModelConfig, policy_params: dict, mesh: Mesh,
                econf: EngineConfig, drafter: tuple[DrafterConfig, dict] | None = None,
-               tuner: Tuner | None = None, rules=DEFAULT_RULES):
+               tuner: Tuner | None = None, rules=DEFAULT_RULES, log_features: bool = False):
+    """log_features: keep the policy's features of finished sequences on device (see
+    generate's `log_requests`); costs a [rows, capacity, F] array per slice."""
     if drafter is not None and tuner is None:
       raise ValueError("speculative decoding needs a tuner (e.g. FixedTuner((4, 2, 8)))")
     self.cfg, self.econf, self.rules, self.tuner = cfg, econf, tuple(rules), tuner
+    self.log_features = log_features
     self.dcfg = drafter[0] if drafter else None
     self.slices = replica_slices(mesh)
     self.pool = ExecutablePool()
@@ -128,6 +138,13 @@ class RolloutEngine:
     if drafter_params is not None:
       self._drafter = [jax.device_put(drafter_params, logical_shardings(
           self._drafter_axes, m, self.rules, drafter_params)) for m in self.slices]
+
+  def policy_on(self, s: int) -> dict:
+    """The policy params as placed on slice s (what drafter training on that slice reads)."""
+    return self._policy[s]
+
+  def drafter_on(self, s: int) -> dict | None:
+    return self._drafter[s]
 
   @property
   def speculative(self) -> bool:
@@ -157,7 +174,8 @@ class RolloutEngine:
 
     def fn(params, dparams, prompts, lengths, key, caches):
       return start(params, prompts, lengths, caches[0], key, sp, ec.max_new_tokens, ec.eos_id,
-                   cfg, drafter_params=dparams, draft_cache=caches[1], dcfg=dcfg)
+                   cfg, drafter_params=dparams, draft_cache=caches[1], dcfg=dcfg,
+                   log_features=self.log_features)
 
     # The empty caches are made by their own program and passed in (donated): built inside
     # the prefill, they would be compile-time constants that XLA tries to fold through the
@@ -181,6 +199,17 @@ class RolloutEngine:
     return self.pool.get(key_, fn, args, donate_argnums=(2,),
                          out_shardings=self._layout(s)), args
 
+  def _store_exe(self, s, rows: int):
+    """An empty feature store [rows, C, F] on slice s."""
+    shape = (rows, self.econf.capacity, self.cfg.feature_size)
+    return self.pool.get((s, "store", rows), lambda: jnp.zeros(shape, self.cfg.jnp_dtype), (),
+                         out_shardings=self._layout(s))
+
+  def _harvest_exe(self, s, store, log, src):
+    return self.pool.get((s, "harvest", store.shape[0], log.shape[0], src.shape[0]),
+                         store_rows, (store, log, src, src), donate_argnums=(0,),
+                         out_shardings=self._layout(s))
+
   def _rows_exe(self, s, name, fn, args, out_rows):
     return self.pool.get((s, name, args[0].root.shape[0], out_rows), fn, args,
                          donate_argnums=(0,) if name == "put" else (),
@@ -189,12 +218,15 @@ class RolloutEngine:
   # ---------------------------------------------------------------- generation
 
   def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingParams,
-               key: jax.Array, on_slice_idle=None) -> RolloutResult:
+               key: jax.Array, on_slice_idle=None, log_requests=None) -> RolloutResult:
     """Generates `num_samples` completions for each prompt (token-id lists).
 
-    on_slice_idle: optional callback `fn(slice_index, mesh)`, called from this host loop the
-    moment a slice has no work left while others may still be decoding (spot training
-    dispatches its work there). It must return quickly: the loop waits for it.
+    on_slice_idle: optional callback `fn(slice_index, mesh, feature_block)`, called from this
+    host loop the moment a slice has no work left while others may still be decoding (spot
+    training starts there). feature_block is the slice's FeatureBlock (None without feature
+    logging). It must return quickly: the loop waits for it.
+    log_requests: with log_features, the request ids (prompt i's sample j is request
+    i * num_samples + j) whose features are kept; None = all.
 
     Deterministic for a given key and schedule; with a timing-driven tuner (BEG-MAB) the
     schedule, and so which random numbers a sampled row uses, can change between runs, not
@@ -203,12 +235,17 @@ class RolloutEngine:
     self._check_requests(prompts, num_samples)
     requests = [p for p in prompts for _ in range(num_samples)]
     n = len(requests)
+    logged = set()
+    if self.log_features:
+      logged = set(range(n)) if log_requests is None else {int(r) for r in log_requests}
     workers = [_SliceWorker(self, s, list(range(s, n, len(self.slices))), requests, sampling,
-                            jax.random.fold_in(key, s)) for s in range(len(self.slices))]
+                            jax.random.fold_in(key, s), logged)
+               for s in range(len(self.slices))]
     t0 = time.perf_counter()
     results: dict[int, tuple[list[int], str]] = {}
     timeline: list[StepRecord] = []
     slice_done = [0.0] * len(workers)
+    blocks: list[FeatureBlock | None] = [None] * len(workers)
     while any(w.busy for w in workers):
       for w in workers:
         if w.busy:
@@ -218,13 +255,15 @@ class RolloutEngine:
           results.update(w.pop_finished())
           if not w.busy:
             slice_done[w.s] = time.perf_counter() - t0
+            blocks[w.s] = w.feature_block()
             if on_slice_idle is not None:
-              on_slice_idle(w.s, self.slices[w.s])
+              on_slice_idle(w.s, self.slices[w.s], blocks[w.s])
+    t_end = time.perf_counter()
     tokens = [results[i][0] for i in range(n)]
     return RolloutResult(tokens=tokens, lengths=np.asarray([len(t) for t in tokens]),
                          finish_reasons=[results[i][1] for i in range(n)], timeline=timeline,
-                         slice_done_s=slice_done, wall_s=time.perf_counter() - t0,
-                         pool=self.pool.report())
+                         slice_done_s=slice_done, wall_s=t_end - t0, pool=self.pool.report(),
+                         feature_blocks=blocks, t_start=t0, t_end=t_end)
 
   def _check_requests(self, prompts, num_samples):
     if num_samples < 1:
@@ -247,10 +286,16 @@ class _SliceWorker:
   """The host-side state machine of one slice: its queue, its rows and its GenState."""
 
   def __init__(self, engine: RolloutEngine, s: int, request_ids: list[int],
-               requests: list[list[int]], sp: SamplingParams, key):
+               requests: list[list[int]], sp: SamplingParams, key, logged: set[int]):
     self.e, self.s, self.sp, self.key = engine, s, sp, key
     self.requests = requests
     self.queue = list(request_ids)
+    self.logged = logged
+    n_logged = sum(r in logged for r in request_ids)
+    # The feature store: logged rows land here as they finish, in finishing order.
+    self.store = self.e._store_exe(s, _bucket(n_logged, 1 << 30))() if n_logged else None
+    self.store_ids: list[int] = []
+    self.store_seqs: list[np.ndarray] = []
     self.state: GenState | None = None
     self.rows: list[int] = []        # request id per row, -1 = free
     self.done = np.zeros((0,), bool)
@@ -260,6 +305,31 @@ class _SliceWorker:
   @property
   def busy(self) -> bool:
     return bool(self.queue) or any(r >= 0 for r in self.rows)
+
+  def feature_block(self) -> FeatureBlock | None:
+    if self.store is None:
+      return None
+    return FeatureBlock(features=self.store, request_ids=list(self.store_ids),
+                        sequences=list(self.store_seqs),
+                        prompt_lens=[len(self.requests[r]) for r in self.store_ids])
+
+  def _harvest_features(self, rows: list[int]) -> None:
+    """Copies the finished rows' feature logs into the store, on device."""
+    rows = [i for i in rows if self.rows[i] in self.logged]
+    if not rows:
+      return
+    k = _bucket(len(rows), 1 << 30)
+    src = np.zeros((k,), np.int32)
+    dst = np.full((k,), self.store.shape[0], np.int32)  # padding points past the store: dropped
+    src[:len(rows)] = rows
+    dst[:len(rows)] = np.arange(len(self.store_ids), len(self.store_ids) + len(rows))
+    src, dst = self._put(src), self._put(dst)
+    exe = self.e._harvest_exe(self.s, self.store, self.state.feature_log, src)
+    self.store = exe(self.store, self.state.feature_log, src, dst)
+    for i in rows:
+      r = self.rows[i]
+      self.store_ids.append(r)
+      self.store_seqs.append(np.asarray(list(self.requests[r]) + self._finished[r][0], np.int32))
 
   def pop_finished(self):
     out, self._finished = self._finished, {}
@@ -354,6 +424,9 @@ class _SliceWorker:
         toks = out[i, :num[i]].tolist()
         reason = "eos" if toks and toks[-1] == self.e.econf.eos_id else "length"
         self._finished[self.rows[i]] = (toks, reason)
+      if self.store is not None:
+        self._harvest_features(finished)
+      for i in finished:
         self.rows[i] = -1
     if not any(r >= 0 for r in self.rows) and not self.queue:
       self.state = None

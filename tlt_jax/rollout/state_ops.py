@@ -27,7 +27,8 @@ def _map_rows(fn, state: GenState, *others: GenState) -> GenState:
   return GenState(cache=cache_map(state.cache, *[o.cache for o in others]),
                   draft_cache=cache_map(state.draft_cache, *[o.draft_cache for o in others]),
                   root=rows("root"), features=rows("features"), out=rows("out"),
-                  num_out=rows("num_out"), done=rows("done"))
+                  num_out=rows("num_out"), done=rows("done"),
+                  feature_log=None if state.feature_log is None else rows("feature_log"))
 
 
 def take_rows(state: GenState, rows: jax.Array) -> GenState:

@@ -8,6 +8,9 @@ Invariant between steps, per row with n committed tokens (prompt + generated so 
   root          x_n: sampled and emitted, not yet in either cache
   features      f_{n-1}: the policy's final-norm hidden state of x_{n-1}
   out/num_out   generated tokens so far (root included); done: EOS emitted or budget reached
+  feature_log   optional [B, C, F]: f_i at slot i for every committed token i < n, written in
+                the same compiled calls, so drafter training gets the policy's own features
+                without a host round trip per token (C = the cache capacity)
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class GenState:
   out: jax.Array         # [B, max_new_tokens] int32 (0 past num_out)
   num_out: jax.Array     # [B] int32
   done: jax.Array        # [B] bool
+  feature_log: jax.Array | None = None  # [B, C, F] (see the module docstring)
 
 
 @flax.struct.dataclass
@@ -63,13 +67,27 @@ def _emit(state: GenState, tokens: jax.Array, count: jax.Array, eos_id: int) -> 
   return out, num_out, done, emitted
 
 
+def _log_features(log: jax.Array | None, feats: jax.Array, first: jax.Array,
+                  count: jax.Array) -> jax.Array | None:
+  """log [B, C, F] with feats [B, P, F] written at slots first[b] + j for j < count[b]."""
+  if log is None:
+    return None
+  b, p = feats.shape[:2]
+  j = jnp.arange(p)[None]
+  slots = jnp.where(j < count[:, None], first[:, None] + j, log.shape[1])
+  return log.at[jnp.arange(b)[:, None], slots].set(feats.astype(log.dtype), mode="drop")
+
+
 def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KVCache,
           key: jax.Array, sp: SamplingParams, max_new_tokens: int, eos_id: int,
           cfg: ModelConfig, drafter_params: dict | None = None,
-          draft_cache: KVCache | None = None, dcfg: DrafterConfig | None = None) -> GenState:
+          draft_cache: KVCache | None = None, dcfg: DrafterConfig | None = None,
+          log_features: bool = False) -> GenState:
   """Prefills right-padded prompts [B, P] (lengths [B] >= 1) and samples the first token.
 
   With a drafter, also fills its cache with the prompt pairs (x_s, f_{s-1}), f_{-1} = 0.
+  log_features: keep a feature_log [B, C, F] (C = the cache capacity), starting with the
+  prompt's features.
   """
   logits, hidden, cache = prefill(policy_params, prompts, lengths, cache, cfg)
   last = lengths - 1
@@ -85,9 +103,14 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
         draft_cache.lengths[:, None] + jnp.arange(t)[None], draft_cache, mask, cfg, dcfg)
     draft_cache = append_kv(draft_cache, k_new, v_new, lengths)
   b = prompts.shape[0]
+  log = None
+  if log_features:
+    log = jnp.zeros((b, cache.k.shape[3], hidden.shape[-1]), hidden.dtype)
+    log = _log_features(log, hidden, jnp.zeros_like(lengths), lengths)
   state = GenState(cache=cache, draft_cache=draft_cache, root=root,
                    features=take_last(hidden), out=jnp.zeros((b, max_new_tokens), jnp.int32),
-                   num_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool))
+                   num_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
+                   feature_log=log)
   out, num_out, done, _ = _emit(state, root[:, None], jnp.ones((b,), jnp.int32), eos_id)
   return state.replace(out=out, num_out=num_out, done=done)
 
@@ -106,7 +129,9 @@ def plain_step(policy_params: dict, state: GenState, key: jax.Array, sp: Samplin
         draft_cache.lengths[:, None], draft_cache, jnp.ones((b, 1, 1), bool), cfg, dcfg)
     draft_cache = append_kv(draft_cache, k_new, v_new, active.astype(jnp.int32))
   nxt = sample_from_probs(key, target_probs(logits, sp))
-  state = state.replace(cache=cache, draft_cache=draft_cache,
+  log = _log_features(state.feature_log, hidden[:, None], state.cache.lengths,
+                      active.astype(jnp.int32))
+  state = state.replace(cache=cache, draft_cache=draft_cache, feature_log=log,
                         root=jnp.where(active, nxt, state.root),
                         features=jnp.where(active[:, None], hidden, state.features))
   out, num_out, done, emitted = _emit(state, nxt[:, None], active.astype(jnp.int32), eos_id)
@@ -147,7 +172,8 @@ def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax
   emitted_tokens = jnp.where(jnp.arange(d + 1)[None] == last[:, None],
                              acc.next_token[:, None], emitted_tokens)
   new_features = jnp.take_along_axis(path_feats, last[:, None, None], axis=1)[:, 0]
-  state = state.replace(cache=cache, draft_cache=draft_cache,
+  log = _log_features(state.feature_log, path_feats, state.cache.lengths, acc.num_nodes * act)
+  state = state.replace(cache=cache, draft_cache=draft_cache, feature_log=log,
                         root=jnp.where(active, acc.next_token, state.root),
                         features=jnp.where(active[:, None], new_features, state.features))
   out, num_out, done, emitted = _emit(state, emitted_tokens, acc.num_nodes * act, eos_id)

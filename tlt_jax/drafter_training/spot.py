@@ -1,0 +1,289 @@
+"""Spot training: drafter updates on mesh slices whose rollout work is done.
+
+The rollout engine calls `SpotTrainer.on_slice_idle(s, mesh, block)` from its host loop the
+moment slice s runs out of sequences. The trainer files the slice's logged features in the
+buffer and starts a thread that runs jitted drafter updates on that slice's devices, one at a
+time: it dispatches a step, waits for it, and checks the stop flag before the next. When the
+whole rollout ends, `finish()` sets the flag (under the lock that guards every dispatch, so no
+step starts after it) and joins the threads, which costs at most the one step in flight.
+
+Several idle slices train independent copies of the drafter, each from the state it had at the
+start of the rollout, on its own random windows; `finish()` averages them, weighted by the
+number of steps each ran (float leaves; integer counters take the maximum). Independent copies
+need no collective between slices that finish at different times and no re-layout when
+another slice joins, and each slice compiles its update once for the whole run. The averaged
+state lives on the trainer's home mesh; the engine then places the new drafter weights (only
+the drafter's own) on every rollout slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tlt_jax.drafter_training.buffer import FeatureBuffer
+from tlt_jax.drafter_training.loss import Windows, drafter_loss
+from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainState,
+                                                 make_optimizer, train_step)
+from tlt_jax.mesh import DEFAULT_RULES, logical_shardings, logical_to_mesh_spec
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes
+from tlt_jax.rollout.feature_log import FeatureBlock
+
+
+@dataclasses.dataclass(frozen=True)
+class SpotConfig:
+  """window: slots per packed window; windows: packed rows drawn from the buffer per
+  snapshot; batch_rows: windows per update; max_steps: cap per slice and rollout (0 = until
+  the rollout ends)."""
+  window: int = 256
+  windows: int = 32
+  batch_rows: int = 8
+  max_steps: int = 0
+
+  def __post_init__(self):
+    for name in ("window", "windows", "batch_rows"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"drafter.spot.{name} must be >= 1, got {getattr(self, name)}")
+    if self.max_steps < 0:
+      raise ValueError(f"drafter.spot.max_steps must be >= 0, got {self.max_steps}")
+
+
+@dataclasses.dataclass
+class DrafterStepRecord:
+  """One drafter update: where it ran (ids of the devices holding its outputs) and when
+  (time.perf_counter())."""
+  slice: int
+  t_dispatch: float
+  t_done: float
+  devices: frozenset
+  loss: float
+  top1: float
+  tokens: float
+
+
+def _rows_step(state: DrafterTrainState, policy_params: dict, windows: Windows, rows,
+               cfg, dcfg, oc):
+  """train_step on the windows' rows `rows` [batch_rows] int32."""
+  batch = jax.tree.map(lambda x: x[rows], windows)
+  return train_step(state, policy_params, batch, cfg, dcfg, oc)
+
+
+@jax.jit
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)  # outputs of a jit never alias undonated inputs
+
+
+@jax.jit
+def _weighted_average(states: list, weights: jax.Array):
+  """Float leaves: sum_i weights[i] * states[i]; integer leaves: the maximum."""
+  def one(*xs):
+    if jnp.issubdtype(xs[0].dtype, jnp.floating):
+      return sum(w * x.astype(jnp.float32) for w, x in zip(weights, xs)).astype(xs[0].dtype)
+    return functools.reduce(jnp.maximum, xs)
+  return jax.tree.map(one, *states)
+
+
+class SpotTrainer:
+  """Owns the drafter's train state across RL steps and trains it on idle slices."""
+
+  def __init__(self, cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig,
+               drafter_params: dict, home: Mesh, spot: SpotConfig = SpotConfig(),
+               buffer: FeatureBuffer | None = None, rules=DEFAULT_RULES, seed: int = 0,
+               opt_state=None, step: int = 0):
+    """home: the mesh the canonical train state lives on (e.g. the whole mesh).
+    opt_state / step: restore a saved optimizer state (default: a fresh one)."""
+    self.cfg, self.dcfg, self.oc, self.spot = cfg, dcfg, oc, spot
+    self.rules, self.seed, self.home = tuple(rules), seed, home
+    self.buffer = buffer if buffer is not None else FeatureBuffer()
+    self._axes = drafter_logical_axes(cfg, dcfg)
+    self._tx = make_optimizer(oc)
+    self._shardings: dict = {}
+    self._shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                drafter_params)
+    params = jax.device_put(drafter_params, self._state_shardings(home).params)
+    if opt_state is None:
+      opt_state = self._tx.init(params)
+    self.state = jax.device_put(
+        DrafterTrainState(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32)),
+        self._state_shardings(home))
+    self._step = jax.jit(functools.partial(_rows_step, cfg=cfg, dcfg=dcfg, oc=oc),
+                         donate_argnums=(0,))
+    self._lock = threading.Lock()
+    self._compiled: dict = {}
+    self.compile_s = 0.0
+    self._threads: dict[int, threading.Thread] = {}
+    self._results: dict[int, tuple[DrafterTrainState, int]] = {}
+    self._errors: list[BaseException] = []
+    self._stop = False
+    self.rl_step = 0
+    self.records: list[DrafterStepRecord] = []
+    self.idle_since: dict[int, float] = {}
+    self._policy_on: Callable[[int], dict] | None = None
+
+  @property
+  def params(self) -> dict:
+    return self.state.params
+
+  def _state_shardings(self, mesh: Mesh) -> DrafterTrainState:
+    """Shardings of the train state on `mesh`: params by their logical axes, Adam moments
+    like their params, counters replicated."""
+    if mesh not in self._shardings:
+      rep = NamedSharding(mesh, P())
+      p_sh = logical_shardings(self._axes, mesh, self.rules, self._shapes)
+      o_sh = optax.tree_map_params(self._tx, lambda _, sh: sh,
+                                   jax.eval_shape(self._tx.init, self._shapes), p_sh,
+                                   transform_non_params=lambda _: rep)
+      self._shardings[mesh] = DrafterTrainState(params=p_sh, opt_state=o_sh, step=rep)
+    return self._shardings[mesh]
+
+  def _executable(self, mesh: Mesh, args):
+    exe = self._compiled.get(mesh)
+    if exe is None:
+      t = time.perf_counter()
+      exe = self._compiled[mesh] = self._step.lower(*args).compile()
+      self.compile_s += time.perf_counter() - t
+    return exe
+
+  def precompile(self, meshes: list[Mesh], policy_on: Callable[[int], dict]) -> float:
+    """Compiles the update for each slice mesh ahead of the first rollout (otherwise a slice
+    spends its first idle seconds compiling). Returns the seconds it took."""
+    t0 = time.perf_counter()
+    sp = self.spot
+    f = self.cfg.feature_size
+    for s, mesh in enumerate(meshes):
+      def abstract(shape, dtype, names, mesh=mesh):
+        spec = logical_to_mesh_spec(P(*names), shape, mesh, self.rules)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+      rows2 = (sp.windows, sp.window)
+      windows = Windows(tokens=abstract(rows2, jnp.int32, ("batch", None)),
+                        features=abstract(rows2 + (f,), jnp.float32, ("batch", None, None)),
+                        segment_ids=abstract(rows2, jnp.int32, ("batch", None)),
+                        positions=abstract(rows2, jnp.int32, ("batch", None)),
+                        loss_mask=abstract(rows2, jnp.bool_, ("batch", None)))
+      state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                           self.state, self._state_shardings(mesh))
+      rows = jax.ShapeDtypeStruct((sp.batch_rows,), jnp.int32,
+                                  sharding=NamedSharding(mesh, P()))
+      self._executable(mesh, (state, policy_on(s), windows, rows))
+    return time.perf_counter() - t0
+
+  # ---------------------------------------------------------------- one rollout
+
+  def begin(self, rl_step: int, policy_on: Callable[[int], dict], num_slices: int) -> None:
+    """Starts a rollout session: policy_on(s) gives the policy params placed on slice s (their
+    embedding and LM head are read by the loss)."""
+    if self._threads:
+      raise RuntimeError("SpotTrainer.begin called while a session is running; call finish()")
+    self.rl_step, self._policy_on, self._num_slices = rl_step, policy_on, num_slices
+    self._compile_at_begin = self.compile_s
+    self._stop = False
+    self.records, self.idle_since, self._results, self._errors = [], {}, {}, []
+
+  def on_slice_idle(self, s: int, mesh: Mesh, block: FeatureBlock | None) -> None:
+    """The engine's callback: file the slice's features, start training on the slice."""
+    self.idle_since[s] = time.perf_counter()
+    self.buffer.add(self.rl_step, block)
+    if self._policy_on is None:
+      raise RuntimeError("SpotTrainer.on_slice_idle before begin()")
+    if self.buffer.num_sequences == 0 or len(self.idle_since) == self._num_slices:
+      return  # nothing to learn from, or the last slice: the rollout is over
+    t = threading.Thread(target=self._train_on_slice, args=(s, mesh, self._policy_on(s)),
+                         name=f"spot-train-{s}", daemon=True)
+    self._threads[s] = t
+    t.start()
+
+  def _train_on_slice(self, s: int, mesh: Mesh, policy_params: dict) -> None:
+    try:
+      sp = self.spot
+      # A private copy: the reshard may reuse buffers that the home state shares with the
+      # engine's drafter weights, and each update donates its input.
+      state = _copy(jax.device_put(self.state, self._state_shardings(mesh)))
+      rng = np.random.default_rng([self.seed, self.rl_step, s])
+      rep = NamedSharding(mesh, P())
+      version, windows, real, n = -1, None, 0, 0
+      while not sp.max_steps or n < sp.max_steps:
+        if self.buffer.version != version:  # new sequences arrived: re-pack
+          version = self.buffer.version
+          windows, real = self.buffer.windows_on(mesh, sp.window, sp.windows, rng,
+                                                 rules=self.rules)
+        rows = jax.device_put(rng.integers(0, real, sp.batch_rows).astype(np.int32), rep)
+        args = (state, policy_params, windows, rows)
+        exe = self._executable(mesh, args)  # outside the lock: finish() never waits for it
+        with self._lock:  # the stop check and the dispatch are one atomic unit
+          if self._stop:
+            break
+          t = time.perf_counter()
+          state, metrics = exe(*args)
+        metrics = jax.device_get(metrics)  # waits for this step: one at a time
+        n += 1
+        devices = frozenset(d.id for x in jax.tree.leaves(state.params) for d in x.devices())
+        self.records.append(DrafterStepRecord(
+            slice=s, t_dispatch=t, t_done=time.perf_counter(), devices=devices,
+            loss=float(metrics["loss"]), top1=float(metrics["top1"]),
+            tokens=float(metrics["tokens"])))
+      self._results[s] = (state, n)
+    except BaseException as e:  # re-raised by finish(): nothing fails silently
+      self._errors.append(e)
+
+  def finish(self) -> dict:
+    """Stops training (no step starts after this call), joins the slices' threads, averages
+    their states into the trainer's state and returns this rollout's metrics:
+
+    drafter_steps, drafter_tokens, drafter_loss / drafter_top1 (means over the steps; None
+    without steps), idle_slice_s (slice-seconds between each slice's idle moment and the end
+    of the rollout), reclaimed_slice_s (slice-seconds spent in drafter steps in that window),
+    drafter_compile_s (compiling the update for a slice the first time it trains).
+    """
+    with self._lock:
+      self._stop = True
+      t_end = time.perf_counter()
+    compile_before = self._compile_at_begin
+    for t in self._threads.values():
+      t.join()
+    self._threads = {}
+    if self._errors:
+      raise RuntimeError("spot training failed on a slice") from self._errors[0]
+    total = sum(n for _, n in self._results.values())
+    if total:
+      home = self._state_shardings(self.home)
+      states = [jax.device_put(st, home) for st, n in self._results.values()]
+      weights = jnp.asarray([n / total for _, n in self._results.values()], jnp.float32)
+      self.state = _weighted_average(states, weights)
+      self.state = self.state.replace(step=self.state.step - max(
+          n for _, n in self._results.values()) + total)
+    recs = self.records
+    return {
+        "drafter_steps": total,
+        "drafter_tokens": float(sum(r.tokens for r in recs)),
+        "drafter_loss": float(np.mean([r.loss for r in recs])) if recs else None,
+        "drafter_top1": float(np.mean([r.top1 for r in recs])) if recs else None,
+        "idle_slice_s": float(sum(t_end - t for t in self.idle_since.values())),
+        "reclaimed_slice_s": float(sum(min(r.t_done, t_end) - r.t_dispatch for r in recs)),
+        "drafter_compile_s": self.compile_s - compile_before,
+        "rollout_end": t_end,
+    }
+
+  def evaluate(self, policy_params: dict, rl_step: int | None = None,
+               batches: int = 1) -> dict:
+    """Loss and top-1 agreement of the current drafter on windows of the buffer (one RL
+    step's, e.g. the step that just ran), on the home mesh: {'loss', 'top1'}."""
+    if not hasattr(self, "_eval"):
+      self._eval = jax.jit(lambda p, pol, w: drafter_loss(p, pol, w, self.cfg, self.dcfg,
+                                                          self.oc.ce_weight)[1])
+    rng = np.random.default_rng([self.seed, 1 << 20, rl_step or 0])
+    out = []
+    for _ in range(batches):
+      windows, _ = self.buffer.windows_on(self.home, self.spot.window, self.spot.windows, rng,
+                                          step=rl_step, rules=self.rules)
+      out.append(jax.device_get(self._eval(self.state.params, policy_params, windows)))
+    return {k: float(np.mean([m[k] for m in out])) for k in ("loss", "top1")}
