@@ -1,21 +1,65 @@
-"""The tiny CPU default: a small random Qwen2-style decoder on 2 emulated CPU devices.
+"""The tiny CPU default: the shipped tiny policy and drafter on 2 emulated CPU devices.
 
-Run: python -m tlt_jax.generate --config configs/default.py --workdir runs/default
-Override any knob: --config.generate.max_new_tokens=128 --config.mesh.axes.fsdp=1
+  python -m tlt_jax.train --config configs/default.py --workdir runs/default
+  python -m tlt_jax.train --config configs/default.py:baseline --workdir runs/baseline
+
+The policy (assets/tiny-policy, 0.97M parameters) was fine-tuned on the built-in arithmetic
+task, whose response lengths are long-tailed; the drafter (assets/tiny-drafter) was warmed on
+its generations. The two devices are two replica slices, so that a slice that finishes its
+share of the rollout trains the drafter while the other decodes.
+
+Variants:
+  baseline   the same run without SD and without spot training (what TLT is compared with)
+  runlocal   the smallest settings, for smoke tests
+Override any knob: --config.rl.steps=20 --config.rollout.sd_threshold=8
 """
 
-from tlt_jax.config import base_config
+import os
+
+from tlt_jax.config import base_config, tiny_task_settings
+
+ASSETS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                       "assets"))
 
 
 def get_config(arg: str | None = None):
   c = base_config()
   c.mesh.num_cpu_devices = 2
+  c.mesh.axes.replica = 2
   c.mesh.axes.fsdp = -1
-  if arg == "runlocal":  # smallest settings, for smoke tests
-    c.model.num_layers = 2
+  tiny_task_settings(c)
+  c.model.path = os.path.join(ASSETS, "tiny-policy")
+  c.drafter.path = os.path.join(ASSETS, "tiny-drafter")
+
+  c.rollout.max_batch = 32
+  c.rollout.max_prompt_len = 128
+  c.rollout.max_new_tokens = 256
+  c.rollout.sd_threshold = 4
+  c.rollout.temperature = 1.0
+
+  c.drafter.warmup.num_prompts = 256
+  c.drafter.warmup.steps = 400
+  c.drafter.spot.window = 256
+  c.drafter.spot.windows = 16
+  c.drafter.spot.batch_rows = 4
+
+  variants = ("baseline", "runlocal")
+  if arg == "baseline":
+    c.rollout.speculative.enable = False
+    c.drafter.spot_training = False
+  elif arg == "runlocal":
+    c.rollout.max_batch = 8
+    c.rollout.max_new_tokens = 48
     c.generate.num_prompts = 4
     c.generate.max_new_tokens = 8
+    c.drafter.warmup.num_prompts = 8
+    c.drafter.warmup.steps = 6
+    c.drafter.warmup.max_new_tokens = 48
+    c.drafter.warmup.checkpoint_every = 3
+    c.drafter.warmup.num_eval_prompts = 2
+    c.drafter.spot.windows = 4
+    c.drafter.spot.window = 64
   elif arg:
-    raise ValueError(f"configs/default.py: unknown variant {arg!r}; allowed: 'runlocal'")
+    raise ValueError(f"configs/default.py: unknown variant {arg!r}; allowed: {variants}")
   c.lock()
   return c

@@ -54,3 +54,16 @@ def setup_devices(config) -> int:
   except ConfigError as e:
     sys.exit(f"config error: {e}")
   return num_devices
+
+
+def run_main(main) -> None:
+  """absl app.run with one-line exits for config errors raised anywhere in `main` (for
+  example a prompt longer than rollout.max_prompt_len, found while loading data)."""
+  from absl import app
+
+  def wrapped(argv):
+    try:
+      return main(argv)
+    except ConfigError as e:
+      sys.exit(f"config error: {e}")
+  app.run(wrapped, flags_parser=parse_flags)

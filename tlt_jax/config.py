@@ -129,7 +129,66 @@ def base_config() -> ml_collections.ConfigDict:
   c.drafter.intermediate_size = 0   # 0 = the policy's
   # Policy layers fused into the features (EAGLE-3 style), e.g. (1, 3); () = final hidden only.
   c.drafter.fused_layers = ()
+  # A drafter folder (python -m tlt_jax.warmup_drafter exports one); '' = random weights.
+  c.drafter.path = ""
+  # Train the drafter on idle slices during each rollout (tlt_jax.drafter_training.spot).
+  c.drafter.spot_training = True
+  # AdamW for the drafter (EAGLE: betas 0.9/0.95, weight decay 0.01, clip 1.0).
+  c.drafter.learning_rate = 3e-4
+  c.drafter.lr_warmup_steps = 20
+  c.drafter.weight_decay = 0.01
+  c.drafter.clip_norm = 1.0
+  c.drafter.ce_weight = 0.1        # weight of the soft cross-entropy next to SmoothL1
+  # The hidden-state buffer: features of the last `keep_steps` RL steps, for a sample of
+  # `sequences_per_step` responses per step (0 = all).
+  c.drafter.buffer = ml_collections.ConfigDict()
+  c.drafter.buffer.keep_steps = 2
+  c.drafter.buffer.sequences_per_step = 0
+  # Spot updates: packed windows of `window` slots; `windows` rows per snapshot of the buffer,
+  # `batch_rows` per update; max_steps per slice and rollout (0 = until the rollout ends).
+  c.drafter.spot = ml_collections.ConfigDict()
+  c.drafter.spot.window = 256
+  c.drafter.spot.windows = 32
+  c.drafter.spot.batch_rows = 8
+  c.drafter.spot.max_steps = 0
+  # Offline warm-up before RL (python -m tlt_jax.warmup_drafter): the policy generates
+  # responses to `num_prompts` training prompts, the drafter trains on its features.
+  c.drafter.warmup = ml_collections.ConfigDict()
+  c.drafter.warmup.num_prompts = 256
+  c.drafter.warmup.samples_per_prompt = 1
+  c.drafter.warmup.temperature = 1.0
+  c.drafter.warmup.max_new_tokens = 256
+  c.drafter.warmup.steps = 400
+  c.drafter.warmup.batch_rows = 8
+  c.drafter.warmup.window = 256
+  c.drafter.warmup.learning_rate = 3e-3
+  c.drafter.warmup.lr_warmup_steps = 20
+  c.drafter.warmup.checkpoint_every = 100
+  c.drafter.warmup.num_eval_prompts = 32  # held-out prompts for the accept-length check
   return c
+
+
+def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
+  """The model shape and task of the shipped tiny policy (assets/tiny-policy), which was
+  fine-tuned on exactly this task: configs that train or load it share these values."""
+  c.model.vocab_size = 320
+  c.model.hidden_size = 128
+  c.model.intermediate_size = 256
+  c.model.num_layers = 6
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 2
+  c.model.head_dim = 32
+  c.model.max_position_embeddings = 1024
+  c.model.attention_impl = "reference"
+  # Two-digit values and operands up to 19 (multipliers up to 9): the policy slips on some
+  # steps, so accuracy falls with the number of steps and GRPO has signal. Up to 20 steps
+  # keeps every problem within one 320-token row (prompt + solution).
+  c.task.max_steps = 20
+  c.task.max_value = 99
+  c.task.max_operand = 19
+  c.task.max_multiplier = 9
+  c.task.body_p = 0.3
+  c.task.tail_prob = 0.15
 
 
 def _check_keys(config, schema, prefix: str = "") -> None:
@@ -198,11 +257,13 @@ def _validate_rollout(config: ml_collections.ConfigDict) -> None:
   """Rollout, speculative and drafter values, by building the objects that use them."""
   r, sd = config.rollout, config.rollout.speculative
   _one_of(sd.tuner, TUNER_KINDS, "rollout.speculative.tuner")
-  for build in (engine_config, sampling_params, drafter_config, make_tuner_from_config):
+  for build in (engine_config, sampling_params, drafter_config, make_tuner_from_config,
+                spot_config):
     try:
       build(config)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+  _validate_drafter(config.drafter)
   if r.max_prompt_len + r.max_new_tokens > config.model.max_position_embeddings:
     raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
                       f"{r.max_prompt_len + r.max_new_tokens} exceeds "
@@ -234,6 +295,24 @@ def drafter_config(config: ml_collections.ConfigDict):
                        fused_features=len(tuple(d.fused_layers)))
 
 
+def drafter_opt_config(config: ml_collections.ConfigDict, warmup: bool = False):
+  """The drafter's AdamW settings: online (spot training) or offline warm-up."""
+  from tlt_jax.drafter_training.train_step import DrafterOptConfig
+  d = config.drafter
+  lr, warm = ((d.warmup.learning_rate, d.warmup.lr_warmup_steps) if warmup
+              else (d.learning_rate, d.lr_warmup_steps))
+  return DrafterOptConfig(learning_rate=lr, warmup_steps=warm, weight_decay=d.weight_decay,
+                          clip_norm=d.clip_norm, ce_weight=d.ce_weight)
+
+
+def spot_config(config: ml_collections.ConfigDict):
+  """The SpotConfig of drafter.spot."""
+  from tlt_jax.drafter_training.spot import SpotConfig
+  sp = config.drafter.spot
+  return SpotConfig(window=sp.window, windows=sp.windows, batch_rows=sp.batch_rows,
+                    max_steps=sp.max_steps)
+
+
 def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None = None):
   """The strategy tuner that rollout.speculative describes."""
   from tlt_jax.speculative.tuner import make_tuner
@@ -246,6 +325,36 @@ def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None =
     return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
   return make_tuner("beg_mab", thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
                     epsilon=sd.epsilon, window=sd.window, seed=seed)
+
+
+def _validate_drafter(d: ml_collections.ConfigDict) -> None:
+  if d.path:
+    if not os.path.isdir(d.path):
+      raise ConfigError(f"drafter.path={d.path!r} does not exist; give a folder exported by "
+                        f"python -m tlt_jax.warmup_drafter, or '' for random drafter weights")
+    if not os.path.isfile(os.path.join(d.path, "model.safetensors")):
+      raise ConfigError(f"drafter.path={d.path!r} has no model.safetensors")
+  for key in ("learning_rate", "clip_norm"):
+    if d[key] <= 0:
+      raise ConfigError(f"drafter.{key}={d[key]} must be positive")
+  for key in ("lr_warmup_steps", "weight_decay", "ce_weight"):
+    if d[key] < 0:
+      raise ConfigError(f"drafter.{key}={d[key]} must be >= 0")
+  if d.buffer.keep_steps < 1:
+    raise ConfigError(f"drafter.buffer.keep_steps={d.buffer.keep_steps} must be >= 1")
+  if d.buffer.sequences_per_step < 0:
+    raise ConfigError(f"drafter.buffer.sequences_per_step={d.buffer.sequences_per_step} must "
+                      f"be >= 0 (0 = all)")
+  w = d.warmup
+  for key in ("num_prompts", "samples_per_prompt", "max_new_tokens", "steps", "batch_rows",
+              "window", "num_eval_prompts"):
+    if w[key] <= 0:
+      raise ConfigError(f"drafter.warmup.{key}={w[key]} must be positive")
+  for key in ("temperature", "lr_warmup_steps", "checkpoint_every"):
+    if w[key] < 0:
+      raise ConfigError(f"drafter.warmup.{key}={w[key]} must be >= 0")
+  if w.learning_rate <= 0:
+    raise ConfigError(f"drafter.warmup.learning_rate={w.learning_rate} must be positive")
 
 
 TASK_NAMES = ("arithmetic",)

@@ -7,15 +7,13 @@ train_drafter: packs the samples into windows once and runs jitted updates on ra
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_state,
-                                                 jit_train_step)
+from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainState,
+                                                 init_train_state, jit_train_step)
 from tlt_jax.drafter_training.windows import Sample, pack_windows
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import prefill
@@ -51,21 +49,30 @@ def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[in
 def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sample],
                   cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig, steps: int,
                   window: int = 256, batch_rows: int = 8, seed: int = 0,
-                  progress: bool = True) -> tuple[dict, list[dict]]:
-  """`steps` updates on batches of `batch_rows` random windows; returns (params, metrics per
-  step as floats)."""
+                  progress: bool = True, state: DrafterTrainState | None = None,
+                  on_step=None) -> tuple[dict, list[dict]]:
+  """Updates on batches of `batch_rows` random windows until the train state has taken
+  `steps` steps; returns (params, metrics per step as floats).
+
+  state: resume from this train state (its `step` counts the steps already taken).
+  on_step: optional `fn(step, state, metrics)` after each update (checkpoints, logs).
+  """
   windows = pack_windows(samples, window)
   n_rows = windows.tokens.shape[0]
-  rng = np.random.default_rng(seed)
-  step = jit_train_step(cfg, dcfg, oc)
-  state = init_train_state(drafter_params, oc)
+  update = jit_train_step(cfg, dcfg, oc)
+  state = init_train_state(drafter_params, oc) if state is None else state
+  first = int(state.step)
+  rng = np.random.default_rng([seed, first])  # a resumed run draws fresh, reproducible rows
   history = []
-  bar = tqdm(range(steps), desc="drafter warm-up", disable=not progress)
-  for _ in bar:
+  bar = tqdm(range(first, steps), desc="drafter warm-up", disable=not progress,
+             initial=first, total=steps)
+  for step in bar:
     rows = rng.integers(0, n_rows, batch_rows)
     batch = jax.tree.map(lambda x: jnp.asarray(x[rows]), windows)
-    state, metrics = step(state, policy_params, batch)
+    state, metrics = update(state, policy_params, batch)
     metrics = {k: float(v) for k, v in metrics.items()}
     history.append(metrics)
     bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}")
+    if on_step is not None:
+      on_step(step + 1, state, metrics)
   return state.params, history

@@ -1,0 +1,110 @@
+"""Drafter weights in and out, in the EAGLE Hugging Face layout.
+
+A drafter folder holds `config.json` (the DrafterConfig and the policy shape it was trained
+for) and `model.safetensors` with EAGLE's tensor names: `fc.weight` / `fc.bias` ([E, in], as
+torch.nn.Linear stores them), `layers.{i}.self_attn.q_proj.weight` and the rest of each
+decoder layer under the same names as the policy's layers, and `norm.weight` / `fuse.weight`
+when the architecture has them. The embedding and LM head are the policy's and are not saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterConfig, drafter_model_config, init_drafter_params
+from tlt_jax.models.hf import _tensor_table
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# The policy's shape that a drafter depends on; a mismatch on load is an error.
+POLICY_FIELDS = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "model_type", "qkv_bias")
+
+
+def _tensors(cfg: ModelConfig, dcfg: DrafterConfig):
+  """(hf name, our path, to_ours, to_hf) for every drafter tensor."""
+  t = lambda w: w.T  # noqa: E731
+  rows = [("fc.weight", ("fc", "kernel"), t, t), ("fc.bias", ("fc", "bias"), None, None)]
+  if dcfg.fused_features:
+    rows.append(("fuse.weight", ("fuse", "kernel"), t, t))
+  if dcfg.norm_output:
+    rows.append(("norm.weight", ("norm", "weight"), None, None))
+  layer_rows = [r for r in _tensor_table(drafter_model_config(cfg, dcfg)) if r.per_layer]
+  for i in range(dcfg.num_layers):
+    for r in layer_rows:
+      if r.path[1] == "input_layernorm" and i == 0 and not dcfg.norm_input:
+        continue  # EAGLE's first layer has no input norm
+      rows.append((r.hf_name.format(i=i).removeprefix("model."), (f"layer_{i}",) + r.path[1:],
+                   r.to_ours, r.to_hf))
+  return rows
+
+
+def save_drafter(path: str, params: dict, cfg: ModelConfig, dcfg: DrafterConfig,
+                 metadata: dict | None = None) -> None:
+  """Writes config.json and model.safetensors (tensors pulled to the host one at a time)."""
+  os.makedirs(path, exist_ok=True)
+  tensors = {}
+  for name, tree_path, _, to_hf in _tensors(cfg, dcfg):
+    value = params
+    for k in tree_path:
+      value = value[k]
+    arr = np.asarray(jax.device_get(value))
+    tensors[name] = np.ascontiguousarray(to_hf(arr) if to_hf else arr)
+  save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+  config = {"architectures": ["TltJaxEagleDrafter"], "drafter": dataclasses.asdict(dcfg),
+            "policy": {f: getattr(cfg, f) for f in POLICY_FIELDS},
+            "torch_dtype": str(cfg.param_dtype), **(metadata or {})}
+  with open(os.path.join(path, CONFIG_FILE), "w") as f:
+    json.dump(config, f, indent=2)
+
+
+def load_drafter(path: str, cfg: ModelConfig) -> tuple[DrafterConfig, dict]:
+  """(DrafterConfig, params as numpy arrays in cfg.param_dtype) from a drafter folder.
+
+  Raises FileNotFoundError for a missing folder or file, and ValueError when the drafter was
+  trained for a different policy shape or its tensors do not match its config.
+  """
+  for fn in (CONFIG_FILE, WEIGHTS_FILE):
+    if not os.path.isfile(os.path.join(path, fn)):
+      raise FileNotFoundError(f"drafter folder {path!r} has no {fn}; export one with "
+                              f"python -m tlt_jax.warmup_drafter")
+  with open(os.path.join(path, CONFIG_FILE)) as f:
+    config = json.load(f)
+  dcfg = DrafterConfig(**config["drafter"])
+  wrong = {k: (v, getattr(cfg, k)) for k, v in config["policy"].items()
+           if k in POLICY_FIELDS and v != getattr(cfg, k)}
+  if wrong:
+    raise ValueError(f"drafter {path!r} was trained for another policy shape: "
+                     + ", ".join(f"{k}={a!r} (policy has {b!r})" for k, (a, b) in wrong.items()))
+  rows = _tensors(cfg, dcfg)
+  params: dict = {}
+  with safe_open(os.path.join(path, WEIGHTS_FILE), framework="np") as f:
+    names = set(f.keys())
+    expected = {r[0] for r in rows}
+    if names != expected:
+      raise ValueError(f"drafter {path!r}: missing tensors {sorted(expected - names)}, "
+                       f"unexpected tensors {sorted(names - expected)}")
+    shapes = jax.eval_shape(lambda: init_drafter_params(cfg, dcfg, jax.random.key(0)))
+    for name, tree_path, to_ours, to_hf in rows:
+      want = shapes
+      for k in tree_path:
+        want = want[k]
+      want = to_hf(np.zeros(want.shape, np.int8)).shape if to_hf else want.shape
+      arr = f.get_tensor(name)
+      if arr.shape != want:
+        raise ValueError(f"drafter {path!r}: tensor {name!r} has shape {arr.shape}, expected "
+                         f"{want} for its config")
+      arr = to_ours(arr) if to_ours else arr
+      node = params
+      for k in tree_path[:-1]:
+        node = node.setdefault(k, {})
+      node[tree_path[-1]] = arr.astype(cfg.jnp_param_dtype)
+  return dcfg, params

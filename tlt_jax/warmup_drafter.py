@@ -1,0 +1,155 @@
+"""Offline drafter warm-up before RL (the EAGLE warm-up stage).
+
+  python -m tlt_jax.warmup_drafter --config configs/default.py --workdir runs/warmup
+
+The policy (model.path) answers `drafter.warmup.num_prompts` training prompts of the task at
+drafter.warmup.temperature; the drafter (the config's drafter section, random init) trains on
+the policy's own features of those responses. Outputs in WORKDIR:
+
+  generations.jsonl   the policy's responses (reused by a rerun)
+  checkpoints/        orbax checkpoints of the drafter train state (a rerun resumes)
+  metrics.jsonl       loss, top-1 agreement and grad norm per step
+  export/             the drafter in EAGLE's HF layout (config.json + model.safetensors);
+                      point drafter.path at it
+  summary.json        losses, and the greedy SD accept length on held-out prompts of the
+                      untrained and the warmed drafter
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import flags, logging
+from ml_collections import config_flags
+
+from tlt_jax import cli
+from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.components import (accept_length, load_drafter_for, load_policy,
+                                load_tokenizer_for, make_engine, task_prompts)
+from tlt_jax.config import drafter_opt_config
+from tlt_jax.drafter_training.train_step import init_train_state
+from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
+from tlt_jax.mesh import make_mesh
+from tlt_jax.models.drafter_io import save_drafter
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.tuner import FixedTuner
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/warmup_drafter", "Output folder (resumes).")
+
+
+def generate_responses(engine, prompts, samples: int, temperature: float, seed: int,
+                       path: str) -> list[list[int]]:
+  """The policy's completions, one per (prompt, sample); cached in `path` (JSONL)."""
+  n = len(prompts) * samples
+  if os.path.isfile(path):
+    with open(path) as f:
+      rows = [json.loads(line) for line in f]
+    if len(rows) == n:
+      print(f"reusing {n} responses from {path}")
+      return [r["completion"] for r in rows]
+  result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed))
+  with open(path + ".tmp", "w") as f:
+    for i, toks in enumerate(result.tokens):
+      f.write(json.dumps({"prompt": prompts[i // samples], "completion": toks}) + "\n")
+  os.replace(path + ".tmp", path)  # never a half-written cache
+  print(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
+        f"{result.wall_s:.1f} s")
+  return result.tokens
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  config = cli.load_config(_CONFIG)
+  cli.setup_devices(config)
+  workdir = _WORKDIR.value
+  os.makedirs(workdir, exist_ok=True)
+  w = config.drafter.warmup
+  started = time.perf_counter()
+
+  # ---------------------------------------------------------------- policy and prompts
+  mesh = make_mesh(dict(config.mesh.axes))
+  tokenizer = load_tokenizer_for(config)
+  cfg, params = load_policy(config, mesh)
+  _, prompts = task_prompts(config, tokenizer, w.num_prompts)
+  _, eval_prompts = task_prompts(config, tokenizer, w.num_eval_prompts, eval_split=True)
+  eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
+
+  # ---------------------------------------------------------------- the policy's responses
+  engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
+  completions = generate_responses(engine, prompts, w.samples_per_prompt, w.temperature,
+                                   config.seed, os.path.join(workdir, "generations.jsonl"))
+  repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
+  samples = collect_samples(params, cfg, repeated, completions)
+
+  # ---------------------------------------------------------------- train, with checkpoints
+  dcfg, init_params = load_drafter_for(config, cfg, fresh=True)
+  untrained = jax.device_get(init_params)  # host copy: training donates the device arrays
+  oc = drafter_opt_config(config, warmup=True)
+  state = init_train_state(init_params, oc)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  restored = ckpt.restore_latest(state)
+  if restored is not None:
+    state = restored[1]
+    print(f"resumed the drafter from step {restored[0]}")
+  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+
+  def on_step(step, st, metrics):
+    metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+    if step == w.steps or (w.checkpoint_every and step % w.checkpoint_every == 0):
+      metrics_file.flush()
+      ckpt.save(step, st, {"step": step})
+
+  t0 = time.perf_counter()
+  try:
+    dparams, history = train_drafter(init_params, params, samples, cfg, dcfg, oc, w.steps,
+                                      window=w.window, batch_rows=w.batch_rows,
+                                      seed=config.seed, state=state, on_step=on_step)
+  finally:
+    metrics_file.close()
+  train_s = time.perf_counter() - t0
+  ckpt.close()
+
+  # ---------------------------------------------------------------- held-out accept length
+  strategy = config.rollout.speculative.strategy
+  accept = {}
+  for name, d in (("untrained", untrained), ("warmed", dparams)):
+    sd_engine = make_engine(config, cfg, params, mesh, eos, pad, drafter=(dcfg, d),
+                            speculative=True, tuner=FixedTuner(strategy),
+                            sd_threshold=config.rollout.max_batch,
+                            max_new_tokens=w.max_new_tokens)
+    res = sd_engine.generate(eval_prompts, 1, SamplingParams(0.0), jax.random.key(0))
+    accept[name] = accept_length(res)
+  print(f"greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "
+        f"{strategy}: untrained {accept['untrained']:.2f}, warmed {accept['warmed']:.2f}")
+
+  # ---------------------------------------------------------------- export
+  summary = {
+      "steps": w.steps, "train_s": train_s, "wall_s": time.perf_counter() - started,
+      "responses": len(completions), "response_tokens": int(sum(map(len, completions))),
+      "loss_first": history[0]["loss"] if history else None,
+      "loss_last": float(np.mean([h["loss"] for h in history[-20:]])) if history else None,
+      "top1_last": float(np.mean([h["top1"] for h in history[-20:]])) if history else None,
+      "accept_len_untrained": accept["untrained"], "accept_len_warmed": accept["warmed"],
+      "strategy": strategy, "config": json.loads(config.to_json())}
+  export = os.path.join(workdir, "export")
+  save_drafter(export, dparams, cfg, dcfg, metadata={"warmup": {
+      k: summary[k] for k in ("steps", "responses", "loss_last", "top1_last",
+                              "accept_len_untrained", "accept_len_warmed", "strategy")}})
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"exported the drafter to {export}; {summary['wall_s']:.0f} s")
+
+
+def run():
+  """Console-script entry point (`tlt-warmup-drafter`)."""
+  cli.run_main(main)
+
+
+if __name__ == "__main__":
+  run()
