@@ -195,8 +195,11 @@ class SpotTrainer:
     self.buffer.add(self.rl_step, block)
     if self._policy_on is None:
       raise RuntimeError("SpotTrainer.on_slice_idle before begin()")
-    if self.buffer.num_sequences == 0 or len(self.idle_since) == self._num_slices:
-      return  # nothing to learn from, or the last slice: the rollout is over
+    if len(self.idle_since) == self._num_slices:
+      self._stop_now()  # the last slice: the rollout is over, no step may start after this
+      return
+    if self.buffer.num_sequences == 0:
+      return
     t = threading.Thread(target=self._train_on_slice, args=(s, mesh, self._policy_on(s)),
                          name=f"spot-train-{s}", daemon=True)
     self._threads[s] = t
@@ -235,8 +238,15 @@ class SpotTrainer:
     except BaseException as e:  # re-raised by finish(): nothing fails silently
       self._errors.append(e)
 
+  def _stop_now(self) -> float:
+    """Stops every slice's loop (once); returns when that happened."""
+    with self._lock:
+      if not self._stop:
+        self._stop, self._t_stop = True, time.perf_counter()
+      return self._t_stop
+
   def finish(self) -> dict:
-    """Stops training (no step starts after this call), joins the slices' threads, averages
+    """Stops training (if the last slice has not already: no step starts after that), joins the slices' threads, averages
     their states into the trainer's state and returns this rollout's metrics:
 
     drafter_steps, drafter_tokens, drafter_loss / drafter_top1 (means over the steps; None
@@ -244,9 +254,7 @@ class SpotTrainer:
     of the rollout), reclaimed_slice_s (slice-seconds spent in drafter steps in that window),
     drafter_compile_s (compiling the update for a slice the first time it trains).
     """
-    with self._lock:
-      self._stop = True
-      t_end = time.perf_counter()
+    t_end = self._stop_now()
     compile_before = self._compile_at_begin
     for t in self._threads.values():
       t.join()

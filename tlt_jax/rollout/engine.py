@@ -136,6 +136,9 @@ class RolloutEngine:
       self._policy = [jax.device_put(policy_params, logical_shardings(
           self._policy_axes, m, self.rules, policy_params)) for m in self.slices]
     if drafter_params is not None:
+      if self.dcfg is None:
+        raise ValueError("this engine was built without a drafter; pass drafter=(dcfg, params) "
+                         "to RolloutEngine to use one")
       self._drafter = [jax.device_put(drafter_params, logical_shardings(
           self._drafter_axes, m, self.rules, drafter_params)) for m in self.slices]
 
