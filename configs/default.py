@@ -43,6 +43,15 @@ def get_config(arg: str | None = None):
   c.drafter.spot.windows = 16
   c.drafter.spot.batch_rows = 4
 
+  # GRPO on the tiny policy: 12 prompts x 8 samples per step. The learning rate is large
+  # because the model is tiny (0.97M parameters); Qwen2.5-7B runs use ~1e-6.
+  c.rl.steps = 16
+  c.rl.prompts_per_step = 12
+  c.rl.num_samples = 8
+  c.rl.learning_rate = 2e-4
+  c.rl.micro_batch_rows = 32
+  c.rl.checkpoint_every = 4
+
   variants = ("baseline", "runlocal")
   if arg == "baseline":
     c.rollout.speculative.enable = False
@@ -59,6 +68,11 @@ def get_config(arg: str | None = None):
     c.drafter.warmup.num_eval_prompts = 2
     c.drafter.spot.windows = 4
     c.drafter.spot.window = 64
+    c.rl.steps = 2
+    c.rl.prompts_per_step = 2
+    c.rl.num_samples = 4
+    c.rl.micro_batch_rows = 4
+    c.rl.checkpoint_every = 1
   elif arg:
     raise ValueError(f"configs/default.py: unknown variant {arg!r}; allowed: {variants}")
   c.lock()

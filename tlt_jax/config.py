@@ -122,6 +122,34 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.speculative.epsilon = 0.1
   c.rollout.speculative.window = 300
 
+  # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
+  # num_samples responses each, advantages normalised within each prompt's group.
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 20
+  c.rl.prompts_per_step = 16
+  c.rl.num_samples = 8
+  c.rl.num_train_examples = 1_000_000   # the prompt pool (training split of the task)
+  c.rl.reward = "answer+format"         # or "answer"
+  c.rl.format_bonus = 0.1
+  c.rl.learning_rate = 1e-6
+  c.rl.lr_warmup_steps = 0
+  c.rl.weight_decay = 0.0
+  c.rl.b1 = 0.9
+  c.rl.b2 = 0.999
+  c.rl.grad_clip = 1.0
+  c.rl.clip_eps = 0.2
+  c.rl.clip_eps_high = 0.28              # DAPO clip-higher; = clip_eps for plain PPO clipping
+  c.rl.scale_by_std = True
+  c.rl.loss_agg = "token_mean"           # or "sequence_mean"
+  c.rl.kl_coef = 0.0                     # KL to the initial policy (low-variance estimator)
+  c.rl.entropy_coef = 0.0
+  c.rl.ppo_epochs = 1
+  c.rl.mini_batches = 1                  # optimizer steps per epoch
+  c.rl.micro_batch_rows = 32             # rows per gradient-accumulation micro-batch
+  c.rl.checkpoint_every = 5
+  c.rl.keep_checkpoints = 2
+  c.rl.export = True                     # export policy and drafter (HF layout) at the end
+
   # The EAGLE drafter (tlt_jax.models.drafter).
   c.drafter = ml_collections.ConfigDict()
   c.drafter.num_layers = 1
@@ -248,6 +276,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   _validate_tokenizer(config.tokenizer)
   _validate_sft(config.sft)
   _validate_rollout(config)
+  _validate_rl(config.rl)
 
 
 TUNER_KINDS = ("beg_mab", "table", "fixed")
@@ -325,6 +354,42 @@ def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None =
     return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
   return make_tuner("beg_mab", thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
                     epsilon=sd.epsilon, window=sd.window, seed=seed)
+
+
+REWARDS = ("answer", "answer+format")
+
+
+def grpo_config(config: ml_collections.ConfigDict):
+  """The GrpoConfig of config.rl."""
+  from tlt_jax.rl.grpo import GrpoConfig
+  r = config.rl
+  return GrpoConfig(clip_eps=r.clip_eps, clip_eps_high=r.clip_eps_high,
+                    scale_by_std=r.scale_by_std, loss_agg=r.loss_agg, kl_coef=r.kl_coef,
+                    entropy_coef=r.entropy_coef)
+
+
+def _validate_rl(r: ml_collections.ConfigDict) -> None:
+  _one_of(r.reward, REWARDS, "rl.reward")
+  for key in ("steps", "prompts_per_step", "num_samples", "num_train_examples", "ppo_epochs",
+              "mini_batches", "micro_batch_rows", "keep_checkpoints"):
+    if r[key] <= 0:
+      raise ConfigError(f"rl.{key}={r[key]} must be positive")
+  for key in ("lr_warmup_steps", "weight_decay", "grad_clip", "checkpoint_every",
+              "format_bonus"):
+    if r[key] < 0:
+      raise ConfigError(f"rl.{key}={r[key]} must be >= 0")
+  if r.learning_rate <= 0:
+    raise ConfigError(f"rl.learning_rate={r.learning_rate} must be positive")
+  for key in ("b1", "b2"):
+    if not 0.0 <= r[key] < 1.0:
+      raise ConfigError(f"rl.{key}={r[key]} must be in [0, 1)")
+  if r.num_samples < 2:
+    raise ConfigError(f"rl.num_samples={r.num_samples}: GRPO compares samples within a "
+                      f"group, so it needs at least 2")
+  try:
+    grpo_config(ml_collections.ConfigDict({"rl": r}))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _validate_drafter(d: ml_collections.ConfigDict) -> None:

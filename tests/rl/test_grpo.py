@@ -1,0 +1,122 @@
+"""GRPO: advantages, the clipped loss, KL, aggregation and gradient accumulation, against
+hand-computed values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tlt_jax.rl.grpo import GrpoConfig, group_advantages, grpo_loss, loss_weights, token_log_probs
+from tlt_jax.rl.policy_update import build_rows, make_policy_update, split_minibatches
+
+
+def test_group_advantages():
+  r = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+  np.testing.assert_allclose(group_advantages(r, 4), [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-5)
+  np.testing.assert_allclose(group_advantages(r, 4, scale_by_std=False),
+                             [.5, -.5, -.5, .5, 0, 0, 0, 0])
+  with pytest.raises(ValueError, match="groups of 3"):
+    group_advantages(r, 3)
+
+
+def test_loss_weights_token_and_sequence_mean():
+  mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
+  np.testing.assert_allclose(loss_weights(mask, "token_mean"), [3 / 4, 1 / 4, 0])
+  np.testing.assert_allclose(loss_weights(mask, "sequence_mean"), [1 / 2, 1 / 2, 0])
+
+
+def test_build_rows_masks_exactly_the_response_targets():
+  rows = build_rows([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], np.array([0.5, -1.0]), rows=4,
+                    pad_id=0)
+  assert rows["tokens"].shape == (4, 64)
+  np.testing.assert_array_equal(rows["tokens"][0, :6], [5, 6, 7, 1, 2, 0])
+  # Row 0: positions 2 and 3 predict the response tokens 1 and 2.
+  np.testing.assert_array_equal(np.nonzero(rows["loss_mask"][0])[0], [2, 3])
+  np.testing.assert_array_equal(rows["targets"][0, 2:4], [1, 2])
+  np.testing.assert_array_equal(np.nonzero(rows["loss_mask"][1])[0], [0, 1, 2])
+  np.testing.assert_array_equal(rows["targets"][1, :3], [3, 4, 9])
+  assert not rows["loss_mask"][2:].any()
+  np.testing.assert_allclose(rows["advantages"], [0.5, -1.0, 0, 0])
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_cfg):
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 60, n).tolist() for n in (3, 5, 2, 4)]
+  completions = [rng.integers(1, 60, n).tolist() for n in (4, 2, 6, 3)]
+  rows = build_rows(prompts, completions, np.array([1.0, -0.5, 2.0, -1.5], np.float32), 4, 0)
+  rows["weight"] = loss_weights(rows["loss_mask"], "token_mean")
+  return {k: jnp.asarray(v) for k, v in rows.items()}
+
+
+def _logp(tiny_cfg, tiny_params, batch):
+  return np.asarray(token_log_probs(tiny_params, batch["tokens"], batch["targets"],
+                                    batch["loss_mask"], tiny_cfg)[0])
+
+
+def test_log_probs_match_a_direct_softmax(tiny_cfg, tiny_params, batch):
+  from tlt_jax.models import forward, init_cache
+  from tlt_jax.models.masks import segment_causal_mask
+  tokens = batch["tokens"][:1, :7]  # row 0 alone, unpadded
+  logits = forward(tiny_params, tokens, jnp.arange(7)[None], init_cache(tiny_cfg, 1, 1),
+                   segment_causal_mask(jnp.ones((1, 7), jnp.int32)), tiny_cfg)[0]
+  lp = jax.nn.log_softmax(logits[0], -1)
+  want = [float(lp[t, batch["targets"][0, t]]) for t in range(2, 6)]
+  np.testing.assert_allclose(_logp(tiny_cfg, tiny_params, batch)[0, 2:6], want, atol=1e-5)
+
+
+def test_loss_at_ratio_one_is_minus_the_weighted_advantage(tiny_cfg, tiny_params, batch):
+  gc = GrpoConfig()
+  loss, m = grpo_loss(tiny_params, batch, tiny_cfg, gc)
+  n = np.asarray(batch["loss_mask"]).sum(1)
+  # token mean: -(sum_b A_b n_b) / sum_b n_b
+  want = -np.sum(np.asarray(batch["advantages"]) * n) / n.sum()
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  assert float(m["clip_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("eps_high", [0.2, 0.28])
+def test_clipping_with_clip_higher(tiny_cfg, tiny_params, batch, eps_high):
+  logp = _logp(tiny_cfg, tiny_params, batch)
+  mask = np.asarray(batch["loss_mask"])
+  b = dict(batch, old_logp=jnp.asarray(np.where(mask, logp - np.log(1.5), 0.0)))  # ratio 1.5
+  loss, m = grpo_loss(tiny_params, b, tiny_cfg, GrpoConfig(clip_eps=0.2, clip_eps_high=eps_high))
+  adv, n = np.asarray(batch["advantages"]), mask.sum(1)
+  # A > 0: min(1.5 A, (1 + eps_high) A); A < 0: min(1.5 A, 1.2 A) = 1.5 A (not clipped).
+  per_row = np.where(adv > 0, -(1 + eps_high) * adv, -1.5 * adv)
+  np.testing.assert_allclose(float(loss), np.sum(per_row * n) / n.sum(), rtol=1e-4)
+  np.testing.assert_allclose(float(m["clip_frac"]), n[adv > 0].sum() / n.sum(), rtol=1e-5)
+
+
+def test_kl_low_variance_estimator_and_sequence_mean(tiny_cfg, tiny_params, batch):
+  logp = _logp(tiny_cfg, tiny_params, batch)
+  mask = np.asarray(batch["loss_mask"])
+  d = 0.3
+  b = dict(batch, advantages=jnp.zeros(4), ref_logp=jnp.asarray(np.where(mask, logp + d, 0.0)),
+           weight=jnp.asarray(loss_weights(mask, "sequence_mean")))
+  loss, m = grpo_loss(tiny_params, b, tiny_cfg,
+                      GrpoConfig(kl_coef=0.5, loss_agg="sequence_mean"))
+  k3 = np.exp(d) - d - 1  # exp(ref - logp) - (ref - logp) - 1
+  np.testing.assert_allclose(float(loss), 0.5 * k3, rtol=1e-4)
+  np.testing.assert_allclose(float(m["kl"]), k3, rtol=1e-4)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_cfg, tiny_params, batch):
+  gc = GrpoConfig()
+  tx = optax.sgd(0.1)
+  host = {k: np.asarray(v) for k, v in batch.items() if k != "weight"}
+  results = []
+  for micro_rows in (4, 2, 1):
+    mb = split_minibatches(host, 1, micro_rows, gc.loss_agg)
+    mini = {k: jnp.asarray(v[0]) for k, v in mb.items()}
+    params = jax.tree.map(jnp.copy, tiny_params)
+    update = make_policy_update(tiny_cfg, gc, tx, None, None)
+    params, _, metrics = update(params, tx.init(params), mini)
+    results.append((params, float(metrics["loss"])))
+  for params, loss in results[1:]:
+    assert loss == pytest.approx(results[0][1], rel=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params,
+                 results[0][0])
+  # And the update moved the params.
+  assert not np.allclose(results[0][0]["lm_head"]["kernel"], tiny_params["lm_head"]["kernel"])

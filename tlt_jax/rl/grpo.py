@@ -1,0 +1,137 @@
+"""GRPO: group-normalised advantages and the PPO-clip policy loss, as pure functions.
+
+A batch holds one sequence (prompt + response) per row, right-padded to a bucketed width:
+
+  tokens [B, T] int32      prompt + response ids
+  targets [B, T] int32     tokens shifted left: the token each position predicts
+  loss_mask [B, T] bool    positions whose target is a response token
+  advantages [B] float32   one per sequence (its group-normalised reward)
+  old_logp [B, T] float32  log-probs of the targets under the policy that sampled them,
+                           recomputed by the trainer (the rollout's numbers are not trusted);
+                           optional: absent = the current params sampled the batch
+  ref_logp [B, T] float32  the frozen reference policy's (zeros when kl_coef = 0)
+  weight [B] float32       the normaliser share of each row (see `loss_weights`)
+
+Per token: ratio = exp(logp - old_logp); the clipped surrogate
+  -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
+(eps_high > eps is DAPO's clip-higher), plus kl_coef * k3(ref || policy) with the low-variance
+estimator k3 = exp(ref - logp) - (ref - logp) - 1, minus entropy_coef * entropy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.decoder import forward
+from tlt_jax.models.kv_cache import init_cache
+from tlt_jax.models.masks import segment_causal_mask
+
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig:
+  """clip_eps / clip_eps_high: the ratio's clip range [1 - eps, 1 + eps_high].
+  scale_by_std: divide advantages by the group's reward std (False: Dr. GRPO style).
+  loss_agg: 'token_mean' (every response token weighs the same) or 'sequence_mean' (every
+  response weighs the same). kl_coef: weight of the KL to the reference (0 = no reference).
+  entropy_coef: weight of the entropy bonus."""
+  clip_eps: float = 0.2
+  clip_eps_high: float = 0.2
+  scale_by_std: bool = True
+  loss_agg: str = "token_mean"
+  kl_coef: float = 0.0
+  entropy_coef: float = 0.0
+
+  def __post_init__(self):
+    if not 0 < self.clip_eps < 1 or self.clip_eps_high <= 0:
+      raise ValueError(f"rl.clip_eps={self.clip_eps} must be in (0, 1) and rl.clip_eps_high="
+                       f"{self.clip_eps_high} positive")
+    if self.loss_agg not in LOSS_AGGREGATIONS:
+      raise ValueError(f"rl.loss_agg={self.loss_agg!r} is not allowed; allowed values: "
+                       f"{LOSS_AGGREGATIONS}")
+    if self.kl_coef < 0 or self.entropy_coef < 0:
+      raise ValueError("rl.kl_coef and rl.entropy_coef must be >= 0")
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, scale_by_std: bool = True,
+                     eps: float = 1e-6) -> np.ndarray:
+  """(r - mean of its group) [/ (std of its group + eps)] for rewards [N], groups being
+  consecutive runs of group_size (the samples of one prompt). float32 [N]."""
+  r = np.asarray(rewards, np.float64)
+  if r.ndim != 1 or r.size % group_size:
+    raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
+  g = r.reshape(-1, group_size)
+  adv = g - g.mean(axis=1, keepdims=True)
+  if scale_by_std:
+    adv = adv / (g.std(axis=1, keepdims=True) + eps)
+  return adv.reshape(-1).astype(np.float32)
+
+
+def loss_weights(loss_mask: np.ndarray, loss_agg: str) -> np.ndarray:
+  """Per-row weights [B] such that sum over rows of weight_b * sum_t(mask * l) / n_b is the
+  aggregate over the whole batch, n_b being the row's response tokens: token_mean gives every
+  row n_b / (all tokens), sequence_mean gives 1 / (rows with a response). Computing them for
+  the whole mini-batch up front makes gradient accumulation over micro-batches exact."""
+  n = loss_mask.sum(axis=1).astype(np.float64)
+  if loss_agg == "token_mean":
+    w = n / max(n.sum(), 1.0)
+  else:
+    w = (n > 0) / max(float((n > 0).sum()), 1.0)
+  return w.astype(np.float32)
+
+
+def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_mask: jax.Array,
+                    cfg: ModelConfig, with_entropy: bool = False):
+  """log p(targets) [B, T] float32 (0 off the mask) and, if asked, the entropy [B, T]."""
+  b, t = tokens.shape
+  # One sequence per row, right-padded: a causal mask is all it needs (padding comes last).
+  segments = jnp.ones((b, t), jnp.int32)
+  logits, _, _, _ = forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)),
+                            init_cache(cfg, b, 1), segment_causal_mask(segments), cfg)
+  logp_all = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+  logp = jnp.where(loss_mask, logp, 0.0)
+  if not with_entropy:
+    return logp, None
+  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  return logp, jnp.where(loss_mask, entropy, 0.0)
+
+
+def grpo_loss(params: dict, batch: dict, cfg: ModelConfig, gc: GrpoConfig):
+  """(scalar loss, metrics) of one (micro-)batch; see the module docstring. The loss is this
+  batch's share of the mini-batch aggregate (rows weighted by batch['weight'])."""
+  mask = batch["loss_mask"]
+  maskf = mask.astype(jnp.float32)
+  logp, entropy = token_log_probs(params, batch["tokens"], batch["targets"], mask, cfg,
+                                  with_entropy=gc.entropy_coef > 0)
+  adv = batch["advantages"][:, None]
+  # Without old_logp the batch was sampled by these very params (one update per step).
+  old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+  ratio = jnp.exp(logp - old_logp)
+  clipped = jnp.clip(ratio, 1.0 - gc.clip_eps, 1.0 + gc.clip_eps_high)
+  per_token = -jnp.minimum(ratio * adv, clipped * adv)
+  if gc.kl_coef > 0:
+    delta = batch["ref_logp"] - logp
+    kl = jnp.exp(delta) - delta - 1.0
+    per_token = per_token + gc.kl_coef * kl
+  if gc.entropy_coef > 0:
+    per_token = per_token - gc.entropy_coef * entropy
+  n = jnp.maximum(maskf.sum(axis=1), 1.0)
+  row = jnp.sum(per_token * maskf, axis=1) / n
+  loss = jnp.sum(batch["weight"] * row)
+
+  def token_mean(x):
+    return jnp.sum(x * maskf) / jnp.maximum(maskf.sum(), 1.0)
+  metrics = {"pg_loss": loss,
+             # tokens whose gradient the clip removed (the clipped term won the min)
+             "clip_frac": token_mean((clipped * adv < ratio * adv).astype(jnp.float32)),
+             "ratio_mean": token_mean(ratio),
+             "kl": token_mean(kl) if gc.kl_coef > 0 else jnp.zeros(()),
+             "entropy": token_mean(entropy) if gc.entropy_coef > 0 else jnp.zeros(())}
+  return loss, metrics

@@ -1,0 +1,102 @@
+"""The GRPO policy update: batches built on the host, log-probs and the update jitted over the
+whole mesh, with gradient accumulation over micro-batches.
+
+Shapes: a step's B = prompts x samples rows are padded to mini_batches x micro_batches x
+micro_rows (padding rows have an empty loss mask and weight 0) and laid out
+[mini_batches, micro_batches, micro_rows, T]; T is the longest row rounded up to a multiple of
+64, so a run compiles a handful of widths, not one per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rl.grpo import GrpoConfig, grpo_loss, loss_weights, token_log_probs
+
+WIDTH_MULTIPLE = 64
+
+
+def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+               advantages: np.ndarray, rows: int, pad_id: int,
+               max_width: int | None = None) -> dict[str, np.ndarray]:
+  """Host arrays [rows, T] of (prompt + completion) sequences (rows >= len(prompts));
+  see tlt_jax.rl.grpo for the keys. advantages: [len(prompts)] float32."""
+  n = len(prompts)
+  if rows < n:
+    raise ValueError(f"{n} sequences do not fit in {rows} rows")
+  longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+  width = -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+  if max_width is not None:
+    width = min(width, max(max_width, longest))
+  tokens = np.full((rows, width), pad_id, np.int32)
+  targets = np.zeros((rows, width), np.int32)
+  mask = np.zeros((rows, width), bool)
+  adv = np.zeros((rows,), np.float32)
+  for i, (p, c) in enumerate(zip(prompts, completions)):
+    seq = list(p) + list(c)
+    tokens[i, :len(seq)] = seq
+    targets[i, :len(seq) - 1] = seq[1:]
+    # Position t predicts token t + 1: the response tokens are predicted from len(p) - 1 on.
+    mask[i, len(p) - 1:len(seq) - 1] = True
+    adv[i] = advantages[i]
+  return {"tokens": tokens, "targets": targets, "loss_mask": mask, "advantages": adv}
+
+
+def split_minibatches(batch: dict[str, np.ndarray], mini_batches: int, micro_rows: int,
+                      loss_agg: str) -> dict[str, np.ndarray]:
+  """[rows, ...] -> [mini_batches, micro_batches, micro_rows, ...], adding the per-row loss
+  weights of each mini-batch (rows must be a multiple of mini_batches * micro_rows)."""
+  rows = batch["tokens"].shape[0]
+  if rows % (mini_batches * micro_rows):
+    raise ValueError(f"{rows} rows do not split into {mini_batches} mini-batches of "
+                     f"micro-batches of {micro_rows} rows")
+  micro = rows // (mini_batches * micro_rows)
+  out = {k: v.reshape(mini_batches, micro, micro_rows, *v.shape[1:]) for k, v in batch.items()}
+  mask = out["loss_mask"].reshape(mini_batches, micro * micro_rows, -1)
+  out["weight"] = np.stack([loss_weights(m, loss_agg) for m in mask]).reshape(
+      mini_batches, micro, micro_rows)
+  return out
+
+
+def make_log_probs(cfg: ModelConfig):
+  """jitted (params, micro_batches [M, b, T] dict) -> log-probs [M, b, T], one micro-batch at
+  a time (so memory is that of one micro-batch)."""
+
+  @jax.jit
+  def log_probs(params, mb):
+    return jax.lax.map(lambda x: token_log_probs(params, x["tokens"], x["targets"],
+                                                 x["loss_mask"], cfg)[0], mb)
+  return log_probs
+
+
+def make_policy_update(cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTransformation,
+                       param_sharding, opt_sharding):
+  """jitted (params, opt_state, mini_batch [M, b, T] dict) -> (params, opt_state, metrics):
+  gradients summed over the M micro-batches (each already weighted by its share of the
+  mini-batch), then one optimizer step. params and opt_state are donated."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1),
+                     out_shardings=(param_sharding, opt_sharding, None))
+  def update(params, opt_state, mini_batch):
+    grad_fn = jax.value_and_grad(grpo_loss, has_aux=True)
+
+    def body(acc, mb):
+      (loss, metrics), grads = grad_fn(params, mb, cfg, gc)
+      return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (losses, metrics) = jax.lax.scan(body, zeros, mini_batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    out = {k: jnp.mean(v) for k, v in metrics.items() if k != "pg_loss"}
+    out.update(loss=jnp.sum(losses), grad_norm=optax.tree.norm(grads))
+    return params, opt_state, out
+
+  return update

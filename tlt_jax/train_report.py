@@ -1,0 +1,84 @@
+"""The end-of-run report of the main job: summary.json, summary.png and a printed table."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+import numpy as np
+
+
+def write_summary(workdir: str, history: list[dict], config: ml_collections.ConfigDict,
+                  wall_s: float, stopped_early: bool = False) -> dict:
+  """Writes WORKDIR/summary.json and summary.png (reward and step time over steps) from the
+  per-step metrics, prints a short table, and returns the summary."""
+  summary = {"steps_done": len(history), "stopped_early": stopped_early, "wall_s": wall_s,
+             "config": json.loads(config.to_json())}
+  if history:
+    first, last = history[0], history[-1]
+    step_s = np.asarray([m["step_s"] for m in history])
+    rollout_s = np.asarray([m["rollout_s"] for m in history])
+    compile_s = np.asarray([m["compile_s"] for m in history])
+    summary.update(
+        reward_first=first["reward_mean"], reward_last=last["reward_mean"],
+        accuracy_first=first["accuracy"], accuracy_last=last["accuracy"],
+        step_s_mean=float(step_s.mean()),
+        # Steps after the first compile nothing new (shape buckets aside): their time is the
+        # run's steady state.
+        step_s_mean_after_first=float(step_s[1:].mean()) if len(step_s) > 1 else None,
+        rollout_share=float(rollout_s.sum() / step_s.sum()),
+        compile_s_total=float(compile_s.sum()),
+        drafter_steps_total=int(sum(m["drafter_steps"] for m in history)),
+        sd_accept_len_mean=_mean([m["sd_accept_len_mean"] for m in history]),
+        reclaimed_slice_s_total=float(sum(m["reclaimed_slice_s"] for m in history)),
+        idle_slice_s_total=float(sum(m["idle_slice_s"] for m in history)))
+    _plot(history, os.path.join(workdir, "summary.png"))
+    _print_table(summary)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def _mean(values):
+  values = [v for v in values if v is not None]
+  return float(np.mean(values)) if values else None
+
+
+def _print_table(s: dict) -> None:
+  rows = [("steps", f"{s['steps_done']}"),
+          ("reward (first -> last)", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"),
+          ("accuracy (first -> last)", f"{s['accuracy_first']:.3f} -> {s['accuracy_last']:.3f}"),
+          ("step time, mean (after step 1)",
+           f"{s['step_s_mean']:.1f} s ({s['step_s_mean_after_first'] or 0:.1f} s)"),
+          ("rollout share of step time", f"{s['rollout_share']:.0%}"),
+          ("compile time", f"{s['compile_s_total']:.1f} s"),
+          ("SD accept length, mean", f"{s['sd_accept_len_mean'] or 0:.2f}"),
+          ("drafter steps (spot)", f"{s['drafter_steps_total']}"),
+          ("slice time reclaimed / idle",
+           f"{s['reclaimed_slice_s_total']:.1f} s / {s['idle_slice_s_total']:.1f} s"),
+          ("wall time", f"{s['wall_s']:.0f} s")]
+  width = max(len(k) for k, _ in rows)
+  print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def _plot(history: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  steps = [m["step"] for m in history]
+  fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+  ax1.plot(steps, [m["reward_mean"] for m in history], "o-", label="reward")
+  ax1.plot(steps, [m["accuracy"] for m in history], "s--", label="accuracy")
+  ax1.set_ylabel("mean over responses")
+  ax1.legend(fontsize=8)
+  ax2.bar(steps, [m["rollout_s"] for m in history], label="rollout")
+  ax2.bar(steps, [m["update_s"] for m in history],
+          bottom=[m["rollout_s"] for m in history], label="update")
+  ax2.plot(steps, [m["step_s"] for m in history], "k.", label="step")
+  ax2.set_ylabel("seconds")
+  ax2.set_xlabel("RL step")
+  ax2.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
