@@ -1,8 +1,19 @@
 """Test setup: 8 emulated CPU devices, configured before JAX initialises a backend."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiles dominate test time on CPU. A persistent compilation cache, fresh for each session
+# and shared with the command-line runs that tests start (they inherit the environment),
+# compiles each program once per session instead of once per engine or process.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="tlt_jax_xla_cache_")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 

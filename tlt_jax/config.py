@@ -149,6 +149,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.checkpoint_every = 5
   c.rl.keep_checkpoints = 2
   c.rl.export = True                     # export policy and drafter (HF layout) at the end
+  c.rl.save_rollouts = False             # every response with its reward, in rollouts.jsonl
 
   # The EAGLE drafter (tlt_jax.models.drafter).
   c.drafter = ml_collections.ConfigDict()

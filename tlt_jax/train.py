@@ -102,8 +102,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
   """Runs (or resumes) the job in `workdir`; returns the summary (also in summary.json).
 
   reward_fn: replaces the configured reward, `fn(prompts, completions, **columns)`; columns
-  are `answer` (the reference answers) and `metadata`.
+  are `answer` (the reference answers) and `metadata`. SIGINT/SIGTERM stop the run cleanly
+  after the current step, with a checkpoint.
   """
+  with _StopFlag() as stop:
+    return _train(config, workdir, reward_fn, progress, stop)
+
+
+def _train(config, workdir, reward_fn, progress, stop) -> dict:
   os.makedirs(workdir, exist_ok=True)
   r = config.rl
   g = r.num_samples
@@ -195,10 +201,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
     engine.update_params(policy_params=params,
                          drafter_params=spot.params if spot is not None and use_sd else None)
     tqdm.write(f"resumed from the checkpoint of step {step}")
+  # Lines past the checkpoint (a crash after them) are dropped: the steps will run again.
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  history = _read_metrics(metrics_path, up_to=step)  # drop steps past the checkpoint
-  with open(metrics_path, "w") as f:
-    f.writelines(json.dumps(m) + "\n" for m in history)
+  history = _truncate_jsonl(metrics_path, up_to=step)
+  _truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), up_to=step)
 
   if spot is not None:  # compile the drafter update for every slice before the first rollout
     spot.precompile(engine.slices, engine.policy_on)
@@ -211,7 +217,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
   base_key = jax.random.key(config.seed)
   update_exes: dict = {}
   bar = tqdm(total=r.steps, initial=step, desc="rl", unit="step", disable=not progress)
-  with _StopFlag() as stop, open(metrics_path, "a") as metrics_file:
+  rollouts_file = open(os.path.join(workdir, "rollouts.jsonl"), "a") if r.save_rollouts \
+      else None
+  with open(metrics_path, "a") as metrics_file:
     while step < r.steps and not stop.requested:
       t_step = time.perf_counter()
       compile_before = engine.pool.compile_seconds + (spot.compile_s if spot else 0.0)
@@ -298,6 +306,13 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
       }
       if r.kl_coef > 0:
         metrics["kl"] = float(np.mean([u["kl"] for u in update_metrics]))
+      if rollouts_file is not None:
+        for i, toks in enumerate(result.tokens):
+          rollouts_file.write(json.dumps({
+              "step": step, "prompt": i // g, "sample": i % g, "completion": completions[i],
+              "tokens": len(toks), "finish_reason": result.finish_reasons[i],
+              "reward": float(rewards[i]), "correct": bool(correct[i])}) + "\n")
+        rollouts_file.flush()
       metrics_file.write(json.dumps(metrics) + "\n")
       metrics_file.flush()
       history.append(metrics)
@@ -310,6 +325,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
                       step_s=f"{metrics['step_s']:.1f}",
                       accept=f"{metrics['sd_accept_len_mean'] or 0:.2f}")
   bar.close()
+  if rollouts_file is not None:
+    rollouts_file.close()
   ckpt.close()
 
   # ---------------------------------------------------------------- export and summary
@@ -339,12 +356,17 @@ def _idle_slice_s(result) -> float:
   return float(sum(result.wall_s - t for t in result.slice_done_s))
 
 
-def _read_metrics(path: str, up_to: int) -> list[dict]:
+def _truncate_jsonl(path: str, up_to: int) -> list[dict]:
+  """Keeps the rows of a per-step JSONL file with step <= up_to; returns them."""
   if not os.path.isfile(path):
     return []
   with open(path) as f:
     rows = [json.loads(line) for line in f if line.strip()]
-  return [m for m in rows if m["step"] <= up_to]
+  rows = [m for m in rows if m["step"] <= up_to]
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(m) + "\n" for m in rows)
+  os.replace(path + ".tmp", path)
+  return rows
 
 
 def main(argv):
