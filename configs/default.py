@@ -73,6 +73,7 @@ def get_config(arg: str | None = None):
     c.rl.num_samples = 4
     c.rl.micro_batch_rows = 4
     c.rl.checkpoint_every = 1
+    c.rl.num_eval_examples = 4
   elif arg:
     raise ValueError(f"configs/default.py: unknown variant {arg!r}; allowed: {variants}")
   c.lock()

@@ -62,6 +62,8 @@ def test_greedy_tlt_and_baseline_runs_give_the_same_responses(tmp_path):
   summary = json.loads((run / "summary.json").read_text())
   assert summary["steps_done"] == 2 and summary["rollout_share"] > 0
   assert (run / "summary.png").stat().st_size > 10_000
+  evals = [json.loads(line) for line in open(run / "eval.jsonl")]
+  assert [e["step"] for e in evals] == [0, 2] and summary["eval_step_last"] == 2
   assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(
       os.listdir(run / "export" / "policy"))
   assert {"config.json", "model.safetensors"} == set(os.listdir(run / "export" / "drafter"))

@@ -146,6 +146,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.ppo_epochs = 1
   c.rl.mini_batches = 1                  # optimizer steps per epoch
   c.rl.micro_batch_rows = 32             # rows per gradient-accumulation micro-batch
+  # Held-out greedy accuracy (task.eval_seed problems) before the first step, every
+  # eval_every steps (0 = only then and at the end); 0 examples = no evaluation.
+  c.rl.num_eval_examples = 0
+  c.rl.eval_every = 0
   c.rl.checkpoint_every = 5
   c.rl.keep_checkpoints = 2
   c.rl.export = True                     # export policy and drafter (HF layout) at the end
@@ -376,7 +380,7 @@ def _validate_rl(r: ml_collections.ConfigDict) -> None:
     if r[key] <= 0:
       raise ConfigError(f"rl.{key}={r[key]} must be positive")
   for key in ("lr_warmup_steps", "weight_decay", "grad_clip", "checkpoint_every",
-              "format_bonus"):
+              "format_bonus", "num_eval_examples", "eval_every"):
     if r[key] < 0:
       raise ConfigError(f"rl.{key}={r[key]} must be >= 0")
   if r.learning_rate <= 0:

@@ -15,6 +15,7 @@ end, export/policy and export/drafter in Hugging Face layout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -213,6 +214,30 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
              f"{n_params / 1e6:.2f}M params; SD {'on' if engine.speculative else 'off'}, spot "
              f"training {'on' if spot is not None else 'off'}; steps {step} -> {r.steps}")
 
+  # ---------------------------------------------------------------- evaluation
+  eval_examples = task_from_config(config.task, eval_split=True).examples(
+      r.num_eval_examples) if r.num_eval_examples else []
+  eval_path = os.path.join(workdir, "eval.jsonl")
+  evals = _truncate_jsonl(eval_path, up_to=step)
+
+  def evaluate(at_step):
+    """Held-out greedy accuracy with the rollout engine (SD is exact: greedy is unchanged)."""
+    res = engine.generate([prompt_ids(tokenizer, ex.prompt) for ex in eval_examples], 1,
+                          dataclasses.replace(sampling, temperature=0.0), jax.random.key(0),
+                          log_requests=())
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+    row = {"step": at_step, "accuracy": float(np.mean(answer_reward(
+        [ex.prompt for ex in eval_examples], texts, answer=[ex.answer for ex in eval_examples]))),
+           "response_len_mean": float(res.lengths.mean()), "wall_s": res.wall_s}
+    evals.append(row)
+    with open(eval_path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+    tqdm.write(f"step {at_step}: held-out greedy accuracy {row['accuracy']:.3f} on "
+               f"{len(eval_examples)} problems")
+
+  if eval_examples and step == 0:
+    evaluate(0)
+
   # ---------------------------------------------------------------- loop
   base_key = jax.random.key(config.seed)
   update_exes: dict = {}
@@ -316,6 +341,8 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
       metrics_file.write(json.dumps(metrics) + "\n")
       metrics_file.flush()
       history.append(metrics)
+      if eval_examples and (step == r.steps or (r.eval_every and step % r.eval_every == 0)):
+        evaluate(step)
       if step == r.steps or stop.requested or (r.checkpoint_every and
                                                 step % r.checkpoint_every == 0):
         save(step)
@@ -339,7 +366,7 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
       save_drafter(os.path.join(export, "drafter"),
                    spot.params if spot is not None else engine.drafter_on(0), cfg, dcfg)
   summary = write_summary(workdir, history, config, wall_s=time.perf_counter() - started,
-                          stopped_early=step < r.steps)
+                          stopped_early=step < r.steps, evals=evals)
   return summary
 
 

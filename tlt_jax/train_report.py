@@ -10,11 +10,16 @@ import numpy as np
 
 
 def write_summary(workdir: str, history: list[dict], config: ml_collections.ConfigDict,
-                  wall_s: float, stopped_early: bool = False) -> dict:
+                  wall_s: float, stopped_early: bool = False,
+                  evals: list[dict] | None = None) -> dict:
   """Writes WORKDIR/summary.json and summary.png (reward and step time over steps) from the
-  per-step metrics, prints a short table, and returns the summary."""
+  per-step metrics and held-out evaluations, prints a short table, returns the summary."""
+  evals = evals or []
   summary = {"steps_done": len(history), "stopped_early": stopped_early, "wall_s": wall_s,
              "config": json.loads(config.to_json())}
+  if evals:
+    summary.update(eval_accuracy_first=evals[0]["accuracy"], eval_step_first=evals[0]["step"],
+                   eval_accuracy_last=evals[-1]["accuracy"], eval_step_last=evals[-1]["step"])
   if history:
     first, last = history[0], history[-1]
     step_s = np.asarray([m["step_s"] for m in history])
@@ -33,7 +38,7 @@ def write_summary(workdir: str, history: list[dict], config: ml_collections.Conf
         sd_accept_len_mean=_mean([m["sd_accept_len_mean"] for m in history]),
         reclaimed_slice_s_total=float(sum(m["reclaimed_slice_s"] for m in history)),
         idle_slice_s_total=float(sum(m["idle_slice_s"] for m in history)))
-    _plot(history, os.path.join(workdir, "summary.png"))
+    _plot(history, evals, os.path.join(workdir, "summary.png"))
     _print_table(summary)
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
@@ -47,6 +52,10 @@ def _mean(values):
 
 def _print_table(s: dict) -> None:
   rows = [("steps", f"{s['steps_done']}"),
+          ("held-out greedy accuracy", (f"{s['eval_accuracy_first']:.3f} (step "
+                                        f"{s['eval_step_first']}) -> {s['eval_accuracy_last']:.3f}"
+                                        f" (step {s['eval_step_last']})")
+           if "eval_accuracy_first" in s else "not evaluated"),
           ("reward (first -> last)", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"),
           ("accuracy (first -> last)", f"{s['accuracy_first']:.3f} -> {s['accuracy_last']:.3f}"),
           ("step time, mean (after step 1)",
@@ -62,7 +71,7 @@ def _print_table(s: dict) -> None:
   print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
 
 
-def _plot(history: list[dict], path: str) -> None:
+def _plot(history: list[dict], evals: list[dict], path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -70,6 +79,9 @@ def _plot(history: list[dict], path: str) -> None:
   fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
   ax1.plot(steps, [m["reward_mean"] for m in history], "o-", label="reward")
   ax1.plot(steps, [m["accuracy"] for m in history], "s--", label="accuracy")
+  if evals:
+    ax1.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], "k^-",
+             label="held-out greedy accuracy")
   ax1.set_ylabel("mean over responses")
   ax1.legend(fontsize=8)
   ax2.bar(steps, [m["rollout_s"] for m in history], label="rollout")

@@ -120,3 +120,23 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_cfg, tiny_params, batch
                  results[0][0])
   # And the update moved the params.
   assert not np.allclose(results[0][0]["lm_head"]["kernel"], tiny_params["lm_head"]["kernel"])
+
+
+def test_updates_raise_the_likelihood_of_good_responses_and_lower_bad_ones(tiny_cfg,
+                                                                           tiny_params):
+  rng = np.random.default_rng(3)
+  prompt = rng.integers(1, 60, 4).tolist()
+  good, bad = rng.integers(1, 60, 6).tolist(), rng.integers(1, 60, 6).tolist()
+  adv = group_advantages(np.array([1.0, 0.0]), 2)  # [+1, -1]
+  rows = build_rows([prompt, prompt], [good, bad], adv, 2, 0)
+  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(rows, 1, 2, "token_mean").items()}
+  tx = optax.adam(1e-3)
+  update = make_policy_update(tiny_cfg, GrpoConfig(), tx, None, None)
+  params = jax.tree.map(jnp.copy, tiny_params)
+  opt_state = tx.init(params)
+  rows_only = {k: v[0] for k, v in mini.items()}  # the one micro-batch
+  before = _logp(tiny_cfg, params, rows_only).sum(axis=1)
+  for _ in range(5):
+    params, opt_state, _ = update(params, opt_state, mini)
+  after = _logp(tiny_cfg, params, rows_only).sum(axis=1)
+  assert after[0] > before[0] + 0.1 and after[1] < before[1] - 0.1, (before, after)
