@@ -298,10 +298,15 @@ def _validate_rollout(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
       raise ConfigError(str(e)) from None
   _validate_drafter(config.drafter)
-  if r.max_prompt_len + r.max_new_tokens > config.model.max_position_embeddings:
+  limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
+  if config.model.path:  # the checkpoint's own limit
+    import json
+    with open(os.path.join(config.model.path, "config.json")) as f:
+      limit = json.load(f).get("max_position_embeddings", limit)
+    source = f"max_position_embeddings of {config.model.path}/config.json"
+  if r.max_prompt_len + r.max_new_tokens > limit:
     raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
-                      f"{r.max_prompt_len + r.max_new_tokens} exceeds "
-                      f"model.max_position_embeddings={config.model.max_position_embeddings}")
+                      f"{r.max_prompt_len + r.max_new_tokens} exceeds {source}={limit}")
 
 
 def engine_config(config: ml_collections.ConfigDict):
