@@ -43,14 +43,16 @@ def get_config(arg: str | None = None):
   c.drafter.spot.windows = 16
   c.drafter.spot.batch_rows = 4
 
-  # GRPO on the tiny policy: 12 prompts x 8 samples per step. The learning rate is large
-  # because the model is tiny (0.97M parameters); Qwen2.5-7B runs use ~1e-6.
+  # GRPO on the tiny policy: 16 prompts x 8 samples per step, held-out greedy accuracy on 128
+  # problems before and after. lr 1e-4 is the largest that stayed stable here (3e-4 and 1e-3
+  # collapsed within 8 steps); Qwen2.5-7B runs use ~1e-6.
   c.rl.steps = 16
-  c.rl.prompts_per_step = 12
+  c.rl.prompts_per_step = 16
   c.rl.num_samples = 8
-  c.rl.learning_rate = 2e-4
+  c.rl.learning_rate = 1e-4
   c.rl.micro_batch_rows = 32
   c.rl.checkpoint_every = 4
+  c.rl.num_eval_examples = 128
 
   variants = ("baseline", "runlocal")
   if arg == "baseline":
