@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from tests.conftest import REPO
-from tlt_jax.train import METRIC_KEYS
+from tlt_jax.train_report import METRIC_KEYS
 
 RUNLOCAL = ["--config", "configs/default.py:runlocal"]
 BASELINE = ["--config.rollout.speculative.enable=False", "--config.drafter.spot_training=False"]

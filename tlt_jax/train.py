@@ -51,12 +51,6 @@ from tlt_jax.train_report import write_summary
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/train", "Output folder (resumes from it).")
 
-METRIC_KEYS = ("step", "reward_mean", "accuracy", "response_len_mean", "response_len_max",
-               "rollout_s", "update_s", "step_s", "rollout_tokens", "sd_enabled",
-               "sd_accept_len_mean", "drafter_steps", "drafter_loss", "idle_slice_s",
-               "reclaimed_slice_s", "compile_s")
-
-
 def make_reward(config: ml_collections.ConfigDict):
   """The configured reward: `fn(prompts, completions, **columns) -> list[float]`."""
   if config.rl.reward == "answer":

@@ -8,6 +8,12 @@ import os
 import ml_collections
 import numpy as np
 
+# The keys every line of WORKDIR/metrics.jsonl has (more may follow).
+METRIC_KEYS = ("step", "reward_mean", "accuracy", "response_len_mean", "response_len_max",
+               "rollout_s", "update_s", "step_s", "rollout_tokens", "sd_enabled",
+               "sd_accept_len_mean", "drafter_steps", "drafter_loss", "idle_slice_s",
+               "reclaimed_slice_s", "compile_s")
+
 
 def write_summary(workdir: str, history: list[dict], config: ml_collections.ConfigDict,
                   wall_s: float, stopped_early: bool = False,
