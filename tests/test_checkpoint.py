@@ -4,7 +4,6 @@ import logging
 import os
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -145,6 +145,9 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
   update = make_policy_update(cfg, gc, tx, param_sharding, opt_sharding)
   log_probs = make_log_probs(cfg)
   data_ways = int(np.prod([mesh.shape[a] for a in ("replica", "fsdp") if a in mesh.shape]))
+  if r.micro_batch_rows % data_ways:
+    raise ConfigError(f"rl.micro_batch_rows={r.micro_batch_rows} must be a multiple of the "
+                      f"data-parallel devices (replica x fsdp = {data_ways})")
   rows_unit = r.mini_batches * r.micro_batch_rows
   total_rows = -(-r.prompts_per_step * g // rows_unit) * rows_unit
   need_old = r.ppo_epochs * r.mini_batches > 1

@@ -1,6 +1,5 @@
 """Drafter loss on packed windows: segments never mix, and training lowers the loss."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.speculative.drafters import random_drafter
-from tlt_jax.drafter_training.loss import Windows, drafter_loss, previous_features
+from tlt_jax.drafter_training.loss import drafter_loss, previous_features
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_state,
                                                  jit_train_step)
 from tlt_jax.drafter_training.windows import Sample, pack_windows

@@ -31,7 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.drafter_training.buffer import FeatureBuffer
-from tlt_jax.drafter_training.loss import Windows, drafter_loss
+from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainState,
                                                  make_optimizer, train_step)
 from tlt_jax.mesh import DEFAULT_RULES, logical_shardings, logical_to_mesh_spec
@@ -280,18 +280,3 @@ class SpotTrainer:
         "drafter_compile_s": self.compile_s - compile_before,
         "rollout_end": t_end,
     }
-
-  def evaluate(self, policy_params: dict, rl_step: int | None = None,
-               batches: int = 1) -> dict:
-    """Loss and top-1 agreement of the current drafter on windows of the buffer (one RL
-    step's, e.g. the step that just ran), on the home mesh: {'loss', 'top1'}."""
-    if not hasattr(self, "_eval"):
-      self._eval = jax.jit(lambda p, pol, w: drafter_loss(p, pol, w, self.cfg, self.dcfg,
-                                                          self.oc.ce_weight)[1])
-    rng = np.random.default_rng([self.seed, 1 << 20, rl_step or 0])
-    out = []
-    for _ in range(batches):
-      windows, _ = self.buffer.windows_on(self.home, self.spot.window, self.spot.windows, rng,
-                                          step=rl_step, rules=self.rules)
-      out.append(jax.device_get(self._eval(self.state.params, policy_params, windows)))
-    return {k: float(np.mean([m[k] for m in out])) for k in ("loss", "top1")}

@@ -23,7 +23,6 @@ the slice's devices as they are decoded (tlt_jax.rollout.feature_log), for draft
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -41,7 +40,6 @@ from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.state_ops import put_rows, take_rows
 from tlt_jax.speculative.decoding import GenState, plain_step, sd_step, start
 from tlt_jax.speculative.sampling import SamplingParams
-from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import Tuner
 
 
