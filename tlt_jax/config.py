@@ -149,6 +149,7 @@ def base_config() -> ml_collections.ConfigDict:
   # Held-out greedy accuracy (task.eval_seed problems) before the first step, every
   # eval_every steps (0 = only then and at the end); 0 examples = no evaluation.
   c.rl.num_eval_examples = 0
+  c.rl.eval_samples = 4                  # also sampled at the rollout temperature (0 = no)
   c.rl.eval_every = 0
   c.rl.checkpoint_every = 5
   c.rl.keep_checkpoints = 2
@@ -385,7 +386,7 @@ def _validate_rl(r: ml_collections.ConfigDict) -> None:
     if r[key] <= 0:
       raise ConfigError(f"rl.{key}={r[key]} must be positive")
   for key in ("lr_warmup_steps", "weight_decay", "grad_clip", "checkpoint_every",
-              "format_bonus", "num_eval_examples", "eval_every"):
+              "format_bonus", "num_eval_examples", "eval_every", "eval_samples"):
     if r[key] < 0:
       raise ConfigError(f"rl.{key}={r[key]} must be >= 0")
   if r.learning_rate <= 0:

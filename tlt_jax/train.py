@@ -218,19 +218,29 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
   evals = _truncate_jsonl(eval_path, up_to=step)
 
   def evaluate(at_step):
-    """Held-out greedy accuracy with the rollout engine (SD is exact: greedy is unchanged)."""
-    res = engine.generate([prompt_ids(tokenizer, ex.prompt) for ex in eval_examples], 1,
-                          dataclasses.replace(sampling, temperature=0.0), jax.random.key(0),
-                          log_requests=())
-    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
-    row = {"step": at_step, "accuracy": float(np.mean(answer_reward(
-        [ex.prompt for ex in eval_examples], texts, answer=[ex.answer for ex in eval_examples]))),
-           "response_len_mean": float(res.lengths.mean()), "wall_s": res.wall_s}
+    """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged),
+    and with rl.eval_samples samples per problem at the rollout temperature (what the reward
+    measures, without the noise of each step's prompt mix)."""
+    ids = [prompt_ids(tokenizer, ex.prompt) for ex in eval_examples]
+    row = {"step": at_step}
+    for name, sp, n in (("greedy", dataclasses.replace(sampling, temperature=0.0), 1),
+                        ("sampled", sampling, r.eval_samples)):
+      if not n:
+        continue
+      res = engine.generate(ids, n, sp, jax.random.key(1), log_requests=())
+      texts = [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+      row[f"{name}_accuracy"] = float(np.mean(answer_reward(
+          [ex.prompt for ex in eval_examples for _ in range(n)], texts,
+          answer=[ex.answer for ex in eval_examples for _ in range(n)])))
+      row[f"{name}_response_len_mean"] = float(res.lengths.mean())
+    row["accuracy"] = row["greedy_accuracy"]
     evals.append(row)
     with open(eval_path, "a") as f:
       f.write(json.dumps(row) + "\n")
-    tqdm.write(f"step {at_step}: held-out greedy accuracy {row['accuracy']:.3f} on "
-               f"{len(eval_examples)} problems")
+    sampled = (f", sampled {row['sampled_accuracy']:.3f} ({r.eval_samples} per problem)"
+               if r.eval_samples else "")
+    tqdm.write(f"step {at_step}: held-out accuracy on {len(eval_examples)} problems: greedy "
+               f"{row['greedy_accuracy']:.3f}{sampled}")
 
   if eval_examples and step == 0:
     evaluate(0)

@@ -26,6 +26,9 @@ def write_summary(workdir: str, history: list[dict], config: ml_collections.Conf
   if evals:
     summary.update(eval_accuracy_first=evals[0]["accuracy"], eval_step_first=evals[0]["step"],
                    eval_accuracy_last=evals[-1]["accuracy"], eval_step_last=evals[-1]["step"])
+    if "sampled_accuracy" in evals[0]:
+      summary.update(eval_sampled_accuracy_first=evals[0]["sampled_accuracy"],
+                     eval_sampled_accuracy_last=evals[-1]["sampled_accuracy"])
   if history:
     first, last = history[0], history[-1]
     step_s = np.asarray([m["step_s"] for m in history])
@@ -62,6 +65,9 @@ def _print_table(s: dict) -> None:
                                         f"{s['eval_step_first']}) -> {s['eval_accuracy_last']:.3f}"
                                         f" (step {s['eval_step_last']})")
            if "eval_accuracy_first" in s else "not evaluated"),
+          ("held-out sampled accuracy", (f"{s['eval_sampled_accuracy_first']:.3f} -> "
+                                         f"{s['eval_sampled_accuracy_last']:.3f}")
+           if "eval_sampled_accuracy_first" in s else "not evaluated"),
           ("reward (first -> last)", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"),
           ("accuracy (first -> last)", f"{s['accuracy_first']:.3f} -> {s['accuracy_last']:.3f}"),
           ("step time, mean (after step 1)",
@@ -88,6 +94,9 @@ def _plot(history: list[dict], evals: list[dict], path: str) -> None:
   if evals:
     ax1.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], "k^-",
              label="held-out greedy accuracy")
+    if "sampled_accuracy" in evals[0]:
+      ax1.plot([e["step"] for e in evals], [e["sampled_accuracy"] for e in evals], "kv:",
+               label="held-out sampled accuracy")
   ax1.set_ylabel("mean over responses")
   ax1.legend(fontsize=8)
   ax2.bar(steps, [m["rollout_s"] for m in history], label="rollout")
