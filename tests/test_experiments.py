@@ -57,3 +57,17 @@ def test_bench_rollout_quick(tmp_path):
   for mode in data["modes"].values():
     assert mode["executables"] > 0 and mode["tokens"] > 0
   assert data["speedup_wall"] > 0
+
+
+@pytest.mark.slow
+def test_bench_vs_hf_quick(tmp_path):
+  out = tmp_path / "vs_hf.json"
+  _run_script("bench_vs_hf.py", "--quick", "--out", str(out))
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").exists()
+  assert set(data["greedy"]) == {"1", "4"}
+  for row in list(data["greedy"].values()) + [data["speculative"]["1"]]:
+    assert row["tlt_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
+    assert row["ratio"] == pytest.approx(row["tlt_tokens_per_s"] / row["hf_tokens_per_s"])
+    # The same checkpoint, greedy, in fp32: the two libraries agree token for token here.
+    assert row["identical_outputs"] == row["prompts"]
