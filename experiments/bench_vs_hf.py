@@ -154,7 +154,7 @@ def main():
 
   # ---------------------------------------------------------------- greedy, per batch size
   for b in args.batch_sizes:
-    group = prompts[:args.batch1_prompts] if b == 1 else prompts[:max(b, len(prompts))]
+    group = prompts[:args.batch1_prompts] if b == 1 else prompts
     ec = EngineConfig(max_batch=b, max_prompt_len=longest, max_new_tokens=args.max_new_tokens,
                       sd_threshold=0, eos_id=eos, pad_id=pad)
     engine = RolloutEngine(cfg, params, mesh, ec)

@@ -207,6 +207,7 @@ class RolloutEngine:
                          out_shardings=self._layout(s))
 
   def _harvest_exe(self, s, store, log, src):
+    # store_rows(store, log, src, dst): dst has src's shape, so src stands in for it here.
     return self.pool.get((s, "harvest", store.shape[0], log.shape[0], src.shape[0]),
                          store_rows, (store, log, src, src), donate_argnums=(0,),
                          out_shardings=self._layout(s))
