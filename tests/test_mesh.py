@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tlt_jax.mesh import (DEFAULT_RULES, logical_to_mesh_spec, make_mesh, replica_slices,
-                          resolve_axis_sizes, shard_pytree)
+from tlt_jax.config import base_config
+from tlt_jax.mesh import (DEFAULT_RULES, initialize_distributed, local_slices,
+                          logical_to_mesh_spec, make_mesh, replica_slices, resolve_axis_sizes,
+                          shard_pytree, stack_slices, to_mesh)
 from tlt_jax.models import decode, init_cache, param_logical_axes, prefill
 from tlt_jax.models.kv_cache import CACHE_KV_AXES, CACHE_LENGTHS_AXES, KVCache
 
@@ -95,3 +97,34 @@ def test_hf_load_places_tensors_on_mesh(tiny_cfg, tiny_params, tmp_path):
   assert up.sharding.spec == P(None, "fsdp", "tensor")
   np.testing.assert_array_equal(np.asarray(up), np.asarray(tiny_params["layers"]["mlp"]
                                                            ["up_proj"]["kernel"]))
+
+
+def test_single_process_needs_no_distributed_runtime(monkeypatch):
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(var, raising=False)
+  dist = dict(base_config().mesh.distributed)
+  assert initialize_distributed(dist) is False
+  # A coordinator without a process count or id is a setup error named before JAX waits for
+  # peers that never come.
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
+  with pytest.raises(ValueError, match="JAX_NUM_PROCESSES and JAX_PROCESS_ID"):
+    initialize_distributed(dist)
+  assert local_slices(replica_slices(make_mesh({"replica": 4, "fsdp": -1}))) == [0, 1, 2, 3]
+
+
+def test_stack_slices_gathers_one_copy_per_slice_without_the_host():
+  mesh = make_mesh({"replica": 2, "fsdp": -1})
+  slices = replica_slices(mesh)
+  x = np.arange(24, dtype=np.float32).reshape(4, 6)
+  trees = {s: {"w": to_mesh(x + 100 * s, NamedSharding(m, P("fsdp"))),
+               "n": to_mesh(np.int32(s + 1), NamedSharding(m, P()))}
+           for s, m in enumerate(slices)}
+  stacked = stack_slices(trees, mesh)
+  assert stacked["w"].shape == (2, 4, 6) and stacked["n"].shape == (2,)
+  assert stacked["w"].sharding.spec == P("replica", "fsdp")
+  np.testing.assert_array_equal(np.asarray(stacked["w"]), np.stack([x, x + 100]))
+  np.testing.assert_array_equal(np.asarray(stacked["n"]), [1, 2])
+  # Each slice's rows stayed on that slice's devices.
+  for shard in stacked["w"].addressable_shards:
+    s = next(i for i, m in enumerate(slices) if shard.device in set(m.devices.flat))
+    assert shard.index[0] == slice(s, s + 1)

@@ -9,6 +9,7 @@ import jax
 from absl import flags
 
 from tlt_jax.config import ConfigError, validate_config
+from tlt_jax.mesh import initialize_distributed
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -41,14 +42,19 @@ def load_config(flag):
 
 
 def setup_devices(config) -> int:
-  """Applies mesh.num_cpu_devices (before JAX starts a backend) and validates the config
-  against the device count. Exits with a one-line message on a config error."""
+  """Applies mesh.num_cpu_devices and mesh.distributed (before JAX starts a backend) and
+  validates the config against the (global) device count. Exits with a one-line message on a
+  config error."""
   # JAX logs each accelerator plugin it probes and does not find; that is not news here.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   try:
     validate_config(config)
     if config.mesh.num_cpu_devices:
       jax.config.update("jax_num_cpu_devices", config.mesh.num_cpu_devices)
+    try:
+      initialize_distributed(config.mesh.distributed)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
     num_devices = jax.device_count()
     validate_config(config, num_devices)
   except ConfigError as e:

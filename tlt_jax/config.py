@@ -34,6 +34,12 @@ def base_config() -> ml_collections.ConfigDict:
   # On CPU, emulate this many devices (0 = leave JAX's default). Ignored on GPU.
   c.mesh.num_cpu_devices = 0
   c.mesh.rules = DEFAULT_RULES
+  # Multi-host (jax.distributed): empty/0/-1 fall back to JAX_COORDINATOR_ADDRESS,
+  # JAX_NUM_PROCESSES and JAX_PROCESS_ID; none set = one process. auto_detect lets JAX read
+  # them from the cluster (SLURM, Open MPI). CPU processes use gloo collectives.
+  c.mesh.distributed = ml_collections.ConfigDict({
+      "coordinator_address": "", "num_processes": 0, "process_id": -1,
+      "auto_detect": False, "cpu_collectives": "gloo"})
 
   c.model = ml_collections.ConfigDict()
   # A local Hugging Face folder; empty = randomly initialised weights of the shape below.
@@ -267,6 +273,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     raise ConfigError("mesh.axes must name at least one axis, e.g. {'replica': 1, 'fsdp': -1}")
   if config.mesh.num_cpu_devices < 0:
     raise ConfigError(f"mesh.num_cpu_devices={config.mesh.num_cpu_devices} must be >= 0")
+  dist = config.mesh.distributed
+  if dist.num_processes < 0:
+    raise ConfigError(f"mesh.distributed.num_processes={dist.num_processes} must be >= 0")
+  if dist.num_processes and dist.process_id >= dist.num_processes:
+    raise ConfigError(f"mesh.distributed.process_id={dist.process_id} must be below "
+                      f"num_processes={dist.num_processes}")
+  _one_of(dist.cpu_collectives, ("gloo", "mpi"), "mesh.distributed.cpu_collectives")
   if num_devices is not None:
     try:
       resolve_axis_sizes(axes, num_devices)

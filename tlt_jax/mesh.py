@@ -4,14 +4,23 @@ The mesh has named axes (by default `replica`, `fsdp`, `tensor`). Parameters and
 carry logical axis names (`embed`, `heads`, ...); a rules table maps each logical name to a mesh
 axis (or None = replicated). Rollout and spot training use *slices*: sub-meshes along `replica`
 that keep every axis name (with `replica` of size 1), so the same rules apply on a slice.
+
+Multi-host: `initialize_distributed` starts JAX's own multi-process runtime
+(`jax.distributed`) when the config or the environment asks for it. The mesh then spans every
+process's devices, ordered by process, so that each replica slice lives in one process: that
+process's host loop drives its slices' rollouts, and whole-mesh programs (the policy update)
+run on all processes in lockstep. `to_mesh` and `stack_slices` move arrays between the global
+mesh and a process's own slices without going through the host.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -60,12 +69,68 @@ def resolve_axis_sizes(axes: Mapping[str, int], num_devices: int) -> dict[str, i
   return sizes
 
 
+def initialize_distributed(dist: Mapping) -> bool:
+  """Starts `jax.distributed` if asked; returns True when this is a multi-process run.
+
+  dist: the config's mesh.distributed section. The coordinator address, process count and
+  process id come from it, else from the environment (JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES, JAX_PROCESS_ID); with `auto_detect`, JAX reads them from the cluster
+  (SLURM, Open MPI, ...). Nothing set: a single process, and nothing is started. Must run
+  before JAX starts its backends (before the first jax.devices()).
+  """
+  if jax.distributed.is_initialized():
+    return jax.process_count() > 1
+  address = dist["coordinator_address"] or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  count = dist["num_processes"] or int(os.environ.get("JAX_NUM_PROCESSES", "0"))
+  pid = dist["process_id"]
+  if pid < 0:
+    pid = int(os.environ.get("JAX_PROCESS_ID", "-1"))
+  if not address and not dist["auto_detect"]:
+    return False
+  if not dist["auto_detect"] and (count < 1 or pid < 0):
+    raise ValueError(
+        f"mesh.distributed: coordinator {address!r} is set but the process count ({count}) or "
+        f"this process's id ({pid}) is not; set mesh.distributed.num_processes and "
+        f"process_id (or JAX_NUM_PROCESSES and JAX_PROCESS_ID), or auto_detect=True on a "
+        f"cluster JAX knows (SLURM, Open MPI)")
+  # CPU processes exchange collectives through gloo; GPU backends ignore this setting.
+  jax.config.update("jax_cpu_collectives_implementation", dist["cpu_collectives"])
+  jax.distributed.initialize(address or None, count if count > 0 else None,
+                             pid if pid >= 0 else None)
+  return jax.process_count() > 1
+
+
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A mesh over `devices` (default: all) with the named axis sizes (one may be -1)."""
+  """A mesh over `devices` (default: all, of every process) with the named axis sizes (one
+  may be -1). With several processes the devices are ordered by process, so that a replica
+  slice never spans two processes when the replica axis is a multiple of the process count."""
+  if devices is None and jax.process_count() > 1:
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   devices = list(jax.devices() if devices is None else devices)
   sizes = resolve_axis_sizes(axes, len(devices))
+  if jax.process_count() > 1:  # jax.make_mesh may reorder devices for the interconnect
+    return Mesh(np.asarray(devices, dtype=object).reshape(tuple(sizes.values())),
+                tuple(sizes.keys()), axis_types=(AxisType.Auto,) * len(sizes))
   return jax.make_mesh(tuple(sizes.values()), tuple(sizes.keys()),
                        axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
+
+
+def is_local(mesh: Mesh) -> bool:
+  """Whether every device of `mesh` belongs to this process."""
+  return all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def local_slices(slices: Sequence[Mesh]) -> list[int]:
+  """Indices of the slices this process drives. Raises if a slice spans processes: its host
+  loop would have to be run by several processes in lockstep."""
+  for s, m in enumerate(slices):
+    owners = {d.process_index for d in m.devices.flat}
+    if len(owners) > 1:
+      raise ValueError(
+          f"replica slice {s} spans processes {sorted(owners)}; make mesh.axes.replica a "
+          f"multiple of the process count ({jax.process_count()}) so that each slice sits in "
+          f"one process")
+  return [s for s, m in enumerate(slices) if is_local(m)]
 
 
 def replica_slices(mesh: Mesh) -> list[Mesh]:
@@ -121,4 +186,69 @@ def logical_shardings(logical_tree, mesh: Mesh, rules=DEFAULT_RULES, shapes=None
 
 def shard_pytree(tree, logical_tree, mesh: Mesh, rules=DEFAULT_RULES):
   """Places every array of `tree` with the sharding its logical axes ask for on `mesh`."""
-  return jax.device_put(tree, logical_shardings(logical_tree, mesh, rules, shapes=tree))
+  return to_mesh(tree, logical_shardings(logical_tree, mesh, rules, shapes=tree))
+
+
+def to_mesh(tree, shardings):
+  """`jax.device_put(tree, shardings)` that also works across processes:
+
+  - an array of the global mesh onto a slice of this process: the slice's devices already
+    hold a full copy (the array is not sharded over `replica`), which becomes the result
+    without moving data;
+  - a process-local array (or host data, the same on every process) onto the global mesh:
+    each process places its own shards (the array goes through the host, once: loading);
+  - anything within one process: jax.device_put.
+  """
+  return jax.tree.map(_to_sharding, tree, shardings)
+
+
+def _to_sharding(x, sharding):
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if sharding.is_fully_addressable:
+      return jax.device_put(_local_copy(x, sharding.mesh), sharding)
+    return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and not sharding.is_fully_addressable:
+    x = np.asarray(x)
+  return jax.device_put(x, sharding)
+
+
+def _local_copy(x: jax.Array, mesh: Mesh) -> jax.Array:
+  """The copy of global array `x` that the devices of `mesh` (a slice of x's mesh, local to
+  this process) hold, as an array on `mesh`."""
+  spec = getattr(x.sharding, "spec", None)
+  axes = {a for entry in (spec or ()) for a in (entry if isinstance(entry, tuple) else (entry,))}
+  if spec is None or REPLICA_AXIS in axes:
+    raise ValueError(f"an array sharded as {x.sharding} has no full copy on one replica slice; "
+                     f"only arrays not split over '{REPLICA_AXIS}' can move to a slice")
+  devices = set(mesh.devices.flat)
+  shards = [s.data for s in x.addressable_shards if s.device in devices]
+  return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, spec), shards)
+
+
+def stack_slices(trees: Mapping[int, object], mesh: Mesh):
+  """One array per leaf with a leading [replica] axis from per-slice pytrees.
+
+  trees: slice index -> pytree placed on that slice of `mesh` (this process's slices; every
+  process passes its own). The result is a global array sharded over `replica`, assembled
+  from the slices' buffers, so a jitted reduction over axis 0 combines the slices' values
+  with one collective.
+  """
+  slices = replica_slices(mesh)
+  ordered = [trees[s] for s in sorted(trees)]
+
+  def stack(*leaves):
+    spec = leaves[0].sharding.spec
+    sharding = NamedSharding(mesh, PartitionSpec(REPLICA_AXIS, *spec))
+    shards = [jnp.expand_dims(sh.data, 0) for x in leaves for sh in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays((len(slices),) + leaves[0].shape,
+                                                    sharding, shards)
+  return jax.tree.map(stack, *ordered)
+
+
+def host_copy(tree):
+  """numpy copies of a pytree's arrays. Arrays that span processes are all-gathered, so every
+  process must call this at the same point of the program."""
+  if all(x.is_fully_addressable for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)):
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)

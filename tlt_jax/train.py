@@ -11,6 +11,10 @@ policy on the whole mesh; reshard the new policy and drafter onto the rollout sl
 WORKDIR gets metrics.jsonl (one object per step), checkpoints/ (every rl.checkpoint_every steps
 and on SIGINT/SIGTERM; a rerun resumes from the latest), summary.json, summary.png and, at the
 end, export/policy and export/drafter in Hugging Face layout.
+
+Multi-host (mesh.distributed, see tlt_jax.mesh): every process runs this same program on the
+global mesh; each drives the rollout of its own slices, the update runs on the whole mesh, and
+process 0 alone writes the files (orbax coordinates the checkpoints).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from tlt_jax.components import (accept_length, load_drafter_for, load_policy,
                                 load_tokenizer_for, make_engine)
 from tlt_jax.config import (ConfigError, drafter_opt_config, grpo_config, sampling_params,
                             spot_config, task_from_config)
-from tlt_jax.mesh import logical_to_mesh_spec, make_mesh
+from tlt_jax.mesh import host_copy, logical_to_mesh_spec, make_mesh
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.grpo import group_advantages
@@ -106,6 +110,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
 
 def _train(config, workdir, reward_fn, progress, stop) -> dict:
   os.makedirs(workdir, exist_ok=True)
+  main = jax.process_index() == 0  # the process that writes files and prints
+  say = tqdm.write if main else (lambda *_: None)
   r = config.rl
   g = r.num_samples
   started = time.perf_counter()
@@ -198,16 +204,18 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
                                       step=d["step"])
     engine.update_params(policy_params=params,
                          drafter_params=spot.params if spot is not None and use_sd else None)
-    tqdm.write(f"resumed from the checkpoint of step {step}")
+    say(f"resumed from the checkpoint of step {step}")
   # Lines past the checkpoint (a crash after them) are dropped: the steps will run again.
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  history = _truncate_jsonl(metrics_path, up_to=step)
-  _truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), up_to=step)
+  history = _truncate_jsonl(metrics_path, up_to=step) if main else []
+  if main:
+    _truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), up_to=step)
 
   if spot is not None:  # compile the drafter update for every slice before the first rollout
     spot.precompile(engine.slices, engine.policy_on)
   n_params = sum(x.size for x in jax.tree.leaves(params))
-  tqdm.write(f"mesh {dict(mesh.shape)}: {len(engine.slices)} rollout slices; policy "
+  say(f"mesh {dict(mesh.shape)} over {jax.process_count()} process(es): "
+      f"{len(engine.slices)} rollout slices; policy "
              f"{n_params / 1e6:.2f}M params; SD {'on' if engine.speculative else 'off'}, spot "
              f"training {'on' if spot is not None else 'off'}; steps {step} -> {r.steps}")
 
@@ -215,7 +223,7 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
   eval_examples = task_from_config(config.task, eval_split=True).examples(
       r.num_eval_examples) if r.num_eval_examples else []
   eval_path = os.path.join(workdir, "eval.jsonl")
-  evals = _truncate_jsonl(eval_path, up_to=step)
+  evals = _truncate_jsonl(eval_path, up_to=step) if main else []
 
   def evaluate(at_step):
     """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged),
@@ -235,11 +243,11 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
       row[f"{name}_response_len_mean"] = float(res.lengths.mean())
     row["accuracy"] = row["greedy_accuracy"]
     evals.append(row)
-    with open(eval_path, "a") as f:
+    with open(eval_path if main else os.devnull, "a") as f:
       f.write(json.dumps(row) + "\n")
     sampled = (f", sampled {row['sampled_accuracy']:.3f} ({r.eval_samples} per problem)"
                if r.eval_samples else "")
-    tqdm.write(f"step {at_step}: held-out accuracy on {len(eval_examples)} problems: greedy "
+    say(f"step {at_step}: held-out accuracy on {len(eval_examples)} problems: greedy "
                f"{row['greedy_accuracy']:.3f}{sampled}")
 
   if eval_examples and step == 0:
@@ -248,10 +256,11 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
   # ---------------------------------------------------------------- loop
   base_key = jax.random.key(config.seed)
   update_exes: dict = {}
-  bar = tqdm(total=r.steps, initial=step, desc="rl", unit="step", disable=not progress)
-  rollouts_file = open(os.path.join(workdir, "rollouts.jsonl"), "a") if r.save_rollouts \
-      else None
-  with open(metrics_path, "a") as metrics_file:
+  bar = tqdm(total=r.steps, initial=step, desc="rl", unit="step",
+             disable=not (progress and main))
+  rollouts_file = open(os.path.join(workdir, "rollouts.jsonl"), "a") \
+      if r.save_rollouts and main else None
+  with open(metrics_path if main else os.devnull, "a") as metrics_file:
     while step < r.steps and not stop.requested:
       t_step = time.perf_counter()
       compile_before = engine.pool.compile_seconds + (spot.compile_s if spot else 0.0)
@@ -264,7 +273,7 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
       t0 = time.perf_counter()
       spot_metrics = {}
       if spot is not None:
-        spot.begin(step, engine.policy_on, len(engine.slices))
+        spot.begin(step, engine.policy_on)
       logged = None
       if spot is not None and config.drafter.buffer.sequences_per_step:
         n = len(prompts) * g
@@ -368,12 +377,14 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
     from tlt_jax.models.drafter_io import save_drafter
     from tlt_jax.models.hf import save_hf_checkpoint
     export = os.path.join(workdir, "export")
-    save_hf_checkpoint(os.path.join(export, "policy"), params, cfg, tokenizer)
-    if spot is not None or use_sd:
-      save_drafter(os.path.join(export, "drafter"),
-                   spot.params if spot is not None else engine.drafter_on(0), cfg, dcfg)
+    policy = host_copy(params)  # every process takes part in the gather; process 0 writes
+    drafter = host_copy(spot.params if spot is not None else dparams) if use_drafter else None
+    if main:
+      save_hf_checkpoint(os.path.join(export, "policy"), policy, cfg, tokenizer)
+      if drafter is not None:
+        save_drafter(os.path.join(export, "drafter"), drafter, cfg, dcfg)
   summary = write_summary(workdir, history, config, wall_s=time.perf_counter() - started,
-                          stopped_early=step < r.steps, evals=evals)
+                          stopped_early=step < r.steps, evals=evals, write=main)
   return summary
 
 

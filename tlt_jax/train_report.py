@@ -17,9 +17,10 @@ METRIC_KEYS = ("step", "reward_mean", "accuracy", "response_len_mean", "response
 
 def write_summary(workdir: str, history: list[dict], config: ml_collections.ConfigDict,
                   wall_s: float, stopped_early: bool = False,
-                  evals: list[dict] | None = None) -> dict:
+                  evals: list[dict] | None = None, write: bool = True) -> dict:
   """Writes WORKDIR/summary.json and summary.png (reward and step time over steps) from the
-  per-step metrics and held-out evaluations, prints a short table, returns the summary."""
+  per-step metrics and held-out evaluations, prints a short table, returns the summary.
+  write=False only returns it (processes other than process 0 of a multi-host run)."""
   evals = evals or []
   summary = {"steps_done": len(history), "stopped_early": stopped_early, "wall_s": wall_s,
              "config": json.loads(config.to_json())}
@@ -47,10 +48,12 @@ def write_summary(workdir: str, history: list[dict], config: ml_collections.Conf
         sd_accept_len_mean=_mean([m["sd_accept_len_mean"] for m in history]),
         reclaimed_slice_s_total=float(sum(m["reclaimed_slice_s"] for m in history)),
         idle_slice_s_total=float(sum(m["idle_slice_s"] for m in history)))
-    _plot(history, evals, os.path.join(workdir, "summary.png"))
-    _print_table(summary)
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+    if write:
+      _plot(history, evals, os.path.join(workdir, "summary.png"))
+      _print_table(summary)
+  if write:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
   return summary
 
 

@@ -11,14 +11,29 @@ import pytest
 from tests.conftest import REPO, repo_config
 from tests.speculative.drafters import random_drafter
 from tlt_jax.components import accept_length, task_prompts
-from tlt_jax.drafter_training.spot import SpotConfig, SpotTrainer
-from tlt_jax.drafter_training.train_step import DrafterOptConfig
+from tlt_jax.drafter_training.spot import SpotConfig, SpotTrainer, _average_slices
+from tlt_jax.drafter_training.train_step import DrafterOptConfig, DrafterTrainState
 from tlt_jax.mesh import make_mesh
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
 GREEDY = SamplingParams(0.0)
+
+
+def test_slice_copies_average_by_their_step_counts():
+  # Three slices' copies began at step 10; slices 0 and 1 ran 3 and 5 steps, slice 2 none.
+  stacked = DrafterTrainState(params={"w": jnp.asarray([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]])},
+                              opt_state=(jnp.asarray([3, 5, 0]),),
+                              step=jnp.asarray([13, 15, 10]))
+  out = _average_slices(stacked, jnp.asarray([3, 5, 0]))
+  np.testing.assert_allclose(out.params["w"], (3 * np.asarray([1.0, 2.0]) +
+                                               5 * np.asarray([3.0, 4.0])) / 8)
+  assert int(out.opt_state[0]) == 5
+  assert int(out.step) == 18  # 10 + all 8 steps
+  # No steps anywhere: the state the rollout began with (slice 0's copy), exactly.
+  idle = _average_slices(stacked, jnp.asarray([0, 0, 0]))
+  np.testing.assert_array_equal(idle.params["w"], [1.0, 2.0])
 
 
 def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, tiny_params):
@@ -35,7 +50,7 @@ def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, 
   spot.precompile(engine.slices, engine.policy_on)
   before = jax.device_get(spot.params)
 
-  spot.begin(0, engine.policy_on, len(engine.slices))
+  spot.begin(0, engine.policy_on)
   res = engine.generate(prompts, 1, GREEDY, jax.random.key(0), on_slice_idle=spot.on_slice_idle)
   metrics = spot.finish()
   off = engine.generate(prompts, 1, GREEDY, jax.random.key(0))
@@ -98,7 +113,7 @@ def _spot_rollouts(cfg, params, dcfg, dparams, eos, prompts, min_steps, max_roll
   spot.precompile(engine.slices, engine.policy_on)
   steps = 0
   for rl_step in range(max_rollouts):
-    spot.begin(rl_step, engine.policy_on, len(engine.slices))
+    spot.begin(rl_step, engine.policy_on)
     engine.generate(prompts, 1, SamplingParams(1.0), jax.random.key(rl_step),
                     on_slice_idle=spot.on_slice_idle)
     steps += spot.finish()["drafter_steps"]

@@ -14,6 +14,11 @@ need no collective between slices that finish at different times and no re-layou
 another slice joins, and each slice compiles its update once for the whole run. The averaged
 state lives on the trainer's home mesh; the engine then places the new drafter weights (only
 the drafter's own) on every rollout slice.
+
+The average is one jitted reduction over the slices' copies stacked along the `replica` axis
+(`tlt_jax.mesh.stack_slices`): with several processes each contributes its own slices' copies
+and the reduction is the only exchange. A process stops training when its own slices are all
+done; waiting for other processes' rollouts is not reclaimed.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainState,
                                                  make_optimizer, train_step)
-from tlt_jax.mesh import DEFAULT_RULES, logical_shardings, logical_to_mesh_spec
+from tlt_jax.mesh import (DEFAULT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
+                          replica_slices, stack_slices, to_mesh)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes
 from tlt_jax.rollout.feature_log import FeatureBlock
@@ -83,14 +89,21 @@ def _copy(tree):
   return jax.tree.map(jnp.copy, tree)  # outputs of a jit never alias undonated inputs
 
 
-@jax.jit
-def _weighted_average(states: list, weights: jax.Array):
-  """Float leaves: sum_i weights[i] * states[i]; integer leaves: the maximum."""
-  def one(*xs):
-    if jnp.issubdtype(xs[0].dtype, jnp.floating):
-      return sum(w * x.astype(jnp.float32) for w, x in zip(weights, xs)).astype(xs[0].dtype)
-    return functools.reduce(jnp.maximum, xs)
-  return jax.tree.map(one, *states)
+def _average_slices(stacked: DrafterTrainState, counts: jax.Array) -> DrafterTrainState:
+  """The slices' copies ([S, ...] leaves) averaged with weights counts / sum(counts) (float
+  leaves; integer leaves take the maximum); the step counter advances by the total count.
+  No steps anywhere: slice 0's copy, which is the state the rollout began with."""
+  total = counts.sum()
+  weights = counts.astype(jnp.float32) / jnp.maximum(total, 1)
+
+  def one(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      w = weights.reshape((-1,) + (1,) * (x.ndim - 1))
+      mean = (w * x.astype(jnp.float32)).sum(axis=0).astype(x.dtype)
+      return jnp.where(total > 0, mean, x[0])
+    return x.max(axis=0)
+  out = jax.tree.map(one, stacked)
+  return out.replace(step=out.step - counts.max() + total)
 
 
 class SpotTrainer:
@@ -100,7 +113,8 @@ class SpotTrainer:
                drafter_params: dict, home: Mesh, spot: SpotConfig = SpotConfig(),
                buffer: FeatureBuffer | None = None, rules=DEFAULT_RULES, seed: int = 0,
                opt_state=None, step: int = 0):
-    """home: the mesh the canonical train state lives on (e.g. the whole mesh).
+    """home: the mesh the canonical train state lives on, whose replica slices are the ones
+    the rollout engine decodes on (the engine's mesh).
     opt_state / step: restore a saved optimizer state (default: a fresh one)."""
     self.cfg, self.dcfg, self.oc, self.spot = cfg, dcfg, oc, spot
     self.rules, self.seed, self.home = tuple(rules), seed, home
@@ -110,12 +124,16 @@ class SpotTrainer:
     self._shardings: dict = {}
     self._shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                 drafter_params)
-    params = jax.device_put(drafter_params, self._state_shardings(home).params)
+    self.slices = replica_slices(home)
+    self.local = local_slices(self.slices)
+    params = to_mesh(drafter_params, self._state_shardings(home).params)
     if opt_state is None:
-      opt_state = self._tx.init(params)
-    self.state = jax.device_put(
+      opt_state = jax.jit(self._tx.init, out_shardings=self._state_shardings(home).opt_state)(
+          params)
+    self.state = to_mesh(
         DrafterTrainState(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32)),
         self._state_shardings(home))
+    self._average = jax.jit(_average_slices, out_shardings=self._state_shardings(home))
     self._step = jax.jit(functools.partial(_rows_step, cfg=cfg, dcfg=dcfg, oc=oc),
                          donate_argnums=(0,))
     self._lock = threading.Lock()
@@ -156,11 +174,14 @@ class SpotTrainer:
 
   def precompile(self, meshes: list[Mesh], policy_on: Callable[[int], dict]) -> float:
     """Compiles the update for each slice mesh ahead of the first rollout (otherwise a slice
-    spends its first idle seconds compiling). Returns the seconds it took."""
+    spends its first idle seconds compiling); slices of other processes (policy_on(s) is None)
+    are skipped. Returns the seconds it took."""
     t0 = time.perf_counter()
     sp = self.spot
     f = self.cfg.feature_size
     for s, mesh in enumerate(meshes):
+      if policy_on(s) is None:
+        continue
       def abstract(shape, dtype, names, mesh=mesh):
         spec = logical_to_mesh_spec(P(*names), shape, mesh, self.rules)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
@@ -179,12 +200,12 @@ class SpotTrainer:
 
   # ---------------------------------------------------------------- one rollout
 
-  def begin(self, rl_step: int, policy_on: Callable[[int], dict], num_slices: int) -> None:
+  def begin(self, rl_step: int, policy_on: Callable[[int], dict]) -> None:
     """Starts a rollout session: policy_on(s) gives the policy params placed on slice s (their
     embedding and LM head are read by the loss)."""
     if self._threads:
       raise RuntimeError("SpotTrainer.begin called while a session is running; call finish()")
-    self.rl_step, self._policy_on, self._num_slices = rl_step, policy_on, num_slices
+    self.rl_step, self._policy_on = rl_step, policy_on
     self._compile_at_begin = self.compile_s
     self._stop = False
     self.records, self.idle_since, self._results, self._errors = [], {}, {}, []
@@ -195,8 +216,9 @@ class SpotTrainer:
     self.buffer.add(self.rl_step, block)
     if self._policy_on is None:
       raise RuntimeError("SpotTrainer.on_slice_idle before begin()")
-    if len(self.idle_since) == self._num_slices:
-      self._stop_now()  # the last slice: the rollout is over, no step may start after this
+    if len(self.idle_since) == len(self.local):
+      # This process's last slice: its rollout is over, no step may start after this.
+      self._stop_now()
       return
     if self.buffer.num_sequences == 0:
       return
@@ -210,7 +232,7 @@ class SpotTrainer:
       sp = self.spot
       # A private copy: the reshard may reuse buffers that the home state shares with the
       # engine's drafter weights, and each update donates its input.
-      state = _copy(jax.device_put(self.state, self._state_shardings(mesh)))
+      state = _copy(to_mesh(self.state, self._state_shardings(mesh)))
       rng = np.random.default_rng([self.seed, self.rl_step, s])
       rep = NamedSharding(mesh, P())
       version, windows, real, n = -1, None, 0, 0
@@ -246,8 +268,9 @@ class SpotTrainer:
       return self._t_stop
 
   def finish(self) -> dict:
-    """Stops training (if the last slice has not already: no step starts after that), joins the slices' threads, averages
-    their states into the trainer's state and returns this rollout's metrics:
+    """Stops training (if the last slice has not already: no step starts after that), joins
+    the slices' threads, averages their states into the trainer's state and returns this
+    rollout's metrics, summed over every process's slices:
 
     drafter_steps, drafter_tokens, drafter_loss / drafter_top1 (means over the steps; None
     without steps), idle_slice_s (slice-seconds between each slice's idle moment and the end
@@ -261,22 +284,31 @@ class SpotTrainer:
     self._threads = {}
     if self._errors:
       raise RuntimeError("spot training failed on a slice") from self._errors[0]
-    total = sum(n for _, n in self._results.values())
-    if total:
-      home = self._state_shardings(self.home)
-      states = [jax.device_put(st, home) for st, n in self._results.values()]
-      weights = jnp.asarray([n / total for _, n in self._results.values()], jnp.float32)
-      self.state = _weighted_average(states, weights)
-      self.state = self.state.replace(step=self.state.step - max(
-          n for _, n in self._results.values()) + total)
+    copies = {}
+    for s in self.local:
+      mesh = self.slices[s]
+      state, n = self._results.get(s, (self.state, 0))
+      copies[s] = (to_mesh(state, self._state_shardings(mesh)),
+                   jax.device_put(np.int32(n), NamedSharding(mesh, P())))
+    states, counts = stack_slices(copies, self.home)
+    self.state = self._average(states, counts)
     recs = self.records
+    sums = np.asarray([
+        sum(n for _, n in self._results.values()), sum(r.tokens for r in recs),
+        sum(r.loss for r in recs), sum(r.top1 for r in recs), len(recs),
+        sum(t_end - t for t in self.idle_since.values()),
+        sum(min(r.t_done, t_end) - r.t_dispatch for r in recs)], np.float32)
+    if jax.process_count() > 1:  # every process's slices count
+      from jax.experimental import multihost_utils
+      sums = multihost_utils.process_allgather(sums).sum(axis=0)
+    steps, tokens, loss, top1, n_recs, idle, reclaimed = sums.tolist()
     return {
-        "drafter_steps": total,
-        "drafter_tokens": float(sum(r.tokens for r in recs)),
-        "drafter_loss": float(np.mean([r.loss for r in recs])) if recs else None,
-        "drafter_top1": float(np.mean([r.top1 for r in recs])) if recs else None,
-        "idle_slice_s": float(sum(t_end - t for t in self.idle_since.values())),
-        "reclaimed_slice_s": float(sum(min(r.t_done, t_end) - r.t_dispatch for r in recs)),
+        "drafter_steps": int(steps),
+        "drafter_tokens": tokens,
+        "drafter_loss": loss / n_recs if n_recs else None,
+        "drafter_top1": top1 / n_recs if n_recs else None,
+        "idle_slice_s": idle,
+        "reclaimed_slice_s": reclaimed,
         "drafter_compile_s": self.compile_s - compile_before,
         "rollout_end": t_end,
     }

@@ -16,6 +16,10 @@ so switching to SD needs no re-prefill: the per-row last hidden state is already
 Every program comes from an ExecutablePool keyed by (slice, program, bucket, strategy), so a
 rollout never recompiles once its shapes have been seen.
 
+With several processes (jax.distributed), each process drives its own slices; requests are
+assigned to slices the same way on every process, and the finished tokens are gathered at the
+end so that every process returns the whole result.
+
 With `log_features`, the policy's features of (a chosen subset of) the sequences are kept on
 the slice's devices as they are decoded (tlt_jax.rollout.feature_log), for drafter training.
 """
@@ -30,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tlt_jax.mesh import DEFAULT_RULES, logical_shardings, logical_to_mesh_spec, replica_slices
+from tlt_jax.mesh import (DEFAULT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
+                          replica_slices, to_mesh)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import param_logical_axes
 from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, init_drafter_cache
@@ -120,6 +125,7 @@ class RolloutEngine:
     self.log_features = log_features
     self.dcfg = drafter[0] if drafter else None
     self.slices = replica_slices(mesh)
+    self.local = local_slices(self.slices)  # the slices this process drives (all, with one)
     self.pool = ExecutablePool()
     self._policy_axes = param_logical_axes(cfg)
     self._drafter_axes = drafter_logical_axes(cfg, self.dcfg) if drafter else None
@@ -129,19 +135,22 @@ class RolloutEngine:
   # ---------------------------------------------------------------- parameters
 
   def update_params(self, policy_params: dict | None = None, drafter_params: dict | None = None):
-    """Places new weights on every slice (a reshard; nothing goes through the host)."""
+    """Places new weights on this process's slices (a reshard; nothing goes through the
+    host). Other processes' slices hold None."""
+    def place(tree, axes):
+      return [to_mesh(tree, logical_shardings(axes, m, self.rules, tree))
+              if s in self.local else None for s, m in enumerate(self.slices)]
     if policy_params is not None:
-      self._policy = [jax.device_put(policy_params, logical_shardings(
-          self._policy_axes, m, self.rules, policy_params)) for m in self.slices]
+      self._policy = place(policy_params, self._policy_axes)
     if drafter_params is not None:
       if self.dcfg is None:
         raise ValueError("this engine was built without a drafter; pass drafter=(dcfg, params) "
                          "to RolloutEngine to use one")
-      self._drafter = [jax.device_put(drafter_params, logical_shardings(
-          self._drafter_axes, m, self.rules, drafter_params)) for m in self.slices]
+      self._drafter = place(drafter_params, self._drafter_axes)
 
   def policy_on(self, s: int) -> dict:
-    """The policy params as placed on slice s (what drafter training on that slice reads)."""
+    """The policy params as placed on slice s (what drafter training on that slice reads);
+    None for a slice of another process."""
     return self._policy[s]
 
   def drafter_on(self, s: int) -> dict | None:
@@ -240,14 +249,15 @@ class RolloutEngine:
     logged = set()
     if self.log_features:
       logged = set(range(n)) if log_requests is None else {int(r) for r in log_requests}
+    # Slice s serves requests s, s + S, ...: the same split on every process.
     workers = [_SliceWorker(self, s, list(range(s, n, len(self.slices))), requests, sampling,
                             jax.random.fold_in(key, s), logged)
-               for s in range(len(self.slices))]
+               for s in self.local]
     t0 = time.perf_counter()
     results: dict[int, tuple[list[int], str]] = {}
     timeline: list[StepRecord] = []
-    slice_done = [0.0] * len(workers)
-    blocks: list[FeatureBlock | None] = [None] * len(workers)
+    slice_done = [0.0] * len(self.slices)
+    blocks: list[FeatureBlock | None] = [None] * len(self.slices)
     while any(w.busy for w in workers):
       for w in workers:
         if w.busy:
@@ -260,12 +270,33 @@ class RolloutEngine:
             blocks[w.s] = w.feature_block()
             if on_slice_idle is not None:
               on_slice_idle(w.s, self.slices[w.s], blocks[w.s])
+    if jax.process_count() > 1:
+      results, slice_done = self._gather(results, slice_done, n)
     t_end = time.perf_counter()
     tokens = [results[i][0] for i in range(n)]
     return RolloutResult(tokens=tokens, lengths=np.asarray([len(t) for t in tokens]),
                          finish_reasons=[results[i][1] for i in range(n)], timeline=timeline,
                          slice_done_s=slice_done, wall_s=t_end - t0, pool=self.pool.report(),
                          feature_blocks=blocks, t_start=t0, t_end=t_end)
+
+  def _gather(self, results: dict, slice_done: list[float], n: int):
+    """Every process's finished requests and slice end times, on every process (one
+    all-gather of [n, 1 + max_new_tokens] ids; -1 marks what another process served)."""
+    from jax.experimental import multihost_utils
+    width = self.econf.max_new_tokens
+    table = np.full((n, 1 + width), -1, np.int32)
+    for i, (toks, _) in results.items():
+      table[i, 0] = len(toks)
+      table[i, 1:1 + len(toks)] = toks
+    done = np.full((len(self.slices),), -1.0, np.float64)
+    done[self.local] = [slice_done[s] for s in self.local]
+    tables, dones = multihost_utils.process_allgather((table, done))
+    merged = {}
+    for i in range(n):
+      owner = int(np.argmax(tables[:, i, 0]))
+      toks = tables[owner, i, 1:1 + tables[owner, i, 0]].tolist()
+      merged[i] = (toks, "eos" if toks and toks[-1] == self.econf.eos_id else "length")
+    return merged, dones.max(axis=0).tolist()
 
   def _check_requests(self, prompts, num_samples):
     if num_samples < 1:
