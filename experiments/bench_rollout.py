@@ -1,4 +1,5 @@
-"""Benchmark: the rollout engine with plain decoding vs SD (fixed strategies, BEG-MAB tuner).
+"""Benchmark: the rollout engine with plain decoding vs SD (fixed strategies, a fixed table,
+the BEG-MAB tuner).
 
 Same policy, same prompts, same drafter, measured side by side in one run. The drafter is
 warmed on the policy's own generations (on prompts disjoint from the benchmark's), unless
@@ -9,8 +10,12 @@ warmed on the policy's own generations (on prompts disjoint from the benchmark's
   python experiments/bench_rollout.py --policy assets/tiny-policy --out results/rollout.json
 
 JSON per mode: wall time, tokens/s, tail-phase tokens/s (running rows <= sd_threshold), mean
-accept length, executables compiled and compile seconds; plus speedup_wall and speedup_tail of
-the best SD mode vs plain. The PNG shows running rows and tokens/s over time.
+accept length, executables compiled and compile seconds, and tokens/s by active batch size
+(`by_active`: calls grouped by running rows, power-of-two buckets); plus speedup_wall and
+speedup_tail of the best SD mode vs plain, and `tuner_comparison`: BEG-MAB against the best and
+the worst fixed strategy and a fixed table (bigger trees for fewer rows). The PNG shows running
+rows and tokens/s over time; OUT_by_batch.png shows tokens/s by active batch size per mode and
+the tuner comparison.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from tlt_jax.models.drafter import DrafterConfig, init_drafter_params  # noqa: E
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
-from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner  # noqa: E402
+from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner, TableTuner  # noqa: E402
 
 DEFAULT_POLICY = "assets/tiny-policy"
 
@@ -63,7 +68,14 @@ def summarize(result, threshold: int, compile_s: float, executables: int) -> dic
   tokens = int(sum(len(t) for t in result.tokens))
   tail_tokens = sum(r.emitted for r in tail)
   tail_s = sum(r.wall_s for r in tail)
+  by_active = {}
+  for r in steps:
+    b = 1 << max(0, (r.active - 1).bit_length())
+    e, w = by_active.get(b, (0, 0.0))
+    by_active[b] = (e + r.emitted, w + r.wall_s)
   return dict(wall_s=result.wall_s, tokens=tokens, tokens_per_s=tokens / result.wall_s,
+              by_active={str(b): dict(tokens=e, seconds=w, tokens_per_s=e / w if w else None)
+                         for b, (e, w) in sorted(by_active.items())},
               tail_tokens=tail_tokens, tail_s=tail_s, tail_calls=len(tail),
               tail_s_per_call=tail_s / len(tail) if tail else None,
               tail_tokens_per_s=tail_tokens / tail_s if tail_s else None,
@@ -79,6 +91,51 @@ def run_mode(cfg, params, mesh, ec, drafter, tuner, prompts, samples, sp, key):
   result = engine.generate(prompts, samples, sp, key)  # the timed run: no compiles left
   assert result.pool["compiles"] == first.pool["compiles"], "recompiled during the timed run"
   return result, compile_s, executables
+
+
+def fixed_table(strategies: list[str], thresholds) -> list[Strategy]:
+  """One strategy per bucket: the largest verify budget for the fewest running rows."""
+  ordered = sorted((Strategy.parse(s) for s in strategies), key=lambda s: -s.verify_tokens)
+  return [ordered[min(i, len(ordered) - 1)] for i in range(len(thresholds))]
+
+
+def tuner_comparison(rows: dict) -> dict:
+  """Tail and total time of the tuners against the best and worst fixed strategy."""
+  fixed = {n: r for n, r in rows.items() if n.startswith("sd(")}
+  best = min(fixed, key=lambda n: rows[n]["wall_s"])
+  worst = max(fixed, key=lambda n: rows[n]["wall_s"])
+  out = {"best_fixed": best, "worst_fixed": worst}
+  for name in ("sd-beg_mab", "sd-table", best, worst, "plain"):
+    out[name] = {"wall_s": rows[name]["wall_s"], "tail_s": rows[name]["tail_s"],
+                 "accept_len": rows[name]["accept_len"]}
+  base = rows["sd-beg_mab"]["wall_s"]
+  out["beg_mab_vs_best_fixed"] = rows[best]["wall_s"] / base
+  out["beg_mab_vs_worst_fixed"] = rows[worst]["wall_s"] / base
+  out["beg_mab_vs_table"] = rows["sd-table"]["wall_s"] / base
+  return out
+
+
+def plot_by_batch(rows: dict, comparison: dict, path) -> None:
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+  for name, row in rows.items():
+    buckets = sorted(row["by_active"], key=int)
+    a.plot([int(k) for k in buckets], [row["by_active"][k]["tokens_per_s"] for k in buckets],
+           "o-", label=name, ms=3)
+  a.set_xscale("log", base=2)
+  a.set_yscale("log")
+  a.set_xlabel("running sequences on the slice (bucket)")
+  a.set_ylabel("tokens/s")
+  a.legend(fontsize=7)
+  names = ["sd-beg_mab", "sd-table", comparison["best_fixed"], comparison["worst_fixed"],
+           "plain"]
+  labels = ["BEG-MAB", "table", f"best {comparison['best_fixed']}",
+            f"worst {comparison['worst_fixed']}", "plain"]
+  b.bar(range(len(names)), [comparison[n]["tail_s"] for n in names], color="#3b6ea5")
+  b.set_xticks(range(len(names)), labels, fontsize=7, rotation=15)
+  b.set_ylabel("seconds in the tail (running rows <= threshold)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def plot(runs: dict, path, threshold):
@@ -153,8 +210,10 @@ def main():
   modes = {"plain": (None, None)}
   for s in args.strategies:
     modes[f"sd{Strategy.parse(s).as_tuple()}"] = (drafter, FixedTuner(Strategy.parse(s)))
+  thresholds = (1, 2, 5)
   modes["sd-beg_mab"] = (drafter, BegMabTuner(
-      thresholds=(1, 2, 5), arms=[[Strategy.parse(s) for s in args.strategies]] * 3, seed=0))
+      thresholds=thresholds, arms=[[Strategy.parse(s) for s in args.strategies]] * 3, seed=0))
+  modes["sd-table"] = (drafter, TableTuner(thresholds, fixed_table(args.strategies, thresholds)))
   rows, runs = {}, {}
   for name, (d, tuner) in modes.items():
     res, compile_s, exes = run_mode(cfg, params, mesh, ec, d, tuner, prompts,
@@ -178,11 +237,14 @@ def main():
       modes=rows, outputs_identical_to_plain=lossless, best_sd_mode=best,
       speedup_wall=plain["wall_s"] / rows[best]["wall_s"],
       speedup_tail=(rows[best]["tail_tokens_per_s"] / plain["tail_tokens_per_s"]
-                    if plain["tail_tokens_per_s"] and rows[best]["tail_tokens_per_s"] else None))
+                    if plain["tail_tokens_per_s"] and rows[best]["tail_tokens_per_s"] else None),
+      tuner_comparison=tuner_comparison(rows))
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(result, indent=2))
   plot({"plain": runs["plain"], best: runs[best]}, args.out.with_suffix(".png"),
        args.sd_threshold)
+  plot_by_batch(rows, result["tuner_comparison"],
+                args.out.with_name(args.out.stem + "_by_batch.png"))
   print(json.dumps({k: result[k] for k in ("best_sd_mode", "speedup_wall", "speedup_tail")}))
 
 

@@ -51,11 +51,18 @@ def test_bench_rollout_quick(tmp_path):
   _run_script("bench_rollout.py", "--quick", "--policy", "assets/tiny-policy", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
-  assert set(data["modes"]) == {"plain", "sd(3, 2, 6)", "sd-beg_mab"}
+  assert set(data["modes"]) == {"plain", "sd(3, 2, 6)", "sd-beg_mab", "sd-table"}
   assert all(data["outputs_identical_to_plain"].values())  # greedy SD is lossless
   assert data["drafter_warmup"]["loss_last"] < data["drafter_warmup"]["loss_first"]
   for mode in data["modes"].values():
     assert mode["executables"] > 0 and mode["tokens"] > 0
+    # Every generated token is counted once across the active-batch buckets (prefill apart).
+    assert sum(b["tokens"] for b in mode["by_active"].values()) <= mode["tokens"]
+    assert all(int(k) & (int(k) - 1) == 0 for k in mode["by_active"])
+  comparison = data["tuner_comparison"]
+  assert comparison["best_fixed"] == comparison["worst_fixed"] == "sd(3, 2, 6)"
+  assert comparison["beg_mab_vs_best_fixed"] > 0
+  assert (tmp_path / "rollout_by_batch.png").exists()
   assert data["speedup_wall"] > 0
 
 
@@ -71,3 +78,66 @@ def test_bench_vs_hf_quick(tmp_path):
     assert row["ratio"] == pytest.approx(row["tlt_tokens_per_s"] / row["hf_tokens_per_s"])
     # The same checkpoint, greedy, in fp32: the two libraries agree token for token here.
     assert row["identical_outputs"] == row["prompts"]
+
+
+@pytest.mark.slow
+def test_rl_runs_quick(tmp_path):
+  _run_script("rl_runs.py", "--quick", "--out", str(tmp_path), timeout=900)
+  data = json.loads((tmp_path / "rl_runs.json").read_text())
+  for name in ("long_tail.png", "drafter_adaptation.png", "end_to_end.png"):
+    assert (tmp_path / name).exists(), name
+  assert set(data["runs"]) == {"baseline", "tlt", "frozen", "no_warmup"}
+  for run in data["runs"].values():
+    assert [m["step"] for m in run["metrics"]] == [1, 2]
+  # The baseline's per-step lengths and time split come from its own rollouts and metrics.
+  lengths = data["long_tail"]["lengths"]
+  assert [r["step"] for r in lengths] == [1, 2]
+  assert all(r["count"] == 2 * 4 and r["p50"] <= r["p90"] <= r["max"] for r in lengths)
+  for row in data["long_tail"]["time_breakdown"]:
+    assert 0.0 <= row["idle_share"] <= 1.0 and row["rollout_busy_s"] > 0
+  # SD runs report an accept length every step; the baseline has none.
+  for name in ("tlt", "frozen", "no_warmup"):
+    assert all(a is not None and a >= 1.0 for a in data["drafter_adaptation"][name])
+  assert data["runs"]["frozen"]["summary"]["drafter_steps_total"] == 0
+  e2e = data["end_to_end"]
+  assert e2e["steps"] == 2 and e2e["speedup_step_time"] > 0
+  assert "speedup_without_compiles_after_first" in e2e
+
+
+@pytest.mark.slow
+def test_executable_pool_quick(tmp_path):
+  _run_script("executable_pool.py", "--quick", "--out", str(tmp_path))
+  data = json.loads((tmp_path / "executable_pool.json").read_text())
+  assert (tmp_path / "executable_pool.png").exists()
+  bucketed, every = data["sets"]["bucketed"], data["sets"]["every_batch_size"]
+  # max_batch 4, SD threshold 2, one strategy: plain at 1, 2, 4 and SD at 1, 2 (bucketed);
+  # plain at 1..4 and SD at 1, 2 (every batch size).
+  assert (bucketed["plain"], bucketed["sd"]) == (3, 2)
+  assert (every["plain"], every["sd"]) == (4, 2)
+  assert data["ratio_executables"] == pytest.approx(6 / 5)
+  assert bucketed["compile_s"] > 0 and every["memory_bytes"] > bucketed["memory_bytes"] > 0
+
+
+def test_reproduce_lists_every_experiment_and_rejects_unknown_names(tmp_path):
+  r = _run_script("reproduce.py", "--all", "--dry-run", "--out", str(tmp_path))
+  names = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines()
+           if line.startswith("[")]
+  assert names == ["length_histogram", "rl_runs", "rollout", "executable_pool",
+                   "simulate_cluster", "simulate_vs_run", "vs_hf"]
+  for name in names:  # every script it would run exists
+    script = next(line for line in r.stdout.splitlines() if f"] {name}:" in line).split()[2]
+    assert os.path.isfile(script), script
+  bad = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "reproduce.py"),
+                        "--only", "figure9", "--out", str(tmp_path)],
+                       capture_output=True, text=True)
+  assert bad.returncode != 0 and "unknown experiment" in bad.stderr
+
+
+@pytest.mark.slow
+def test_reproduce_runs_a_subset_and_records_it(tmp_path):
+  _run_script("reproduce.py", "--only", "executable_pool", "--quick", "--out", str(tmp_path))
+  report = json.loads((tmp_path / "reproduce.json").read_text())
+  run = report["experiments"]["executable_pool"]
+  assert run["returncode"] == 0 and report["quick"] is True
+  assert "executable_pool/executable_pool.json" in run["files"]
+  assert (tmp_path / "executable_pool" / "log.txt").exists()

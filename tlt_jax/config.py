@@ -521,3 +521,50 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
         model_type=m.model_type, feature_layers=tuple(config.drafter.fused_layers), **runtime)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+
+
+def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file given as 'path[:arg]' (as --config takes it), unlocked,
+  with 'key=value' overrides (dotted keys; values parsed to the existing value's type)."""
+  import importlib.util
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} not found")
+  module_spec = importlib.util.spec_from_file_location("tlt_jax_config_file", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(arg or None)
+  config.unlock()
+  for item in overrides:
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise ConfigError(f"override {item!r}: expected key=value, e.g. rl.steps=8")
+    set_config_value(config, key, value)
+  return config
+
+
+def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> None:
+  """config[dotted] = value; a string value is parsed to the type of the value it replaces.
+  Raises ConfigError naming the allowed keys when the key does not exist."""
+  *parents, leaf = dotted.split(".")
+  node = config
+  for i, name in enumerate(parents):
+    if name not in node:
+      raise ConfigError(f"unknown config key {dotted!r}: no section "
+                        f"{'.'.join(parents[:i + 1])!r}")
+    node = node[name]
+  if leaf not in node:
+    raise ConfigError(f"unknown config key {dotted!r}; allowed under "
+                      f"{'.'.join(parents) or 'the top level'}: {sorted(node.keys())}")
+  old = node[leaf]
+  if isinstance(value, str) and old is not None and not isinstance(old, str):
+    if isinstance(old, bool):
+      if value.lower() not in ("true", "false"):
+        raise ConfigError(f"{dotted}={value!r}: expected true or false")
+      value = value.lower() == "true"
+    else:
+      try:
+        value = type(old)(value)
+      except (TypeError, ValueError):
+        raise ConfigError(f"{dotted}={value!r}: expected a {type(old).__name__}") from None
+  node[leaf] = value

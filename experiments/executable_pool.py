@@ -1,0 +1,168 @@
+"""The compiled-executable pool: bucketed programs vs one program per batch size and strategy.
+
+The rollout engine compiles a decode program per power-of-two batch bucket, and an SD program
+per (bucket, strategy) for the buckets at or below rollout.sd_threshold, with the strategies the
+tuner may pick (rollout.speculative.arms). The alternative, a program for every batch size the
+rollout can reach and every strategy, is what compiling on demand without buckets ends up with.
+This script compiles both sets for the config's policy and drafter (single device, AOT:
+`jax.jit(...).lower(...).compile()`, as the pool does) and records, per set: the number of
+executables, compile seconds, and XLA's memory analysis (generated code, which the CPU backend
+reports as 0, and the temporaries each program needs while it runs).
+
+  python experiments/executable_pool.py --out results/executable_pool
+  python experiments/executable_pool.py --out /tmp/pool --quick
+
+Writes OUT/executable_pool.json and OUT/executable_pool.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def program_sets(max_batch: int, sd_threshold: int, strategies: list) -> dict[str, list]:
+  """(mode, batch, strategy) keys of the two sets; mode is 'plain' or 'sd'."""
+  pow2 = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
+  sd_pow2 = sorted({min(max_batch, 1 << max(0, (b - 1).bit_length()))
+                    for b in range(1, sd_threshold + 1)})
+  bucketed = [("plain", b, None) for b in pow2] + \
+      [("sd", b, s) for b in sd_pow2 for s in strategies]
+  every = [("plain", b, None) for b in range(1, max_batch + 1)] + \
+      [("sd", b, s) for b in range(1, sd_threshold + 1) for s in strategies]
+  return {"bucketed": bucketed, "every_batch_size": every}
+
+
+def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens: int,
+                eos: int) -> dict:
+  """Compiles every program of a set; returns counts, seconds and memory."""
+  from tlt_jax.models.drafter import init_drafter_cache
+  from tlt_jax.models.kv_cache import init_cache
+  from tlt_jax.speculative.decoding import plain_step, sd_step, start
+  from tlt_jax.speculative.sampling import SamplingParams
+  sp = SamplingParams(1.0)
+  key = jax.random.key(0)
+  states = {}
+
+  def state_shape(b):
+    if b not in states:
+      def make():
+        prompts = jnp.ones((b, 8), jnp.int32)
+        return start(params, prompts, jnp.full((b,), 8, jnp.int32),
+                     init_cache(cfg, b, capacity), key, sp, max_new_tokens, eos, cfg,
+                     drafter_params=dparams, draft_cache=init_drafter_cache(cfg, dcfg, b, capacity),
+                     dcfg=dcfg)
+      states[b] = jax.eval_shape(make)
+    return states[b]
+
+  seconds, code, temp = 0.0, 0, 0
+  for mode, b, strategy in keys:
+    if mode == "plain":
+      fn = functools.partial(plain_step, sp=sp, eos_id=eos, cfg=cfg, dcfg=dcfg)
+      fn = lambda p, d, s, k, fn=fn: fn(p, s, k, drafter_params=d)  # noqa: E731
+    else:
+      fn = lambda p, d, s, k, st=strategy: sd_step(p, d, s, k, sp, eos, st, cfg, dcfg)  # noqa: E731
+    t0 = time.perf_counter()
+    exe = jax.jit(fn, donate_argnums=(2,)).lower(params, dparams, state_shape(b), key).compile()
+    seconds += time.perf_counter() - t0
+    mem = exe.memory_analysis()
+    if mem is not None:
+      code += int(getattr(mem, "generated_code_size_in_bytes", 0) or 0)
+      temp += int(getattr(mem, "temp_size_in_bytes", 0) or 0)
+  return {"executables": len(keys), "compile_s": seconds, "generated_code_bytes": code,
+          "temp_bytes": temp, "memory_bytes": code + temp, "plain": sum(k[0] == "plain" for k in keys),
+          "sd": sum(k[0] == "sd" for k in keys)}
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+  names = list(result["sets"])
+  fig, axes = plt.subplots(1, 3, figsize=(11, 3.4), dpi=100)
+  for ax, key, label in ((axes[0], "executables", "executables"),
+                         (axes[1], "compile_s", "compile seconds"),
+                         (axes[2], "memory_bytes", "generated code + temporaries (MB)")):
+    values = [result["sets"][n][key] / (1e6 if "bytes" in key else 1) for n in names]
+    ax.bar(names, values, color=["#3b6ea5", "#c0392b"])
+    ax.set_title(label, fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+  fig.suptitle(f"max_batch {result['max_batch']}, SD threshold {result['sd_threshold']}, "
+               f"{len(result['strategies'])} strategies", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
+  parser.add_argument("--config", default=str(REPO / "configs" / "default.py"),
+                      help="config file[:variant]: model.path, drafter.path, rollout.*")
+  parser.add_argument("--quick", action="store_true",
+                      help="max_batch 4, SD threshold 2, one strategy (smoke test)")
+  args = parser.parse_args()
+  from tlt_jax.config import ConfigError, config_from_file
+  try:
+    config = config_from_file(args.config)
+  except ConfigError as e:
+    sys.exit(f"config error: {e}")
+
+  from tlt_jax.components import load_drafter_for, load_tokenizer_for
+  from tlt_jax.config import model_config
+  from tlt_jax.mesh import make_mesh
+  from tlt_jax.models.hf import load_hf_params
+  from tlt_jax.rollout.engine import EngineConfig
+  from tlt_jax.speculative.strategy import Strategy
+  r = config.rollout
+  strategies = [Strategy.parse(s) for s in r.speculative.arms]
+  max_batch, threshold = r.max_batch, r.sd_threshold
+  if args.quick:
+    max_batch, threshold, strategies = 4, 2, strategies[:1]
+  cfg = model_config(config)
+  mesh = make_mesh({"replica": 1}, jax.devices()[:1])
+  params = load_hf_params(config.model.path, cfg, mesh) if config.model.path else None
+  if params is None:
+    sys.exit("--config must name a model.path (the policy whose programs are compiled)")
+  dcfg, dparams = load_drafter_for(config, cfg)
+  eos = load_tokenizer_for(config).eos_token_id
+  capacity = EngineConfig(max_batch=1, max_prompt_len=r.max_prompt_len,
+                          max_new_tokens=r.max_new_tokens).capacity
+
+  sets = program_sets(max_batch, threshold, strategies)
+  # One untimed compile first: the first trace of the model's functions is not a pool cost.
+  compile_set(sets["bucketed"][:1], cfg, dcfg, params, dparams, capacity, r.max_new_tokens, eos)
+  result = {"config": args.config, "max_batch": max_batch, "sd_threshold": threshold,
+            "strategies": [s.as_tuple() for s in strategies], "capacity": capacity,
+            "backend": jax.default_backend(), "sets": {}}
+  for name, keys in sets.items():
+    result["sets"][name] = compile_set(keys, cfg, dcfg, params, dparams, capacity,
+                                       r.max_new_tokens, eos)
+    row = result["sets"][name]
+    print(f"{name:18s} {row['executables']:4d} executables  {row['compile_s']:7.1f} s  "
+          f"code + temporaries {row['memory_bytes'] / 1e6:.1f} MB", flush=True)
+  a, b = result["sets"]["bucketed"], result["sets"]["every_batch_size"]
+  result["ratio_executables"] = b["executables"] / a["executables"]
+  result["ratio_compile_s"] = b["compile_s"] / a["compile_s"]
+  args.out.mkdir(parents=True, exist_ok=True)
+  with open(args.out / "executable_pool.json", "w") as f:
+    json.dump(result, f, indent=2)
+  plot(result, args.out / "executable_pool.png")
+  print(f"every batch size / bucketed: {result['ratio_executables']:.1f}x executables, "
+        f"{result['ratio_compile_s']:.1f}x compile time")
+
+
+if __name__ == "__main__":
+  main()

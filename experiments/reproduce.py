@@ -1,0 +1,102 @@
+"""Runs every figure experiment, one after another, into one results folder.
+
+  python experiments/reproduce.py --all --out results/
+  python experiments/reproduce.py --all --out /tmp/results --quick     # smoke run, minutes
+  python experiments/reproduce.py --only rl_runs simulate_cluster --out results/
+  python experiments/reproduce.py --all --out results/ --dry-run       # print the commands
+
+Each experiment runs as its own process (a fresh JAX runtime, its own device setup) and writes
+into OUT/<name>/. A failing experiment does not stop the others: OUT/reproduce.json records
+each one's command, exit status, seconds and files, and the exit status is non-zero if any
+failed. The cluster projection uses the simulator's illustrative 7B cost model; the simulator
+is also checked against the baseline RL run (simulate_vs_run) when rl_runs ran first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+POLICY = "assets/tiny-policy"
+
+
+def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
+  """name -> argument list of each experiment script (paths inside `out`)."""
+  q = ["--quick"] if quick else []
+  baseline_run = out / "rl_runs" / "runs" / "baseline"
+  return {
+      # 1: the long tail of one policy's samples (the RL runs add it per step).
+      "length_histogram": ["length_histogram.py", "--policy", POLICY,
+                           "--out", str(out / "length_histogram"), *q],
+      # 1, 3, 4: baseline / TLT / frozen / no-warm-up RL runs, back to back.
+      "rl_runs": ["rl_runs.py", "--out", str(out / "rl_runs"), *q],
+      # 2, 5: rollout throughput by mode and active batch size; the tuner vs fixed strategies.
+      "rollout": ["bench_rollout.py", "--policy", POLICY,
+                  "--out", str(out / "rollout" / "rollout.json"), *q],
+      # 6: the compiled-executable pool.
+      "executable_pool": ["executable_pool.py", "--out", str(out / "executable_pool"), *q],
+      # 7: cluster-scale projection (8 to 1024 devices), and the simulator against a measured
+      # run: its lengths replayed with costs fitted to it, simulated vs measured idle time.
+      "simulate_cluster": ["simulate_cluster.py", "--out", str(out / "simulate_cluster"), *q],
+      "simulate_vs_run": ["simulate_cluster.py", "--out", str(out / "simulate_vs_run"),
+                          "--compare-run", str(baseline_run)],
+      # Against transformers on the same checkpoint.
+      "vs_hf": ["bench_vs_hf.py", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, type=pathlib.Path, help="results folder")
+  parser.add_argument("--all", action="store_true", help="run every experiment")
+  parser.add_argument("--only", nargs="+", default=[], metavar="NAME",
+                      help="run these experiments (names as in --dry-run)")
+  parser.add_argument("--quick", action="store_true", help="each script's smoke mode")
+  parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+  args = parser.parse_args()
+  known = list(experiments(args.out, args.quick))
+  unknown = [n for n in args.only if n not in known]
+  if unknown:
+    sys.exit(f"unknown experiment(s) {unknown}; choose from {known}")
+  if not args.all and not args.only:
+    sys.exit(f"pass --all or --only NAME ...; experiments: {known}")
+  names = known if args.all else [n for n in known if n in args.only]
+
+  args.out.mkdir(parents=True, exist_ok=True)
+  report_path = args.out / "reproduce.json"
+  report = {"quick": args.quick, "experiments": {}}
+  for i, name in enumerate(names, 1):
+    # Built per experiment: the simulator reads what rl_runs has just written.
+    script, *script_args = experiments(args.out, args.quick)[name]
+    cmd = [sys.executable, str(REPO / "experiments" / script), *script_args]
+    print(f"[{i}/{len(names)}] {name}: {' '.join(cmd[1:])}", flush=True)
+    if args.dry_run:
+      continue
+    folder = args.out / name
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    seconds = time.perf_counter() - t0
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "log.txt").write_text(proc.stdout)
+    files = sorted(str(p.relative_to(args.out)) for p in folder.rglob("*")
+                   if p.is_file() and p.suffix in (".json", ".csv", ".png"))
+    report["experiments"][name] = {"command": cmd[1:], "returncode": proc.returncode,
+                                   "seconds": seconds, "files": files}
+    status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see {folder}/log.txt)"
+    print(f"    {status} in {seconds:.0f} s", flush=True)
+    report_path.write_text(json.dumps(report, indent=2))  # kept current: nothing lost on a crash
+  if args.dry_run:
+    return
+  failed = [n for n, r in report["experiments"].items() if r["returncode"]]
+  print(f"wrote {report_path}" + (f"; failed: {failed}" if failed else ""))
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,257 @@
+"""The RL-step figures: the long tail, adaptive vs frozen drafter, and TLT vs baseline end to end.
+
+Runs the main job (tlt_jax.train) four times, back to back on the same machine, with the same
+prompts and seed:
+
+  baseline   no SD, no spot training (what TLT is compared with)
+  tlt        SD with the warmed drafter, spot-trained on idle slices
+  frozen     SD with the warmed drafter, never trained (drafter.spot_training=False)
+  no_warmup  SD with a randomly initialised drafter, spot-trained (drafter.path='')
+
+  python experiments/rl_runs.py --out results/rl_runs
+  python experiments/rl_runs.py --out /tmp/rl --quick          # configs/default.py:runlocal
+  python experiments/rl_runs.py --out results/rl --config configs/qwen2_5_gpu.py:8gpu \
+      --set model.path=/models/Qwen2.5-7B-Instruct --set drafter.path=runs/warmup/export
+
+Writes OUT/runs/<variant>/ (each run's workdir: metrics.jsonl, rollouts.jsonl, summary.json),
+OUT/rl_runs.json (per-step series and the ratios below) and three figures:
+  long_tail.png           response-length percentiles per RL step (baseline), and the
+                          baseline's step time split into rollout (busy / idle slice time)
+                          and update;
+  drafter_adaptation.png  SD accept length per RL step for the three drafters;
+  end_to_end.png          step time and cumulative wall time of TLT vs baseline, with their
+                          reward curves overlaid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from tlt_jax.config import ConfigError, config_from_file, set_config_value  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "baseline": {"rollout.speculative.enable": False, "drafter.spot_training": False},
+    "tlt": {},
+    "frozen": {"drafter.spot_training": False},
+    "no_warmup": {"drafter.path": ""},
+}
+
+
+def run_variants(base, variants: list[str], out: pathlib.Path) -> dict[str, dict]:
+  """Runs the job once per variant (fresh workdirs); returns each run's metrics and summary."""
+  from tlt_jax.train import train
+  runs = {}
+  for name in variants:
+    config = base.copy_and_resolve_references()
+    config.unlock()
+    for key, value in VARIANTS[name].items():
+      set_config_value(config, key, value)
+    config.rl.save_rollouts = True
+    config.lock()
+    workdir = out / "runs" / name
+    if workdir.exists():
+      import shutil
+      shutil.rmtree(workdir)
+    print(f"=== {name}", flush=True)
+    t0 = time.perf_counter()
+    summary = train(config, str(workdir))
+    runs[name] = {"wall_s": time.perf_counter() - t0, "summary": summary,
+                  "metrics": _jsonl(workdir / "metrics.jsonl"),
+                  "rollouts": _jsonl(workdir / "rollouts.jsonl"),
+                  "slices": int(config.mesh.axes.get("replica", 1))}
+  return runs
+
+
+def _jsonl(path: pathlib.Path) -> list[dict]:
+  return [json.loads(line) for line in open(path)] if path.is_file() else []
+
+
+def length_percentiles(rollouts: list[dict]) -> list[dict]:
+  """Per RL step: p50 / p90 / max response length and the count (from rollouts.jsonl rows)."""
+  steps = sorted({r["step"] for r in rollouts})
+  rows = []
+  for s in steps:
+    lengths = np.asarray([r["tokens"] for r in rollouts if r["step"] == s], np.float64)
+    rows.append({"step": s, "count": int(lengths.size), "p50": float(np.median(lengths)),
+                 "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max()),
+                 "mean": float(lengths.mean())})
+  return rows
+
+
+def time_breakdown(metrics: list[dict], slices: int) -> list[dict]:
+  """Per step: rollout seconds split into busy and idle slice time (idle_slice_s / slices),
+  update seconds, and the idle share of the rollout's slice time."""
+  out = []
+  for m in metrics:
+    idle = m["idle_slice_s"] / max(slices, 1)
+    out.append({"step": m["step"], "rollout_busy_s": m["rollout_s"] - idle, "rollout_idle_s": idle,
+                "update_s": m["update_s"], "other_s": m["step_s"] - m["rollout_s"] - m["update_s"],
+                "idle_share": m["idle_slice_s"] / max(m["rollout_s"] * slices, 1e-9)})
+  return out
+
+
+def end_to_end(tlt: list[dict], base: list[dict]) -> dict:
+  """Ratios of the baseline's time to TLT's over the steps both ran (speedup > 1: TLT faster),
+  with and without the first step (which compiles most programs) and without compile time."""
+  n = min(len(tlt), len(base))
+  tlt, base = tlt[:n], base[:n]
+
+  def total(ms, key, skip=0):
+    return float(sum(m[key] for m in ms[skip:]))
+  out = {"steps": n,
+         "speedup_step_time": total(base, "step_s") / total(tlt, "step_s"),
+         "speedup_rollout": total(base, "rollout_s") / total(tlt, "rollout_s")}
+  if n > 1:
+    out["speedup_step_time_after_first"] = total(base, "step_s", 1) / total(tlt, "step_s", 1)
+    base_run = total(base, "step_s", 1) - total(base, "compile_s", 1)
+    tlt_run = total(tlt, "step_s", 1) - total(tlt, "compile_s", 1)
+    out["speedup_without_compiles_after_first"] = base_run / tlt_run
+  out["reward_mean_tlt"] = float(np.mean([m["reward_mean"] for m in tlt]))
+  out["reward_mean_baseline"] = float(np.mean([m["reward_mean"] for m in base]))
+  return out
+
+
+def _integer_steps(*axes) -> None:
+  for ax in axes:
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Path) -> None:
+  fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+  steps = [r["step"] for r in lengths]
+  a.fill_between(steps, [r["p50"] for r in lengths], [r["max"] for r in lengths],
+                 color="#3b6ea5", alpha=0.15, label="p50 to max")
+  for key, style in (("p50", "-"), ("p90", "--"), ("max", ":")):
+    a.plot(steps, [r[key] for r in lengths], style, color="#3b6ea5", label=key)
+  a.set_xlabel("RL step")
+  a.set_ylabel("response length (tokens)")
+  a.set_title("response lengths per step (baseline)", fontsize=9)
+  a.legend(fontsize=8)
+  steps = np.asarray([r["step"] for r in breakdown])
+  bottom = np.zeros(len(steps))
+  for key, color, label in (("rollout_busy_s", "#3b6ea5", "rollout, slices busy"),
+                            ("rollout_idle_s", "#e67e22", "rollout, mean slice idle"),
+                            ("update_s", "#27ae60", "policy update"),
+                            ("other_s", "#95a5a6", "other")):
+    values = np.asarray([max(r[key], 0.0) for r in breakdown])
+    b.bar(steps, values, bottom=bottom, color=color, label=label)
+    bottom += values
+  b.set_xlabel("RL step")
+  b.set_ylabel("seconds")
+  b.set_title("baseline step time", fontsize=9)
+  b.legend(fontsize=8)
+  _integer_steps(a, b)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
+  fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+  for name, label in (("no_warmup", "no warm-up, spot-trained"), ("frozen", "warmed, frozen"),
+                      ("tlt", "warmed, spot-trained")):
+    if name not in runs:
+      continue
+    ms = runs[name]["metrics"]
+    ax.plot([m["step"] for m in ms], [m["sd_accept_len_mean"] or np.nan for m in ms], "o-",
+            label=label)
+  ax.set_xlabel("RL step")
+  ax.set_ylabel("SD accept length (tokens / iteration)")
+  ax.set_title("drafter: adaptive vs frozen", fontsize=9)
+  ax.legend(fontsize=8)
+  _integer_steps(ax)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
+  fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6), dpi=100)
+  for name, color in (("baseline", "#7f8c8d"), ("tlt", "#c0392b")):
+    ms = runs[name]["metrics"]
+    steps = [m["step"] for m in ms]
+    a.plot(steps, [m["step_s"] for m in ms], "o-", color=color, label=name)
+    b.plot(steps, np.cumsum([m["step_s"] for m in ms]), "o-", color=color, label=name)
+    c.plot(steps, [m["reward_mean"] for m in ms], "o-", color=color, label=name)
+  for ax, title in ((a, "step time (s)"), (b, "cumulative wall time (s)"),
+                    (c, "reward (mean over responses)")):
+    ax.set_xlabel("RL step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+  _integer_steps(a, b, c)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
+  parser.add_argument("--config", default=str(REPO / "configs" / "default.py"),
+                      help="config file[:variant] (default: the tiny CPU default)")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="config override, e.g. --set rl.steps=8 (repeatable)")
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  parser.add_argument("--quick", action="store_true",
+                      help="configs/default.py:runlocal (2 steps, at most 16 drafter steps per "
+                           "idle slice and rollout), for smoke tests")
+  args = parser.parse_args()
+  spec = str(REPO / "configs" / "default.py") + ":runlocal" if args.quick else args.config
+  # Quick: at most 16 drafter steps per idle slice per rollout, so that spot threads do not
+  # take a smoke run's 2 CPU cores from the rollout for long.
+  overrides = ["drafter.spot.max_steps=16", *args.set] if args.quick else args.set
+  try:
+    config = config_from_file(spec, overrides)
+  except ConfigError as e:
+    sys.exit(f"config error: {e}")
+  for needed in ("baseline", "tlt"):
+    if needed not in args.variants:
+      sys.exit(f"--variants must include {needed!r} (the figures compare against it)")
+
+  from tlt_jax.cli import setup_devices
+  setup_devices(config)
+  args.out.mkdir(parents=True, exist_ok=True)
+  runs = run_variants(config, args.variants, args.out)
+
+  base = runs["baseline"]
+  lengths = length_percentiles(base["rollouts"])
+  breakdown = time_breakdown(base["metrics"], base["slices"])
+  result = {
+      "config": spec, "overrides": args.set, "variants": args.variants,
+      "long_tail": {"lengths": lengths, "time_breakdown": breakdown,
+                    "idle_share_mean": float(np.mean([r["idle_share"] for r in breakdown]))},
+      "drafter_adaptation": {name: [m["sd_accept_len_mean"] for m in runs[name]["metrics"]]
+                             for name in ("tlt", "frozen", "no_warmup") if name in runs},
+      "end_to_end": end_to_end(runs["tlt"]["metrics"], base["metrics"]),
+      "runs": {name: {"wall_s": r["wall_s"],
+                      "summary": {k: v for k, v in r["summary"].items() if k != "config"},
+                      "metrics": r["metrics"]} for name, r in runs.items()},
+  }
+  with open(args.out / "rl_runs.json", "w") as f:
+    json.dump(result, f, indent=2)
+  plot_long_tail(lengths, breakdown, args.out / "long_tail.png")
+  plot_adaptation(runs, args.out / "drafter_adaptation.png")
+  plot_end_to_end(runs, args.out / "end_to_end.png")
+  e2e = result["end_to_end"]
+  print(f"TLT vs baseline over {e2e['steps']} steps: step-time speedup "
+        f"{e2e['speedup_step_time']:.2f}x, rollout speedup {e2e['speedup_rollout']:.2f}x; "
+        f"mean reward {e2e['reward_mean_tlt']:.3f} vs {e2e['reward_mean_baseline']:.3f}")
+  print(f"wrote {args.out}/rl_runs.json, long_tail.png, drafter_adaptation.png, end_to_end.png")
+
+
+if __name__ == "__main__":
+  main()
