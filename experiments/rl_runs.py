@@ -208,12 +208,13 @@ def main():
   parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
   parser.add_argument("--quick", action="store_true",
                       help="configs/default.py:runlocal (2 steps, at most 16 drafter steps per "
-                           "idle slice and rollout), for smoke tests")
+                           "idle slice and rollout, no evaluation), for smoke tests")
   args = parser.parse_args()
   spec = str(REPO / "configs" / "default.py") + ":runlocal" if args.quick else args.config
   # Quick: at most 16 drafter steps per idle slice per rollout, so that spot threads do not
-  # take a smoke run's 2 CPU cores from the rollout for long.
-  overrides = ["drafter.spot.max_steps=16", *args.set] if args.quick else args.set
+  # take a smoke run's 2 CPU cores from the rollout for long; no held-out evaluation.
+  quick = ["drafter.spot.max_steps=16", "rl.num_eval_examples=0"]
+  overrides = [*quick, *args.set] if args.quick else args.set
   try:
     config = config_from_file(spec, overrides)
   except ConfigError as e:
