@@ -123,8 +123,9 @@ def test_policy_cache_after_sd_equals_plain(tiny_cfg, tiny_params):
 
 
 def test_fused_feature_drafter_is_lossless(tiny_cfg, tiny_params, plain_outputs):
-  """EAGLE-3 style: the policy returns [final ; layer 0] features, the drafter fuses them."""
-  fused_cfg = tiny_cfg.replace(feature_layers=(0,))
+  """EAGLE-3 style: the policy returns [final ; layer 1] features, the drafter fuses them
+  (layer 1 is deeper than the 1-layer drafter: its index is the policy's, not the drafter's)."""
+  fused_cfg = tiny_cfg.replace(feature_layers=(1,))
   drafter = random_drafter(fused_cfg, seed=6, fused_features=1)
   assert "fuse" in drafter[1]
   state, _ = _run(fused_cfg, tiny_params, 14, -1, Strategy(3, 2, 6), drafter)

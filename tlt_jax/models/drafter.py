@@ -57,8 +57,9 @@ class DrafterConfig:
 
 
 def drafter_model_config(cfg: ModelConfig, dcfg: DrafterConfig) -> ModelConfig:
-  """The policy config reshaped to the drafter's layers (used for its layers and its cache)."""
-  return cfg.replace(num_layers=dcfg.num_layers,
+  """The policy config reshaped to the drafter's layers (used for its layers and its cache).
+  The policy's fused feature layers index the policy's layers, not the drafter's: dropped."""
+  return cfg.replace(num_layers=dcfg.num_layers, feature_layers=(),
                      intermediate_size=dcfg.intermediate_size or cfg.intermediate_size)
 
 
