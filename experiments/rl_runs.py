@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import sys
 import time
 
@@ -64,7 +65,6 @@ def run_variants(base, variants: list[str], out: pathlib.Path) -> dict[str, dict
     config.lock()
     workdir = out / "runs" / name
     if workdir.exists():
-      import shutil
       shutil.rmtree(workdir)
     print(f"=== {name}", flush=True)
     t0 = time.perf_counter()

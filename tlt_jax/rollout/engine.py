@@ -288,7 +288,7 @@ class RolloutEngine:
     for i, (toks, _) in results.items():
       table[i, 0] = len(toks)
       table[i, 1:1 + len(toks)] = toks
-    done = np.full((len(self.slices),), -1.0, np.float64)
+    done = np.full((len(self.slices),), -1.0, np.float32)  # float32: what JAX carries
     done[self.local] = [slice_done[s] for s in self.local]
     tables, dones = multihost_utils.process_allgather((table, done))
     merged = {}
