@@ -12,10 +12,12 @@ warmed on the policy's own generations (on prompts disjoint from the benchmark's
 JSON per mode: wall time, tokens/s, tail-phase tokens/s (running rows <= sd_threshold), mean
 accept length, executables compiled and compile seconds, and tokens/s by active batch size
 (`by_active`: calls grouped by running rows, power-of-two buckets); plus speedup_wall and
-speedup_tail of the best SD mode vs plain, and `tuner_comparison`: BEG-MAB against the best and
-the worst fixed strategy and a fixed table (bigger trees for fewer rows). The PNG shows running
-rows and tokens/s over time; OUT_by_batch.png shows tokens/s by active batch size per mode and
-the tuner comparison.
+speedup_tail of the best SD mode (fastest tail) vs plain, and `tuner_comparison`: BEG-MAB
+against the best and the worst fixed strategy and a fixed table (bigger trees for fewer rows),
+by tail time. Every mode decodes plainly until the tail, so speedup_wall is bounded by the
+tail's share of the plain rollout and carries that phase's run-to-run noise. The PNG shows
+running rows and tokens/s over time; OUT_by_batch.png shows tokens/s by active batch size per
+mode and the tuner comparison.
 """
 
 from __future__ import annotations
@@ -100,18 +102,22 @@ def fixed_table(strategies: list[str], thresholds) -> list[Strategy]:
 
 
 def tuner_comparison(rows: dict) -> dict:
-  """Tail and total time of the tuners against the best and worst fixed strategy."""
+  """The tuners against the best and worst fixed strategy, by time in the tail phase.
+
+  Strategies differ only there: before the tail every mode decodes plainly, the same work, so
+  differences in whole-rollout wall time between SD modes are that phase's noise. Ratios are
+  tail seconds of the other mode over BEG-MAB's (> 1: BEG-MAB is faster)."""
   fixed = {n: r for n, r in rows.items() if n.startswith("sd(")}
-  best = min(fixed, key=lambda n: rows[n]["wall_s"])
-  worst = max(fixed, key=lambda n: rows[n]["wall_s"])
+  best = min(fixed, key=lambda n: rows[n]["tail_s"])
+  worst = max(fixed, key=lambda n: rows[n]["tail_s"])
   out = {"best_fixed": best, "worst_fixed": worst}
   for name in ("sd-beg_mab", "sd-table", best, worst, "plain"):
     out[name] = {"wall_s": rows[name]["wall_s"], "tail_s": rows[name]["tail_s"],
                  "accept_len": rows[name]["accept_len"]}
-  base = rows["sd-beg_mab"]["wall_s"]
-  out["beg_mab_vs_best_fixed"] = rows[best]["wall_s"] / base
-  out["beg_mab_vs_worst_fixed"] = rows[worst]["wall_s"] / base
-  out["beg_mab_vs_table"] = rows["sd-table"]["wall_s"] / base
+  base = rows["sd-beg_mab"]["tail_s"]
+  out["beg_mab_vs_best_fixed"] = rows[best]["tail_s"] / base
+  out["beg_mab_vs_worst_fixed"] = rows[worst]["tail_s"] / base
+  out["beg_mab_vs_table"] = rows["sd-table"]["tail_s"] / base
   return out
 
 
@@ -226,7 +232,8 @@ def main():
   lossless = {n: r.tokens == plain_tokens for n, r in runs.items()}
   plain = rows["plain"]
   sd_names = [n for n in rows if n != "plain"]
-  best = min(sd_names, key=lambda n: rows[n]["wall_s"])
+  # The best SD mode is the fastest in the tail, where the modes differ (see tuner_comparison).
+  best = min(sd_names, key=lambda n: rows[n]["tail_s"])
   result = dict(
       device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
       policy=args.policy, layers=cfg.num_layers, hidden=cfg.hidden_size,
