@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.experiment_modules import load_experiment
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -64,6 +66,23 @@ def test_bench_rollout_quick(tmp_path):
   assert comparison["beg_mab_vs_best_fixed"] > 0
   assert (tmp_path / "rollout_by_batch.png").exists()
   assert data["speedup_wall"] > 0
+
+
+def test_tuner_comparison_ranks_by_tail_time():
+  """Strategies are ranked by their tail time, not by whole-rollout wall time (which before the
+  tail is the same plain decoding in every mode, so its differences are noise)."""
+  comparison = load_experiment("bench_rollout").tuner_comparison
+
+  def row(wall_s, tail_s):
+    return {"wall_s": wall_s, "tail_s": tail_s, "accept_len": 3.0}
+  rows = {"plain": row(4.0, 0.20), "sd(4, 2, 8)": row(3.0, 0.15),
+          "sd(3, 2, 6)": row(4.5, 0.05), "sd(6, 2, 12)": row(3.9, 0.10),
+          "sd-beg_mab": row(4.4, 0.10), "sd-table": row(3.2, 0.08)}
+  out = comparison(rows)
+  assert out["best_fixed"] == "sd(3, 2, 6)" and out["worst_fixed"] == "sd(4, 2, 8)"
+  assert out["beg_mab_vs_best_fixed"] == pytest.approx(0.5)
+  assert out["beg_mab_vs_worst_fixed"] == pytest.approx(1.5)
+  assert out["beg_mab_vs_table"] == pytest.approx(0.8)
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,19 +11,12 @@ import time
 import numpy as np
 import pytest
 
+from tests.experiment_modules import load_experiment
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load():
-  spec = importlib.util.spec_from_file_location(
-      "simulate_cluster", os.path.join(REPO, "experiments", "simulate_cluster.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-  spec.loader.exec_module(module)
-  return module
-
-
-sim = _load()
+sim = load_experiment("simulate_cluster")
 
 
 def flat_costs(seconds=0.01, accept=1.0, sd_seconds=None, max_batch=64, prefill_s=0.0):
