@@ -85,8 +85,8 @@ def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens:
       code += int(getattr(mem, "generated_code_size_in_bytes", 0) or 0)
       temp += int(getattr(mem, "temp_size_in_bytes", 0) or 0)
   return {"executables": len(keys), "compile_s": seconds, "generated_code_bytes": code,
-          "temp_bytes": temp, "memory_bytes": code + temp, "plain": sum(k[0] == "plain" for k in keys),
-          "sd": sum(k[0] == "sd" for k in keys)}
+          "temp_bytes": temp, "memory_bytes": code + temp,
+          "plain": sum(k[0] == "plain" for k in keys), "sd": sum(k[0] == "sd" for k in keys)}
 
 
 def plot(result: dict, path: pathlib.Path) -> None:

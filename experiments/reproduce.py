@@ -88,7 +88,8 @@ def main():
                    if p.is_file() and p.suffix in (".json", ".csv", ".png"))
     report["experiments"][name] = {"command": cmd[1:], "returncode": proc.returncode,
                                    "seconds": seconds, "files": files}
-    status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see {folder}/log.txt)"
+    status = ("ok" if proc.returncode == 0
+              else f"FAILED (exit {proc.returncode}; see {folder}/log.txt)")
     print(f"    {status} in {seconds:.0f} s", flush=True)
     report_path.write_text(json.dumps(report, indent=2))  # kept current: nothing lost on a crash
   if args.dry_run:
