@@ -5,7 +5,7 @@ import importlib.util
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import REPO
 
 
 def load_experiment(name: str):
