@@ -21,6 +21,7 @@ EOS (padding after EOS is not counted for either library).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -134,6 +135,10 @@ def main():
   for path in (args.policy, args.drafter):
     if not os.path.isdir(path):
       sys.exit(f"{path!r} not found; see the README for how the shipped assets are made")
+  if importlib.util.find_spec("torch") is None:
+    sys.exit("bench_vs_hf compares with transformers' PyTorch models and needs torch, which "
+             "`pip install -e .` does not install: pip install torch (or pip install -e "
+             "'.[test]')")
 
   import torch
   from transformers import AutoModelForCausalLM

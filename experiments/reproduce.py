@@ -8,13 +8,15 @@
 Each experiment runs as its own process (a fresh JAX runtime, its own device setup) and writes
 into OUT/<name>/. A failing experiment does not stop the others: OUT/reproduce.json records
 each one's command, exit status, seconds and files, and the exit status is non-zero if any
-failed. The cluster projection uses the simulator's illustrative 7B cost model; the simulator
+failed. An experiment whose extra package is missing (vs_hf needs torch) is skipped and
+recorded as such. The cluster projection uses the simulator's illustrative 7B cost model; the simulator
 is also checked against the baseline RL run (simulate_vs_run) when rl_runs ran first.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -23,6 +25,9 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 POLICY = "assets/tiny-policy"
+# Experiments that need a package `pip install -e .` does not install: skipped, not failed,
+# when it is missing.
+REQUIRES = {"vs_hf": "torch"}
 
 
 def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
@@ -78,6 +83,13 @@ def main():
     if args.dry_run:
       continue
     folder = args.out / name
+    needs = REQUIRES.get(name)
+    if needs and importlib.util.find_spec(needs) is None:
+      report["experiments"][name] = {"command": cmd[1:], "returncode": None, "seconds": 0.0,
+                                     "files": [], "skipped": f"needs {needs}"}
+      print(f"    skipped: needs {needs} (pip install {needs})", flush=True)
+      report_path.write_text(json.dumps(report, indent=2))
+      continue
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
