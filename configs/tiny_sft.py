@@ -14,6 +14,7 @@ def get_config(arg: str | None = None):
   # 6 layers, hidden 128: a decode step is cheap on a CPU, and a 1-layer drafter of the same
   # width costs about a sixth of it.
   tiny_task_settings(c)
+  c.model.scan_layers = "all"  # CPU: compiles dominate (see configs/default.py)
   c.sft.steps = 900
   c.sft.rows = 8
   c.sft.seq_len = 320

@@ -34,6 +34,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.models import ModelConfig, init_cache, init_params  # noqa: E402
 from tlt_jax.models.drafter import (DrafterConfig, drafter_from_policy,  # noqa: E402
                                     init_drafter_cache, init_drafter_params)
@@ -133,6 +134,7 @@ def main():
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--quick", action="store_true", help="small run for smoke tests")
   args = parser.parse_args()
+  enable_compilation_cache()
   if args.quick:
     args.strategies, args.batches, args.new_tokens = ["3,2,6"], [2], 12
 

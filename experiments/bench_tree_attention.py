@@ -35,6 +35,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.kernels.reference import prefix_tree_attention_reference  # noqa: E402
 from tlt_jax.kernels.tree_attention_pallas import prefix_tree_attention_pallas  # noqa: E402
 
@@ -143,6 +144,7 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--iters", type=int, default=10)
   args = parser.parse_args(argv)
+  enable_compilation_cache()
 
   grid = dict(QUICK_GRID if args.quick else FULL_GRID)
   for name in ("batches", "prefix_lens", "tree_sizes"):

@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
@@ -130,6 +131,7 @@ def main():
   parser.add_argument("--strategy", default="4,2,8")
   parser.add_argument("--quick", action="store_true", help="small run for smoke tests")
   args = parser.parse_args()
+  enable_compilation_cache()
   if args.quick:
     args.batch_sizes, args.prompts, args.batch1_prompts, args.max_new_tokens = [1, 4], 4, 2, 24
   for path in (args.policy, args.drafter):

@@ -31,6 +31,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.config import base_config  # noqa: E402
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer  # noqa: E402
 from tlt_jax.rl.evaluate import evaluate  # noqa: E402
@@ -86,6 +87,7 @@ def main():
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
+  enable_compilation_cache()
   num_prompts = 64 if args.quick else args.num_prompts
   os.makedirs(args.out, exist_ok=True)
 

@@ -224,7 +224,9 @@ def main():
       sys.exit(f"--variants must include {needed!r} (the figures compare against it)")
 
   from tlt_jax.cli import setup_devices
-  setup_devices(config)
+  # No persistent compilation cache: the runs are compared with their compile times, so no
+  # run may load the programs an earlier one compiled.
+  setup_devices(config, compilation_cache=False)
   args.out.mkdir(parents=True, exist_ok=True)
   runs = run_variants(config, args.variants, args.out)
 

@@ -40,6 +40,7 @@ def test_unknown_key_in_an_unlocked_config_is_named():
     ("param_dtype", "int8", r"model.param_dtype='int8'"),
     ("attention_impl", "flash", r"model.attention_impl='flash'.*'reference'"),
     ("model_type", "gpt2", r"model.model_type='gpt2'.*'qwen2', 'llama'"),
+    ("scan_layers", "decode", r"model.scan_layers='decode'.*'none', 'train', 'all'"),
     ("path", "/does/not/exist", r"model.path='/does/not/exist' does not exist"),
 ])
 def test_bad_model_values(key, value, match):
@@ -144,3 +145,14 @@ def test_gpu_configs_need_a_model_path_and_validate_with_one(variant, devices):
     validate_config(c)  # 512 + 8192 tokens do not fit the tiny policy's 1024 positions
   c.rollout.max_prompt_len, c.rollout.max_new_tokens = 128, 512
   validate_config(c, num_devices=devices)
+
+
+def test_scan_layers_picks_the_loop_or_the_scan_per_pass():
+  from tlt_jax.config import model_config, training_model_config
+  c = base_config()
+  for value, decode_scans, train_scans in (("none", False, False), ("train", False, True),
+                                           ("all", True, True)):
+    c.model.scan_layers = value
+    cfg = model_config(c)
+    assert (cfg.scan_layers, training_model_config(c, cfg).scan_layers) == (
+        decode_scans, train_scans)

@@ -8,6 +8,7 @@ import sys
 import jax
 from absl import flags
 
+from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.config import ConfigError, validate_config
 from tlt_jax.mesh import initialize_distributed
 
@@ -41,10 +42,11 @@ def load_config(flag):
     sys.exit(f"config error: {_one_line(e)}")
 
 
-def setup_devices(config) -> int:
-  """Applies mesh.num_cpu_devices and mesh.distributed (before JAX starts a backend) and
-  validates the config against the (global) device count. Exits with a one-line message on a
-  config error."""
+def setup_devices(config, compilation_cache: bool = True) -> int:
+  """Applies mesh.num_cpu_devices and mesh.distributed (before JAX starts a backend), turns
+  on the persistent compilation cache (unless compilation_cache=False: benchmarks that time
+  compiles), and validates the config against the (global) device count. Exits with a
+  one-line message on a config error."""
   # JAX logs each accelerator plugin it probes and does not find; that is not news here.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   try:
@@ -57,6 +59,8 @@ def setup_devices(config) -> int:
       raise ConfigError(str(e)) from None
     num_devices = jax.device_count()
     validate_config(config, num_devices)
+    if compilation_cache:
+      enable_compilation_cache()
   except ConfigError as e:
     sys.exit(f"config error: {e}")
   return num_devices

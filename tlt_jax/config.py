@@ -59,6 +59,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
   c.model.attention_impl = "auto"
+  # Which forward passes run the layers as a lax.scan over the stacked weights instead of a
+  # Python loop: "none", "train" (log-probs, policy and SFT updates; prefill/decode/verify
+  # loop) or "all". The scan compiles faster and keeps training memory down; on GPU it copies
+  # every layer's weights before use, so decoding loops.
+  c.model.scan_layers = "train"
 
   c.generate = ml_collections.ConfigDict()
   c.generate.num_prompts = 16
@@ -262,6 +267,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   _one_of(m.param_dtype, DTYPES, "model.param_dtype")
   _one_of(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
   _one_of(m.model_type, MODEL_TYPES, "model.model_type")
+  _one_of(m.scan_layers, SCAN_LAYERS, "model.scan_layers")
   if m.path:
     if not os.path.isdir(m.path):
       raise ConfigError(f"model.path={m.path!r} does not exist; give a local Hugging Face "
@@ -502,10 +508,21 @@ def _validate_sft(s: ml_collections.ConfigDict) -> None:
   _one_of(s.export_dtype, DTYPES, "sft.export_dtype")
 
 
+SCAN_LAYERS = ("none", "train", "all")
+
+
+def training_model_config(config: ml_collections.ConfigDict, cfg: ModelConfig) -> ModelConfig:
+  """The policy config for training forward passes (log-probs, updates): scanned layers
+  unless model.scan_layers is 'none'."""
+  return cfg.replace(scan_layers=config.model.scan_layers != "none")
+
+
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  """The ModelConfig described by `config.model` (read from model.path when it is set)."""
+  """The ModelConfig described by `config.model` (read from model.path when it is set), as
+  prefill/decode/verify run it (see `training_model_config` for training)."""
   m = config.model
-  runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl)
+  runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
+                 scan_layers=m.scan_layers == "all")
   if m.path:
     runtime["feature_layers"] = tuple(config.drafter.fused_layers)
     from tlt_jax.models.hf import load_hf_config

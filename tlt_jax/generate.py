@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 from tqdm import tqdm
 
@@ -27,7 +26,6 @@ from tlt_jax import cli
 from tlt_jax.config import model_config
 from tlt_jax.mesh import logical_shardings, make_mesh
 from tlt_jax.models import decode, init_cache, init_params, param_logical_axes, prefill
-from tlt_jax.models.kv_cache import CACHE_KV_AXES, CACHE_LENGTHS_AXES, KVCache
 from tlt_jax.rollout.plain import sample_next
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -63,9 +61,8 @@ def main(argv):
   lengths = rng.integers(1, g.prompt_len + 1, g.num_prompts).astype(np.int32)
   tokens = rng.integers(0, cfg.vocab_size, (g.num_prompts, g.prompt_len)).astype(np.int32)
   capacity = g.prompt_len + g.max_new_tokens
-  cache_spec = KVCache(k=P(*CACHE_KV_AXES), v=P(*CACHE_KV_AXES), lengths=P(*CACHE_LENGTHS_AXES))
   cache_shapes = jax.eval_shape(lambda: init_cache(cfg, g.num_prompts, capacity))
-  cache_sharding = logical_shardings(cache_spec, mesh, rules, cache_shapes)
+  cache_sharding = logical_shardings(cache_shapes.logical_axes(), mesh, rules, cache_shapes)
   cache = jax.jit(lambda: init_cache(cfg, g.num_prompts, capacity),
                   out_shardings=cache_sharding)()
 

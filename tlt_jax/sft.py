@@ -29,13 +29,13 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from tlt_jax import cli
-from tlt_jax.config import model_config, task_from_config
+from tlt_jax.config import model_config, task_from_config, training_model_config
 from tlt_jax.mesh import logical_to_mesh_spec, make_mesh, shard_pytree
 from tlt_jax.optim import init_optimizer
-from tlt_jax.models import ModelConfig, forward, init_cache, init_params, param_logical_axes
+from tlt_jax.models import ModelConfig, forward, init_params, param_logical_axes
+from tlt_jax.models.attention_inputs import packed_inputs
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import evaluate
-from tlt_jax.models.masks import segment_causal_mask
 from tlt_jax.rl.packing import next_packed_batch
 from tlt_jax.rl.tasks import ArithmeticTask, TaskSlice
 from tlt_jax.rl.tokenizer import prompt_ids, response_ids, train_tokenizer
@@ -97,12 +97,9 @@ def sft_loss(params: dict, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, ja
   Returns:
     (loss, number of target tokens), float32 scalars.
   """
-  tokens = batch["tokens"]
-  rows = tokens.shape[0]
-  # An empty cache: packed rows attend only within themselves through the segment mask.
-  cache = init_cache(cfg, rows, 1)
-  mask = segment_causal_mask(batch["segment_ids"])
-  logits, _, _, _ = forward(params, tokens, batch["positions"], cache, mask, cfg)
+  # No cache: packed rows attend only within themselves through the segment mask.
+  attn = packed_inputs(batch["segment_ids"], batch["positions"])
+  logits, _, _, _ = forward(params, batch["tokens"], attn, cfg)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   weight = batch["loss_mask"]
   count = jnp.sum(weight)
@@ -188,7 +185,8 @@ def main(argv):
   param_sharding = jax.tree.map(lambda x: x.sharding, params)
   tx = make_optimizer(s)
   opt_state, opt_sharding = init_optimizer(tx, params, mesh)
-  train_step = make_train_step(cfg, tx, param_sharding, opt_sharding)
+  train_step = make_train_step(training_model_config(config, cfg), tx, param_sharding,
+                               opt_sharding)
   num_params = sum(x.size for x in jax.tree.leaves(params))
   print(f"mesh {dict(mesh.shape)} on {num_devices} devices; policy {cfg.num_layers} layers, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size} ({len(tokenizer)} used), "

@@ -37,10 +37,11 @@ from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.compile_cache import COMPILES
 from tlt_jax.components import (accept_length, load_drafter_for, load_policy,
                                 load_tokenizer_for, make_engine)
 from tlt_jax.config import (ConfigError, drafter_opt_config, grpo_config, sampling_params,
-                            spot_config, task_from_config)
+                            spot_config, task_from_config, training_model_config)
 from tlt_jax.mesh import host_copy, logical_to_mesh_spec, make_mesh
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.data import PromptIterator
@@ -115,6 +116,7 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
   r = config.rl
   g = r.num_samples
   started = time.perf_counter()
+  compiles_before = COMPILES.report()
 
   # ---------------------------------------------------------------- mesh
   mesh = make_mesh(dict(config.mesh.axes))
@@ -148,8 +150,9 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
   tx = make_policy_optimizer(r)
   opt_state, opt_sharding = init_optimizer(tx, params, mesh)
   param_sharding = jax.tree.map(lambda x: x.sharding, params)
-  update = make_policy_update(cfg, gc, tx, param_sharding, opt_sharding)
-  log_probs = make_log_probs(cfg)
+  train_cfg = training_model_config(config, cfg)
+  update = make_policy_update(train_cfg, gc, tx, param_sharding, opt_sharding)
+  log_probs = make_log_probs(train_cfg)
   data_ways = int(np.prod([mesh.shape[a] for a in ("replica", "fsdp") if a in mesh.shape]))
   if r.micro_batch_rows % data_ways:
     raise ConfigError(f"rl.micro_batch_rows={r.micro_batch_rows} must be a multiple of the "
@@ -383,8 +386,10 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
       save_hf_checkpoint(os.path.join(export, "policy"), policy, cfg, tokenizer)
       if drafter is not None:
         save_drafter(os.path.join(export, "drafter"), drafter, cfg, dcfg)
+  compiles = {k: v - compiles_before[k] for k, v in COMPILES.report().items()}
   summary = write_summary(workdir, history, config, wall_s=time.perf_counter() - started,
-                          stopped_early=step < r.steps, evals=evals, write=main)
+                          stopped_early=step < r.steps, evals=evals, write=main,
+                          extra=compiles)
   return summary
 
 

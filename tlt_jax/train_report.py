@@ -17,13 +17,15 @@ METRIC_KEYS = ("step", "reward_mean", "accuracy", "response_len_mean", "response
 
 def write_summary(workdir: str, history: list[dict], config: ml_collections.ConfigDict,
                   wall_s: float, stopped_early: bool = False,
-                  evals: list[dict] | None = None, write: bool = True) -> dict:
+                  evals: list[dict] | None = None, write: bool = True,
+                  extra: dict | None = None) -> dict:
   """Writes WORKDIR/summary.json and summary.png (reward and step time over steps) from the
   per-step metrics and held-out evaluations, prints a short table, returns the summary.
+  extra: more entries for the summary (e.g. the compile counts of this run).
   write=False only returns it (processes other than process 0 of a multi-host run)."""
   evals = evals or []
   summary = {"steps_done": len(history), "stopped_early": stopped_early, "wall_s": wall_s,
-             "config": json.loads(config.to_json())}
+             **(extra or {}), "config": json.loads(config.to_json())}
   if evals:
     summary.update(eval_accuracy_first=evals[0]["accuracy"], eval_step_first=evals[0]["step"],
                    eval_accuracy_last=evals[-1]["accuracy"], eval_step_last=evals[-1]["step"])
@@ -77,6 +79,8 @@ def _print_table(s: dict) -> None:
            f"{s['step_s_mean']:.1f} s ({s['step_s_mean_after_first'] or 0:.1f} s)"),
           ("rollout share of step time", f"{s['rollout_share']:.0%}"),
           ("compile time", f"{s['compile_s_total']:.1f} s"),
+          ("XLA programs compiled / from the cache",
+           f"{s['xla_compiles']} / {s['xla_cache_hits']}" if "xla_compiles" in s else "-"),
           ("SD accept length, mean", f"{s['sd_accept_len_mean'] or 0:.2f}"),
           ("drafter steps (spot)", f"{s['drafter_steps_total']}"),
           ("slice time reclaimed / idle",

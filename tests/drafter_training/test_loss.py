@@ -12,8 +12,8 @@ from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_st
                                                  jit_train_step)
 from tlt_jax.drafter_training.windows import Sample, pack_windows
 from tlt_jax.models import init_cache, prefill
-from tlt_jax.models.drafter import drafter_forward, init_drafter_cache
-from tlt_jax.models.masks import segment_causal_mask
+from tlt_jax.models.attention_inputs import packed_inputs
+from tlt_jax.models.drafter import drafter_forward
 
 
 def _samples(cfg, params, lengths, seed=0):
@@ -50,12 +50,10 @@ def test_packed_predictions_equal_separate_ones(tiny_cfg, tiny_params):
   assert packed.tokens.shape[0] == 1  # all three share one row
 
   def predict(w):
-    b, t = w.tokens.shape
     pred, _, _, _ = drafter_forward(
         dparams, tiny_params, jnp.asarray(w.tokens),
         previous_features(jnp.asarray(w.features), jnp.asarray(w.segment_ids)),
-        jnp.asarray(w.positions), init_drafter_cache(tiny_cfg, dcfg, b, 1),
-        segment_causal_mask(jnp.asarray(w.segment_ids)), tiny_cfg, dcfg)
+        packed_inputs(jnp.asarray(w.segment_ids), jnp.asarray(w.positions)), tiny_cfg, dcfg)
     return np.asarray(pred)
 
   together = predict(packed)

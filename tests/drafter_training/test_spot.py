@@ -174,6 +174,7 @@ def test_spot_training_raises_accept_length_and_recovers_it_after_a_policy_chang
 
   adapted, steps = _spot_rollouts(cfg, changed, dcfg, trained, eos, train, min_steps=120)
   recovered = _accept(sd_changed, adapted, held_out)
-  assert recovered > frozen + 0.3, (frozen, recovered)
+  # It wins back at least half of what the policy change took.
+  assert recovered > frozen + 0.5 * (learned - frozen), (learned, frozen, recovered)
   print(f"accept length: untrained {base:.2f}, spot-trained {learned:.2f}; after the policy "
         f"change: frozen {frozen:.2f}, spot-trained {recovered:.2f}")

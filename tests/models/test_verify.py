@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.models import commit, decode, init_cache, prefill, verify
-from tlt_jax.speculative.tree import ancestor_mask, tree_depths
+from tlt_jax.models.attention_inputs import ancestor_mask, tree_depths
 
 PROMPT_LENS = np.array([4, 7, 1], np.int32)
 CAPACITY = 24

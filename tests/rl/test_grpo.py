@@ -56,11 +56,10 @@ def _logp(tiny_cfg, tiny_params, batch):
 
 
 def test_log_probs_match_a_direct_softmax(tiny_cfg, tiny_params, batch):
-  from tlt_jax.models import forward, init_cache
-  from tlt_jax.models.masks import segment_causal_mask
+  from tlt_jax.models import forward
+  from tlt_jax.models.attention_inputs import rows_inputs
   tokens = batch["tokens"][:1, :7]  # row 0 alone, unpadded
-  logits = forward(tiny_params, tokens, jnp.arange(7)[None], init_cache(tiny_cfg, 1, 1),
-                   segment_causal_mask(jnp.ones((1, 7), jnp.int32)), tiny_cfg)[0]
+  logits = forward(tiny_params, tokens, rows_inputs(1, 7), tiny_cfg)[0]
   lp = jax.nn.log_softmax(logits[0], -1)
   want = [float(lp[t, batch["targets"][0, t]]) for t in range(2, 6)]
   np.testing.assert_allclose(_logp(tiny_cfg, tiny_params, batch)[0, 2:6], want, atol=1e-5)

@@ -135,6 +135,7 @@ def test_fused_feature_drafter_is_lossless(tiny_cfg, tiny_params, plain_outputs)
 
 def test_fused_features_layout_and_width_check(tiny_cfg, tiny_params):
   from tlt_jax.models import prefill
+  from tlt_jax.models.attention_inputs import decode_inputs
   from tlt_jax.models.drafter import DrafterConfig, drafter_forward, init_drafter_params
   tokens = jnp.asarray(PROMPTS)
   _, hidden, _ = prefill(tiny_params, tokens, jnp.asarray(LENGTHS), init_cache(tiny_cfg, 3, 8),
@@ -153,5 +154,5 @@ def test_fused_features_layout_and_width_check(tiny_cfg, tiny_params):
   dparams = init_drafter_params(tiny_cfg, dcfg, jax.random.key(0))
   with pytest.raises(ValueError, match="feature_layers and the drafter's fused_features"):
     drafter_forward(dparams, tiny_params, tokens[:, :1], feats[:, :1],
-                    jnp.zeros((3, 1), jnp.int32), init_drafter_cache(tiny_cfg, dcfg, 3, 8),
-                    jnp.ones((3, 1, 1), bool), tiny_cfg, dcfg)
+                    decode_inputs(jnp.zeros((3,), jnp.int32)), tiny_cfg, dcfg,
+                    cache=init_drafter_cache(tiny_cfg, dcfg, 3, 8))

@@ -14,10 +14,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.models.attention_inputs import packed_inputs
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import (DrafterConfig, drafter_forward, init_drafter_cache,
-                                    logits_with_policy)
-from tlt_jax.models.masks import segment_causal_mask
+from tlt_jax.models.decoder import lm_logits
+from tlt_jax.models.drafter import DrafterConfig, drafter_forward
 
 
 @flax.struct.dataclass
@@ -51,14 +51,12 @@ def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg:
   The policy params are only read (embedding, LM head) and get no gradient.
   """
   policy_params = jax.lax.stop_gradient(policy_params)
-  b, w = batch.tokens.shape
-  empty = init_drafter_cache(cfg, dcfg, b, 1)
   pred, logits, _, _ = drafter_forward(
       drafter_params, policy_params, batch.tokens,
-      previous_features(batch.features, batch.segment_ids), batch.positions, empty,
-      segment_causal_mask(batch.segment_ids), cfg, dcfg)
+      previous_features(batch.features, batch.segment_ids),
+      packed_inputs(batch.segment_ids, batch.positions), cfg, dcfg)
   target = batch.features[..., :cfg.hidden_size].astype(jnp.float32)
-  target_logits = jax.lax.stop_gradient(logits_with_policy(policy_params, target, cfg))
+  target_logits = jax.lax.stop_gradient(lm_logits(policy_params, target, cfg))
   mask = batch.loss_mask.astype(jnp.float32)
   n = jnp.maximum(mask.sum(), 1.0)
   feature_loss = jnp.sum(smooth_l1(pred.astype(jnp.float32), target).mean(-1) * mask) / n

@@ -58,6 +58,9 @@ class ModelConfig:
   # Layers (0-based) whose outputs the entry points append to the returned features, for an
   # EAGLE-3-style drafter that fuses low/mid/high layers; () = final-norm hidden state only.
   feature_layers: tuple[int, ...] = ()
+  # Run the layers as a lax.scan over the stacked weights instead of a Python loop: compiles
+  # faster for deep models, but on GPU the scan copies each layer's weights before use.
+  scan_layers: bool = False
 
   def __post_init__(self):
     dtype_from_name(self.dtype, "model.dtype")

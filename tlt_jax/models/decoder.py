@@ -1,109 +1,126 @@
-"""The policy decoder and its three pure entry points: prefill, decode and tree verify.
+"""The policy decoder as pure functions over a weights dict, and its three entry points:
+prefill, decode and tree verify.
 
-All three run the same forward: T new tokens per sequence at explicit positions attend to the
-cached prefix and to each other under a [B, T, T] mask (causal, single token, or tree ancestry).
-They differ only in the mask, the positions, and what is written back to the cache.
+Weights (a plain nested dict; `param_specs` is the table of shapes and logical axes):
+  embed/embedding [V, E]; layers/<one layer's weights with a leading L axis> (see
+  `tlt_jax.models.layers`); norm/weight [E]; lm_head/kernel [E, V] (absent when tied).
+
+All three entry points run `forward`: T new tokens per row at explicit positions attend to the
+cached prefix and to each other under a mask (`tlt_jax.models.attention_inputs`); they differ
+only in the attention inputs and in what is written back to the cache. The layers run as a
+Python loop over static slices of the stacked weights (on GPU a `lax.scan` copies each layer's
+slice before its matmuls); `cfg.scan_layers` selects the scan, which compiles faster for deep
+models.
 """
 
 from __future__ import annotations
 
-import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.models.attention_inputs import (AttentionInputs, decode_inputs, prefill_inputs,
+                                             tree_inputs)
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.kv_cache import KVCache, append_kv, gather_tree_kv
-from tlt_jax.models.layers import DecoderLayer, RMSNorm, _kernel
+from tlt_jax.models.kv_cache import KVCache, append_kv, empty_prefix, gather_tree_kv
+from tlt_jax.models.layers import LayerCache, layer_forward, layer_param_specs, rms_norm
+from tlt_jax.models.params import ParamSpec, init_from_specs, logical_axes_from_specs
 
 
-class Decoder(nn.Module):
-  """Llama/Qwen2 decoder. Parameters (unboxed) form a plain dict:
-
-  embed/embedding [V, E]; layers/<layer params with a leading L axis>; norm/weight [E];
-  lm_head/kernel [E, V] (absent when embeddings are tied).
-  """
-  cfg: ModelConfig
-
-  def setup(self):
-    cfg = self.cfg
-    self.embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
-                          param_dtype=cfg.jnp_param_dtype,
-                          embedding_init=_kernel(("vocab", "embed")))
-    self.layers = nn.scan(
-        DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
-        metadata_params={nn.PARTITION_NAME: "layers"})(
-            cfg, emit_hidden=bool(cfg.feature_layers))
-    self.norm = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype)
-    if not cfg.tie_embeddings:
-      self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
-                              param_dtype=cfg.jnp_param_dtype,
-                              kernel_init=_kernel(("embed", "vocab")))
-
-  def __call__(self, tokens, positions, cache: KVCache, new_mask):
-    x = self.embed_tokens(tokens)
-    no_extra = jnp.zeros((*cache.k.shape[:2], 0, *cache.k.shape[2:3], cache.k.shape[4]),
-                         cache.k.dtype)
-    x, per_layer = self.layers(x, (cache.k, cache.v, no_extra, no_extra), positions,
-                               cache.lengths, new_mask)
-    hidden = self.norm(x)
-    features = hidden
-    if self.cfg.feature_layers:
-      k_new, v_new, layer_out = per_layer  # layer_out [L, B, T, E]
-      features = jnp.concatenate(
-          [hidden] + [layer_out[i].astype(hidden.dtype) for i in self.cfg.feature_layers], -1)
-    else:
-      k_new, v_new = per_layer
-    return self.logits(hidden), features, k_new, v_new
-
-  def embed_tokens(self, tokens):
-    """[B, T] int32 -> [B, T, E] in the compute dtype."""
-    return self.embed(tokens)
-
-  def logits(self, hidden):
-    """Final-norm hidden states [..., E] -> float32 logits [..., V] through the LM head."""
-    if self.cfg.tie_embeddings:
-      return self.embed.attend(hidden).astype(jnp.float32)
-    return self.lm_head(hidden).astype(jnp.float32)
-
-
-@flax.struct.dataclass
-class TreeKV:
-  """Keys/values of T verified tree tokens, [L, B, T, KVH, D] each, not yet in the cache."""
-  k: jax.Array
-  v: jax.Array
+def param_specs(cfg: ModelConfig) -> dict:
+  """The ParamSpec tree of the policy (see the module docstring)."""
+  e, v = cfg.hidden_size, cfg.vocab_size
+  layer = jax.tree.map(lambda s: s.stacked(cfg.num_layers), layer_param_specs(cfg),
+                       is_leaf=lambda x: isinstance(x, ParamSpec))
+  specs = {"embed": {"embedding": ParamSpec((v, e), ("vocab", "embed"))},
+           "layers": layer,
+           "norm": {"weight": ParamSpec((e,), ("embed",), "ones")}}
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = {"kernel": ParamSpec((e, v), ("embed", "vocab"))}
+  return specs
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
-  """Random parameters (normal(0.02) kernels, unit norms) as a plain nested dict."""
-  return nn.unbox(_init_boxed(cfg, rng))["params"]
+  """Random parameters (normal(0.02) kernels, unit norms, zero biases) in cfg.param_dtype."""
+  return init_from_specs(param_specs(cfg), rng, cfg.jnp_param_dtype)
 
 
 def param_logical_axes(cfg: ModelConfig) -> dict:
   """The logical axis names of every parameter, as a pytree of PartitionSpec like the params."""
-  boxed = jax.eval_shape(lambda: _init_boxed(cfg, jax.random.key(0)))
-  return nn.get_partition_spec(boxed)["params"]
+  return logical_axes_from_specs(param_specs(cfg))
 
 
-def _init_boxed(cfg: ModelConfig, rng):
-  cache = KVCache(k=jnp.zeros((cfg.num_layers, 1, cfg.num_kv_heads, 1, cfg.head_dim),
-                              cfg.jnp_dtype),
-                  v=jnp.zeros((cfg.num_layers, 1, cfg.num_kv_heads, 1, cfg.head_dim),
-                              cfg.jnp_dtype),
-                  lengths=jnp.zeros((1,), jnp.int32))
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  return Decoder(cfg).init(rng, tokens, tokens, cache, jnp.ones((1, 1, 1), bool))
+def embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """[...] int32 token ids -> [..., E] embeddings in the compute dtype."""
+  return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(cfg.jnp_dtype)
 
 
-def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-            new_mask: jax.Array, cfg: ModelConfig):
-  """The shared forward: (logits [B,T,V] f32, features [B,T,F], k_new, v_new [L,B,T,KVH,D]).
+def lm_logits(params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Final-norm hidden states [..., E] -> float32 logits [..., V] through the LM head.
 
-  features[..., :E] is the final-norm hidden state; with cfg.feature_layers the outputs of
-  those layers follow (F = cfg.feature_size), for a fusing drafter.
+  The operands stay in the compute dtype and the products accumulate in float32: the head is
+  the largest matrix of a decode step, read once, never converted."""
+  dt = cfg.jnp_dtype
+  if cfg.tie_embeddings:
+    return jnp.einsum("...e,ve->...v", hidden.astype(dt), params["embed"]["embedding"].astype(dt),
+                      preferred_element_type=jnp.float32)
+  return jnp.einsum("...e,ev->...v", hidden.astype(dt), params["lm_head"]["kernel"].astype(dt),
+                    preferred_element_type=jnp.float32)
+
+
+def _layer(tree: dict, i: int) -> dict:
+  return jax.tree.map(lambda x: x[i], tree)
+
+
+def run_layers(layers: dict, x: jax.Array, attn: AttentionInputs, cache: KVCache | None,
+               cfg: ModelConfig):
+  """The decoder stack over x [B, T, E]: a Python loop over layers, or a lax.scan with
+  cfg.scan_layers.
+
+  Returns:
+    (x [B, T, E], k_new, v_new [L, B, T, KVH, D], outputs of cfg.feature_layers (a list of
+    [B, T, E])).
   """
-  return Decoder(cfg).apply({"params": params}, tokens, positions, cache, new_mask)
+  b = x.shape[0]
+  if cache is None:
+    cache = empty_prefix(cfg, b)
+  if cfg.scan_layers:
+    def body(x, layer_args):
+      w, k_cache, v_cache = layer_args
+      x, k, v = layer_forward(x, w, attn, LayerCache(k_cache, v_cache, cache.lengths), cfg)
+      return x, (k, v, x if cfg.feature_layers else None)
+    x, (k_new, v_new, outs) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
+    taken = [outs[i] for i in cfg.feature_layers]
+    return x, k_new, v_new, taken
+  ks, vs, taken = [], [], {}
+  for i in range(cfg.num_layers):
+    x, k, v = layer_forward(x, _layer(layers, i), attn,
+                            LayerCache(cache.k[i], cache.v[i], cache.lengths), cfg)
+    ks.append(k)
+    vs.append(v)
+    if i in cfg.feature_layers:
+      taken[i] = x
+  return x, jnp.stack(ks), jnp.stack(vs), [taken[i] for i in cfg.feature_layers]
+
+
+def forward(params: dict, tokens: jax.Array, attn: AttentionInputs, cfg: ModelConfig,
+            cache: KVCache | None = None):
+  """The shared forward of T new tokens per row.
+
+  Args:
+    tokens: [B, T] int32; attn: their positions and masks (`tlt_jax.models.attention_inputs`).
+    cache: the prefix they attend to (None: no prefix, e.g. training rows).
+  Returns:
+    (logits [B, T, V] float32, features [B, T, F], k_new, v_new [L, B, T, KVH, D]).
+    features[..., :E] is the final-norm hidden state; with cfg.feature_layers the outputs of
+    those layers follow (F = cfg.feature_size), for a fusing drafter.
+  """
+  x = embed(params, tokens, cfg)
+  x, k_new, v_new, taken = run_layers(params["layers"], x, attn, cache, cfg)
+  hidden = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
+  features = jnp.concatenate([hidden] + [t.astype(hidden.dtype) for t in taken], -1) \
+      if taken else hidden
+  return lm_logits(params, hidden, cfg), features, k_new, v_new
 
 
 def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
@@ -119,13 +136,9 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
     logits [B, T, V] float32, features [B, T, F] (final-norm hidden states first; see
     `forward`), the new cache. Entries at padding positions are meaningless.
   """
-  t = tokens.shape[1]
-  positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  key_valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
-  new_mask = causal[None] & key_valid[:, None, :]
-  logits, hidden, k_new, v_new = forward(params, tokens, positions, cache, new_mask, cfg)
-  return logits, hidden, append_kv(cache, k_new, v_new, lengths)
+  attn = prefill_inputs(cache.lengths, tokens.shape[1], lengths)
+  logits, features, k_new, v_new = forward(params, tokens, attn, cfg, cache)
+  return logits, features, append_kv(cache, k_new, v_new, lengths)
 
 
 def decode(params: dict, tokens: jax.Array, cache: KVCache, cfg: ModelConfig,
@@ -140,9 +153,16 @@ def decode(params: dict, tokens: jax.Array, cache: KVCache, cfg: ModelConfig,
   """
   b = tokens.shape[0]
   num_new = jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32)
-  logits, hidden, k_new, v_new = forward(params, tokens[:, None], cache.lengths[:, None], cache,
-                                         jnp.ones((b, 1, 1), bool), cfg)
-  return logits[:, 0], hidden[:, 0], append_kv(cache, k_new, v_new, num_new)
+  logits, features, k_new, v_new = forward(params, tokens[:, None],
+                                           decode_inputs(cache.lengths), cfg, cache)
+  return logits[:, 0], features[:, 0], append_kv(cache, k_new, v_new, num_new)
+
+
+@flax.struct.dataclass
+class TreeKV:
+  """Keys/values of T verified tree tokens, [L, B, T, KVH, D] each, not yet in the cache."""
+  k: jax.Array
+  v: jax.Array
 
 
 def verify(params: dict, tree_tokens: jax.Array, tree_depths: jax.Array, tree_mask: jax.Array,
@@ -154,13 +174,13 @@ def verify(params: dict, tree_tokens: jax.Array, tree_depths: jax.Array, tree_ma
     tree_depths: [B, T] int32 depth of each node (root 0); node i sits at position
       cache.lengths[b] + tree_depths[b, i], the slot it will occupy if accepted.
     tree_mask: [B, T, T] bool ancestor-or-self mask (all False rows for padding nodes);
-      see `tlt_jax.speculative.tree.ancestor_mask`.
+      see `tlt_jax.models.attention_inputs.ancestor_mask`.
   Returns:
     logits [B, T, V] float32, features [B, T, F], TreeKV of the T nodes for `commit`.
   """
-  positions = cache.lengths[:, None] + tree_depths
-  logits, hidden, k_new, v_new = forward(params, tree_tokens, positions, cache, tree_mask, cfg)
-  return logits, hidden, TreeKV(k=k_new, v=v_new)
+  attn = tree_inputs(cache.lengths, tree_depths, tree_mask)
+  logits, features, k_new, v_new = forward(params, tree_tokens, attn, cfg, cache)
+  return logits, features, TreeKV(k=k_new, v=v_new)
 
 
 def commit(cache: KVCache, tree_kv: TreeKV, path: jax.Array, num_accepted: jax.Array) -> KVCache:

@@ -7,21 +7,23 @@ policy's cache slot s, so the drafter's KVCache has the same length as the polic
 
 The embedding and LM head are the policy's: `drafter_forward` takes the policy params and reads
 them, and the drafter's own params never contain them, so training the drafter or syncing its
-weights can never touch the policy.
+weights can never touch the policy. Its layers are the policy's `layer_forward`, one weights
+dict per layer (`layer_0`, `layer_1`, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.models.attention_inputs import AttentionInputs
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.decoder import Decoder
-from tlt_jax.models.kv_cache import KVCache, init_cache
-from tlt_jax.models.layers import DecoderLayer, RMSNorm, _kernel
+from tlt_jax.models.decoder import embed, lm_logits
+from tlt_jax.models.kv_cache import KVCache, empty_prefix, init_cache
+from tlt_jax.models.layers import LayerCache, layer_forward, layer_param_specs, rms_norm
+from tlt_jax.models.params import ParamSpec, init_from_specs, logical_axes_from_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,75 +60,38 @@ class DrafterConfig:
 
 def drafter_model_config(cfg: ModelConfig, dcfg: DrafterConfig) -> ModelConfig:
   """The policy config reshaped to the drafter's layers (used for its layers and its cache).
-  The policy's fused feature layers index the policy's layers, not the drafter's: dropped."""
-  return cfg.replace(num_layers=dcfg.num_layers, feature_layers=(),
+  The policy's fused feature layers index the policy's layers, not the drafter's: dropped.
+  The drafter's few layers always run as a loop."""
+  return cfg.replace(num_layers=dcfg.num_layers, feature_layers=(), scan_layers=False,
                      intermediate_size=dcfg.intermediate_size or cfg.intermediate_size)
 
 
-class Drafter(nn.Module):
-  """fc(concat(embed(x_s), f_{s-1})) -> decoder layers (first without input norm) -> f_s.
-
-  The output is compared with the policy's final-norm features directly (no final norm
-  unless `norm_output`)."""
-  cfg: ModelConfig
-  dcfg: DrafterConfig
-
-  @nn.compact
-  def __call__(self, token_embeds, features, positions, cache: KVCache, extra_k, extra_v,
-               new_mask):
-    lcfg = drafter_model_config(self.cfg, self.dcfg)
-    x = token_embeds
-    e = lcfg.hidden_size
-    policy_width = (1 + self.dcfg.fused_features) * e
-    if features.shape[-1] not in (e, policy_width):
-      raise ValueError(f"drafter got {features.shape[-1]}-wide features; expected {e} (its "
-                       f"own predictions) or {policy_width} (policy features with "
-                       f"drafter.fused_features={self.dcfg.fused_features}); the policy's "
-                       f"feature_layers and the drafter's fused_features must agree")
-    if features.shape[-1] != e:  # policy features: project the fused layers to E
-      features = nn.Dense(e, use_bias=False, dtype=lcfg.jnp_dtype,
-                          param_dtype=lcfg.jnp_param_dtype,
-                          kernel_init=_kernel(("embed_in", "embed")), name="fuse")(
-                              features.astype(x.dtype))
-    if self.dcfg.use_features:
-      x = jnp.concatenate([x, features.astype(x.dtype)], axis=-1)
-    x = nn.Dense(lcfg.hidden_size, use_bias=True, dtype=lcfg.jnp_dtype,
-                 param_dtype=lcfg.jnp_param_dtype, kernel_init=_kernel(("embed_in", "embed")),
-                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-                 name="fc")(x)
-    ks, vs = [], []
-    for i in range(self.dcfg.num_layers):
-      layer_kv = (cache.k[i], cache.v[i], extra_k[i], extra_v[i])
-      x, (k, v) = DecoderLayer(lcfg, input_norm=i > 0 or self.dcfg.norm_input,
-                               name=f"layer_{i}")(x, layer_kv, positions, cache.lengths,
-                                                  new_mask)
-      ks.append(k)
-      vs.append(v)
-    if self.dcfg.norm_output:
-      x = RMSNorm(lcfg.rms_norm_eps, lcfg.jnp_dtype, lcfg.jnp_param_dtype, name="norm")(x)
-    return x, jnp.stack(ks), jnp.stack(vs)
+def drafter_param_specs(cfg: ModelConfig, dcfg: DrafterConfig) -> dict:
+  """The ParamSpec tree of the drafter: fc/{kernel [2E or E, E], bias [E]}; fuse/kernel
+  [(1 + n) E, E] with fused features; layer_i/...; norm/weight with norm_output."""
+  lcfg = drafter_model_config(cfg, dcfg)
+  e = cfg.hidden_size
+  fc_in = 2 * e if dcfg.use_features else e
+  specs = {"fc": {"kernel": ParamSpec((fc_in, e), ("embed_in", "embed")),
+                  "bias": ParamSpec((e,), ("embed",), "zeros")}}
+  if dcfg.fused_features:
+    specs["fuse"] = {"kernel": ParamSpec(((1 + dcfg.fused_features) * e, e),
+                                         ("embed_in", "embed"))}
+  for i in range(dcfg.num_layers):
+    specs[f"layer_{i}"] = layer_param_specs(lcfg, input_norm=i > 0 or dcfg.norm_input)
+  if dcfg.norm_output:
+    specs["norm"] = {"weight": ParamSpec((e,), ("embed",), "ones")}
+  return specs
 
 
 def init_drafter_params(cfg: ModelConfig, dcfg: DrafterConfig, rng: jax.Array) -> dict:
-  """Random drafter params (plain dict): fc/{kernel [2E or E, E], bias}; layer_i/..."""
-  return nn.unbox(_init_boxed(cfg, dcfg, rng))["params"]
+  """Random drafter params (plain dict, see `drafter_param_specs`)."""
+  return init_from_specs(drafter_param_specs(cfg, dcfg), rng, cfg.jnp_param_dtype)
 
 
 def drafter_logical_axes(cfg: ModelConfig, dcfg: DrafterConfig) -> dict:
   """Logical axis names of the drafter params (PartitionSpec pytree)."""
-  boxed = jax.eval_shape(lambda: _init_boxed(cfg, dcfg, jax.random.key(0)))
-  return nn.get_partition_spec(boxed)["params"]
-
-
-def _init_boxed(cfg, dcfg, rng):
-  lcfg = drafter_model_config(cfg, dcfg)
-  cache = init_cache(lcfg, 1, 1)
-  no_extra = jnp.zeros((dcfg.num_layers, 1, 0, cfg.num_kv_heads, cfg.head_dim), cfg.jnp_dtype)
-  x = jnp.zeros((1, 1, cfg.hidden_size), cfg.jnp_dtype)
-  feats = jnp.zeros((1, 1, (1 + dcfg.fused_features) * cfg.hidden_size), cfg.jnp_dtype)
-  pos = jnp.zeros((1, 1), jnp.int32)
-  return Drafter(cfg, dcfg).init(rng, x, feats, pos, cache, no_extra, no_extra,
-                                 jnp.ones((1, 1, 1), bool))
+  return logical_axes_from_specs(drafter_param_specs(cfg, dcfg))
 
 
 def init_drafter_cache(cfg: ModelConfig, dcfg: DrafterConfig, batch_size: int,
@@ -135,39 +100,51 @@ def init_drafter_cache(cfg: ModelConfig, dcfg: DrafterConfig, batch_size: int,
   return init_cache(drafter_model_config(cfg, dcfg), batch_size, capacity)
 
 
-def embed_with_policy(policy_params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """The policy's token embeddings [..., E] for tokens [...] (shared with the drafter)."""
-  return Decoder(cfg).apply({"params": policy_params}, tokens, method=Decoder.embed_tokens)
-
-
-def logits_with_policy(policy_params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """float32 logits [..., V] of hidden states [..., E] through the policy's LM head."""
-  return Decoder(cfg).apply({"params": policy_params}, hidden, method=Decoder.logits)
-
-
 def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array,
-                    features: jax.Array, positions: jax.Array, cache: KVCache,
-                    new_mask: jax.Array, cfg: ModelConfig, dcfg: DrafterConfig,
-                    extra_kv: tuple[jax.Array, jax.Array] | None = None):
-  """Runs T drafter slots.
+                    features: jax.Array, attn: AttentionInputs, cfg: ModelConfig,
+                    dcfg: DrafterConfig, cache: KVCache | None = None,
+                    earlier_kv: tuple[jax.Array, jax.Array] | None = None):
+  """Runs T drafter slots: fc(concat(embed(x_s), f_{s-1})) -> layers -> f_s.
 
   Args:
     tokens: [B, T] int32 tokens x_s; features: [B, T, F] the features paired with them:
       the policy's (F = cfg.feature_size) or the drafter's own predictions (F = E).
-    positions: [B, T] int32 slots/positions s.
-    cache: the drafter's KVCache (prefix, attended where slot < lengths).
-    new_mask: [B, T, N0 + T] bool over (extra keys, this block).
-    extra_kv: optional (k, v) [Ld, B, N0, KVH, D] of earlier uncached draft nodes.
+    attn: positions (the slots s) and masks of the block; cache: the drafter's KVCache
+      (None: no prefix, e.g. training windows).
+    earlier_kv: optional (k, v) [Ld, B, N0, KVH, D] of earlier uncached draft nodes, which
+      attn.mask covers before the block's own keys.
   Returns:
     (features_pred [B, T, E], logits [B, T, V] float32, k_new, v_new [Ld, B, T, KVH, D]).
   """
-  if extra_kv is None:
-    shape = (dcfg.num_layers, tokens.shape[0], 0, cfg.num_kv_heads, cfg.head_dim)
-    extra_kv = (jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.k.dtype))
-  embeds = embed_with_policy(policy_params, tokens, cfg)
-  pred, k_new, v_new = Drafter(cfg, dcfg).apply({"params": drafter_params}, embeds, features,
-                                                positions, cache, *extra_kv, new_mask)
-  return pred, logits_with_policy(policy_params, pred, cfg), k_new, v_new
+  lcfg = drafter_model_config(cfg, dcfg)
+  e = cfg.hidden_size
+  x = embed(policy_params, tokens, cfg)
+  dt = lcfg.jnp_dtype
+  policy_width = (1 + dcfg.fused_features) * e
+  if features.shape[-1] not in (e, policy_width):
+    raise ValueError(f"drafter got {features.shape[-1]}-wide features; expected {e} (its "
+                     f"own predictions) or {policy_width} (policy features with "
+                     f"drafter.fused_features={dcfg.fused_features}); the policy's "
+                     f"feature_layers and the drafter's fused_features must agree")
+  if features.shape[-1] != e:  # policy features: project the fused layers to E
+    features = features.astype(dt) @ drafter_params["fuse"]["kernel"].astype(dt)
+  if dcfg.use_features:
+    x = jnp.concatenate([x, features.astype(dt)], axis=-1)
+  fc = drafter_params["fc"]
+  x = x.astype(dt) @ fc["kernel"].astype(dt) + fc["bias"].astype(dt)
+  if cache is None:
+    cache = empty_prefix(lcfg, tokens.shape[0])
+  ks, vs = [], []
+  for i in range(dcfg.num_layers):
+    earlier = None if earlier_kv is None else (earlier_kv[0][i], earlier_kv[1][i])
+    x, k, v = layer_forward(x, drafter_params[f"layer_{i}"], attn,
+                            LayerCache(cache.k[i], cache.v[i], cache.lengths), lcfg,
+                            earlier_kv=earlier)
+    ks.append(k)
+    vs.append(v)
+  if dcfg.norm_output:
+    x = rms_norm(x, drafter_params["norm"]["weight"], lcfg.rms_norm_eps)
+  return x, lm_logits(policy_params, x, cfg), jnp.stack(ks), jnp.stack(vs)
 
 
 def drafter_from_policy(cfg: ModelConfig, policy_params: dict) -> tuple[DrafterConfig, dict]:

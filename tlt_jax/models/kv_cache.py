@@ -1,10 +1,13 @@
-"""The policy's explicit KV cache: a pytree that flows through pure prefill/decode/verify calls.
+"""The explicit KV cache: a pytree that flows through pure prefill/decode/verify calls.
 
-Layout (all layers stacked so the decoder can scan over them):
+Layout (the layers stacked, as the weights are):
   k, v:    [L, B, KVH, S, D] in the model's compute dtype. Head-major so that one KV head's
            prefix is a contiguous [S, D] slab, which is what the attention kernel streams.
-  lengths: [B] int32. Row b holds valid entries at positions [0, lengths[b]); entries beyond are
-           garbage and always masked. Token at cache slot s has RoPE position s.
+  lengths: [B] int32. Row b holds valid entries at slots [0, lengths[b]); entries beyond are
+           garbage and always masked. The token at cache slot s has RoPE position s.
+
+The cache declares its axes (`row_axes`, `logical_axes`), so code that moves rows between
+batches or places a cache on a mesh never has to guess them from shapes.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from tlt_jax.models.config import ModelConfig
 
@@ -33,7 +37,17 @@ class KVCache:
 
   @property
   def batch_size(self) -> int:
-    return self.k.shape[1]
+    return self.lengths.shape[0]
+
+  def row_axes(self) -> "KVCache":
+    """The batch-row axis of every array (a KVCache of ints)."""
+    return KVCache(k=CACHE_KV_AXES.index("batch"), v=CACHE_KV_AXES.index("batch"),
+                   lengths=0)
+
+  def logical_axes(self) -> "KVCache":
+    """The logical axis names of every array (a KVCache of PartitionSpecs)."""
+    kv = PartitionSpec(*CACHE_KV_AXES)
+    return KVCache(k=kv, v=kv, lengths=PartitionSpec(*CACHE_LENGTHS_AXES))
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, capacity: int) -> KVCache:
@@ -41,6 +55,11 @@ def init_cache(cfg: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)
   return KVCache(k=jnp.zeros(shape, cfg.jnp_dtype), v=jnp.zeros(shape, cfg.jnp_dtype),
                  lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def empty_prefix(cfg: ModelConfig, batch_size: int) -> KVCache:
+  """A one-slot cache with nothing valid: the prefix of a forward that has none (training)."""
+  return init_cache(cfg, batch_size, 1)
 
 
 def append_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array,

@@ -1,24 +1,68 @@
-"""Building blocks of a Llama/Qwen2-family decoder layer (flax.linen, used purely).
+"""A Llama/Qwen2-family decoder layer as pure functions over its weights.
 
-Every parameter carries logical axis names; `tlt_jax.mesh` maps them to mesh axes.
+One layer's weights are a plain dict, the same in the policy (stacked on a leading `layers`
+axis) and in the drafter (one dict per layer):
+
+  input_layernorm/weight [E]           (absent in an EAGLE drafter's first layer)
+  self_attn/{q,k,v}_proj/kernel [E, heads, D], bias [heads, D] (with qkv_bias)
+  self_attn/o_proj/kernel [H, D, E]
+  post_attention_layernorm/weight [E]
+  mlp/{gate,up}_proj/kernel [E, F], mlp/down_proj/kernel [F, E]
+
+Matmuls take their operands in the compute dtype (`cfg.dtype`); norms and RoPE run in float32.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from tlt_jax.kernels import prefix_tree_attention
+from tlt_jax.models.attention_inputs import AttentionInputs
 from tlt_jax.models.config import ModelConfig, RopeConfig
+from tlt_jax.models.params import ParamSpec
 
-_INIT = nn.initializers.normal(stddev=0.02)
+
+class LayerCache(NamedTuple):
+  """One layer's cached prefix: k, v [B, KVH, S, D], valid where slot < lengths[b] ([B])."""
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
 
 
-def _kernel(names):
-  return nn.with_logical_partitioning(_INIT, names)
+def layer_param_specs(cfg: ModelConfig, input_norm: bool = True) -> dict:
+  """The ParamSpec tree of one decoder layer (see the module docstring)."""
+  e, h, kv, d, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                    cfg.intermediate_size)
+
+  def proj(heads, head_axis):
+    p = {"kernel": ParamSpec((e, heads, d), ("embed", head_axis, "head_dim"))}
+    if cfg.qkv_bias:
+      p["bias"] = ParamSpec((heads, d), (head_axis, "head_dim"), "zeros")
+    return p
+  norm = {"weight": ParamSpec((e,), ("embed",), "ones")}
+  specs = {
+      "self_attn": {"q_proj": proj(h, "heads"), "k_proj": proj(kv, "kv_heads"),
+                    "v_proj": proj(kv, "kv_heads"),
+                    "o_proj": {"kernel": ParamSpec((h, d, e), ("heads", "head_dim", "embed"))}},
+      "post_attention_layernorm": dict(norm),
+      "mlp": {"gate_proj": {"kernel": ParamSpec((e, f), ("embed", "mlp"))},
+              "up_proj": {"kernel": ParamSpec((e, f), ("embed", "mlp"))},
+              "down_proj": {"kernel": ParamSpec((f, e), ("mlp", "embed"))}},
+  }
+  if input_norm:
+    specs["input_layernorm"] = dict(norm)
+  return specs
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis, computed in float32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * x32.astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> jax.Array:
@@ -47,87 +91,63 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   return out.astype(x.dtype)
 
 
-class RMSNorm(nn.Module):
-  eps: float
-  dtype: jnp.dtype
-  param_dtype: jnp.dtype
-
-  @nn.compact
-  def __call__(self, x):
-    w = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                   (x.shape[-1],), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return w.astype(self.dtype) * x32.astype(self.dtype)
+def _project(x: jax.Array, w: dict, dtype) -> jax.Array:
+  """x [B, T, E] through a q/k/v projection -> [B, T, heads, D]."""
+  out = jnp.einsum("bte,ehd->bthd", x.astype(dtype), w["kernel"].astype(dtype))
+  return out + w["bias"].astype(dtype) if "bias" in w else out
 
 
-class Attention(nn.Module):
-  """GQA self-attention over a cached prefix plus a block of new tokens."""
-  cfg: ModelConfig
+def attention(x: jax.Array, w: dict, attn: AttentionInputs, prefix: LayerCache,
+              cfg: ModelConfig, earlier_kv: tuple[jax.Array, jax.Array] | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """GQA self-attention of T new tokens over a cached prefix plus the block itself.
 
-  @nn.compact
-  def __call__(self, x, positions, layer_kv, cache_lengths, new_mask):
-    """layer_kv = (k_cache, v_cache [B, KVH, S, D], extra_k, extra_v [B, N0, KVH, D]): the
-    cached prefix and N0 uncached keys that precede this block (N0 = 0 except in the drafter's
-    tree expansion); new_mask [B, T, N0 + T]. Returns (out, k, v) with this block's k, v."""
-    cfg = self.cfg
-    k_cache, v_cache, extra_k, extra_v = layer_kv
-    dense = lambda feats, names, bias_names, name: nn.DenseGeneral(  # noqa: E731
-        feats, use_bias=cfg.qkv_bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
-        kernel_init=_kernel(names), bias_init=nn.with_logical_partitioning(
-            nn.initializers.zeros, bias_names), name=name)
-    q = dense((cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"),
-              ("heads", "head_dim"), "q_proj")(x)
-    k = dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"),
-              ("kv_heads", "head_dim"), "k_proj")(x)
-    v = dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"),
-              ("kv_heads", "head_dim"), "v_proj")(x)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    k_all = jnp.concatenate([extra_k.astype(k.dtype), k], axis=1)
-    v_all = jnp.concatenate([extra_v.astype(v.dtype), v], axis=1)
-    out = prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_all, v_all, new_mask,
-                                impl=cfg.attention_impl)
-    out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=cfg.jnp_dtype,
-                          param_dtype=cfg.jnp_param_dtype,
-                          kernel_init=_kernel(("heads", "head_dim", "embed")),
-                          name="o_proj")(out)
-    return out, k, v
-
-
-class MLP(nn.Module):
-  cfg: ModelConfig
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.cfg
-    dense = lambda feats, names, name: nn.Dense(  # noqa: E731
-        feats, use_bias=False, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
-        kernel_init=_kernel(names), name=name)
-    gate = dense(cfg.intermediate_size, ("embed", "mlp"), "gate_proj")(x)
-    up = dense(cfg.intermediate_size, ("embed", "mlp"), "up_proj")(x)
-    return dense(cfg.hidden_size, ("mlp", "embed"), "down_proj")(nn.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-  """Pre-norm attention + SwiGLU block. Scan-friendly: (x, per-layer KV) -> (x, new K/V).
-
-  `input_norm=False` makes the first norm the identity (the EAGLE drafter's first layer).
-  `emit_hidden=True` also returns the layer's output as a scan output (for fused features).
+  Args:
+    x: [B, T, E] normed inputs; w: the layer's `self_attn` weights.
+    prefix: the layer's cache (its valid slots are attended by every new token).
+    earlier_kv: optional (k, v) [B, N0, KVH, D] of uncached keys that precede this block
+      (the drafter's earlier draft nodes); attn.mask is then [B, T, N0 + T].
+  Returns:
+    (out [B, T, E], k, v [B, T, KVH, D] of this block, after RoPE).
   """
-  cfg: ModelConfig
-  input_norm: bool = True
-  emit_hidden: bool = False
+  dt = cfg.jnp_dtype
+  inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
+  q = apply_rope(_project(x, w["q_proj"], dt), attn.positions, inv_freq)
+  k = apply_rope(_project(x, w["k_proj"], dt), attn.positions, inv_freq)
+  v = _project(x, w["v_proj"], dt)
+  k_all, v_all = k, v
+  if earlier_kv is not None:
+    k_all = jnp.concatenate([earlier_kv[0].astype(dt), k], axis=1)
+    v_all = jnp.concatenate([earlier_kv[1].astype(dt), v], axis=1)
+  out = prefix_tree_attention(q, prefix.k, prefix.v, prefix.lengths, k_all, v_all, attn.mask,
+                              impl=cfg.attention_impl)
+  out = jnp.einsum("bthd,hde->bte", out.astype(dt), w["o_proj"]["kernel"].astype(dt))
+  return out, k, v
 
-  @nn.compact
-  def __call__(self, x, layer_kv, positions, cache_lengths, new_mask):
-    cfg = self.cfg
-    norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype,  # noqa
-                                name=name)
-    h = norm("input_layernorm")(x) if self.input_norm else x
-    attn, k, v = Attention(cfg, name="self_attn")(h, positions, layer_kv, cache_lengths,
-                                                  new_mask)
-    x = x + attn
-    x = x + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x))
-    return x, ((k, v, x) if self.emit_hidden else (k, v))
+
+def mlp(x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
+  """SwiGLU: down(silu(gate(x)) * up(x)), [B, T, E] -> [B, T, E]."""
+  dt = cfg.jnp_dtype
+  x = x.astype(dt)
+  gate = x @ w["gate_proj"]["kernel"].astype(dt)
+  up = x @ w["up_proj"]["kernel"].astype(dt)
+  return (jax.nn.silu(gate) * up) @ w["down_proj"]["kernel"].astype(dt)
+
+
+def layer_forward(x: jax.Array, w: dict, attn: AttentionInputs, prefix: LayerCache,
+                  cfg: ModelConfig, earlier_kv: tuple[jax.Array, jax.Array] | None = None):
+  """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x)).
+
+  Args:
+    x: [B, T, E] in the compute dtype; w: one layer's weights (without `input_layernorm`,
+      the first norm is the identity, as in an EAGLE drafter's first layer).
+    attn, prefix, earlier_kv: see `attention`.
+  Returns:
+    (x [B, T, E], k, v [B, T, KVH, D] of the block, for the cache).
+  """
+  eps = cfg.rms_norm_eps
+  h = rms_norm(x, w["input_layernorm"]["weight"], eps) if "input_layernorm" in w else x
+  a, k, v = attention(h, w["self_attn"], attn, prefix, cfg, earlier_kv)
+  x = x + a
+  x = x + mlp(rms_norm(x, w["post_attention_layernorm"]["weight"], eps), w["mlp"], cfg)
+  return x, k, v

@@ -27,9 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.attention_inputs import rows_inputs
 from tlt_jax.models.decoder import forward
-from tlt_jax.models.kv_cache import init_cache
-from tlt_jax.models.masks import segment_causal_mask
 
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
 
@@ -89,11 +88,7 @@ def loss_weights(loss_mask: np.ndarray, loss_agg: str) -> np.ndarray:
 def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_mask: jax.Array,
                     cfg: ModelConfig, with_entropy: bool = False):
   """log p(targets) [B, T] float32 (0 off the mask) and, if asked, the entropy [B, T]."""
-  b, t = tokens.shape
-  # One sequence per row, right-padded: a causal mask is all it needs (padding comes last).
-  segments = jnp.ones((b, t), jnp.int32)
-  logits, _, _, _ = forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                            init_cache(cfg, b, 1), segment_causal_mask(segments), cfg)
+  logits, _, _, _ = forward(params, tokens, rows_inputs(*tokens.shape), cfg)
   logp_all = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
   logp = jnp.where(loss_mask, logp, 0.0)

@@ -1,7 +1,7 @@
 """Packing (prompt, response) token sequences into fixed [rows, seq_len] training batches.
 
 Several sequences share a row, each with its own segment id; positions restart at 0 in every
-segment, and `tlt_jax.models.masks.segment_causal_mask` keeps segments from attending to each other, so a packed
+segment, and `tlt_jax.models.attention_inputs.packed_inputs` keeps segments from attending to each other, so a packed
 row computes exactly what the sequences would compute alone. Only response tokens are targets.
 """
 

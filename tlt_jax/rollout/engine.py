@@ -34,16 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tlt_jax.mesh import (DEFAULT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
+from tlt_jax.mesh import (DEFAULT_RULES, local_slices, logical_shardings,
                           replica_slices, to_mesh)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import param_logical_axes
 from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, init_drafter_cache
-from tlt_jax.models.kv_cache import CACHE_KV_AXES, init_cache
+from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.rollout.feature_log import FeatureBlock, store_rows
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.state_ops import put_rows, take_rows
-from tlt_jax.speculative.decoding import GenState, plain_step, sd_step, start
+from tlt_jax.speculative.decoding import GenState, batch_first, plain_step, sd_step, start
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import Tuner
 
@@ -166,13 +166,16 @@ class RolloutEngine:
     return NamedSharding(self.slices[s], P())
 
   def _layout(self, s: int):
-    """out_shardings for the pool: cache K/V ([L, B, KVH, S, D]) by their logical axes, every
-    other array (GenState rows, step stats) batch-first."""
-    def one(x):
-      names = CACHE_KV_AXES if x.ndim == 5 else ("batch",) + (None,) * (x.ndim - 1)
-      return NamedSharding(self.slices[s], logical_to_mesh_spec(P(*names), x.shape,
-                                                                self.slices[s], self.rules))
-    return lambda shapes: jax.tree.map(one, shapes)
+    """out_shardings for the pool: states and caches by the logical axes they declare, every
+    other array (step stats, feature stores) batch-first."""
+    def declared(x):
+      return isinstance(x, (GenState, KVCache))
+
+    def shardings(shapes):
+      axes = jax.tree.map(lambda x: x.logical_axes() if declared(x) else batch_first(x),
+                          shapes, is_leaf=declared)
+      return logical_shardings(axes, self.slices[s], self.rules, shapes)
+    return shardings
 
   def _prefill_exe(self, s, prompts, lengths, key, sp):
     cfg, dcfg, ec = self.cfg, self.dcfg, self.econf

@@ -18,7 +18,9 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from tlt_jax.models.attention_inputs import decode_inputs, prefill_inputs
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import commit, decode, prefill, verify
 from tlt_jax.models.drafter import DrafterConfig, drafter_forward
@@ -29,8 +31,15 @@ from tlt_jax.speculative.tree import build_draft_tree
 from tlt_jax.speculative.verify import accept_tree
 
 
+def batch_first(x) -> P:
+  """Logical axes of an array whose leading axis is the batch: ('batch', None, ...)."""
+  return P("batch", *([None] * (len(x.shape) - 1)))
+
+
 @flax.struct.dataclass
 class GenState:
+  """The rows of a batch being generated (see the module docstring). Every array but the
+  caches' K/V is batch-first; `row_axes` and `logical_axes` say so for every leaf."""
   cache: KVCache
   draft_cache: KVCache | None
   root: jax.Array        # [B] int32
@@ -39,6 +48,19 @@ class GenState:
   num_out: jax.Array     # [B] int32
   done: jax.Array        # [B] bool
   feature_log: jax.Array | None = None  # [B, C, F] (see the module docstring)
+
+  def row_axes(self) -> "GenState":
+    """The batch-row axis of every array (a GenState of ints)."""
+    return jax.tree.map(lambda _: 0, self).replace(
+        cache=self.cache.row_axes(),
+        draft_cache=None if self.draft_cache is None else self.draft_cache.row_axes())
+
+  def logical_axes(self) -> "GenState":
+    """The logical axis names of every array (a GenState of PartitionSpecs): the caches'
+    own, batch-first for the rest."""
+    return jax.tree.map(batch_first, self).replace(
+        cache=self.cache.logical_axes(),
+        draft_cache=None if self.draft_cache is None else self.draft_cache.logical_axes())
 
 
 @flax.struct.dataclass
@@ -96,11 +118,10 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
   root = sample_from_probs(key, target_probs(take_last(logits), sp))
   if drafter_params is not None:
     prev_features = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
-    t = prompts.shape[1]
-    mask = jnp.tril(jnp.ones((t, t), bool))[None] & (jnp.arange(t) < lengths[:, None])[:, None]
     _, _, k_new, v_new = drafter_forward(
         drafter_params, policy_params, prompts, prev_features,
-        draft_cache.lengths[:, None] + jnp.arange(t)[None], draft_cache, mask, cfg, dcfg)
+        prefill_inputs(draft_cache.lengths, prompts.shape[1], lengths), cfg, dcfg,
+        cache=draft_cache)
     draft_cache = append_kv(draft_cache, k_new, v_new, lengths)
   b = prompts.shape[0]
   log = None
@@ -123,10 +144,9 @@ def plain_step(policy_params: dict, state: GenState, key: jax.Array, sp: Samplin
   logits, hidden, cache = decode(policy_params, state.root, state.cache, cfg, active=active)
   draft_cache = state.draft_cache
   if drafter_params is not None:
-    b = state.root.shape[0]
     _, _, k_new, v_new = drafter_forward(
         drafter_params, policy_params, state.root[:, None], state.features[:, None],
-        draft_cache.lengths[:, None], draft_cache, jnp.ones((b, 1, 1), bool), cfg, dcfg)
+        decode_inputs(draft_cache.lengths), cfg, dcfg, cache=draft_cache)
     draft_cache = append_kv(draft_cache, k_new, v_new, active.astype(jnp.int32))
   nxt = sample_from_probs(key, target_probs(logits, sp))
   log = _log_features(state.feature_log, hidden[:, None], state.cache.lengths,
@@ -159,11 +179,9 @@ def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax
   path_tokens = jnp.take_along_axis(tree.tokens, acc.path, axis=1)  # [B, D+1]
   path_feats = jnp.take_along_axis(hidden, acc.path[:, :, None], axis=1)  # [B, D+1, E]
   d = strategy.steps
-  b = state.root.shape[0]
-  block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((d, d), bool)), (b, d, d))
   _, _, k_new, v_new = drafter_forward(
       drafter_params, policy_params, path_tokens[:, 1:], path_feats[:, :-1],
-      draft_cache.lengths[:, None] + jnp.arange(d)[None], draft_cache, block_mask, cfg, dcfg)
+      prefill_inputs(draft_cache.lengths, d), cfg, dcfg, cache=draft_cache)
   draft_cache = append_kv(draft_cache, k_new, v_new, (acc.num_nodes - 1) * act)
 
   last = acc.num_nodes - 1

@@ -1,4 +1,4 @@
-"""Draft trees: topology helpers (ancestor masks, depths) and the EAGLE-2 dynamic tree."""
+"""Draft trees: the DraftTree topology and the EAGLE-2 dynamic tree the drafter builds."""
 
 from __future__ import annotations
 
@@ -6,38 +6,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.models.attention_inputs import (ancestor_mask, decode_inputs, expansion_inputs,
+                                             tree_depths)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterConfig, drafter_forward
 from tlt_jax.models.kv_cache import KVCache, append_kv
 from tlt_jax.speculative.strategy import Strategy
-
-
-def ancestor_mask(parents: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-  """Ancestor-or-self mask of a topologically ordered tree.
-
-  Args:
-    parents: [B, T] int32; parents[b, i] < i is node i's parent, -1 for the root (node 0).
-    valid: optional [B, T] bool; invalid (padding) nodes get an all-False row and are not
-      anyone's ancestor.
-  Returns:
-    [B, T, T] bool, mask[b, i, j] = node j is node i or one of its ancestors.
-  """
-  t = parents.shape[1]
-  valid = jnp.ones(parents.shape, bool) if valid is None else valid
-
-  def one_tree(par, ok):
-    def add_node(i, mask):
-      p = par[i]
-      inherited = jnp.where(p >= 0, mask[jnp.maximum(p, 0)], jnp.zeros((t,), bool))
-      return mask.at[i].set((inherited | (jnp.arange(t) == i)) & ok[i])
-    return jax.lax.fori_loop(0, t, add_node, jnp.zeros((t, t), bool))
-
-  return jax.vmap(one_tree)(parents, valid)
-
-
-def tree_depths(mask: jax.Array) -> jax.Array:
-  """[B, T] int32 depth of each node (root 0; padding nodes -1) from an ancestor mask."""
-  return jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1
 
 
 @flax.struct.dataclass
@@ -84,7 +58,7 @@ def build_draft_tree(drafter_params: dict, policy_params: dict, root_tokens: jax
   # Pass 0: the root pair (x_n, f_{n-1}) at slot n; it is real, so it joins the cache.
   feats, logits, k_root, v_root = drafter_forward(
       drafter_params, policy_params, root_tokens[:, None], root_features[:, None],
-      n[:, None], drafter_cache, jnp.ones((b, 1, 1), bool), cfg, dcfg)
+      decode_inputs(n), cfg, dcfg, cache=drafter_cache)
   drafter_cache = append_kv(drafter_cache, k_root, v_root, active.astype(jnp.int32))
   logp, tok = jax.lax.top_k(jax.nn.log_softmax(logits[:, 0]), k)  # [B, K]
 
@@ -97,15 +71,13 @@ def build_draft_tree(drafter_params: dict, policy_params: dict, root_tokens: jax
   buf_k = jnp.zeros(buf_shape, drafter_cache.k.dtype)
   buf_v = jnp.zeros(buf_shape, drafter_cache.k.dtype)
   beam_anc = jnp.zeros((b, k, buf_size), bool)  # ancestors among earlier beams (buffer slots)
-  eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
   next_id = k
 
   for depth in range(1, steps):
-    mask = jnp.concatenate([beam_anc, eye], axis=-1)
     feats, logits, k_new, v_new = drafter_forward(
         drafter_params, policy_params, beam_tokens, beam_feats,
-        jnp.broadcast_to((n + depth)[:, None], (b, k)), drafter_cache, mask, cfg, dcfg,
-        extra_kv=(buf_k, buf_v))
+        expansion_inputs(n + depth, beam_anc), cfg, dcfg, cache=drafter_cache,
+        earlier_kv=(buf_k, buf_v))
     slot0 = (depth - 1) * k
     buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, k_new.astype(buf_k.dtype), slot0, 2)
     buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, v_new.astype(buf_v.dtype), slot0, 2)

@@ -1,0 +1,110 @@
+"""Attention inputs: the one place that builds positions and masks.
+
+Every forward pass (policy or drafter, prefill, decode, tree verification, packed training)
+runs T new tokens per row at explicit RoPE positions; they attend to the valid prefix of a KV
+cache (the cache says how long it is) and to N >= T uncached keys under a [B, T, N] mask. The
+builders below make the positions and the mask for each kind of call, so masks are written
+once.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class AttentionInputs:
+  """positions [B, T] int32 RoPE positions of the new tokens; mask [B, T, N] bool, query i
+  may attend uncached key j."""
+  positions: jax.Array
+  mask: jax.Array
+
+
+def causal(t: int) -> jax.Array:
+  """[T, T] bool lower-triangular mask."""
+  return jnp.tril(jnp.ones((t, t), bool))
+
+
+def prefill_inputs(start: jax.Array, t: int, lengths: jax.Array | None = None) -> AttentionInputs:
+  """A causal block of T tokens at positions start[b] + j (prefill after a prefix of
+  start[b] tokens, chunked prefill, the drafter's catch-up on an accepted path).
+  lengths [B]: only the first lengths[b] keys of row b are real (right padding); None = all."""
+  b = start.shape[0]
+  mask = jnp.broadcast_to(causal(t), (b, t, t))
+  if lengths is not None:
+    mask = mask & (jnp.arange(t)[None, :] < lengths[:, None])[:, None, :]
+  positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  return AttentionInputs(positions=positions, mask=mask)
+
+
+def decode_inputs(position: jax.Array) -> AttentionInputs:
+  """One token per row at position[b] (the slot after its prefix)."""
+  return AttentionInputs(positions=position[:, None],
+                         mask=jnp.ones((position.shape[0], 1, 1), bool))
+
+
+def tree_inputs(start: jax.Array, depths: jax.Array, ancestors: jax.Array) -> AttentionInputs:
+  """A draft tree of T nodes whose root sits at position start[b]: node i at start + depth,
+  attending to its ancestors and itself (ancestors [B, T, T], see `ancestor_mask`)."""
+  return AttentionInputs(positions=start[:, None] + depths, mask=ancestors)
+
+
+def packed_inputs(segment_ids: jax.Array, positions: jax.Array) -> AttentionInputs:
+  """Packed training rows without a cache: causal within a segment, never across segments
+  (segment ids 1, 2, ... per sample, 0 = padding, which attends to nothing); positions
+  restart per sample."""
+  return AttentionInputs(positions=positions, mask=segment_causal_mask(segment_ids))
+
+
+def rows_inputs(b: int, t: int) -> AttentionInputs:
+  """One right-padded sequence per row, no cache: causal, positions 0 .. T-1 (padding comes
+  last, so no real token attends to it)."""
+  return AttentionInputs(positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                         mask=jnp.broadcast_to(causal(t), (b, t, t)))
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] segment ids (1, 2, ... per packed sample, 0 = padding) -> [B, T, T] bool mask:
+  causal within a segment, never across segments; padding rows attend to nothing."""
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return same & causal(segment_ids.shape[1])[None] & (segment_ids[:, :, None] > 0)
+
+
+def ancestor_mask(parents: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+  """Ancestor-or-self mask of a topologically ordered tree.
+
+  Args:
+    parents: [B, T] int32; parents[b, i] < i is node i's parent, -1 for the root (node 0).
+    valid: optional [B, T] bool; invalid (padding) nodes get an all-False row and are not
+      anyone's ancestor.
+  Returns:
+    [B, T, T] bool, mask[b, i, j] = node j is node i or one of its ancestors.
+  """
+  t = parents.shape[1]
+  valid = jnp.ones(parents.shape, bool) if valid is None else valid
+
+  def one_tree(par, ok):
+    def add_node(i, mask):
+      p = par[i]
+      inherited = jnp.where(p >= 0, mask[jnp.maximum(p, 0)], jnp.zeros((t,), bool))
+      return mask.at[i].set((inherited | (jnp.arange(t) == i)) & ok[i])
+    return jax.lax.fori_loop(0, t, add_node, jnp.zeros((t, t), bool))
+
+  return jax.vmap(one_tree)(parents, valid)
+
+
+def tree_depths(mask: jax.Array) -> jax.Array:
+  """[B, T] int32 depth of each node (root 0; padding nodes -1) from an ancestor mask."""
+  return jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1
+
+
+def expansion_inputs(position: jax.Array, earlier: jax.Array) -> AttentionInputs:
+  """The drafter's tree expansion: K beams of row b side by side at position[b], each
+  attending to its earlier draft nodes (earlier [B, K, N0] bool over the uncached keys that
+  precede the beams) and to itself."""
+  b, k, _ = earlier.shape
+  eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
+  return AttentionInputs(positions=jnp.broadcast_to(position[:, None], (b, k)),
+                         mask=jnp.concatenate([earlier, eye], axis=-1))
