@@ -10,7 +10,9 @@ warmed on the policy's own generations (on prompts disjoint from the benchmark's
   python experiments/bench_rollout.py --policy assets/tiny-policy --out results/rollout.json
 
 JSON per mode: wall time, tokens/s, tail-phase tokens/s (running rows <= sd_threshold), mean
-accept length, executables compiled and compile seconds, and tokens/s by active batch size
+accept length, calls and iterations, host overhead (`busy_share`: the summed wall time of the
+compiled calls over the rollout's wall time; the rest is host work between calls), executables
+compiled and compile seconds, and tokens/s by active batch size
 (`by_active`: calls grouped by running rows, power-of-two buckets); plus speedup_wall and
 speedup_tail of the best SD mode (fastest tail) vs plain, and `tuner_comparison`: BEG-MAB
 against the best and the worst fixed strategy and a fixed table (bigger trees for fewer rows),
@@ -38,6 +40,7 @@ import numpy as np  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tlt_jax.components import accept_length  # noqa: E402
 from tlt_jax.drafter_training.train_step import DrafterOptConfig  # noqa: E402
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
@@ -64,6 +67,8 @@ def load_problem(policy: str, num_prompts: int, offset: int):
 
 
 def summarize(result, threshold: int, compile_s: float, executables: int) -> dict:
+  """One mode's numbers from its timed rollout (calls classified by their running rows at
+  the start: the tail is <= threshold)."""
   steps = [r for r in result.timeline if r.mode != "prefill"]
   tail = [r for r in steps if r.active <= threshold]
   sd = [r for r in steps if r.mode == "sd"]
@@ -81,18 +86,34 @@ def summarize(result, threshold: int, compile_s: float, executables: int) -> dic
               tail_tokens=tail_tokens, tail_s=tail_s, tail_calls=len(tail),
               tail_s_per_call=tail_s / len(tail) if tail else None,
               tail_tokens_per_s=tail_tokens / tail_s if tail_s else None,
-              accept_len=float(np.mean([r.accept_mean for r in sd])) if sd else None,
-              sd_iterations=len(sd), executables=executables, compile_s=compile_s,
-              strategies_used=sorted({r.strategy for r in sd if r.strategy}))
+              accept_len=accept_length(result), sd_calls=len(sd),
+              sd_iterations=int(sum(r.iterations for r in sd)), decode_calls=len(steps),
+              decode_iterations=int(sum(r.iterations for r in steps)),
+              call_s=result.call_s, host_s=result.host_s,
+              # Host overhead: the share of the wall time the devices had work in flight.
+              busy_share=result.call_s / result.wall_s,
+              executables=executables, compile_s=compile_s,
+              strategies_used=sorted({r.strategy for r in sd if r.strategy}),
+              tail_plain_calls=sum(r.mode == "plain" for r in tail),
+              timed_compiles=getattr(result, "timed_compiles", 0))
 
 
-def run_mode(cfg, params, mesh, ec, drafter, tuner, prompts, samples, sp, key):
+def run_mode(cfg, params, mesh, ec, drafter, tuner, prompts, samples, sp, key,
+             warmups: int = 4):
+  """Rollouts until one compiles nothing new (a tuner that explores may need a new program
+  in a later rollout), then the timed one. Returns (timed result, compile seconds,
+  executables); programs the timed rollout still compiled are in its wall time and counted
+  as `timed_compiles` by summarize."""
   engine = RolloutEngine(cfg, params, mesh, ec, drafter=drafter, tuner=tuner)
-  first = engine.generate(prompts, samples, sp, key)  # compiles every program it needs
-  compile_s, executables = first.pool["compile_s"], first.pool["executables"]
-  result = engine.generate(prompts, samples, sp, key)  # the timed run: no compiles left
-  assert result.pool["compiles"] == first.pool["compiles"], "recompiled during the timed run"
-  return result, compile_s, executables
+  compiles = -1
+  for _ in range(warmups):
+    first = engine.generate(prompts, samples, sp, key)
+    if first.pool["compiles"] == compiles:
+      break
+    compiles = first.pool["compiles"]
+  result = engine.generate(prompts, samples, sp, key)
+  result.timed_compiles = result.pool["compiles"] - first.pool["compiles"]
+  return result, result.pool["compile_s"], result.pool["executables"]
 
 
 def fixed_table(strategies: list[str], thresholds) -> list[Strategy]:
@@ -171,6 +192,7 @@ def main():
   parser.add_argument("--max-new-tokens", type=int, default=256)
   parser.add_argument("--max-batch", type=int, default=64)
   parser.add_argument("--sd-threshold", type=int, default=4)
+  parser.add_argument("--steps-per-call", type=int, default=EngineConfig.steps_per_call)
   parser.add_argument("--strategies", nargs="+", default=["4,2,8", "3,2,6", "6,2,12"])
   parser.add_argument("--temperature", type=float, default=0.0)
   parser.add_argument("--drafter-steps", type=int, default=400)
@@ -190,7 +212,7 @@ def main():
   longest = max(len(p) for p in prompts + train_prompts)
   ec = EngineConfig(max_batch=args.max_batch, max_prompt_len=longest,
                     max_new_tokens=args.max_new_tokens, sd_threshold=args.sd_threshold,
-                    eos_id=eos)
+                    steps_per_call=args.steps_per_call, eos_id=eos)
   sp = SamplingParams(args.temperature)
   key = jax.random.key(0)
 
@@ -218,7 +240,8 @@ def main():
     modes[f"sd{Strategy.parse(s).as_tuple()}"] = (drafter, FixedTuner(Strategy.parse(s)))
   thresholds = (1, 2, 5)
   modes["sd-beg_mab"] = (drafter, BegMabTuner(
-      thresholds=thresholds, arms=[[Strategy.parse(s) for s in args.strategies]] * 3, seed=0))
+      thresholds=thresholds, arms=[[Strategy.parse(s) for s in args.strategies]] * 3, seed=0,
+      plain_arm=True))
   modes["sd-table"] = (drafter, TableTuner(thresholds, fixed_table(args.strategies, thresholds)))
   rows, runs = {}, {}
   for name, (d, tuner) in modes.items():
@@ -227,7 +250,8 @@ def main():
     rows[name] = summarize(res, args.sd_threshold, compile_s, exes)
     runs[name] = res
     print(f"{name:14s} wall {res.wall_s:6.2f}s  tail tok/s "
-          f"{rows[name]['tail_tokens_per_s'] or 0:8.1f}  accept {rows[name]['accept_len']}")
+          f"{rows[name]['tail_tokens_per_s'] or 0:8.1f}  accept {rows[name]['accept_len']}  "
+          f"device busy {rows[name]['busy_share']:.0%} of the wall time")
   plain_tokens = runs["plain"].tokens
   lossless = {n: r.tokens == plain_tokens for n, r in runs.items()}
   plain = rows["plain"]
@@ -238,7 +262,7 @@ def main():
       device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
       policy=args.policy, layers=cfg.num_layers, hidden=cfg.hidden_size,
       prompts=args.num_prompts, samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-      sd_threshold=args.sd_threshold, temperature=args.temperature, drafter_warmup=warm,
+      sd_threshold=args.sd_threshold, steps_per_call=args.steps_per_call, temperature=args.temperature, drafter_warmup=warm,
       response_len=dict(mean=float(np.mean(runs["plain"].lengths)),
                         max=int(np.max(runs["plain"].lengths))),
       modes=rows, outputs_identical_to_plain=lossless, best_sd_mode=best,

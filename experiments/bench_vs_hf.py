@@ -5,7 +5,9 @@ libraries; the same held-out task prompts are answered with the same max_new_tok
 side by side in one run:
 
   greedy generation, tokens/s at batch 1, 8 and 64: transformers `generate` (left padding)
-                     against the tlt_jax rollout engine (plain decoding);
+                     against the tlt_jax rollout engine (plain decoding), and the share of
+                     tlt_jax's wall time its compiled calls were in flight (`tlt_busy_share`;
+                     the rest is host work between calls);
   speculative, batch 1: transformers assisted generation (`assistant_model`: the policy cut
                      to its first layers, saved in HF layout, a self-speculative draft model)
                      against tlt_jax SD with its EAGLE drafter (assets/tiny-drafter);
@@ -109,13 +111,15 @@ def make_assistant(policy: str, layers: int, out_dir: str) -> str:
 
 
 def tlt_generate(engine, prompts, batch, key):
-  """Greedy generation of the prompts in groups of `batch`; (outputs, seconds)."""
-  outs, seconds = [], 0.0
+  """Greedy generation of the prompts in groups of `batch`; (outputs, seconds, seconds the
+  compiled calls were in flight: the rest is host work between them)."""
+  outs, seconds, call_s = [], 0.0, 0.0
   for i in range(0, len(prompts), batch):
     res = engine.generate(prompts[i:i + batch], 1, GREEDY, key)
     seconds += res.wall_s
+    call_s += res.call_s
     outs += res.tokens
-  return outs, seconds
+  return outs, seconds, call_s
 
 
 def main():
@@ -167,16 +171,18 @@ def main():
     engine = RolloutEngine(cfg, params, mesh, ec)
     tlt_generate(engine, group[:b], b, key)  # compiles; not timed
     hf_generate(hf_model, group[:b], b, args.max_new_tokens, eos, pad)  # warm-up
-    t_out, t_s = tlt_generate(engine, group, b, key)
+    t_out, t_s, t_call = tlt_generate(engine, group, b, key)
     h_out, h_s = hf_generate(hf_model, group, b, args.max_new_tokens, eos, pad)
     tokens = lambda outs: sum(len(o) for o in outs)  # noqa: E731
     same = sum(a == h for a, h in zip(t_out, h_out))
     row = {"prompts": len(group), "tlt_tokens_per_s": tokens(t_out) / t_s,
            "hf_tokens_per_s": tokens(h_out) / h_s, "identical_outputs": same,
-           "tlt_tokens": tokens(t_out), "hf_tokens": tokens(h_out)}
+           "tlt_tokens": tokens(t_out), "hf_tokens": tokens(h_out),
+           "tlt_busy_share": t_call / t_s}
     row["ratio"] = row["tlt_tokens_per_s"] / row["hf_tokens_per_s"]
     result["greedy"][str(b)] = row
-    print(f"batch {b:3d}: tlt_jax {row['tlt_tokens_per_s']:8.1f} tok/s, transformers "
+    print(f"batch {b:3d}: tlt_jax {row['tlt_tokens_per_s']:8.1f} tok/s (calls in flight "
+          f"{row['tlt_busy_share']:.0%} of the time), transformers "
           f"{row['hf_tokens_per_s']:8.1f} tok/s, ratio {row['ratio']:.2f}; identical outputs "
           f"{same}/{len(group)}")
 
@@ -192,7 +198,7 @@ def main():
                          tuner=FixedTuner(args.strategy))
   tlt_generate(engine, group[:1], 1, key)
   hf_generate(hf_model, group[:1], 1, args.max_new_tokens, eos, pad, assistant=assistant)
-  t_out, t_s = tlt_generate(engine, group, 1, key)
+  t_out, t_s, t_call = tlt_generate(engine, group, 1, key)
   h_out, h_s = hf_generate(hf_model, group, 1, args.max_new_tokens, eos, pad,
                            assistant=assistant)
   plain = result["greedy"].get("1")
@@ -200,7 +206,8 @@ def main():
           "assistant_layers": args.assistant_layers,
           "tlt_tokens_per_s": sum(map(len, t_out)) / t_s,
           "hf_tokens_per_s": sum(map(len, h_out)) / h_s,
-          "identical_outputs": sum(a == h for a, h in zip(t_out, h_out))}
+          "identical_outputs": sum(a == h for a, h in zip(t_out, h_out)),
+          "tlt_busy_share": t_call / t_s}
   spec["ratio"] = spec["tlt_tokens_per_s"] / spec["hf_tokens_per_s"]
   if plain:
     spec["tlt_sd_vs_tlt_plain"] = spec["tlt_tokens_per_s"] / plain["tlt_tokens_per_s"]

@@ -53,7 +53,7 @@ def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens:
   """Compiles every program of a set; returns counts, seconds and memory."""
   from tlt_jax.models.drafter import init_drafter_cache
   from tlt_jax.models.kv_cache import init_cache
-  from tlt_jax.speculative.decoding import plain_step, sd_step, start
+  from tlt_jax.speculative.decoding import decode_loop, start
   from tlt_jax.speculative.sampling import SamplingParams
   sp = SamplingParams(1.0)
   key = jax.random.key(0)
@@ -71,14 +71,14 @@ def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens:
     return states[b]
 
   seconds, code, temp = 0.0, 0, 0
+  limits = (jnp.int32(1), jnp.int32(32))  # min_running, max_steps: traced, as the engine has
   for mode, b, strategy in keys:
-    if mode == "plain":
-      fn = functools.partial(plain_step, sp=sp, eos_id=eos, cfg=cfg, dcfg=dcfg)
-      fn = lambda p, d, s, k, fn=fn: fn(p, s, k, drafter_params=d)  # noqa: E731
-    else:
-      fn = lambda p, d, s, k, st=strategy: sd_step(p, d, s, k, sp, eos, st, cfg, dcfg)  # noqa: E731
+    # The engine's decode program: a loop of plain steps or SD iterations (see decode_loop).
+    fn = functools.partial(decode_loop, sp=sp, eos_id=eos, cfg=cfg, dcfg=dcfg,
+                           strategy=strategy if mode == "sd" else None)
     t0 = time.perf_counter()
-    exe = jax.jit(fn, donate_argnums=(2,)).lower(params, dparams, state_shape(b), key).compile()
+    exe = jax.jit(fn, donate_argnums=(2,)).lower(params, dparams, state_shape(b), key,
+                                                 *limits).compile()
     seconds += time.perf_counter() - t0
     mem = exe.memory_analysis()
     if mem is not None:

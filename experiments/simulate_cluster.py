@@ -36,13 +36,21 @@ import csv
 import dataclasses
 import json
 import os
+import pathlib
+import sys
 import time
 
-import matplotlib
-import numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from tlt_jax.rollout.scheduler import (Compact, Refill, SliceScheduler, Start,  # noqa: E402
+                                       bucket)
+from tlt_jax.speculative.strategy import Strategy  # noqa: E402
 
 _EPS = 1e-9  # tokens: remaining work at or below this counts as done (float SD progress)
 
@@ -111,13 +119,6 @@ def make_costs(batch, plain_s, sd_s, accept_len, prefill_s=0.0, source="") -> Co
 
   return CostModel(batch, as_table(plain_s), as_table(sd_s), as_table(accept_len),
                    float(prefill_s), source)
-
-
-def bucket(n, cap: int):
-  """The program batch for n running rows: the next power of two, at most cap (the engine
-  compiles one program per power-of-two bucket and compacts rows into it)."""
-  n = np.maximum(np.asarray(n, np.float64), 1.0)
-  return np.minimum(float(cap), 2.0 ** np.ceil(np.log2(n)))
 
 
 def _pow2_upto(max_batch: int) -> np.ndarray:
@@ -261,23 +262,28 @@ def sample_lengths(rng: np.random.Generator, n: int, dist: str, max_new_tokens: 
 # ---------------------------------------------------------------- the rollout
 
 def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
-                     sd_threshold: int = 0, schedule: str = "parallel") -> dict:
-  """One rollout, event by event on every slice at once.
+                     sd_threshold: int = 0, schedule: str = "parallel",
+                     steps_per_call: int = 1) -> dict:
+  """One rollout: every slice driven by the engine's own scheduler
+  (`tlt_jax.rollout.scheduler.SliceScheduler`), with iteration times from the cost model.
 
   lengths: tokens per response, request order (request i goes to slice i % num_slices). The
   prefill emits a response's first token, so a response of L tokens needs L - 1 decode
   tokens. sd_threshold: SD when a slice's running rows <= it (0: plain decode only).
+  steps_per_call: decode iterations per compiled call, at most (the engine's
+  rollout.steps_per_call); only "interleaved" depends on it.
   schedule: "parallel", slices advance concurrently (one host per slice, a cluster);
-  "interleaved", one host loop makes one call per busy slice in turn and waits for each (what
-  a single-process run measures: its slices' calls never overlap).
+  "interleaved", one host loop makes one call per busy slice in turn and waits for each
+  (slices whose calls never overlap).
 
-  Between two events (a row finishing or rows being admitted) a slice's batch and so its
-  iteration cost and tokens per iteration are constant, so it jumps straight to the next
-  event: exact for this model, and as many steps as responses per slice, not tokens.
+  Between two events (a row finishing, rows being admitted) a slice's program batch and so
+  its iteration cost and tokens per iteration are constant, so each decode decision jumps
+  straight to the next event: exact for this model, and as many steps as responses per
+  slice, not tokens.
 
   Returns a dict of numpy arrays / floats (seconds since the rollout start): finish_s [R]
   (when each slice ran out of work; 0 for a slice without requests), rollout_s (max),
-  calls [R] (decode iterations + prefill calls), sd_iterations [R], prefill_calls [R].
+  calls [R] (compiled decode calls + prefill calls), sd_iterations [R], prefill_calls [R].
   """
   if schedule not in ("parallel", "interleaved"):
     raise ValueError(f"schedule must be 'parallel' or 'interleaved', got {schedule!r}")
@@ -287,76 +293,82 @@ def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
   work = np.asarray(lengths, np.float64) - 1.0
   if work.size and work.min() < 0:
     raise ValueError("response lengths must be >= 1 token (the prefill emits the first)")
-  r, b = num_slices, max_batch
-  per = -(-work.size // r)
-  queue = np.full(per * r, np.nan)
-  queue[:work.size] = work
-  queue = queue.reshape(per, r).T  # [R, per]: slice s's requests in arrival order
-  queue_len = np.count_nonzero(~np.isnan(queue), axis=1)
-  head = np.zeros(r, np.int64)       # next queued request per slice
-  rem = np.full((r, b), np.inf)       # decode tokens left per row; inf = free row
-  t = np.zeros(r)
-  calls, sd_iters, prefills = np.zeros(r), np.zeros(r), np.zeros(r)
-  finish = np.where(queue_len == 0, 0.0, np.nan)
-  interleaved = schedule == "interleaved"
-  trace = [(calls.copy(), t.copy())]  # (calls, seconds) breakpoints, for "interleaved"
-  while np.isnan(finish).any():
-    free = np.isinf(rem)
-    admit = np.minimum(free.sum(1), queue_len - head)
-    if admit.any():
-      # Refill: the k-th free row of a slice takes its k-th next queued request.
-      rank = np.cumsum(free, axis=1) - 1
-      rows, cols = np.nonzero(free & (rank < admit[:, None]))
-      rem[rows, cols] = queue[rows, head[rows] + rank[rows, cols]]
-      head += admit
-      t += (admit > 0) * costs.prefill_s  # one prefill call per admitting slice
-      calls += admit > 0
-      prefills += admit > 0
-      rem[rem <= _EPS] = np.inf  # responses the prefill already finished (one token)
-      if interleaved:  # a prefill call costs what a decode call does not: a breakpoint
-        trace.append((calls.copy(), t.copy()))
-    # A slice whose fresh rows all finished at prefill refills again before decoding.
-    free = np.isinf(rem)
-    running = b - free.sum(1)
-    go = (running > 0) & ~(free.any(1) & (queue_len > head))
-    if go.any():
-      n = running[go]
-      prog = bucket(n, b)
-      sd = n <= sd_threshold
-      per_iter = np.where(sd, costs.accept_at(prog), 1.0)
-      cost = np.where(sd, costs.sd_at(prog), costs.plain_at(prog))
-      k = np.maximum(np.ceil((rem[go].min(1) - _EPS) / per_iter), 1.0)  # to the next finish
-      rem[go] -= (k * per_iter)[:, None]
-      rem[rem <= _EPS] = np.inf
-      t[go] += k * cost
-      calls[go] += k
-      sd_iters[go] += k * sd
-    if interleaved:
-      trace.append((calls.copy(), t.copy()))
-    done = np.isnan(finish) & np.isinf(rem).all(1) & (head >= queue_len)
-    finish[done] = t[done]
-  if interleaved:
-    finish = _interleave(np.stack([c for c, _ in trace], 1), np.stack([s for _, s in trace], 1))
-  return {"finish_s": finish, "rollout_s": float(finish.max()) if r else 0.0, "calls": calls,
-          "sd_iterations": sd_iters, "prefill_calls": prefills}
+  runs = [_simulate_slice(work, range(s, work.size, num_slices), max_batch, costs, sd_threshold,
+                          steps_per_call) for s in range(num_slices)]
+  finish = np.asarray([r["trace"][-1][1] if r["trace"][-1][0] else 0.0 for r in runs])
+  if schedule == "interleaved":
+    finish = _interleave([np.asarray(r["trace"]) for r in runs])
+  return {"finish_s": finish, "rollout_s": float(finish.max()),
+          "calls": np.asarray([r["trace"][-1][0] for r in runs], np.float64),
+          "sd_iterations": np.asarray([r["sd_iterations"] for r in runs], np.float64),
+          "prefill_calls": np.asarray([r["prefill_calls"] for r in runs], np.float64)}
 
 
-def _interleave(calls: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+# Any strategy stands for SD here: the cost model has one SD cost per batch size.
+_SD = Strategy(1, 1, 2)
+
+
+def _simulate_slice(work: np.ndarray, requests, max_batch: int, costs: CostModel,
+                    sd_threshold: int, steps_per_call: int) -> dict:
+  """One slice's rollout. trace: (calls, seconds) breakpoints of its own clock, linear in
+  between (the calls of one decode decision all cost the same)."""
+  sched = SliceScheduler(list(requests), max_batch, sd_threshold, steps_per_call,
+                         (lambda running: _SD) if sd_threshold else None)
+  rem: dict[int, float] = {}  # decode tokens left, by row
+  t, calls, sd_iterations, prefill_calls = 0.0, 0, 0.0, 0
+  trace = [(0, 0.0)]
+  while sched.busy:
+    action = sched.next_action()
+    if isinstance(action, (Start, Refill)):
+      rows = range(len(action.requests)) if isinstance(action, Start) else action.rows
+      if isinstance(action, Start):
+        rem = {}
+      for row, r in zip(rows, action.requests):
+        rem[row] = work[r]
+      t += costs.prefill_s
+      calls += 1
+      prefill_calls += 1
+      sched.finished([i for i in rows if rem[i] <= _EPS])  # the prefill emitted them whole
+    elif isinstance(action, Compact):
+      rem = {new: rem[old] for new, old in enumerate(action.order) if old in rem}
+    else:  # Decode, until fewer than min_running rows run (calls of steps_per_call each)
+      batch = float(sched.batch)
+      sd = action.strategy is not None
+      per_iter = float(costs.accept_at(batch)) if sd else 1.0
+      cost = float(costs.sd_at(batch) if sd else costs.plain_at(batch))
+      running = {i: rem[i] for i, r in enumerate(sched.rows) if r >= 0}
+      iterations, done = 0.0, []
+      while len(running) >= action.min_running:
+        k = max(np.ceil((min(running.values()) - _EPS) / per_iter), 1.0)
+        iterations += k
+        running = {i: x - k * per_iter for i, x in running.items()}
+        done += [i for i, x in running.items() if x <= _EPS]
+        running = {i: x for i, x in running.items() if x > _EPS}
+      for i in running:
+        rem[i] = running[i]
+      t += iterations * cost
+      calls += int(np.ceil(iterations / steps_per_call))
+      sd_iterations += iterations * sd
+      sched.finished(done)
+    trace.append((calls, t))
+  return {"trace": trace, "sd_iterations": sd_iterations, "prefill_calls": prefill_calls}
+
+
+def _interleave(traces: list[np.ndarray]) -> np.ndarray:
   """Finish times when one loop makes call j of every busy slice in slice order, round after
-  round, waiting for each call (the engine's host loop in one process).
+  round, waiting for each call (one host loop whose slices' calls never overlap).
 
-  calls, seconds: [R, E] breakpoints of each slice's own clock (seconds after its first c
-  calls; linear in between, since an event's iterations all cost the same). Slice s finishes
-  with its last call n_s, after every slice's calls of earlier rounds and round n_s - 1's
-  calls of slices before it: sum over s' <= s of T_s'(min(n_s', n_s)) plus sum over s' > s
-  of T_s'(min(n_s', n_s - 1)).
+  traces: per slice, [E, 2] breakpoints (calls, seconds) of its own clock (linear in
+  between). Slice s finishes with its last call n_s, after every slice's calls of earlier
+  rounds and round n_s - 1's calls of slices before it: sum over s' <= s of T_s'(min(n_s',
+  n_s)) plus sum over s' > s of T_s'(min(n_s', n_s - 1)).
   """
-  n = calls[:, -1]
+  n = np.asarray([tr[-1, 0] for tr in traces])
   r = len(n)
   finish = np.zeros(r)
   for j in range(r):  # one interpolation per slice j, over all slices' query points
     upto = np.where(np.arange(r) >= j, np.minimum(n[j], n), np.minimum(n[j], n - 1))
-    finish += np.interp(np.maximum(upto, 0), calls[j], seconds[j])
+    finish += np.interp(np.maximum(upto, 0), traces[j][:, 0], traces[j][:, 1])
   return np.where(n > 0, finish, 0.0)
 
 
@@ -371,7 +383,7 @@ class StepConfig:
   updates per second on one idle slice; spot_startup_s: seconds an idle slice spends before
   its first drafter step (freeing the KV cache, placing the drafter); update_s +
   update_s_per_token * tokens / devices: the policy update, data-parallel over all devices;
-  schedule: see simulate_rollout.
+  schedule, steps_per_call: see simulate_rollout.
   """
   devices_per_slice: int = 1
   max_batch: int = 64
@@ -381,6 +393,7 @@ class StepConfig:
   update_s: float = 0.0
   update_s_per_token: float = 2e-4
   schedule: str = "parallel"
+  steps_per_call: int = 1
 
   def check(self, costs: CostModel) -> None:
     if self.devices_per_slice < 1 or self.max_batch < 1:
@@ -433,7 +446,8 @@ def simulate_step(lengths, num_devices: int, cfg: StepConfig, costs: CostModel) 
   update_s = cfg.update_s + cfg.update_s_per_token * float(lengths.sum()) / num_devices
   out = {}
   for name, threshold, spot in (("baseline", 0, False), ("tlt", cfg.sd_threshold, True)):
-    sim = simulate_rollout(lengths, slices, cfg.max_batch, costs, threshold, cfg.schedule)
+    sim = simulate_rollout(lengths, slices, cfg.max_batch, costs, threshold, cfg.schedule,
+                           cfg.steps_per_call)
     row = idle_summary(sim["finish_s"], cfg.devices_per_slice, cfg.spot_startup_s,
                        cfg.drafter_steps_per_s)
     if not spot:  # the baseline trains no drafter: nothing is reclaimed
@@ -556,6 +570,16 @@ def _run_settings(metrics_path: str, num_slices, max_batch, sd_threshold) -> dic
   return {k: int(v) for k, v in given.items()}
 
 
+def _run_steps_per_call(metrics_path: str) -> int:
+  """The run's rollout.steps_per_call from its summary.json; 1 (a call per iteration) when it
+  does not say."""
+  summary = os.path.join(os.path.dirname(os.path.abspath(metrics_path)), "summary.json")
+  if not os.path.isfile(summary):
+    return 1
+  config = _read_json(summary, "run summary").get("config", {})
+  return int(config.get("rollout", {}).get("steps_per_call", 1))
+
+
 def compare_with_run(metrics_jsonl_path: str, rollouts_jsonl_path: str | None = None,
                      num_slices: int | None = None, max_batch: int | None = None,
                      sd_threshold: int | None = None, max_compile_share: float = 0.1) -> dict:
@@ -586,6 +610,7 @@ def compare_with_run(metrics_jsonl_path: str, rollouts_jsonl_path: str | None = 
   rollouts = _read_jsonl(rollouts_jsonl_path, "rollouts file",
                          ("step", "prompt", "sample", "tokens"), hint)
   settings = _run_settings(metrics_jsonl_path, num_slices, max_batch, sd_threshold)
+  steps_per_call = _run_steps_per_call(metrics_jsonl_path)
   by_step: dict[int, list] = {}
   for r in rollouts:
     by_step.setdefault(int(r["step"]), []).append((r["prompt"], r["sample"], r["tokens"]))
@@ -608,14 +633,14 @@ def compare_with_run(metrics_jsonl_path: str, rollouts_jsonl_path: str | None = 
     for schedule in finish:
       finish[schedule].append(np.stack([simulate_rollout(
           lengths, r_, b_, make_costs(grid, accept_len=max(accept, 1.0), **basis), threshold,
-          schedule)["finish_s"] for basis in bases], 1))  # [R, 4] seconds per unit cost
+          schedule, steps_per_call)["finish_s"] for basis in bases], 1))  # [R, 4] s per unit
   used = np.asarray([(m.get("compile_s") or 0.0) <= max_compile_share * m["rollout_s"]
                      for m in steps])
   if used.sum() < 2:
     used[:] = True  # too few clean steps: fit on all of them, compile time included
   measured_idle = np.asarray([m["idle_slice_s"] for m in steps])
   measured_rollout = np.asarray([m["rollout_s"] for m in steps])
-  result = {"settings": settings, "fit": {}, "steps": [
+  result = {"settings": settings, "steps_per_call": steps_per_call, "fit": {}, "steps": [
       {"step": int(m["step"]), "measured_idle_slice_s": float(measured_idle[i]),
        "measured_rollout_s": float(measured_rollout[i]), "used_in_fit": bool(used[i])}
       for i, m in enumerate(steps)]}

@@ -114,9 +114,12 @@ def test_rl_runs_quick(tmp_path):
   assert all(r["count"] == 2 * 4 and r["p50"] <= r["p90"] <= r["max"] for r in lengths)
   for row in data["long_tail"]["time_breakdown"]:
     assert 0.0 <= row["idle_share"] <= 1.0 and row["rollout_busy_s"] > 0
-  # SD runs report an accept length every step; the baseline has none.
+  # SD runs report an accept length for the steps that ran SD (the tuner may decode plainly
+  # in a step where no strategy pays, e.g. with the random drafter); the baseline has none.
   for name in ("tlt", "frozen", "no_warmup"):
-    assert all(a is not None and a >= 1.0 for a in data["drafter_adaptation"][name])
+    accepts = [a for a in data["drafter_adaptation"][name] if a is not None]
+    assert all(a >= 1.0 for a in accepts)
+  assert data["drafter_adaptation"]["frozen"][0] > 1.5  # the warmed drafter, SD in step 1
   assert data["runs"]["frozen"]["summary"]["drafter_steps_total"] == 0
   e2e = data["end_to_end"]
   assert e2e["steps"] == 2 and e2e["speedup_step_time"] > 0

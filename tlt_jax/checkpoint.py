@@ -2,24 +2,35 @@
 
 One checkpoint holds `state` (any pytree of arrays: params, optimizer states, ...) and `meta`
 (JSON: step, data position, tuner state, RNG seeds). `restore_latest` walks back from the
-newest step: a checkpoint that fails to load (corrupt, or cut short by a crash) is skipped
-with a warning, and the previous one is used.
+newest step. A checkpoint that fails to load (corrupt, or cut short by a crash) is moved out
+of the way, to FAILED_DIR next to the checkpoints folder, kept for inspection and no longer
+counted by retention, so the run writes that step again when it gets there and retention
+only ever weighs checkpoints that load; the previous one is used.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
 
+FAILED_DIR = "failed_checkpoints"
+
 
 class Checkpointer:
-  """orbax CheckpointManager over `directory`, keeping the newest `keep` checkpoints."""
+  """orbax CheckpointManager over `directory`, keeping the newest `keep` checkpoints.
+
+  failures: (step, reason) of every checkpoint that failed to restore, moved to
+  `failed_dir` (a sibling of `directory`).
+  """
 
   def __init__(self, directory: str, keep: int = 2):
     self.directory = os.path.abspath(directory)
+    self.failed_dir = os.path.join(os.path.dirname(self.directory), FAILED_DIR)
+    self.failures: list[tuple[int, str]] = []
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
@@ -45,17 +56,28 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return step, restored.state, restored.meta
       except Exception as e:  # noqa: BLE001 -- any failure to load means: use an older one
-        logging.warning("checkpoint at step %d in %s could not be restored (%s: %s); "
-                        "falling back to the previous one", step, self.directory,
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        moved = self._move_aside(step)
+        self.failures.append((step, reason))
+        logging.warning("checkpoint at step %d in %s could not be restored (%s); moved to %s, "
+                        "falling back to the previous one", step, self.directory, reason, moved)
     return None
+
+  def _move_aside(self, step: int) -> str:
+    """Moves a checkpoint that failed to load into failed_dir (a fresh name per move)."""
+    os.makedirs(self.failed_dir, exist_ok=True)
+    target = os.path.join(self.failed_dir, str(step))
+    n = 1
+    while os.path.exists(target):
+      n += 1
+      target = os.path.join(self.failed_dir, f"{step}-{n}")
+    shutil.move(os.path.join(self.directory, str(step)), target)
+    self.manager.reload()
+    return target
 
   @property
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
-
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.wait_until_finished()

@@ -8,6 +8,7 @@ before anything is compiled, and `model_config(config)` turns `config.model` int
 from __future__ import annotations
 
 import difflib
+import json
 import os
 
 import ml_collections
@@ -15,6 +16,7 @@ import ml_collections
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.mesh import DEFAULT_RULES, resolve_axis_sizes
 from tlt_jax.models.config import DTYPES, ROPE_TYPES, ModelConfig, RopeConfig
+from tlt_jax.models.hf import check_model_folder, check_safetensors
 
 MODEL_TYPES = ("qwen2", "llama")
 
@@ -84,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.max_value = 99
   c.task.max_operand = 9
   c.task.max_multiplier = 5
+  # Your own problems instead of the built-in task: JSON lines of GSM8K / MATH / verl-style
+  # records (tlt_jax.rl.data.load_jsonl); eval_data_path holds the held-out problems.
+  c.task.data_path = ""
+  c.task.eval_data_path = ""
 
   # A local Hugging Face tokenizer folder, or '' to train a byte-level BPE on the task's text.
   c.tokenizer = ml_collections.ConfigDict()
@@ -119,6 +125,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.max_prompt_len = 128
   c.rollout.max_new_tokens = 256
   c.rollout.sd_threshold = 4        # SD once this few sequences are still running
+  # Decode iterations per compiled call, at most: a call also returns as soon as the host
+  # has something to decide (a row finished while requests wait, a smaller batch bucket, the
+  # switch to SD), so this only bounds how long the host goes unheard.
+  c.rollout.steps_per_call = 32
   c.rollout.temperature = 1.0
   c.rollout.top_k = 0
   c.rollout.top_p = 1.0
@@ -132,6 +142,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.speculative.arms = ("4,2,8", "3,2,6", "6,2,12")
   c.rollout.speculative.epsilon = 0.1
   c.rollout.speculative.window = 300
+  # BEG-MAB also tries plain decoding in every bucket, so adaptive SD never runs slower than
+  # plain decoding where no strategy pays (it learns that from the same goodput).
+  c.rollout.speculative.plain_arm = True
 
   # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
   # num_samples responses each, advantages normalised within each prompt's group.
@@ -272,8 +285,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if not os.path.isdir(m.path):
       raise ConfigError(f"model.path={m.path!r} does not exist; give a local Hugging Face "
                         f"folder, or '' for random weights")
-    if not os.path.isfile(os.path.join(m.path, "config.json")):
-      raise ConfigError(f"model.path={m.path!r} has no config.json")
+    try:
+      check_model_folder(m.path)
+    except (FileNotFoundError, ValueError) as e:
+      raise ConfigError(f"model.path={m.path!r}: {e}") from None
   axes = dict(config.mesh.axes)
   if not axes:
     raise ConfigError("mesh.axes must name at least one axis, e.g. {'replica': 1, 'fsdp': -1}")
@@ -298,6 +313,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   if g.temperature < 0:
     raise ConfigError(f"generate.temperature={g.temperature} must be >= 0")
   _validate_task(config.task)
+  if config.task.data_path and not config.task.eval_data_path and config.rl.num_eval_examples:
+    raise ConfigError("task.data_path is set but task.eval_data_path is not: held-out "
+                      "evaluation needs its own problems; set task.eval_data_path or "
+                      "rl.num_eval_examples=0")
   _validate_tokenizer(config.tokenizer)
   _validate_sft(config.sft)
   _validate_rollout(config)
@@ -320,7 +339,6 @@ def _validate_rollout(config: ml_collections.ConfigDict) -> None:
   _validate_drafter(config.drafter)
   limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
   if config.model.path:  # the checkpoint's own limit
-    import json
     with open(os.path.join(config.model.path, "config.json")) as f:
       limit = json.load(f).get("max_position_embeddings", limit)
     source = f"max_position_embeddings of {config.model.path}/config.json"
@@ -334,7 +352,7 @@ def engine_config(config: ml_collections.ConfigDict):
   from tlt_jax.rollout.engine import EngineConfig
   r = config.rollout
   return EngineConfig(max_batch=r.max_batch, max_prompt_len=r.max_prompt_len,
-                      max_new_tokens=r.max_new_tokens,
+                      max_new_tokens=r.max_new_tokens, steps_per_call=r.steps_per_call,
                       sd_threshold=r.sd_threshold if r.speculative.enable else 0)
 
 
@@ -383,7 +401,7 @@ def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None =
   if sd.tuner == "table":
     return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
   return make_tuner("beg_mab", thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
-                    epsilon=sd.epsilon, window=sd.window, seed=seed)
+                    epsilon=sd.epsilon, window=sd.window, seed=seed, plain_arm=sd.plain_arm)
 
 
 REWARDS = ("answer", "answer+format")
@@ -427,8 +445,19 @@ def _validate_drafter(d: ml_collections.ConfigDict) -> None:
     if not os.path.isdir(d.path):
       raise ConfigError(f"drafter.path={d.path!r} does not exist; give a folder exported by "
                         f"python -m tlt_jax.warmup_drafter, or '' for random drafter weights")
-    if not os.path.isfile(os.path.join(d.path, "model.safetensors")):
-      raise ConfigError(f"drafter.path={d.path!r} has no model.safetensors")
+    for fn in ("config.json", "model.safetensors"):
+      if not os.path.isfile(os.path.join(d.path, fn)):
+        raise ConfigError(f"drafter.path={d.path!r} has no {fn}; export a drafter with "
+                          f"python -m tlt_jax.warmup_drafter")
+    try:
+      with open(os.path.join(d.path, "config.json")) as f:
+        json.load(f)
+      check_safetensors(os.path.join(d.path, "model.safetensors"))
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"drafter.path={d.path!r}: config.json is not valid JSON ({e.msg} at "
+                        f"line {e.lineno})") from None
+    except ValueError as e:
+      raise ConfigError(f"drafter.path={d.path!r}: {e}") from None
   for key in ("learning_rate", "clip_norm"):
     if d[key] <= 0:
       raise ConfigError(f"drafter.{key}={d[key]} must be positive")
@@ -457,6 +486,13 @@ TASK_NAMES = ("arithmetic",)
 
 def _validate_task(t: ml_collections.ConfigDict) -> None:
   _one_of(t.name, TASK_NAMES, "task.name")
+  for key in ("data_path", "eval_data_path"):
+    if t[key] and not os.path.isfile(t[key]):
+      raise ConfigError(f"task.{key}={t[key]!r} does not exist; give a JSON-lines file of "
+                        f"problems, or '' for the built-in task")
+  if t.eval_data_path and not t.data_path:
+    raise ConfigError("task.eval_data_path is set but task.data_path is not; held-out "
+                      "problems from a file go with training problems from a file")
   if t.seed == t.eval_seed:
     raise ConfigError(f"task.eval_seed={t.eval_seed} equals task.seed: held-out problems must "
                       f"come from a different seed")

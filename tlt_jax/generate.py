@@ -25,8 +25,9 @@ from tqdm import tqdm
 from tlt_jax import cli
 from tlt_jax.config import model_config
 from tlt_jax.mesh import logical_shardings, make_mesh
-from tlt_jax.models import decode, init_cache, init_params, param_logical_axes, prefill
-from tlt_jax.rollout.plain import sample_next
+from tlt_jax.models import init_cache, init_params, param_logical_axes
+from tlt_jax.speculative.decoding import plain_step, start
+from tlt_jax.speculative.sampling import SamplingParams
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/generate", "Output folder.")
@@ -67,32 +68,24 @@ def main(argv):
                   out_shardings=cache_sharding)()
 
   # ---------------------------------------------------------------- compiled steps
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def prefill_step(params, tokens, lengths, cache, key):
-    logits, _, cache = prefill(params, tokens, lengths, cache, cfg)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return sample_next(last, key, g.temperature), cache
-
-  @functools.partial(jax.jit, donate_argnums=(2,))
-  def decode_step(params, tokens, cache, key):
-    logits, _, cache = decode(params, tokens, cache, cfg)
-    return sample_next(logits, key, g.temperature), cache
+  # The rollout's pure steps, one jitted call per token so that decode time is measured
+  # per step; no EOS (random prompts), every row decodes the whole budget.
+  sp = SamplingParams(g.temperature)
+  begin = jax.jit(functools.partial(start, sp=sp, max_new_tokens=g.max_new_tokens, eos_id=-1,
+                                    cfg=cfg), donate_argnums=(3,))
+  step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1, cfg=cfg), donate_argnums=(1,))
 
   key = jax.random.key(config.seed)
   t0 = time.perf_counter()
-  key, sub = jax.random.split(key)
-  next_tok, cache = prefill_step(params, jnp.asarray(tokens), jnp.asarray(lengths), cache, sub)
-  next_tok.block_until_ready()
+  state = begin(params, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
+  state.root.block_until_ready()
   prefill_s = time.perf_counter() - t0
 
   # ---------------------------------------------------------------- decode loop
-  out = [next_tok]
   t1 = time.perf_counter()
   for _ in tqdm(range(g.max_new_tokens - 1), desc="decode", unit="step"):
-    key, sub = jax.random.split(key)
-    next_tok, cache = decode_step(params, next_tok, cache, sub)
-    out.append(next_tok)
-  generated = np.asarray(jnp.stack(out, axis=1))
+    state, _ = step(params, state, key)
+  generated = np.asarray(state.out)
   decode_s = time.perf_counter() - t1
 
   with open(os.path.join(workdir, "generations.jsonl"), "w") as f:

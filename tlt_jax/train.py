@@ -20,8 +20,8 @@ process 0 alone writes the files (orbax coordinates the checkpoints).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import shutil
 import signal
 import time
 
@@ -39,9 +39,9 @@ from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.compile_cache import COMPILES
 from tlt_jax.components import (accept_length, load_drafter_for, load_policy,
-                                load_tokenizer_for, make_engine)
+                                load_tokenizer_for, make_engine, task_examples, training_set)
 from tlt_jax.config import (ConfigError, drafter_opt_config, grpo_config, sampling_params,
-                            spot_config, task_from_config, training_model_config)
+                            spot_config, training_model_config)
 from tlt_jax.mesh import host_copy, logical_to_mesh_spec, make_mesh
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.data import PromptIterator
@@ -49,12 +49,16 @@ from tlt_jax.rl.grpo import group_advantages
 from tlt_jax.rl.policy_update import (build_rows, make_log_probs, make_policy_update,
                                       split_minibatches)
 from tlt_jax.rl.rewards import answer_reward, combine_rewards, make_format_reward
-from tlt_jax.rl.tasks import TaskSlice
 from tlt_jax.rl.tokenizer import prompt_ids
+from tlt_jax.run_log import append_jsonl, read_jsonl, response_key, resume_jsonl
 from tlt_jax.train_report import write_summary
+from tlt_jax.workdir import lock_workdir, make_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/train", "Output folder (resumes from it).")
+_START_OVER = flags.DEFINE_bool(
+    "start_over", False, "When no checkpoint in --workdir loads but an earlier run left "
+    "results there, move them to WORKDIR/previous-<time>/ and start from step 0.")
 
 def make_reward(config: ml_collections.ConfigDict):
   """The configured reward: `fn(prompts, completions, **columns) -> list[float]`."""
@@ -98,20 +102,28 @@ class _StopFlag:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
-          progress: bool = True) -> dict:
+          progress: bool = True, start_over: bool = False) -> dict:
   """Runs (or resumes) the job in `workdir`; returns the summary (also in summary.json).
 
   reward_fn: replaces the configured reward, `fn(prompts, completions, **columns)`; columns
   are `answer` (the reference answers) and `metadata`. SIGINT/SIGTERM stop the run cleanly
   after the current step, with a checkpoint.
+  start_over: when the workdir holds an earlier run's results but no checkpoint loads, move
+  those files to WORKDIR/previous-<time>/ and start from step 0 (else: stop and say so).
   """
-  with _StopFlag() as stop:
-    return _train(config, workdir, reward_fn, progress, stop)
-
-
-def _train(config, workdir, reward_fn, progress, stop) -> dict:
-  os.makedirs(workdir, exist_ok=True)
   main = jax.process_index() == 0  # the process that writes files and prints
+  lock = lock_workdir(workdir) if main else None
+  try:
+    with _StopFlag() as stop:
+      return _train(config, workdir, reward_fn, progress, stop, start_over)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
+  make_workdir(workdir)
+  main = jax.process_index() == 0
   say = tqdm.write if main else (lambda *_: None)
   r = config.rl
   g = r.num_samples
@@ -124,8 +136,7 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
 
   # ---------------------------------------------------------------- data
   tokenizer = load_tokenizer_for(config)
-  iterator = PromptIterator(TaskSlice(task_from_config(config.task), r.num_train_examples),
-                            seed=config.seed)
+  iterator = PromptIterator(training_set(config, r.num_train_examples), seed=config.seed)
   eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
   reward_fn = reward_fn or make_reward(config)
 
@@ -208,11 +219,14 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
     engine.update_params(policy_params=params,
                          drafter_params=spot.params if spot is not None and use_sd else None)
     say(f"resumed from the checkpoint of step {step}")
-  # Lines past the checkpoint (a crash after them) are dropped: the steps will run again.
+  elif main:
+    _start_fresh(workdir, ckpt.failures, start_over, say)
+  # Rows past the checkpoint (a crash after them) are dropped: those steps run again. Partial
+  # lines and duplicates go too, so the files hold one row per step.
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  history = _truncate_jsonl(metrics_path, up_to=step) if main else []
+  history = resume_jsonl(metrics_path, up_to=step) if main else []
   if main:
-    _truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), up_to=step)
+    resume_jsonl(os.path.join(workdir, "rollouts.jsonl"), up_to=step, key=response_key)
 
   if spot is not None:  # compile the drafter update for every slice before the first rollout
     spot.precompile(engine.slices, engine.policy_on)
@@ -223,10 +237,10 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
              f"training {'on' if spot is not None else 'off'}; steps {step} -> {r.steps}")
 
   # ---------------------------------------------------------------- evaluation
-  eval_examples = task_from_config(config.task, eval_split=True).examples(
-      r.num_eval_examples) if r.num_eval_examples else []
+  eval_examples = task_examples(config, r.num_eval_examples, eval_split=True) \
+      if r.num_eval_examples else []
   eval_path = os.path.join(workdir, "eval.jsonl")
-  evals = _truncate_jsonl(eval_path, up_to=step) if main else []
+  evals = resume_jsonl(eval_path, up_to=step) if main else []
 
   def evaluate(at_step):
     """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged),
@@ -247,13 +261,13 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
     row["accuracy"] = row["greedy_accuracy"]
     evals.append(row)
     with open(eval_path if main else os.devnull, "a") as f:
-      f.write(json.dumps(row) + "\n")
+      append_jsonl(f, [row])
     sampled = (f", sampled {row['sampled_accuracy']:.3f} ({r.eval_samples} per problem)"
                if r.eval_samples else "")
     say(f"step {at_step}: held-out accuracy on {len(eval_examples)} problems: greedy "
                f"{row['greedy_accuracy']:.3f}{sampled}")
 
-  if eval_examples and step == 0:
+  if eval_examples and step == 0 and not any(e["step"] == 0 for e in evals):
     evaluate(0)
 
   # ---------------------------------------------------------------- loop
@@ -270,6 +284,11 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
       update_compile_s = 0.0
       examples = iterator.take(r.prompts_per_step)
       prompts = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
+      longest = max(len(p) for p in prompts)
+      if longest > config.rollout.max_prompt_len:
+        raise ConfigError(f"a training problem ({config.task.data_path or 'the built-in task'})"
+                          f" has {longest} prompt tokens, more than rollout.max_prompt_len="
+                          f"{config.rollout.max_prompt_len}; raise it")
       key = jax.random.fold_in(base_key, step)
 
       # Rollout, with spot training on the slices that finish first.
@@ -351,14 +370,12 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
       if r.kl_coef > 0:
         metrics["kl"] = float(np.mean([u["kl"] for u in update_metrics]))
       if rollouts_file is not None:
-        for i, toks in enumerate(result.tokens):
-          rollouts_file.write(json.dumps({
-              "step": step, "prompt": i // g, "sample": i % g, "completion": completions[i],
-              "tokens": len(toks), "finish_reason": result.finish_reasons[i],
-              "reward": float(rewards[i]), "correct": bool(correct[i])}) + "\n")
-        rollouts_file.flush()
-      metrics_file.write(json.dumps(metrics) + "\n")
-      metrics_file.flush()
+        append_jsonl(rollouts_file, [{
+            "step": step, "prompt": i // g, "sample": i % g, "completion": completions[i],
+            "tokens": len(toks), "finish_reason": result.finish_reasons[i],
+            "reward": float(rewards[i]), "correct": bool(correct[i])}
+            for i, toks in enumerate(result.tokens)])
+      append_jsonl(metrics_file, [metrics])
       history.append(metrics)
       if eval_examples and (step == r.steps or (r.eval_every and step % r.eval_every == 0)):
         evaluate(step)
@@ -393,6 +410,33 @@ def _train(config, workdir, reward_fn, progress, stop) -> dict:
   return summary
 
 
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "summary.json", "summary.png",
+             "export")
+
+
+def _start_fresh(workdir: str, failures: list, start_over: bool, say) -> None:
+  """No checkpoint loaded. If the folder holds an earlier run's results, refuse to overwrite
+  them (ConfigError saying what failed), or with start_over move them aside first."""
+  rows, _ = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  done = sorted({r["step"] for r in rows if r["step"] >= 1})
+  if not done and not failures:
+    return  # a new run (or one stopped before its first step)
+  failed = "; ".join(f"step {s}: {why}" for s, why in failures) or "there are none"
+  results = f"metrics of steps {done[0]}-{done[-1]}" if done else "checkpoints"
+  if not start_over:
+    raise ConfigError(
+        f"--workdir {workdir!r} holds an earlier run ({results}) but no checkpoint could be "
+        f"loaded ({failed}); rerun with --start_over to move its files to "
+        f"{workdir}/previous-<time>/ and start from step 0, or choose another --workdir")
+  previous = os.path.join(workdir, time.strftime("previous-%Y%m%d-%H%M%S"))
+  os.makedirs(previous)
+  for name in RUN_FILES:
+    if os.path.exists(os.path.join(workdir, name)):
+      shutil.move(os.path.join(workdir, name), os.path.join(previous, name))
+  say(f"--start_over: no checkpoint could be loaded ({failed}); the earlier run's files are "
+      f"in {previous}; starting from step 0")
+
+
 def _log_probs(log_probs, params, batch: dict) -> jax.Array:
   """log_probs over [mini_batches, micro_batches, rows, T] batches -> [.., T]."""
   lead = batch["tokens"].shape[:2]
@@ -406,25 +450,12 @@ def _idle_slice_s(result) -> float:
   return float(sum(result.wall_s - t for t in result.slice_done_s))
 
 
-def _truncate_jsonl(path: str, up_to: int) -> list[dict]:
-  """Keeps the rows of a per-step JSONL file with step <= up_to; returns them."""
-  if not os.path.isfile(path):
-    return []
-  with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  rows = [m for m in rows if m["step"] <= up_to]
-  with open(path + ".tmp", "w") as f:
-    f.writelines(json.dumps(m) + "\n" for m in rows)
-  os.replace(path + ".tmp", path)
-  return rows
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   config = cli.load_config(_CONFIG)
   cli.setup_devices(config)
-  train(config, _WORKDIR.value)
+  train(config, _WORKDIR.value, start_over=_START_OVER.value)
 
 
 def run():

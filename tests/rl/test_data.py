@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from tlt_jax.rl.data import PromptIterator, example_from_record, load_jsonl, load_reasoning_gym
+from tlt_jax.rl.data import (PromptIterator, example_from_record, load_examples, load_jsonl,
+                             load_reasoning_gym)
 
 RECORDS = [
     {"question": "Tom has 3 apples and buys 1,200 more. How many?",
@@ -48,6 +49,37 @@ def test_bad_records_name_file_and_line(tmp_path):
     example_from_record({"answer": "1"})
   with pytest.raises(FileNotFoundError, match="does not exist"):
     load_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+def test_data_files_for_the_jobs(tmp_path, jsonl):
+  """What task.data_path / eval_data_path read, and the config around them."""
+  from tests.conftest import repo_config
+  from tlt_jax.components import task_examples, training_set
+  from tlt_jax.config import ConfigError, validate_config
+  assert [e.answer for e in load_examples(jsonl)] == ["1,203", r"\frac{3}{4}", "-3", "42"]
+  (tmp_path / "empty.jsonl").write_text("\n\n")
+  with pytest.raises(ValueError, match=r"empty.jsonl' has no records"):
+    load_examples(str(tmp_path / "empty.jsonl"))
+  with pytest.raises(ValueError, match="Parquet.*convert it to JSON lines"):
+    load_examples(str(tmp_path / "train.parquet"))
+
+  config = repo_config("default", "runlocal")
+  config.unlock()
+  config.task.data_path = jsonl
+  with pytest.raises(ConfigError, match="set task.eval_data_path or rl.num_eval_examples=0"):
+    validate_config(config)
+  config.task.eval_data_path = str(tmp_path / "missing.jsonl")
+  with pytest.raises(ConfigError, match="task.eval_data_path=.*missing.jsonl' does not exist"):
+    validate_config(config)
+  config.task.eval_data_path = jsonl
+  validate_config(config)
+  assert [e.answer for e in training_set(config, 10 ** 6)] == ["1,203", r"\frac{3}{4}", "-3",
+                                                                "42"]
+  assert [e.answer for e in task_examples(config, 2, start=1, eval_split=True)] == [
+      r"\frac{3}{4}", "-3"]
+  config.task.data_path = str(tmp_path / "empty.jsonl")
+  with pytest.raises(ConfigError, match="task.data_path: data file .* has no records"):
+    training_set(config, 10)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is not None,

@@ -1,5 +1,7 @@
 """The rollout engine: lossless SD switch, continuous batching, compaction, slices, compiles."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -98,12 +100,50 @@ def test_beg_mab_tuner_drives_strategies(tiny_cfg, tiny_params, plain_reference)
   tuner = BegMabTuner(thresholds=(1, 3), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4), (2, 1, 3)]])
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
                          drafter=drafter_from_policy(tiny_cfg, tiny_params), tuner=tuner)
-  res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
-  assert res.tokens == ref.tokens
-  used = {r.strategy for r in res.timeline if r.mode == "sd"}
-  assert len(used) >= 2  # untried arms are explored
+  runs = [engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0)) for _ in range(2)]
+  assert runs[0].tokens == runs[1].tokens == ref.tokens
+  records = [r for res in runs for r in res.timeline if r.mode == "sd"]
+  assert len({r.strategy for r in records}) >= 2  # untried arms are explored
+  # The tuner learns from every SD call but those that compiled their program (a first run's
+  # time would mislead it).
   assert sum(row["pulls"] for row in tuner.summary()) == sum(
-      r.mode == "sd" for r in res.timeline)
+      not r.compiled for r in records) > 0
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)],
+                         ids=["t1.0", "t0.8-top_p0.9"])
+def test_sampled_sd_engine_emits_what_the_plain_engine_emits(tiny_cfg, tiny_params,
+                                                             plain_reference, sp):
+  """Under sampling too: another schedule (2 slices, batches of 2, several steps per call),
+  SD with a random drafter and BEG-MAB (plain arm included): token for token the same."""
+  ec, _ = plain_reference
+  plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
+      ec, steps_per_call=1)).generate(PROMPTS, 3, sp, jax.random.key(4))
+  tuner = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4)]],
+                      plain_arm=True)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2), dataclasses.replace(
+      ec, max_batch=2, sd_threshold=2, steps_per_call=8), drafter=random_drafter(tiny_cfg, 2),
+      tuner=tuner)
+  sd = engine.generate(PROMPTS, 3, sp, jax.random.key(4))
+  assert sd.tokens == plain.tokens and sd.finish_reasons == plain.finish_reasons
+  assert any(r.mode == "sd" for r in sd.timeline)
+  other_key = engine.generate(PROMPTS, 3, sp, jax.random.key(5))
+  assert other_key.tokens != sd.tokens
+
+
+def test_several_steps_per_call_change_the_calls_not_the_tokens(tiny_cfg, tiny_params,
+                                                                 plain_reference):
+  ec, ref = plain_reference
+  one = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
+      ec, max_batch=4, steps_per_call=1)).generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  many = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
+      ec, max_batch=4, steps_per_call=64)).generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert one.tokens == many.tokens == ref.tokens
+  calls = [[r for r in res.timeline if r.mode == "plain"] for res in (one, many)]
+  assert all(r.iterations == 1 for r in calls[0])
+  assert len(calls[1]) < len(calls[0]) / 2  # the host hears from the device far less often
+  assert sum(r.iterations for r in calls[1]) <= sum(r.iterations for r in calls[0])
+  assert one.call_s > 0 and many.host_s > 0
 
 
 @pytest.mark.parametrize("bad,match", [

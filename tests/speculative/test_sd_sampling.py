@@ -1,10 +1,13 @@
-"""Sampling with speculative decoding follows the policy's distribution exactly.
+"""Sampling with speculative decoding follows the policy's distribution exactly, and emits
+exactly the tokens plain decoding emits with the same key.
 
 N rows share one prompt and one forced first token; the next two generated tokens of each row
 are compared with their exact joint distribution q(t2) q(t3 | t2), computed from the policy, by
 a chi-square goodness-of-fit test at significance ALPHA. A random drafter makes both
-acceptances and rejections happen. The same test must reject a rule that resamples from q
-instead of the residual (the classic mistake), which shows it has the power to notice.
+acceptances and rejections happen. The same test must reject a rule that, when no drafted
+child is accepted, emits a fresh sample from q instead of the draw it tested the children
+with (the classic mistake: resampling from q instead of the residual), which shows it has the
+power to notice.
 """
 
 import functools
@@ -20,7 +23,7 @@ from tlt_jax.models import ModelConfig, init_cache, init_params, prefill
 from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.speculative import verify as verify_mod
 from tlt_jax.speculative.decoding import plain_step, sd_step, start
-from tlt_jax.speculative.sampling import SamplingParams, target_probs
+from tlt_jax.speculative.sampling import SamplingParams, gumbel_max, target_probs
 from tlt_jax.speculative.strategy import Strategy
 
 N = 4000            # samples (rows)
@@ -70,8 +73,8 @@ def _sample_pairs(cfg, params, sp, use_sd, seed=0):
                                      dcfg=dcfg))
   else:
     step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1, cfg=cfg))
-  for i in range(2):  # every step emits >= 1 token, so two give t2 and t3
-    key = jax.random.key(seed * 100 + i + 1)
+  key = jax.random.key(seed + 1)  # the rollout's key: the same for every step
+  for _ in range(2):  # every step emits >= 1 token, so two give t2 and t3
     state, st = step(params, dparams, state, key) if use_sd else step(params, state, key)
     accepted.append(np.asarray(st.accepted))
   out = np.asarray(state.out)
@@ -107,12 +110,27 @@ def test_two_token_distribution_is_exact(policy, sp, use_sd):
     assert (accepted[0] == 1).mean() > 0.1 and (accepted[0] > 1).mean() > 0.1
 
 
-def test_plain_resampling_on_rejection_is_detected(policy, monkeypatch):
-  """Resampling from q instead of the residual biases toward drafted tokens; must fail."""
+@pytest.mark.parametrize("sp", SAMPLING, ids=["t1.0", "t0.6", "t1.0-top_p0.9"])
+def test_sd_emits_the_tokens_plain_decoding_emits(policy, sp):
+  cfg, params = policy
+  sd = _sample_pairs(cfg, params, sp, use_sd=True)
+  plain = _sample_pairs(cfg, params, sp, use_sd=False)
+  np.testing.assert_array_equal(sd[0], plain[0])
+  np.testing.assert_array_equal(sd[1], plain[1])
+
+
+def test_a_fresh_sample_on_rejection_is_detected(policy, monkeypatch):
+  """Emitting a fresh sample from q where no child was accepted (instead of the draw the
+  children were tested with) biases toward drafted tokens; both checks must notice."""
   cfg, params = policy
   sp = SamplingParams(1.0)
-  monkeypatch.setattr(verify_mod, "residual_probs", lambda q, tried: q)
+  plain = _sample_pairs(cfg, params, sp, use_sd=False)
+
+  def fresh_sample(probs, noise):
+    return gumbel_max(probs, jax.random.gumbel(jax.random.key(123), probs.shape))
+  monkeypatch.setattr(verify_mod, "stop_token", fresh_sample)
   t2, t3, _ = _sample_pairs(cfg, params, sp, use_sd=True)
   p = _gof_pvalue(t2, t3, _exact_joint(cfg, params, sp))
-  print(f"plain resampling on rejection: chi-square p = {p:.1e}")
+  print(f"a fresh sample on rejection: chi-square p = {p:.1e}")
   assert p < ALPHA, f"p-value {p:.2e}: the biased rule went unnoticed"
+  assert (t2 != plain[0]).mean() > 0.1

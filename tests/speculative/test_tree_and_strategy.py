@@ -7,7 +7,7 @@ import pytest
 
 from tests.speculative.drafters import random_drafter
 from tlt_jax.models.drafter import init_drafter_cache
-from tlt_jax.speculative.sampling import SamplingParams, target_probs
+from tlt_jax.speculative.sampling import SamplingParams, target_probs, token_noise
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tree import build_draft_tree, tree_from_parents
 from tlt_jax.speculative.verify import accept_tree
@@ -51,26 +51,34 @@ def test_greedy_acceptance_follows_argmax_and_stops_at_mismatch():
   # Chain root -> 3 -> 5 -> 1; the policy's argmax after each node: 3, 5, 2, 0.
   tree = _chain_tree([9, 3, 5, 1])
   probs = jax.nn.one_hot(jnp.asarray([[3, 5, 2, 0]]), 10)
-  acc = accept_tree(tree, probs, jax.random.key(0), max_depth=3, greedy=True)
+  acc = accept_tree(tree, probs, None, max_depth=3)
   assert int(acc.num_nodes[0]) == 3  # root, 3, 5 accepted; 1 rejected
   assert int(acc.next_token[0]) == 2
   np.testing.assert_array_equal(np.asarray(acc.path[0]), [0, 1, 2, 2])
 
 
 def test_sampling_acceptance_of_a_star_is_exact():
-  """Root with children tokens (0, 1): the next token follows q exactly, including the
-  residual part, over many independent rows."""
+  """Root with children tokens (0, 1): the next token follows q exactly, accepted or not,
+  over many rows with independent noise; a child is accepted with probability q(0) + q(1)."""
   n, vocab = 20000, 4
   q = jnp.asarray([0.5, 0.2, 0.2, 0.1])
   tree = tree_from_parents(jnp.tile(jnp.asarray([[3, 0, 1]], jnp.int32), (n, 1)),
                            jnp.tile(jnp.asarray([[-1, 0, 0]], jnp.int32), (n, 1)))
   probs = jnp.broadcast_to(q, (n, 3, vocab))
-  acc = accept_tree(tree, probs, jax.random.key(1), max_depth=1, greedy=False)
-  first = np.where(np.asarray(acc.num_nodes) == 2,
-                   np.asarray(tree.tokens)[np.arange(n), np.asarray(acc.path[:, 1])],
+  noise = token_noise(jax.random.key(1), jnp.arange(n), jnp.zeros((n, 2), jnp.int32) +
+                      jnp.arange(2), vocab)
+  acc = accept_tree(tree, probs, noise, max_depth=1)
+  accepted = np.asarray(acc.num_nodes) == 2
+  first = np.where(accepted, np.asarray(tree.tokens)[np.arange(n), np.asarray(acc.path[:, 1])],
                    np.asarray(acc.next_token))
   freq = np.bincount(first, minlength=vocab) / n
   np.testing.assert_allclose(freq, q, atol=4 * np.sqrt(0.25 / n))
+  assert abs(accepted.mean() - 0.7) < 4 * np.sqrt(0.25 / n)
+  # The token at a position is the same draw whichever tree is verified: with no children
+  # (a plain step), the root's own draw.
+  bare = tree_from_parents(jnp.full((n, 1), 3, jnp.int32), jnp.full((n, 1), -1, jnp.int32))
+  plain = accept_tree(bare, probs[:, :1], noise[:, :1], max_depth=0)
+  np.testing.assert_array_equal(first, np.asarray(plain.next_token))
 
 
 def test_strategy_validation_and_parsing():

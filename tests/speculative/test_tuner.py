@@ -8,8 +8,8 @@ import pytest
 
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import (
-    DEFAULT_ARMS, DEFAULT_TABLE, BegMabTuner, FixedTuner, TableTuner, default_beg_mab, goodput,
-    make_tuner)
+    DEFAULT_ARMS, DEFAULT_TABLE, PLAIN, BegMabTuner, FixedTuner, TableTuner, default_beg_mab,
+    goodput, make_tuner)
 
 BUDGETS = (48, 32, 16, 8)
 BUCKET_BATCH = (1, 3, 12, 40)  # one batch size inside each default bucket
@@ -314,3 +314,30 @@ def test_make_tuner_unknown_kind_lists_the_kinds():
   allowed = r"\['beg_mab', 'fixed', 'table'\]"
   with pytest.raises(ValueError, match=rf"unknown tuner kind 'bandit'.*{allowed}"):
     make_tuner("bandit")
+
+
+def test_plain_arm_wins_where_no_strategy_pays():
+  """Every SD arm accepts 2 tokens but costs 3x a plain step at batch 4, and 1.2x at batch 1:
+  BEG-MAB settles on plain decoding in the first bucket and on SD in the other."""
+  tuner = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6), (2, 2, 4)], [(3, 2, 6)]],
+                      epsilon=0.0, seed=0, plain_arm=True)
+  assert tuner.arms[0][-1] is PLAIN and tuner.arms[1][-1] is PLAIN
+  assert tuner.strategies() == [Strategy(3, 2, 6), Strategy(2, 2, 4)]  # nothing to compile
+  assert tuner.strategies_for(1) == [Strategy(3, 2, 6), Strategy(2, 2, 4)]
+  plain_s = 0.01
+  for _ in range(20):
+    for bs, sd_cost in ((1, 1.2), (4, 3.0)):
+      arm = tuner.choose(bs)
+      if arm is PLAIN:
+        tuner.update(bs, arm, 1.0, plain_s)
+      else:
+        tuner.update(bs, arm, 2.0, plain_s * sd_cost)
+  assert tuner.choose(1) != PLAIN and tuner.choose(4) is PLAIN
+  state = json.loads(json.dumps(tuner.state_dict()))
+  assert state["arms"][1] == [[3, 2, 6], "plain"]
+  again = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6), (2, 2, 4)], [(3, 2, 6)]],
+                      epsilon=0.0, plain_arm=True)
+  again.load_state_dict(state)
+  assert again.choose(4) is PLAIN
+  with pytest.raises(ValueError, match="'plain' is an arm of BEG-MAB only"):
+    TableTuner(thresholds=(1,), strategies=["plain"])

@@ -41,6 +41,55 @@ def _require_config(path: str) -> None:
                             f"(config.json + {SAFETENSORS_FILE} or {SAFETENSORS_INDEX})")
 
 
+def check_model_folder(path: str) -> None:
+  """Reads what loading `path` will need, cheaply (config.json, the safetensors headers), and
+  raises FileNotFoundError or ValueError with one line naming the file and the problem: no
+  folder or config.json, config.json that is not JSON or has no supported model_type, no
+  weights, an index naming missing shards, a truncated or corrupt safetensors file."""
+  _require_config(path)
+  config_path = os.path.join(path, "config.json")
+  try:
+    with open(config_path) as f:
+      data = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{config_path} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                     f"{e.colno}); re-export the model") from None
+  model_type = data.get("model_type") if isinstance(data, dict) else None
+  if not model_type:
+    raise ValueError(f"{config_path} has no model_type; a Hugging Face config of one of "
+                     f"{SUPPORTED_MODEL_TYPES} is needed")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(f"{config_path}: unsupported model_type {model_type!r}; supported: "
+                     f"{SUPPORTED_MODEL_TYPES}")
+  for fn in sorted(set(_weight_files(path).values())):
+    check_safetensors(fn)
+
+
+def check_safetensors(path: str) -> None:
+  """Reads a safetensors file's header and checks that every tensor lies inside the file;
+  ValueError with one line when it is truncated or not safetensors."""
+  size = os.path.getsize(path)
+  problem = None
+  with open(path, "rb") as f:
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 0 or 8 + n > size:
+      problem = f"its header is cut off ({size} bytes in all)"
+    else:
+      try:
+        meta = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"),
+                  default=0)
+      except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError,
+              IndexError):
+        problem = "its header is not a safetensors header"
+      else:
+        if 8 + n + end > size:
+          problem = f"its tensors need {8 + n + end} bytes but the file has {size}"
+  if problem:
+    raise ValueError(f"{path} is truncated or corrupt: {problem}; copy or export it again")
+
+
 def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
   """Maps a transformers Llama/Qwen2 config (object) to a ModelConfig; overrides win."""
   mt = hf_config.model_type
@@ -186,8 +235,12 @@ def _weight_files(path: str) -> dict[str, str]:
   """Maps each tensor name to the safetensors file that holds it."""
   index = os.path.join(path, SAFETENSORS_INDEX)
   if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
+    try:
+      with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+      raise ValueError(f"{index} is not a safetensors index (valid JSON with a weight_map); "
+                       f"re-export the model") from None
     files = {os.path.join(path, fn) for fn in weight_map.values()}
     missing = sorted(fn for fn in files if not os.path.isfile(fn))
     if missing:
@@ -196,7 +249,9 @@ def _weight_files(path: str) -> dict[str, str]:
     return {name: os.path.join(path, fn) for name, fn in weight_map.items()}
   single = os.path.join(path, SAFETENSORS_FILE)
   if not os.path.isfile(single):
-    raise FileNotFoundError(f"{path!r} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}")
+    raise FileNotFoundError(f"{path!r} has no weights: neither {SAFETENSORS_FILE} nor "
+                            f"{SAFETENSORS_INDEX}")
+  check_safetensors(single)
   with safe_open(single, framework="np") as f:
     return {name: single for name in f.keys()}
 

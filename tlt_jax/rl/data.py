@@ -1,5 +1,6 @@
 """Real data sets as `Example`s, and a deterministic, resumable prompt iterator.
 
+  load_examples(path)              a training or held-out data file (JSON lines; see load_jsonl)
   load_jsonl(path)                 GSM8K / MATH / DAPO-style JSON lines
   load_reasoning_gym(name, ...)    a reasoning_gym procedural data set (optional dependency:
                                    pip install -e ".[reasoning]")
@@ -86,6 +87,23 @@ def _is_json(value) -> bool:
     return False
 
 
+def load_examples(path: str, limit: int | None = None) -> list[Example]:
+  """The examples of a data file (task.data_path / task.eval_data_path): JSON lines of
+  GSM8K / MATH / verl-style records (see `load_jsonl`). Parquet is not read (it would need
+  pyarrow, a large dependency): convert such a file to JSON lines first.
+
+  Raises FileNotFoundError or ValueError with one line naming the file (and the line).
+  """
+  if path.endswith(".parquet"):
+    raise ValueError(f"data file {path!r} is Parquet, which tlt_jax does not read; convert it "
+                     f"to JSON lines, e.g. pandas.read_parquet(path).to_json(out, "
+                     f"orient='records', lines=True)")
+  examples = load_jsonl(path, limit)
+  if not examples:
+    raise ValueError(f"data file {path!r} has no records (it is empty or blank)")
+  return examples
+
+
 def load_jsonl(path: str, limit: int | None = None) -> list[Example]:
   """Reads a JSON-lines file of records (see `example_from_record`); blank lines are skipped.
 
@@ -95,7 +113,7 @@ def load_jsonl(path: str, limit: int | None = None) -> list[Example]:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"data file {path!r} does not exist")
   out = []
-  with open(path, encoding="utf-8") as f:
+  with open(path, encoding="utf-8", errors="replace") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue

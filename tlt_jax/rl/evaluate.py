@@ -12,6 +12,7 @@ from tlt_jax.rl.answers import answers_match, extract_answer
 from tlt_jax.rl.tasks.example import Example
 from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.plain import generate_plain
+from tlt_jax.speculative.sampling import SamplingParams
 
 
 def sample_completions(params: dict, cfg: ModelConfig, tokenizer, prompts: Sequence[str],
@@ -33,7 +34,8 @@ def sample_completions(params: dict, cfg: ModelConfig, tokenizer, prompts: Seque
     batch += [batch[-1]] * (batch_size - len(batch))
     key, sub = jax.random.split(key)
     completions = generate_plain(params, cfg, batch, max_new_tokens, tokenizer.eos_token_id,
-                                 temperature, sub, pad_id=tokenizer.pad_token_id)
+                                 SamplingParams(temperature), sub,
+                                 pad_id=tokenizer.pad_token_id)
     for i, c in zip(chunk, completions):
       out[i] = c
   return out  # type: ignore[return-value]

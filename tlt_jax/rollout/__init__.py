@@ -5,7 +5,6 @@
 """
 
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult, StepRecord
-from tlt_jax.rollout.plain import generate_plain, sample_next
+from tlt_jax.rollout.plain import generate_plain
 
-__all__ = ["EngineConfig", "RolloutEngine", "RolloutResult", "StepRecord", "generate_plain",
-           "sample_next"]
+__all__ = ["EngineConfig", "RolloutEngine", "RolloutResult", "StepRecord", "generate_plain"]

@@ -1,27 +1,29 @@
 """The rollout engine: batched generation that turns speculative once the batch runs dry.
 
 `RolloutEngine.generate` serves a list of requests (prompts x samples) on every replica slice
-of the mesh. Each slice runs its own batch of rows through compiled calls; between calls the
-host (this module, the only place with side effects) reads the rows' done flags and decides:
+of the mesh. Three parts, one file each:
 
-  harvest   copy finished rows' tokens out;
-  refill    while requests wait, prefill a group of them into rows freed by finished ones
-            (continuous batching, so the batch stays full at GPU scale);
-  compact   once none wait, gather the running rows into the smallest power-of-two bucket;
-  step      a plain decode step, or, once running rows <= sd_threshold, one speculative
-            iteration with the strategy the tuner picks for that batch size.
+  scheduler  (`tlt_jax.rollout.scheduler`) decides, per slice, on the host and without JAX:
+             start, refill, compact, or decode for up to `steps_per_call` iterations (plain,
+             or SD with the tuner's strategy once few rows run);
+  programs   (`tlt_jax.rollout.programs`) are the slice's compiled calls that carry a
+             decision out; a decode call runs its iterations in one `lax.while_loop` and
+             returns as soon as the scheduler would decide differently;
+  engine     (this module) runs the loop: every busy slice dispatches its next call, then
+             each waits for its own result (one host sync per call: done flags and counts),
+             harvests finished rows and tells its scheduler. Slices on different devices run
+             at the same time.
+
+Tokens are drawn with noise fixed by (the rollout key, request id, position in the response),
+so the same key gives the same responses whatever the schedule, strategy, tuner or slice: a
+speculative rollout returns exactly what a plain one does, under sampling too.
 
 The drafter's cache is kept in step during plain decoding (one small drafter layer per step),
-so switching to SD needs no re-prefill: the per-row last hidden state is already in the state.
-Every program comes from an ExecutablePool keyed by (slice, program, bucket, strategy), so a
-rollout never recompiles once its shapes have been seen.
-
-With several processes (jax.distributed), each process drives its own slices; requests are
-assigned to slices the same way on every process, and the finished tokens are gathered at the
-end so that every process returns the whole result.
-
-With `log_features`, the policy's features of (a chosen subset of) the sequences are kept on
-the slice's devices as they are decoded (tlt_jax.rollout.feature_log), for drafter training.
+so switching to SD needs no re-prefill. With several processes (jax.distributed), each drives
+its own slices and the finished tokens are gathered at the end, so every process returns the
+whole result. With `log_features`, the policy's features of (a chosen subset of) the
+sequences stay on the slice's devices as they are decoded (tlt_jax.rollout.feature_log), for
+drafter training.
 """
 
 from __future__ import annotations
@@ -30,22 +32,23 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
-from tlt_jax.mesh import (DEFAULT_RULES, local_slices, logical_shardings,
-                          replica_slices, to_mesh)
+from tlt_jax.mesh import DEFAULT_RULES, local_slices, logical_shardings, replica_slices, to_mesh
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import param_logical_axes
-from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, init_drafter_cache
-from tlt_jax.models.kv_cache import KVCache, init_cache
-from tlt_jax.rollout.feature_log import FeatureBlock, store_rows
+from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes
+from tlt_jax.rollout.feature_log import FeatureBlock
 from tlt_jax.rollout.pool import ExecutablePool
-from tlt_jax.rollout.state_ops import put_rows, take_rows
-from tlt_jax.speculative.decoding import GenState, batch_first, plain_step, sd_step, start
+from tlt_jax.rollout.programs import SlicePrograms
+from tlt_jax.rollout.scheduler import Compact, Decode, Refill, SliceScheduler, Start, bucket
+from tlt_jax.speculative.decoding import GenState
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import Tuner
+
+# Decode iterations per compiled call, at most (a call also ends when the scheduler must act).
+DEFAULT_STEPS_PER_CALL = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +56,20 @@ class EngineConfig:
   """max_batch: rows per slice (a power of two), bounded by cache memory.
   max_prompt_len / max_new_tokens: fix the cache capacity and the output width.
   sd_threshold: switch to SD when running rows <= this (0 = never).
+  steps_per_call: decode iterations per compiled call, at most.
   eos_id: end-of-sequence token (-1 = none); pad_id: prompt padding."""
   max_batch: int = 32
   max_prompt_len: int = 128
   max_new_tokens: int = 256
   sd_threshold: int = 8
+  steps_per_call: int = DEFAULT_STEPS_PER_CALL
   eos_id: int = -1
   pad_id: int = 0
 
   def __post_init__(self):
     if self.max_batch < 1 or self.max_batch & (self.max_batch - 1):
       raise ValueError(f"rollout.max_batch={self.max_batch} must be a power of two")
-    for name in ("max_prompt_len", "max_new_tokens"):
+    for name in ("max_prompt_len", "max_new_tokens", "steps_per_call"):
       if getattr(self, name) < 1:
         raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
     if self.sd_threshold < 0:
@@ -86,9 +91,13 @@ class StepRecord:
   bucket: int               # batch size of the program
   strategy: tuple | None    # SD strategy
   emitted: int              # tokens written to outputs by the call
-  accept_mean: float        # SD: mean tokens per running row (accepted path + bonus)
-  wall_s: float
+  accept_mean: float        # decode: mean tokens per running row per iteration
+  wall_s: float             # from dispatch until the results were on the host (no compiling)
   t_end_s: float            # since the start of generate()
+  iterations: int = 0       # decode iterations the call ran
+  row_steps: int = 0        # iterations summed over the rows running in them
+  host_s: float = 0.0       # host time of the call: choosing, dispatching, bookkeeping
+  compiled: bool = False    # the call compiled its program first (the tuner skips its time)
 
 
 @dataclasses.dataclass
@@ -106,9 +115,15 @@ class RolloutResult:
   t_start: float = 0.0       # time.perf_counter() at the start and the end of generate()
   t_end: float = 0.0
 
+  @property
+  def call_s(self) -> float:
+    """Summed wall time of the compiled calls (dispatch to results on the host)."""
+    return float(sum(r.wall_s for r in self.timeline))
 
-def _bucket(n: int, cap: int) -> int:
-  return min(cap, 1 << max(0, (n - 1).bit_length()))
+  @property
+  def host_s(self) -> float:
+    """Summed host time around the calls (scheduling, dispatch, harvesting)."""
+    return float(sum(r.host_s for r in self.timeline))
 
 
 class RolloutEngine:
@@ -127,12 +142,13 @@ class RolloutEngine:
     self.slices = replica_slices(mesh)
     self.local = local_slices(self.slices)  # the slices this process drives (all, with one)
     self.pool = ExecutablePool()
+    self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg,
+                                      econf.capacity, econf.max_new_tokens, econf.eos_id,
+                                      self.rules, log_features) for s in self.local}
     self._policy_axes = param_logical_axes(cfg)
     self._drafter_axes = drafter_logical_axes(cfg, self.dcfg) if drafter else None
     self._drafter = [None] * len(self.slices)
     self.update_params(policy_params, drafter[1] if drafter else None)
-
-  # ---------------------------------------------------------------- parameters
 
   def update_params(self, policy_params: dict | None = None, drafter_params: dict | None = None):
     """Places new weights on this process's slices (a reshard; nothing goes through the
@@ -154,97 +170,25 @@ class RolloutEngine:
     return self._policy[s]
 
   def drafter_on(self, s: int) -> dict | None:
+    """The drafter params as placed on slice s (None without a drafter)."""
     return self._drafter[s]
 
   @property
   def speculative(self) -> bool:
     return self.dcfg is not None and self.econf.sd_threshold > 0
 
-  # ---------------------------------------------------------------- compiled programs
-
-  def _replicated(self, s: int):
-    return NamedSharding(self.slices[s], P())
-
-  def _layout(self, s: int):
-    """out_shardings for the pool: states and caches by the logical axes they declare, every
-    other array (step stats, feature stores) batch-first."""
-    def declared(x):
-      return isinstance(x, (GenState, KVCache))
-
-    def shardings(shapes):
-      axes = jax.tree.map(lambda x: x.logical_axes() if declared(x) else batch_first(x),
-                          shapes, is_leaf=declared)
-      return logical_shardings(axes, self.slices[s], self.rules, shapes)
-    return shardings
-
-  def _prefill_exe(self, s, prompts, lengths, key, sp):
-    cfg, dcfg, ec = self.cfg, self.dcfg, self.econf
-    b = prompts.shape[0]
-
-    def empty_caches():
-      return (init_cache(cfg, b, ec.capacity),
-              init_drafter_cache(cfg, dcfg, b, ec.capacity) if dcfg else None)
-
-    def fn(params, dparams, prompts, lengths, key, caches):
-      return start(params, prompts, lengths, caches[0], key, sp, ec.max_new_tokens, ec.eos_id,
-                   cfg, drafter_params=dparams, draft_cache=caches[1], dcfg=dcfg,
-                   log_features=self.log_features)
-
-    # The empty caches are made by their own program and passed in (donated): built inside
-    # the prefill, they would be compile-time constants that XLA tries to fold through the
-    # attention, which makes compiles slow.
-    init = self.pool.get((s, "caches", b), empty_caches, (), out_shardings=self._layout(s))
-    args = (self._policy[s], self._drafter[s], prompts, lengths, key, init())
-    return self.pool.get((s, "prefill", b, prompts.shape[1], sp), fn, args, donate_argnums=(5,),
-                         out_shardings=self._layout(s)), args
-
-  def _step_exe(self, s, state, key, sp, strategy):
-    cfg, dcfg, eos = self.cfg, self.dcfg, self.econf.eos_id
-    b = state.root.shape[0]
-    if strategy is None:
-      fn = lambda params, dparams, state, key: plain_step(  # noqa: E731
-          params, state, key, sp, eos, cfg, drafter_params=dparams, dcfg=dcfg)
-    else:
-      fn = lambda params, dparams, state, key: sd_step(  # noqa: E731
-          params, dparams, state, key, sp, eos, strategy, cfg, dcfg)
-    args = (self._policy[s], self._drafter[s], state, key)
-    key_ = (s, "sd" if strategy else "plain", b, strategy, sp)
-    return self.pool.get(key_, fn, args, donate_argnums=(2,),
-                         out_shardings=self._layout(s)), args
-
-  def _store_exe(self, s, rows: int):
-    """An empty feature store [rows, C, F] on slice s."""
-    shape = (rows, self.econf.capacity, self.cfg.feature_size)
-    return self.pool.get((s, "store", rows), lambda: jnp.zeros(shape, self.cfg.jnp_dtype), (),
-                         out_shardings=self._layout(s))
-
-  def _harvest_exe(self, s, store, log, src):
-    # store_rows(store, log, src, dst): dst has src's shape, so src stands in for it here.
-    return self.pool.get((s, "harvest", store.shape[0], log.shape[0], src.shape[0]),
-                         store_rows, (store, log, src, src), donate_argnums=(0,),
-                         out_shardings=self._layout(s))
-
-  def _rows_exe(self, s, name, fn, args, out_rows):
-    return self.pool.get((s, name, args[0].root.shape[0], out_rows), fn, args,
-                         donate_argnums=(0,) if name == "put" else (),
-                         out_shardings=self._layout(s))
-
-  # ---------------------------------------------------------------- generation
-
   def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingParams,
                key: jax.Array, on_slice_idle=None, log_requests=None) -> RolloutResult:
     """Generates `num_samples` completions for each prompt (token-id lists).
 
+    key: the rollout's key. Request i (prompt i // num_samples, sample i % num_samples) draws
+    the token at response position p with noise of (key, i, p) only, so the result depends on
+    the key, the prompts and the policy, not on the schedule or whether SD ran.
     on_slice_idle: optional callback `fn(slice_index, mesh, feature_block)`, called from this
     host loop the moment a slice has no work left while others may still be decoding (spot
     training starts there). feature_block is the slice's FeatureBlock (None without feature
     logging). It must return quickly: the loop waits for it.
-    log_requests: with log_features, the request ids (prompt i's sample j is request
-    i * num_samples + j) whose features are kept; None = all.
-
-    Deterministic for a given key and schedule; with a timing-driven tuner (BEG-MAB) the
-    schedule, and so which random numbers a sampled row uses, can change between runs, not
-    the distribution. Greedy outputs never change.
+    log_requests: with log_features, the request ids whose features are kept; None = all.
     """
     self._check_requests(prompts, num_samples)
     requests = [p for p in prompts for _ in range(num_samples)]
@@ -253,26 +197,23 @@ class RolloutEngine:
     if self.log_features:
       logged = set(range(n)) if log_requests is None else {int(r) for r in log_requests}
     # Slice s serves requests s, s + S, ...: the same split on every process.
-    workers = [_SliceWorker(self, s, list(range(s, n, len(self.slices))), requests, sampling,
-                            jax.random.fold_in(key, s), logged)
-               for s in self.local]
+    runs = [_SliceRun(self, s, list(range(s, n, len(self.slices))), requests, sampling, key,
+                      logged) for s in self.local]
     t0 = time.perf_counter()
     results: dict[int, tuple[list[int], str]] = {}
     timeline: list[StepRecord] = []
     slice_done = [0.0] * len(self.slices)
     blocks: list[FeatureBlock | None] = [None] * len(self.slices)
-    while any(w.busy for w in workers):
-      for w in workers:
-        if w.busy:
-          record = w.advance(t0)
-          if record is not None:
-            timeline.append(record)
-          results.update(w.pop_finished())
-          if not w.busy:
-            slice_done[w.s] = time.perf_counter() - t0
-            blocks[w.s] = w.feature_block()
-            if on_slice_idle is not None:
-              on_slice_idle(w.s, self.slices[w.s], blocks[w.s])
+    while any(r.busy for r in runs):
+      pending = [(r, r.dispatch()) for r in runs if r.busy]
+      for run, call in pending:
+        timeline.append(run.complete(call, t0))
+        results.update(run.pop_finished())
+        if not run.busy:
+          slice_done[run.s] = time.perf_counter() - t0
+          blocks[run.s] = run.feature_block()
+          if on_slice_idle is not None:
+            on_slice_idle(run.s, self.slices[run.s], blocks[run.s])
     if jax.process_count() > 1:
       results, slice_done = self._gather(results, slice_done, n)
     t_end = time.perf_counter()
@@ -298,8 +239,11 @@ class RolloutEngine:
     for i in range(n):
       owner = int(np.argmax(tables[:, i, 0]))
       toks = tables[owner, i, 1:1 + tables[owner, i, 0]].tolist()
-      merged[i] = (toks, "eos" if toks and toks[-1] == self.econf.eos_id else "length")
+      merged[i] = (toks, self._reason(toks))
     return merged, dones.max(axis=0).tolist()
+
+  def _reason(self, tokens: list[int]) -> str:
+    return "eos" if tokens and tokens[-1] == self.econf.eos_id else "length"
 
   def _check_requests(self, prompts, num_samples):
     if num_samples < 1:
@@ -318,29 +262,46 @@ class RolloutEngine:
                          f"{bad[:5]}")
 
 
-class _SliceWorker:
-  """The host-side state machine of one slice: its queue, its rows and its GenState."""
+@dataclasses.dataclass
+class _Call:
+  """A dispatched call: what it was, the host time spent choosing it, and when its device
+  work began (compiling excluded: the pool keeps that account)."""
+  mode: str
+  active: int
+  bucket: int
+  strategy: object
+  host_s: float
+  t_start: float
+  stats: object = None
+  iterations: object = None
+  tail: bool = False
+  cold: bool = False  # the call compiled its program: its first run carries one-time costs
+
+
+class _SliceRun:
+  """One slice during one generate(): its scheduler, its GenState and what it has finished."""
 
   def __init__(self, engine: RolloutEngine, s: int, request_ids: list[int],
                requests: list[list[int]], sp: SamplingParams, key, logged: set[int]):
+    ec = engine.econf
     self.e, self.s, self.sp, self.key = engine, s, sp, key
+    self.prog = engine.programs[s]
     self.requests = requests
-    self.queue = list(request_ids)
     self.logged = logged
+    choose = engine.tuner.choose if engine.speculative else None
+    self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.steps_per_call,
+                                choose)
     n_logged = sum(r in logged for r in request_ids)
     # The feature store: logged rows land here as they finish, in finishing order.
-    self.store = self.e._store_exe(s, _bucket(n_logged, 1 << 30))() if n_logged else None
+    self.store = self.prog.empty_store(bucket(n_logged, 1 << 30)) if n_logged else None
     self.store_ids: list[int] = []
     self.store_seqs: list[np.ndarray] = []
     self.state: GenState | None = None
-    self.rows: list[int] = []        # request id per row, -1 = free
-    self.done = np.zeros((0,), bool)
-    self.calls = 0
     self._finished: dict[int, tuple[list[int], str]] = {}
 
   @property
   def busy(self) -> bool:
-    return bool(self.queue) or any(r >= 0 for r in self.rows)
+    return self.sched.busy
 
   def feature_block(self) -> FeatureBlock | None:
     if self.store is None:
@@ -349,124 +310,107 @@ class _SliceWorker:
                         sequences=list(self.store_seqs),
                         prompt_lens=[len(self.requests[r]) for r in self.store_ids])
 
-  def _harvest_features(self, rows: list[int]) -> None:
-    """Copies the finished rows' feature logs into the store, on device."""
-    rows = [i for i in rows if self.rows[i] in self.logged]
-    if not rows:
-      return
-    k = _bucket(len(rows), 1 << 30)
-    src = np.zeros((k,), np.int32)
-    dst = np.full((k,), self.store.shape[0], np.int32)  # padding points past the store: dropped
-    src[:len(rows)] = rows
-    dst[:len(rows)] = np.arange(len(self.store_ids), len(self.store_ids) + len(rows))
-    src, dst = self._put(src), self._put(dst)
-    exe = self.e._harvest_exe(self.s, self.store, self.state.feature_log, src)
-    self.store = exe(self.store, self.state.feature_log, src, dst)
-    for i in rows:
-      r = self.rows[i]
-      self.store_ids.append(r)
-      self.store_seqs.append(np.asarray(list(self.requests[r]) + self._finished[r][0], np.int32))
-
   def pop_finished(self):
     out, self._finished = self._finished, {}
     return out
 
-  def _next_key(self):
-    self.calls += 1
-    return jax.random.fold_in(self.key, self.calls)
+  # ---------------------------------------------------------------- one call
 
-  def _put(self, x):
-    return jax.device_put(x, self.e._replicated(self.s))
+  def dispatch(self) -> _Call:
+    """Carries out the scheduler's next decisions up to one prefill or decode call, and
+    dispatches it (returns before the device is done)."""
+    t_host = time.perf_counter()
+    action = self.sched.next_action()
+    compacted = None
+    if isinstance(action, Compact):
+      compacted = np.asarray(action.order, np.int32)
+      action = self.sched.next_action()
+    t_start = time.perf_counter()
+    pool = self.e.pool
+    compiles, compile_s = pool.compiles, pool.compile_seconds
+    if compacted is not None:
+      self.state = self.prog.take_rows(self.state, compacted)
+    if isinstance(action, Start):
+      self.state = self._prefill(action.requests, action.batch)
+      call = _Call("prefill", len(action.requests), action.batch, None, 0.0, 0.0)
+    elif isinstance(action, Refill):
+      fresh = self._prefill(action.requests, action.group)
+      target = np.full((action.group,), self.sched.batch, np.int32)  # past the batch: dropped
+      target[:len(action.rows)] = action.rows
+      self.state = self.prog.put_rows(self.state, fresh, target)
+      call = _Call("prefill", len(action.requests), action.group, None, 0.0, 0.0)
+    else:
+      assert isinstance(action, Decode), action
+      self.state, stats, iterations = self.prog.decode(
+          self.e.policy_on(self.s), self.e.drafter_on(self.s), self.state, self.key, self.sp,
+          action.strategy, action.min_running, action.max_steps)
+      call = _Call("sd" if action.strategy is not None else "plain", action.running,
+                   self.sched.batch, action.strategy, 0.0, 0.0, stats, iterations, action.tail)
+    call.host_s = t_start - t_host
+    call.t_start = t_start + (pool.compile_seconds - compile_s)
+    call.cold = pool.compiles != compiles
+    return call
 
-  def _prefill(self, request_ids: list[int], bucket: int) -> GenState:
-    """A GenState of `bucket` rows with the requests prefilled; padding rows start done."""
+  def _prefill(self, request_ids, batch: int) -> GenState:
     ec = self.e.econf
-    width = _bucket(max(len(self.requests[r]) for r in request_ids), ec.max_prompt_len)
-    prompts = np.full((bucket, width), ec.pad_id, np.int32)
-    lengths = np.ones((bucket,), np.int32)
+    width = bucket(max(len(self.requests[r]) for r in request_ids), ec.max_prompt_len)
+    prompts = np.full((batch, width), ec.pad_id, np.int32)
+    lengths = np.ones((batch,), np.int32)
+    ids = np.full((batch,), -1, np.int32)
     for i, r in enumerate(request_ids):
       prompts[i, :len(self.requests[r])] = self.requests[r]
       lengths[i] = len(self.requests[r])
-    exe, args = self.e._prefill_exe(self.s, self._put(prompts), self._put(lengths),
-                                    self._next_key(), self.sp)
-    state = exe(*args)
-    pad = np.arange(bucket) >= len(request_ids)
-    return state.replace(done=state.done | self._put(pad))
+      ids[i] = r
+    return self.prog.start(self.e.policy_on(self.s), self.e.drafter_on(self.s), prompts,
+                           lengths, ids, self.key, self.sp)
 
-  def advance(self, t0) -> StepRecord | None:
-    """One compiled call (prefill or step) plus the host bookkeeping around it."""
-    ec = self.e.econf
-    if self.state is None:
-      ids = self.queue[:ec.max_batch]
-      del self.queue[:len(ids)]
-      bucket = _bucket(len(ids), ec.max_batch)
-      t = time.perf_counter()
-      self.state = self._prefill(ids, bucket)
-      self.rows = ids + [-1] * (bucket - len(ids))
-      return self._after_call(t0, t, "prefill", len(ids), bucket, None, None)
-
-    free = [i for i, r in enumerate(self.rows) if r < 0]
-    if self.queue and free:
-      ids = self.queue[:len(free)]
-      del self.queue[:len(ids)]
-      group = _bucket(len(ids), ec.max_batch)
-      t = time.perf_counter()
-      fresh = self._prefill(ids, group)
-      target = np.full((group,), len(self.rows), np.int32)  # past the batch: dropped
-      target[:len(ids)] = free[:len(ids)]
-      exe = self.e._rows_exe(self.s, "put", put_rows, (self.state, fresh, self._put(target)),
-                             group)
-      self.state = exe(self.state, fresh, self._put(target))
-      for row, r in zip(free, ids):
-        self.rows[row] = r
-      return self._after_call(t0, t, "prefill", len(ids), group, None, None)
-
-    running = [i for i, r in enumerate(self.rows) if r >= 0]
-    bucket = _bucket(len(running), ec.max_batch)
-    if not self.queue and bucket < len(self.rows):
-      # Compact: running rows first, then finished rows as inert padding.
-      idle = [i for i, r in enumerate(self.rows) if r < 0]
-      order = np.asarray((running + idle)[:bucket], np.int32)
-      exe = self.e._rows_exe(self.s, "take", take_rows, (self.state, self._put(order)), bucket)
-      self.state = exe(self.state, self._put(order))
-      self.rows = [self.rows[i] for i in order]
-
-    strategy = None
-    if self.e.speculative and len(running) <= ec.sd_threshold:
-      strategy = self.e.tuner.choose(len(running))
-    t = time.perf_counter()
-    exe, args = self.e._step_exe(self.s, self.state, self._next_key(), self.sp, strategy)
-    self.state, stats = exe(*args)
-    return self._after_call(t0, t, "sd" if strategy else "plain", len(running), len(self.rows),
-                            strategy, stats)
-
-  def _after_call(self, t0, t, mode, active, bucket, strategy, stats) -> StepRecord:
-    # The one host sync per call: which rows are done, and the step's counts.
-    done, stats = jax.device_get((self.state.done, stats))
-    wall = time.perf_counter() - t
-    emitted, accept = active if mode == "prefill" else 0, 0.0
+  def complete(self, call: _Call, t0: float) -> StepRecord:
+    """Waits for the call's results (the one host sync), harvests finished rows and tells
+    the scheduler and the tuner."""
+    done, num_out, stats, iterations = jax.device_get(
+        (self.state.done, self.state.num_out, call.stats, call.iterations))
+    t_ready = time.perf_counter()
+    wall = t_ready - call.t_start
+    emitted, accept, iters, steps = (call.active if call.mode == "prefill" else 0), 0.0, 0, 0
     if stats is not None:
+      iters = int(iterations)
       emitted = int(stats.emitted.sum())
-      accepted = stats.accepted
-      live = accepted > 0
-      accept = float(accepted[live].mean()) if live.any() else 0.0
-      if strategy is not None:
-        self.e.tuner.update(active, strategy, accept, wall)
-    finished = [i for i, r in enumerate(self.rows) if r >= 0 and done[i]]
+      steps = int(stats.steps.sum())
+      accept = float(stats.accepted.sum()) / steps if steps else 0.0
+      if call.tail and iters and not call.cold:  # a program's first run would mislead it
+        self.e.tuner.update(call.active, call.strategy, accept, wall / iters)
+    rows = self.sched.rows
+    finished = [i for i, r in enumerate(rows) if r >= 0 and done[i]]
     if finished:
-      out = np.asarray(self.state.out)
-      num = np.asarray(self.state.num_out)
+      out = np.asarray(jax.device_get(self.state.out))
       for i in finished:
-        toks = out[i, :num[i]].tolist()
-        reason = "eos" if toks and toks[-1] == self.e.econf.eos_id else "length"
-        self._finished[self.rows[i]] = (toks, reason)
+        toks = out[i, :num_out[i]].tolist()
+        self._finished[rows[i]] = (toks, self.e._reason(toks))
       if self.store is not None:
         self._harvest_features(finished)
-      for i in finished:
-        self.rows[i] = -1
-    if not any(r >= 0 for r in self.rows) and not self.queue:
+      self.sched.finished(finished)
+    if not self.sched.busy:
       self.state = None
-      self.rows = []
-    return StepRecord(slice=self.s, mode=mode, active=active, bucket=bucket,
-                      strategy=strategy.as_tuple() if strategy else None, emitted=emitted,
-                      accept_mean=accept, wall_s=wall, t_end_s=time.perf_counter() - t0)
+    t_end = time.perf_counter()
+    strategy = call.strategy.as_tuple() if call.strategy is not None else None
+    return StepRecord(slice=self.s, mode=call.mode, active=call.active, bucket=call.bucket,
+                      strategy=strategy, emitted=emitted, accept_mean=accept, wall_s=wall,
+                      t_end_s=t_end - t0, iterations=iters, row_steps=steps,
+                      compiled=call.cold,
+                      host_s=call.host_s + (t_end - t_ready))
+
+  def _harvest_features(self, rows: list[int]) -> None:
+    """Copies the finished rows' feature logs into the store, on device."""
+    rows = [i for i in rows if self.sched.rows[i] in self.logged]
+    if not rows:
+      return
+    k = bucket(len(rows), 1 << 30)
+    src = np.zeros((k,), np.int32)
+    dst = np.full((k,), self.store.shape[0], np.int32)  # padding points past the store: dropped
+    src[:len(rows)] = rows
+    dst[:len(rows)] = np.arange(len(self.store_ids), len(self.store_ids) + len(rows))
+    self.store = self.prog.harvest(self.store, self.state.feature_log, src, dst)
+    for i in rows:
+      r = self.sched.rows[i]
+      self.store_ids.append(r)
+      self.store_seqs.append(np.asarray(list(self.requests[r]) + self._finished[r][0], np.int32))

@@ -1,6 +1,10 @@
-"""Generation state and the two steps that advance it: a plain decode step and one
-speculative-decoding iteration (draft a tree, verify, accept, commit), each a pure function
-that compiles to one program with no host sync inside.
+"""Generation state and the steps that advance it: a plain decode step, one
+speculative-decoding iteration (draft a tree, verify, accept, commit), and `decode_loop`,
+several of either in one compiled call. All are pure functions with no host sync inside.
+
+Every token is drawn with the noise of its (request, response position) (see
+`tlt_jax.speculative.sampling`), so the same rollout key gives the same tokens whichever
+steps produced them.
 
 Invariant between steps, per row with n committed tokens (prompt + generated so far):
   cache         policy KV of tokens x_0 .. x_{n-1}              (lengths n)
@@ -8,6 +12,8 @@ Invariant between steps, per row with n committed tokens (prompt + generated so 
   root          x_n: sampled and emitted, not yet in either cache
   features      f_{n-1}: the policy's final-norm hidden state of x_{n-1}
   out/num_out   generated tokens so far (root included); done: EOS emitted or budget reached
+  request       the row's request id: with the position in the response, it picks the noise
+                that samples each token (-1 for padding rows)
   feature_log   optional [B, C, F]: f_i at slot i for every committed token i < n, written in
                 the same compiled calls, so drafter training gets the policy's own features
                 without a host round trip per token (C = the cache capacity)
@@ -25,14 +31,18 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import commit, decode, prefill, verify
 from tlt_jax.models.drafter import DrafterConfig, drafter_forward
 from tlt_jax.models.kv_cache import KVCache, append_kv
-from tlt_jax.speculative.sampling import SamplingParams, sample_from_probs, target_probs
+from tlt_jax.speculative.sampling import (SamplingParams, sample_tokens, target_probs,
+                                          token_noise)
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tree import build_draft_tree
 from tlt_jax.speculative.verify import accept_tree
 
 
 def batch_first(x) -> P:
-  """Logical axes of an array whose leading axis is the batch: ('batch', None, ...)."""
+  """Logical axes of an array whose leading axis is the batch: ('batch', None, ...); a scalar
+  has none."""
+  if not x.shape:
+    return P()
   return P("batch", *([None] * (len(x.shape) - 1)))
 
 
@@ -47,6 +57,7 @@ class GenState:
   out: jax.Array         # [B, max_new_tokens] int32 (0 past num_out)
   num_out: jax.Array     # [B] int32
   done: jax.Array        # [B] bool
+  request: jax.Array     # [B] int32
   feature_log: jax.Array | None = None  # [B, C, F] (see the module docstring)
 
   def row_axes(self) -> "GenState":
@@ -65,10 +76,12 @@ class GenState:
 
 @flax.struct.dataclass
 class StepStats:
-  """Per-row counts of one step: emitted [B] tokens written to `out`; accepted [B] tree
-  nodes accepted including the root (1 for a plain step)."""
+  """Per-row counts of one or more steps: emitted [B] tokens written to `out`; accepted [B]
+  tokens gained per row (tree nodes accepted including the root: 1 per plain step); steps
+  [B] iterations the row was running in."""
   emitted: jax.Array
   accepted: jax.Array
+  steps: jax.Array
 
 
 def _emit(state: GenState, tokens: jax.Array, count: jax.Array, eos_id: int) -> tuple:
@@ -104,18 +117,24 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
           key: jax.Array, sp: SamplingParams, max_new_tokens: int, eos_id: int,
           cfg: ModelConfig, drafter_params: dict | None = None,
           draft_cache: KVCache | None = None, dcfg: DrafterConfig | None = None,
-          log_features: bool = False) -> GenState:
+          log_features: bool = False, requests: jax.Array | None = None) -> GenState:
   """Prefills right-padded prompts [B, P] (lengths [B] >= 1) and samples the first token.
 
+  key: the rollout's key; requests: [B] int32 request ids (default 0 .. B-1, -1 = padding):
+    together they fix every token's noise.
   With a drafter, also fills its cache with the prompt pairs (x_s, f_{s-1}), f_{-1} = 0.
   log_features: keep a feature_log [B, C, F] (C = the cache capacity), starting with the
   prompt's features.
   """
+  b = prompts.shape[0]
+  if requests is None:
+    requests = jnp.arange(b, dtype=jnp.int32)
   logits, hidden, cache = prefill(policy_params, prompts, lengths, cache, cfg)
   last = lengths - 1
   take_last = lambda x: jnp.take_along_axis(  # noqa: E731
       x, last.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
-  root = sample_from_probs(key, target_probs(take_last(logits), sp))
+  root = sample_tokens(target_probs(take_last(logits), sp), key, requests,
+                       jnp.zeros((b,), jnp.int32), sp)
   if drafter_params is not None:
     prev_features = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
     _, _, k_new, v_new = drafter_forward(
@@ -123,7 +142,6 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
         prefill_inputs(draft_cache.lengths, prompts.shape[1], lengths), cfg, dcfg,
         cache=draft_cache)
     draft_cache = append_kv(draft_cache, k_new, v_new, lengths)
-  b = prompts.shape[0]
   log = None
   if log_features:
     log = jnp.zeros((b, cache.k.shape[3], hidden.shape[-1]), hidden.dtype)
@@ -131,7 +149,7 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
   state = GenState(cache=cache, draft_cache=draft_cache, root=root,
                    features=take_last(hidden), out=jnp.zeros((b, max_new_tokens), jnp.int32),
                    num_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
-                   feature_log=log)
+                   request=requests.astype(jnp.int32), feature_log=log)
   out, num_out, done, _ = _emit(state, root[:, None], jnp.ones((b,), jnp.int32), eos_id)
   return state.replace(out=out, num_out=num_out, done=done)
 
@@ -139,7 +157,8 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
 def plain_step(policy_params: dict, state: GenState, key: jax.Array, sp: SamplingParams,
                eos_id: int, cfg: ModelConfig, drafter_params: dict | None = None,
                dcfg: DrafterConfig | None = None) -> tuple[GenState, StepStats]:
-  """Commits the root, samples one token. With a drafter, its cache is kept in step too."""
+  """Commits the root, samples the token of the next position (key: the rollout's key).
+  With a drafter, the drafter's cache is kept in step too."""
   active = ~state.done
   logits, hidden, cache = decode(policy_params, state.root, state.cache, cfg, active=active)
   draft_cache = state.draft_cache
@@ -148,14 +167,15 @@ def plain_step(policy_params: dict, state: GenState, key: jax.Array, sp: Samplin
         drafter_params, policy_params, state.root[:, None], state.features[:, None],
         decode_inputs(draft_cache.lengths), cfg, dcfg, cache=draft_cache)
     draft_cache = append_kv(draft_cache, k_new, v_new, active.astype(jnp.int32))
-  nxt = sample_from_probs(key, target_probs(logits, sp))
+  nxt = sample_tokens(target_probs(logits, sp), key, state.request, state.num_out, sp)
   log = _log_features(state.feature_log, hidden[:, None], state.cache.lengths,
                       active.astype(jnp.int32))
   state = state.replace(cache=cache, draft_cache=draft_cache, feature_log=log,
                         root=jnp.where(active, nxt, state.root),
                         features=jnp.where(active[:, None], hidden, state.features))
   out, num_out, done, emitted = _emit(state, nxt[:, None], active.astype(jnp.int32), eos_id)
-  stats = StepStats(emitted=emitted, accepted=active.astype(jnp.int32))
+  stats = StepStats(emitted=emitted, accepted=active.astype(jnp.int32),
+                    steps=active.astype(jnp.int32))
   return state.replace(out=out, num_out=num_out, done=done), stats
 
 
@@ -163,7 +183,8 @@ def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax
             sp: SamplingParams, eos_id: int, strategy: Strategy, cfg: ModelConfig,
             dcfg: DrafterConfig) -> tuple[GenState, StepStats]:
   """One speculative iteration: draft a tree, verify it in one policy pass, accept exactly,
-  commit the accepted path to both caches, emit accepted tokens plus the bonus token."""
+  commit the accepted path to both caches, emit the accepted tokens and the one after them.
+  The tokens are those plain steps would emit with the same key (see `verify`)."""
   active = ~state.done
   act = active.astype(jnp.int32)
   tree, draft_cache = build_draft_tree(drafter_params, policy_params, state.root,
@@ -171,14 +192,16 @@ def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax
                                        cfg, dcfg)
   logits, hidden, tree_kv = verify(policy_params, tree.tokens, tree.depths, tree.mask,
                                    state.cache, cfg)
-  acc = accept_tree(tree, target_probs(logits, sp), key, strategy.steps, sp.greedy)
+  d = strategy.steps
+  noise = None if sp.greedy else token_noise(
+      key, state.request, state.num_out[:, None] + jnp.arange(d + 1)[None], logits.shape[-1])
+  acc = accept_tree(tree, target_probs(logits, sp), noise, d)
   cache = commit(state.cache, tree_kv, acc.path, acc.num_nodes * act)
 
   # Drafter catch-up: pairs (a_i, f of the node before a_i) for the accepted nodes below the
   # root (the root pair joined its cache while drafting), with the policy's true features.
   path_tokens = jnp.take_along_axis(tree.tokens, acc.path, axis=1)  # [B, D+1]
   path_feats = jnp.take_along_axis(hidden, acc.path[:, :, None], axis=1)  # [B, D+1, E]
-  d = strategy.steps
   _, _, k_new, v_new = drafter_forward(
       drafter_params, policy_params, path_tokens[:, 1:], path_feats[:, :-1],
       prefill_inputs(draft_cache.lengths, d), cfg, dcfg, cache=draft_cache)
@@ -195,5 +218,40 @@ def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax
                         root=jnp.where(active, acc.next_token, state.root),
                         features=jnp.where(active[:, None], new_features, state.features))
   out, num_out, done, emitted = _emit(state, emitted_tokens, acc.num_nodes * act, eos_id)
-  stats = StepStats(emitted=emitted, accepted=acc.num_nodes * act)
+  stats = StepStats(emitted=emitted, accepted=acc.num_nodes * act, steps=act)
   return state.replace(out=out, num_out=num_out, done=done), stats
+
+
+def decode_loop(policy_params: dict, drafter_params: dict | None, state: GenState,
+                key: jax.Array, min_running: jax.Array, max_steps: jax.Array,
+                sp: SamplingParams, eos_id: int, cfg: ModelConfig,
+                dcfg: DrafterConfig | None = None, strategy: Strategy | None = None
+                ) -> tuple[GenState, StepStats, jax.Array]:
+  """Up to max_steps plain steps (strategy None; with a drafter its cache is kept in step)
+  or SD iterations with `strategy`, in one `lax.while_loop`, stopping as soon as fewer than
+  min_running rows are running: the host only hears from the device when it has to act.
+
+  min_running, max_steps: int32 scalars (traced: changing them compiles nothing).
+  Returns (state, StepStats summed over the iterations, iterations run [] int32).
+  """
+  b = state.root.shape[0]
+  zeros = jnp.zeros((b,), jnp.int32)
+
+  def step(state):
+    if strategy is None:
+      return plain_step(policy_params, state, key, sp, eos_id, cfg,
+                        drafter_params=drafter_params, dcfg=dcfg)
+    return sd_step(policy_params, drafter_params, state, key, sp, eos_id, strategy, cfg, dcfg)
+
+  def cond(carry):
+    state, _, i = carry
+    running = jnp.sum(~state.done, dtype=jnp.int32)
+    return (i < max_steps) & (running >= jnp.maximum(min_running, 1))
+
+  def body(carry):
+    state, total, i = carry
+    state, stats = step(state)
+    total = jax.tree.map(jnp.add, total, stats)
+    return state, total, i + 1
+
+  return jax.lax.while_loop(cond, body, (state, StepStats(zeros, zeros, zeros), jnp.int32(0)))

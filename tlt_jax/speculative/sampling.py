@@ -1,8 +1,14 @@
-"""The target distribution q that both plain decoding and speculative decoding sample from.
+"""The target distribution q that both plain decoding and speculative decoding sample from,
+and the one way a token is drawn from it.
 
 Speculative decoding is exact when it draws from the same q as plain decoding, so both go
 through `target_probs`: temperature, then top-k, then top-p (nucleus), renormalised.
 Temperature 0 is greedy: q is one-hot at the argmax.
+
+A token is drawn by Gumbel-max, argmax(log q + g), with noise g that depends only on (the
+rollout's key, the request, the position in the response). Plain decoding and speculative
+verification use the same noise for the same position, so they emit the same tokens, whatever
+the drafter, the strategy, the batch or the schedule.
 """
 
 from __future__ import annotations
@@ -57,14 +63,31 @@ def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   return probs
 
 
-def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
-  """One token per row from probs [..., V] by inverse CDF; [...] int32.
+def token_noise(key: jax.Array, requests: jax.Array, positions: jax.Array,
+                vocab: int) -> jax.Array:
+  """Gumbel noise [B, P, V] (float32) for the tokens at response positions [B, P] of requests
+  [B] (int32): each (request, position) pair has its own key, derived from `key`, so a token's
+  randomness never depends on the batch row, the bucket, the iteration or the strategy that
+  produced it."""
+  def one(request, position):
+    k = jax.random.fold_in(jax.random.fold_in(key, jnp.maximum(request, 0)), position)
+    return jax.random.gumbel(k, (vocab,), jnp.float32)
+  return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(requests, positions)
 
-  Zero-probability tokens are never drawn (the search skips flat CDF steps).
-  """
-  u = jax.random.uniform(key, probs.shape[:-1] + (1,), jnp.float32)
-  cdf = jnp.cumsum(probs, axis=-1)
-  total = cdf[..., -1:]
-  # First index whose cumulative mass exceeds u * total (total guards rounding).
-  idx = jnp.sum(cdf <= u * total, axis=-1)
-  return jnp.minimum(idx, probs.shape[-1] - 1).astype(jnp.int32)
+
+def gumbel_max(probs: jax.Array, noise: jax.Array | None) -> jax.Array:
+  """argmax(log q + g) over the last axis: an exact sample from q for Gumbel noise g, the
+  argmax of q for noise None (greedy). Zero-probability tokens are never drawn. [...] int32."""
+  if noise is None:
+    return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+  scores = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + noise, -jnp.inf)
+  return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def sample_tokens(probs: jax.Array, key: jax.Array, requests: jax.Array, positions: jax.Array,
+                  sp: SamplingParams) -> jax.Array:
+  """The token at response position positions[b] of request requests[b]: [B] int32 from
+  probs [B, V] (see `target_probs`); the argmax when sp is greedy."""
+  noise = None if sp.greedy else token_noise(key, requests, positions[:, None],
+                                             probs.shape[-1])[:, 0]
+  return gumbel_max(probs, noise)

@@ -1,9 +1,14 @@
 """Choosing the SD strategy per batch size: BEG-MAB, a fixed table, or one fixed strategy.
 
-A rollout engine asks `choose(batch_size)` between compiled SD iterations, runs the iteration
-with the returned `Strategy`, then reports `update(batch_size, strategy, accepted_tokens,
+A rollout engine asks `choose(batch_size)` between compiled SD calls, runs them with the
+returned `Strategy`, then reports `update(batch_size, strategy, accepted_tokens,
 iteration_seconds)`. Everything here is host-side Python/numpy: decisions happen between
 compiled calls, never inside them.
+
+An arm may also be `PLAIN` (None): decode plainly at this batch size. With it among a bucket's
+arms, BEG-MAB learns from the same goodput measurements where no strategy beats plain
+decoding (an SD iteration can cost more than the tokens it gains), so adaptive SD is never
+slower than the baseline beyond noise.
 
 Batch sizes map to buckets by thresholds: with [1, 2, 5, 21], bs 1 -> bucket 0, 2-4 -> 1,
 5-20 -> 2, >= 21 -> 3. One bucket per verify-token budget, because the best tree size shrinks as
@@ -43,6 +48,9 @@ DEFAULT_TABLE = ((8, 4, 48), (8, 4, 32), (8, 4, 16), (8, 4, 8))
 DEFAULT_STRATEGY = (8, 4, 48)
 DEFAULT_EPSILON = 0.1
 DEFAULT_WINDOW = 300
+# The arm that decodes without speculation; spelled "plain" in configs and checkpoints.
+PLAIN = None
+PLAIN_NAME = "plain"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,24 +124,40 @@ def goodput(batch_size: int, accepted_tokens: float, iteration_seconds: float) -
   return accepted_tokens * batch_size / iteration_seconds
 
 
-def _parse_strategies(values, what: str) -> tuple[Strategy, ...]:
-  """Strategies from Strategy/tuple/'s,k,v' entries; the error names which entry is bad."""
+def parse_arm(value) -> Strategy | None:
+  """A strategy from a Strategy, (steps, topk, verify) or 's,k,v'; PLAIN from None/'plain'."""
+  if value is PLAIN or value == PLAIN_NAME:
+    return PLAIN
+  return Strategy.parse(value)
+
+
+def arm_name(arm: Strategy | None):
+  """What an arm looks like in JSON: [steps, topk, verify] or 'plain'."""
+  return PLAIN_NAME if arm is PLAIN else list(arm.as_tuple())
+
+
+def _parse_strategies(values, what: str, allow_plain: bool = False) -> tuple:
+  """Arms from Strategy/tuple/'s,k,v' (and 'plain' if allowed) entries; the error names
+  which entry is bad."""
   parsed = []
   for i, value in enumerate(values):
     try:
-      parsed.append(Strategy.parse(value))
+      arm = parse_arm(value)
     except (TypeError, ValueError) as e:
       raise ValueError(f"{what}, entry {i} ({value!r}): {e}") from e
+    if arm is PLAIN and not allow_plain:
+      raise ValueError(f"{what}, entry {i}: 'plain' is an arm of BEG-MAB only")
+    parsed.append(arm)
   return tuple(parsed)
 
 
-def _tuples(strategies: Sequence[Strategy]) -> list[list[int]]:
-  return [list(s.as_tuple()) for s in strategies]
+def _tuples(strategies: Sequence) -> list:
+  return [arm_name(s) for s in strategies]
 
 
 def _unique(strategies) -> list[Strategy]:
-  """First occurrence order, duplicates dropped: one executable per strategy."""
-  return list(dict.fromkeys(strategies))
+  """First occurrence order, duplicates and PLAIN dropped: one executable per strategy."""
+  return [s for s in dict.fromkeys(strategies) if s is not PLAIN]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,8 +172,8 @@ class Tuner(abc.ABC):
   arms: tuple[tuple[Strategy, ...], ...]
 
   @abc.abstractmethod
-  def choose(self, batch_size: int) -> Strategy:
-    """The strategy for the next SD iteration at this batch size."""
+  def choose(self, batch_size: int) -> Strategy | None:
+    """The strategy for the next SD call at this batch size (PLAIN: decode plainly)."""
 
   def update(self, batch_size: int, strategy, accepted_tokens: float,
              iteration_seconds: float) -> float:
@@ -169,7 +193,8 @@ class Tuner(abc.ABC):
   def summary(self) -> list[dict]:
     """One row per (bucket, arm): bucket, batch_sizes, strategy, pulls, median_reward."""
     return [dict(bucket=b, batch_sizes=describe_bucket(self.thresholds, b),
-                 strategy=s.as_tuple(), pulls=None, median_reward=None)
+                 strategy=PLAIN_NAME if s is PLAIN else s.as_tuple(), pulls=None,
+                 median_reward=None)
             for b, arms in enumerate(self.arms) for s in arms]
 
   def bucket_of(self, batch_size: int) -> int:
@@ -181,23 +206,24 @@ class Tuner(abc.ABC):
     return bucket_range(self.thresholds, bucket)
 
   def strategies(self) -> list[Strategy]:
-    """Every strategy this tuner may ever return, each once, in bucket order."""
+    """Every SD strategy this tuner may ever return, each once, in bucket order."""
     return _unique(s for arms in self.arms for s in arms)
 
   def strategies_for(self, batch_size: int) -> list[Strategy]:
-    """The strategies the bucket of `batch_size` may return, in arm order."""
-    return list(self.arms[self.bucket_of(batch_size)])
+    """The SD strategies the bucket of `batch_size` may return, in arm order."""
+    return [s for s in self.arms[self.bucket_of(batch_size)] if s is not PLAIN]
 
   def _arm_index(self, bucket: int, strategy) -> int:
     """Position of `strategy` among the bucket's arms; an unknown strategy is a caller bug."""
-    strategy = Strategy.parse(strategy)
+    strategy = parse_arm(strategy)
     arms = self.arms[bucket]
     if strategy not in arms:
+      show = lambda a: PLAIN_NAME if a is PLAIN else str(a.as_tuple())  # noqa: E731
       raise ValueError(
-          f"strategy {strategy.as_tuple()} is not an arm of bucket {bucket} (batch sizes "
+          f"strategy {show(strategy)} is not an arm of bucket {bucket} (batch sizes "
           f"{describe_bucket(self.thresholds, bucket)}); its arms are "
-          f"{[a.as_tuple() for a in arms]}. Update with the strategy that choose() returned "
-          f"for this batch size")
+          f"[{', '.join(show(a) for a in arms)}]. Update with the strategy that choose() "
+          f"returned for this batch size")
     return arms.index(strategy)
 
   def _check_config(self, state: dict, **expected) -> None:
@@ -220,13 +246,13 @@ class BegMabTuner(Tuner):
 
   The median (not the mean) over a sliding window resists the occasional slow iteration (a host
   hiccup, a recompile) and lets the choice follow the drafter as spot training improves it and
-  the policy drifts away from it.
+  the policy drifts away from it. plain_arm=True adds PLAIN to every bucket's arms.
   """
 
   kind = "beg_mab"
 
   def __init__(self, thresholds=DEFAULT_THRESHOLDS, arms=DEFAULT_ARMS, epsilon=DEFAULT_EPSILON,
-               window=DEFAULT_WINDOW, seed=0):
+               window=DEFAULT_WINDOW, seed=0, plain_arm=False):
     self.thresholds = validate_thresholds(thresholds)
     arms = list(arms)
     if len(arms) != len(self.thresholds):
@@ -236,11 +262,13 @@ class BegMabTuner(Tuner):
     parsed = []
     for b, bucket_arms in enumerate(arms):
       what = f"bucket {b} (batch sizes {describe_bucket(self.thresholds, b)})"
-      bucket_arms = _parse_strategies(bucket_arms, what)
+      bucket_arms = _parse_strategies(bucket_arms, what, allow_plain=True)
+      if plain_arm and PLAIN not in bucket_arms:
+        bucket_arms = bucket_arms + (PLAIN,)
       if not bucket_arms:
         raise ValueError(f"{what} has no arms; give it at least one strategy")
       if len(set(bucket_arms)) != len(bucket_arms):
-        raise ValueError(f"{what} lists a strategy twice: {[a.as_tuple() for a in bucket_arms]}; "
+        raise ValueError(f"{what} lists a strategy twice: {_tuples(bucket_arms)}; "
                          f"each arm must be distinct so rewards have one owner")
       parsed.append(bucket_arms)
     self.arms = tuple(parsed)
@@ -271,6 +299,7 @@ class BegMabTuner(Tuner):
 
   def update(self, batch_size: int, strategy, accepted_tokens: float,
              iteration_seconds: float) -> float:
+    """accepted_tokens: mean tokens per running row per iteration (1 for a PLAIN arm)."""
     bucket = self.bucket_of(batch_size)
     arm = self._arm_index(bucket, strategy)
     reward = goodput(batch_size, accepted_tokens, iteration_seconds)

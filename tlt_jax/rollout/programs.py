@@ -1,0 +1,123 @@
+"""The compiled programs of one rollout slice, from the engine's executable pool.
+
+Each program is compiled ahead of time per (slice, program, shape bucket, strategy, sampling)
+and reused for the rest of the run (parameters are arguments, not constants). Outputs are laid
+out on the slice by the logical axes that states and caches declare, so the result of any
+program can feed any other. Calling a program dispatches it and returns at once; the engine
+waits for results only when it needs them on the host.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tlt_jax.mesh import logical_shardings
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterConfig, init_drafter_cache
+from tlt_jax.models.kv_cache import KVCache, init_cache
+from tlt_jax.rollout.feature_log import store_rows
+from tlt_jax.rollout.pool import ExecutablePool
+from tlt_jax.rollout.state_ops import put_rows, take_rows
+from tlt_jax.speculative.decoding import GenState, batch_first, decode_loop, start
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
+
+
+class SlicePrograms:
+  """Programs of slice `s` (its sub-mesh `mesh`), compiled into the shared `pool`.
+
+  capacity: cache slots per row; max_new_tokens: the output width; eos_id: end token.
+  """
+
+  def __init__(self, s: int, mesh: Mesh, pool: ExecutablePool, cfg: ModelConfig,
+               dcfg: DrafterConfig | None, capacity: int, max_new_tokens: int, eos_id: int,
+               rules, log_features: bool):
+    self.s, self.mesh, self.pool = s, mesh, pool
+    self.cfg, self.dcfg, self.rules = cfg, dcfg, rules
+    self.capacity, self.max_new_tokens, self.eos_id = capacity, max_new_tokens, eos_id
+    self.log_features = log_features
+
+  def put(self, x: np.ndarray) -> jax.Array:
+    """A host array onto the slice, replicated."""
+    return jax.device_put(x, NamedSharding(self.mesh, P()))
+
+  def _layout(self, shapes):
+    """out_shardings: states and caches by the logical axes they declare, every other array
+    (step stats, feature stores) batch-first, scalars replicated."""
+    def declared(x):
+      return isinstance(x, (GenState, KVCache))
+    axes = jax.tree.map(lambda x: x.logical_axes() if declared(x) else batch_first(x),
+                        shapes, is_leaf=declared)
+    return logical_shardings(axes, self.mesh, self.rules, shapes)
+
+  def _get(self, key, fn, args, donate=()):
+    return self.pool.get((self.s, *key), fn, args, donate_argnums=donate,
+                         out_shardings=self._layout)
+
+  # ---------------------------------------------------------------- programs
+
+  def start(self, params, dparams, prompts: np.ndarray, lengths: np.ndarray,
+            requests: np.ndarray, key: jax.Array, sp: SamplingParams) -> GenState:
+    """Prefills a batch of right-padded prompts into fresh caches; requests [B] (-1 for
+    padding rows, which start done)."""
+    cfg, dcfg = self.cfg, self.dcfg
+    b = prompts.shape[0]
+
+    def empty_caches():
+      return (init_cache(cfg, b, self.capacity),
+              init_drafter_cache(cfg, dcfg, b, self.capacity) if dcfg else None)
+
+    def fn(params, dparams, prompts, lengths, requests, key, caches):
+      state = start(params, prompts, lengths, caches[0], key, sp, self.max_new_tokens,
+                    self.eos_id, cfg, drafter_params=dparams, draft_cache=caches[1], dcfg=dcfg,
+                    log_features=self.log_features, requests=requests)
+      return state.replace(done=state.done | (requests < 0))
+
+    # The empty caches are made by their own program and passed in (donated): built inside
+    # the prefill, they would be compile-time constants that XLA tries to fold through the
+    # attention, which makes compiles slow.
+    caches = self._get(("caches", b), empty_caches, ())()
+    args = (params, dparams, self.put(prompts), self.put(lengths), self.put(requests), key,
+            caches)
+    return self._get(("prefill", b, prompts.shape[1], sp), fn, args, donate=(6,))(*args)
+
+  def decode(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
+             strategy: Strategy | None, min_running: int, max_steps: int):
+    """Up to max_steps plain steps or SD iterations (`decode_loop`) -> (state, stats,
+    iterations); the state is donated."""
+    cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
+
+    def fn(params, dparams, state, key, min_running, max_steps):
+      return decode_loop(params, dparams, state, key, min_running, max_steps, sp, eos, cfg,
+                         dcfg=dcfg, strategy=strategy)
+
+    args = (params, dparams, state, key, self.put(np.int32(min_running)),
+            self.put(np.int32(max_steps)))
+    b = state.root.shape[0]
+    return self._get(("decode", b, strategy, sp), fn, args, donate=(2,))(*args)
+
+  def put_rows(self, state: GenState, fresh: GenState, rows: np.ndarray) -> GenState:
+    """state with rows `rows` replaced by fresh's rows (out-of-range indices dropped)."""
+    args = (state, fresh, self.put(rows))
+    key = ("put", state.root.shape[0], fresh.root.shape[0])
+    return self._get(key, put_rows, args, donate=(0,))(*args)
+
+  def take_rows(self, state: GenState, order: np.ndarray) -> GenState:
+    """A smaller state of state's rows `order`."""
+    args = (state, self.put(order))
+    return self._get(("take", state.root.shape[0], len(order)), take_rows, args)(*args)
+
+  def empty_store(self, rows: int) -> jax.Array:
+    """An empty feature store [rows, C, F] on the slice."""
+    shape = (rows, self.capacity, self.cfg.feature_size)
+    return self._get(("store", rows), lambda: jnp.zeros(shape, self.cfg.jnp_dtype), ())()
+
+  def harvest(self, store: jax.Array, log: jax.Array, src: np.ndarray,
+              dst: np.ndarray) -> jax.Array:
+    """store with rows dst set to log's rows src (dst past the store: dropped); donated."""
+    args = (store, log, self.put(src), self.put(dst))
+    key = ("harvest", store.shape[0], log.shape[0], len(src))
+    return self._get(key, store_rows, args, donate=(0,))(*args)

@@ -1,0 +1,166 @@
+"""The host-side scheduler of one rollout slice: a pure state machine over its queue and rows.
+
+No JAX here: the scheduler decides, the engine (or the cluster simulator) carries the decision
+out and reports which rows finished. Rows are the slots of the slice's batch; row i holds
+request `rows[i]` or -1 when free. Decisions, in order:
+
+  start     no batch yet: prefill the first `max_batch` queued requests into a batch of the
+            smallest power-of-two size that holds them;
+  refill    requests wait and rows are free: prefill a group of them into the free rows
+            (continuous batching);
+  compact   nothing waits and the running rows fit a smaller power-of-two batch: gather them
+            into it (finished rows ride along as inert padding);
+  decode    run up to `steps_per_call` decode iterations in one compiled call: plain steps, or
+            SD iterations with the tuner's strategy once `sd_threshold` or fewer rows run. The
+            call stops early, on the device, once fewer than `min_running` rows are running:
+            the first point at which one of the decisions above would change.
+
+A tuner may answer None for a batch size ("decode plainly here"): adaptive SD then never does
+worse than plain decoding where no strategy pays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from tlt_jax.speculative.strategy import Strategy
+
+
+def bucket(n: int, cap: int) -> int:
+  """The program batch for n rows: the next power of two, at most cap."""
+  return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """Prefill `requests` into a fresh batch of `batch` rows (rows past them are padding)."""
+  requests: tuple[int, ...]
+  batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Refill:
+  """Prefill `requests` as a group of `group` rows and put them into rows `rows` (same
+  order; group rows past len(requests) are padding and go nowhere)."""
+  requests: tuple[int, ...]
+  group: int
+  rows: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compact:
+  """Gather rows `order` (running rows first) into a batch of len(order) rows."""
+  order: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  """Up to `max_steps` iterations (SD with `strategy`, plain when it is None), stopping once
+  fewer than `min_running` rows run. `running` rows run at the start; `tail` says the SD
+  decision (the tuner's) was taken for this batch size."""
+  strategy: Strategy | None
+  running: int
+  min_running: int
+  max_steps: int
+  tail: bool
+
+
+Action = Start | Refill | Compact | Decode
+
+
+class SliceScheduler:
+  """The queue and rows of one slice; see the module docstring.
+
+  choose_strategy(running) -> Strategy | None is asked once the slice is in its tail
+  (running rows <= sd_threshold); None there, or sd_threshold 0, means plain decoding.
+  """
+
+  def __init__(self, requests: Sequence[int], max_batch: int, sd_threshold: int = 0,
+               steps_per_call: int = 1,
+               choose_strategy: Callable[[int], Strategy | None] | None = None):
+    if max_batch < 1 or max_batch & (max_batch - 1):
+      raise ValueError(f"max_batch={max_batch} must be a power of two")
+    if steps_per_call < 1:
+      raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
+    self.queue = deque(requests)
+    self.max_batch = max_batch
+    self.sd_threshold = sd_threshold
+    self.steps_per_call = steps_per_call
+    self.choose_strategy = choose_strategy
+    self.rows: list[int] = []
+
+  # ---------------------------------------------------------------- state
+
+  @property
+  def running(self) -> int:
+    return sum(r >= 0 for r in self.rows)
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.queue) or any(r >= 0 for r in self.rows)
+
+  @property
+  def batch(self) -> int:
+    """Rows of the current batch (0 before the first start and after the last finish)."""
+    return len(self.rows)
+
+  # ---------------------------------------------------------------- decisions
+
+  def next_action(self) -> Action | None:
+    """The next thing to do, already applied to the scheduler's rows; None when done.
+
+    Start, Refill and Compact change the rows at once; Decode changes nothing until
+    `finished` reports the rows that ended.
+    """
+    if not self.busy:
+      self.rows = []
+      return None
+    if not self.rows:
+      ids = tuple(self._take(self.max_batch))
+      batch = bucket(len(ids), self.max_batch)
+      self.rows = list(ids) + [-1] * (batch - len(ids))
+      return Start(ids, batch)
+    free = [i for i, r in enumerate(self.rows) if r < 0]
+    if self.queue and free:
+      ids = tuple(self._take(len(free)))
+      for row, r in zip(free, ids):
+        self.rows[row] = r
+      return Refill(ids, bucket(len(ids), self.max_batch), tuple(free[:len(ids)]))
+    running = [i for i, r in enumerate(self.rows) if r >= 0]
+    target = bucket(len(running), self.max_batch)
+    if not self.queue and target < len(self.rows):
+      order = (running + free)[:target]
+      self.rows = [self.rows[i] for i in order]
+      return Compact(tuple(order))
+    return self._decode(len(running))
+
+  def _decode(self, running: int) -> Decode:
+    tail = self.choose_strategy is not None and running <= self.sd_threshold
+    strategy = self.choose_strategy(running) if tail else None
+    if self.queue or tail:
+      # A finished row is work for the host: a refill, or (in the tail) a new batch size for
+      # compaction and the tuner.
+      min_running = running
+    else:
+      # Plain decoding until the rows fit half the batch (compaction) or the tail begins.
+      min_running = len(self.rows) // 2 + 1 if len(self.rows) > 1 else 1
+      if self.choose_strategy is not None:
+        min_running = max(min_running, self.sd_threshold + 1)
+    return Decode(strategy, running, min(min_running, running), self.steps_per_call, tail)
+
+  def finished(self, done_rows: Sequence[int]) -> list[int]:
+    """Frees the rows that finished (row indices of the current batch); returns their
+    request ids in row order. Rows already free are ignored."""
+    out = []
+    for i in sorted(done_rows):
+      if self.rows[i] >= 0:
+        out.append(self.rows[i])
+        self.rows[i] = -1
+    if not self.busy:
+      self.rows = []
+    return out
+
+  def _take(self, n: int) -> list[int]:
+    return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]

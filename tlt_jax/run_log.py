@@ -1,0 +1,86 @@
+"""A run's JSONL files (metrics.jsonl, eval.jsonl, rollouts.jsonl): appended line by line as
+the run goes, made whole again when a run resumes.
+
+A crash can leave a partial last line; a crash between writing a step's rows and its
+checkpoint leaves rows of a step that will run again; older runs may have left duplicates.
+`resume_jsonl` rewrites a file to exactly one row per key (the first written: the trajectory
+the checkpoint continues) up to the step the run resumes from, and says what it dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+
+def step_key(row: dict):
+  """One row per RL step (metrics.jsonl, eval.jsonl)."""
+  return row["step"]
+
+
+def response_key(row: dict):
+  """One row per response of a step (rollouts.jsonl)."""
+  return row["step"], row["prompt"], row["sample"]
+
+
+def read_jsonl(path: str) -> tuple[list[dict], int]:
+  """The readable rows of a JSONL file (none if it does not exist) and how many lines were
+  not (partial or malformed JSON, or not an object with a step)."""
+  if not os.path.isfile(path):
+    return [], 0
+  rows, bad = [], 0
+  with open(path, errors="replace") as f:
+    for line in f:
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        bad += 1
+        continue
+      if isinstance(row, dict) and "step" in row:
+        rows.append(row)
+      else:
+        bad += 1
+  return rows, bad
+
+
+def resume_jsonl(path: str, up_to: int, key: Callable[[dict], object] = step_key) -> list[dict]:
+  """Rewrites `path` (atomically) to the rows with step <= up_to, one per key, in order;
+  returns them. Logs a warning naming what was dropped (unreadable lines, duplicates)."""
+  rows, bad = read_jsonl(path)
+  if not rows and not bad:
+    return []
+  kept, seen, duplicates = [], set(), 0
+  for row in rows:
+    if row["step"] > up_to:
+      continue
+    k = key(row)
+    if k in seen:
+      duplicates += 1
+      continue
+    seen.add(k)
+    kept.append(row)
+  if bad or duplicates:
+    logging.warning("%s: dropped %d unreadable line(s) (a crash mid-write) and %d duplicate "
+                    "row(s); kept %d row(s) up to step %d", path, bad, duplicates, len(kept),
+                    up_to)
+  write_jsonl(path, kept)
+  return kept
+
+
+def write_jsonl(path: str, rows: Iterable[dict]) -> None:
+  """Replaces `path` with these rows, atomically (a crash leaves the old or the new file)."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  os.replace(tmp, path)
+
+
+def append_jsonl(f, rows: Iterable[dict]) -> None:
+  """Appends rows to an open file and flushes them to the OS, so a killed run loses at most
+  the line being written."""
+  f.writelines(json.dumps(r) + "\n" for r in rows)
+  f.flush()
