@@ -1,11 +1,27 @@
 """Attention kernels: one contract (see `reference.py`), several implementations."""
 
 import jax
+import jax.numpy as jnp
 
+from tlt_jax.kernels import crossover
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
 from tlt_jax.kernels.tree_attention_pallas import MAX_TREE_TOKENS, prefix_tree_attention_pallas
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+
+
+def auto_uses_kernel(backend: str, device_kind: str, dtype: str, batch: int, prefix_len: int,
+                     tree_size: int, fits_kernel: bool, tables=()) -> bool:
+  """The `impl="auto"` decision as a pure function of the call's static facts.
+
+  Off GPU, or when the shape does not fit the kernel: never. On GPU: the measured crossover
+  table's verdict for (device_kind, dtype, B, S, T) when one exists (see `crossover`); without
+  one, the fallback rule: always (the kernel whenever T <= 64 and N == T).
+  """
+  if backend != "gpu" or not fits_kernel:
+    return False
+  wins = crossover.kernel_wins(tables, device_kind, dtype, batch, prefix_len, tree_size)
+  return True if wins is None else wins
 
 
 def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, *,
@@ -13,8 +29,13 @@ def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
   """Dispatches prefix + tree attention to an implementation; see the reference for shapes.
 
   impl:
-    "auto": the compiled Pallas kernel on GPU when T <= 64, the jnp reference otherwise
-      (CPU production runs, or trees too wide for the kernel's two-word ancestor bitmask).
+    "auto": on GPU, the compiled Pallas kernel where the measured crossover table
+      (`crossover.DEFAULT_TABLE_PATH`, written by `experiments/bench_tree_attention.py
+      --write-crossovers`) says it beats the reference for this device kind, dtype and
+      (B, S, T) bucket. Where no table exists for the device kind and dtype -- today everywhere,
+      none is shipped -- or it has no entry for the bucket, the fallback rule applies: the
+      kernel whenever T <= 64 and N == T. The jnp reference otherwise (CPU production runs, or
+      trees too wide for the kernel's two-word ancestor bitmask).
     "reference": the jnp reference.
     "pallas": the compiled Pallas kernel (Triton backend; needs a GPU to run).
     "pallas_interpret": the same kernel under the Pallas interpreter (slow; CPU tests).
@@ -26,7 +47,11 @@ def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
   args = (q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask)
   fits_kernel = q.shape[1] <= MAX_TREE_TOKENS and k_new.shape[1] == q.shape[1]
   if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "gpu" and fits_kernel else "reference"
+    backend = jax.default_backend()
+    use_kernel = backend == "gpu" and auto_uses_kernel(
+        backend, jax.devices()[0].device_kind, jnp.dtype(q.dtype).name, q.shape[0],
+        k_cache.shape[2], q.shape[1], fits_kernel, crossover.load_tables())
+    impl = "pallas" if use_kernel else "reference"
   if impl == "reference" or not fits_kernel:
     return prefix_tree_attention_reference(*args, scale=scale)
   return prefix_tree_attention_pallas(*args, scale=scale, interpret=impl == "pallas_interpret")
