@@ -80,14 +80,17 @@ def append_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
   # Out-of-range slot index: the scatter drops it.
   slots = jnp.where(j < num_new[:, None], slots, cache.capacity)
 
-  def write_row(buf, new, row_slots):
-    # buf [L, KVH, S, D]; new [L, T, KVH, D]; row_slots [T].
-    return buf.at[:, :, row_slots, :].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="drop")
+  rows = jnp.broadcast_to(jnp.arange(slots.shape[0])[:, None], slots.shape)
 
-  write = jax.vmap(write_row, in_axes=(1, 1, 0), out_axes=1)
+  def write(buf, new):
+    # One scatter indexed by (row, slot) on axes 1 and 3 of buf [L, B, KVH, S, D]; the
+    # indexed axes lead the update, so new goes [L, B, T, KVH, D] -> [B, T, L, KVH, D]. A
+    # per-row vmap here made XLA re-layout the whole cache on every step.
+    return buf.at[:, rows, :, slots, :].set(
+        jnp.moveaxis(new, 0, 2).astype(buf.dtype), mode="drop")
+
   lengths = jnp.minimum(cache.lengths + num_new.astype(jnp.int32), cache.capacity)
-  return KVCache(k=write(cache.k, k_new, slots),
-                 v=write(cache.v, v_new, slots), lengths=lengths)
+  return KVCache(k=write(cache.k, k_new), v=write(cache.v, v_new), lengths=lengths)
 
 
 def gather_tree_kv(tree_kv: jax.Array, path: jax.Array) -> jax.Array:
