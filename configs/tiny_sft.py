@@ -4,7 +4,7 @@ Run: python -m tlt_jax.sft --config configs/tiny_sft.py --workdir runs/tiny_sft
 Smoke test: --config configs/tiny_sft.py:runlocal (a 2-layer model, a few steps).
 """
 
-from tlt_jax.config import base_config, tiny_task_settings
+from tlt_jax.config import base_config, tiny_task_settings, toy_settings
 
 
 def get_config(arg: str | None = None):
@@ -21,25 +21,9 @@ def get_config(arg: str | None = None):
   c.sft.eval_every = 450
   c.sft.num_eval_examples = 512
   if arg == "runlocal":  # smallest settings, for smoke tests
-    c.model.num_layers = 2
-    c.model.hidden_size = 32
-    c.model.intermediate_size = 64
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.head_dim = 16
-    c.task.max_steps = 6
-    c.tokenizer.num_train_examples = 300
-    c.sft.steps = 12
-    c.sft.rows = 8
-    c.sft.seq_len = 128
-    c.sft.warmup_steps = 2
-    c.sft.learning_rate = 1e-2
+    toy_settings(c)
     c.sft.log_every = 1
-    c.sft.eval_every = 0
     c.sft.checkpoint_every = 4
-    c.sft.num_eval_examples = 8
-    c.sft.eval_batch_size = 8
-    c.sft.eval_max_new_tokens = 48
   elif arg:
     raise ValueError(f"configs/tiny_sft.py: unknown variant {arg!r}; allowed: 'runlocal'")
   c.lock()

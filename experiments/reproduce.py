@@ -52,6 +52,9 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
                           "--compare-run", str(baseline_run)],
       # Against transformers on the same checkpoint.
       "vs_hf": ["bench_vs_hf.py", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
+      # The drafter trained with unrolled draft steps (training-time test), per strategy.
+      "drafter_ttt": ["drafter_ttt.py", "--out", str(out / "drafter_ttt" / "drafter_ttt.json"),
+                      *q],
   }
 
 

@@ -145,7 +145,7 @@ def test_reproduce_lists_every_experiment_and_rejects_unknown_names(tmp_path):
   names = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines()
            if line.startswith("[")]
   assert names == ["length_histogram", "rl_runs", "rollout", "executable_pool",
-                   "simulate_cluster", "simulate_vs_run", "vs_hf"]
+                   "simulate_cluster", "simulate_vs_run", "vs_hf", "drafter_ttt"]
   for name in names:  # every script it would run exists
     script = next(line for line in r.stdout.splitlines() if f"] {name}:" in line).split()[2]
     assert os.path.isfile(script), script
@@ -163,3 +163,33 @@ def test_reproduce_runs_a_subset_and_records_it(tmp_path):
   assert {"simulate_cluster/simulation.json", "simulate_cluster/simulation.png"} <= \
       set(run["files"])
   assert (tmp_path / "simulate_cluster" / "log.txt").exists()
+
+
+@pytest.mark.slow
+def test_drafter_ttt_quick(tmp_path):
+  out = tmp_path / "ttt.json"
+  _run_script("drafter_ttt.py", "--quick", "--out", str(out))
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").exists()
+  variants = {(r["features"], r["steps_ahead"]) for r in data["rows"]}
+  assert variants == {("unfused", 1), ("unfused", 2), ("fused", 1), ("fused", 2)}
+  for r in data["rows"]:
+    (accept,) = r["accept_len"].values()
+    assert 1.0 <= accept <= 5.0  # (4, 2, 8): at most 4 drafted tokens + the bonus token
+    assert r["top1_ahead_last"] >= 0
+  assert set(data["gain_deepest"]) == {"unfused", "fused"}
+
+
+@pytest.mark.slow
+def test_gpu_e2e_quick_runs_every_stage_and_resumes(tmp_path):
+  out = tmp_path / "e2e"
+  _run_script("gpu_e2e.py", "--quick", "--out", str(out), timeout=900)
+  data = json.loads((out / "gpu_e2e.json").read_text())
+  assert list(data["stages"]) == ["sft", "warmup", "rl", "rollout", "simulate"]
+  assert (out / "gpu_e2e.png").exists() and (out / "rl" / "end_to_end.png").exists()
+  assert data["policy"]["params"] > 0 and data["drafter"]["accept_len_warmed"] >= 1.0
+  assert data["end_to_end"]["steps"] == 2 and set(data["runs"]) == {"baseline", "tlt"}
+  assert data["projected"] and all(p["speedup_step"] > 0 for p in data["projected"])
+  # A second run finds every stage done and only rewrites the summary.
+  r = _run_script("gpu_e2e.py", "--quick", "--out", str(out))
+  assert r.stdout.count("done in an earlier run") == 5

@@ -197,6 +197,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.drafter.weight_decay = 0.01
   c.drafter.clip_norm = 1.0
   c.drafter.ce_weight = 0.1        # weight of the soft cross-entropy next to SmoothL1
+  # Training-time test (EAGLE-3): draft steps unrolled per slot in the loss (1 = single-step
+  # training), step k weighted train_step_decay ** (k - 1). Offline warm-up and spot training.
+  c.drafter.train_steps_ahead = 1
+  c.drafter.train_step_decay = 0.8
   # The hidden-state buffer: features of the last `keep_steps` RL steps, for a sample of
   # `sequences_per_step` responses per step (0 = all).
   c.drafter.buffer = ml_collections.ConfigDict()
@@ -247,6 +251,28 @@ def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
   c.task.max_multiplier = 9
   c.task.body_p = 0.3
   c.task.tail_prob = 0.15
+
+
+def toy_settings(c: ml_collections.ConfigDict) -> None:
+  """The smallest model, task and SFT settings, for smoke runs: a 2-layer, 32-wide model,
+  problems of up to 6 steps, a dozen SFT steps and an 8-problem evaluation."""
+  c.model.num_layers = 2
+  c.model.hidden_size = 32
+  c.model.intermediate_size = 64
+  c.model.num_heads = 2
+  c.model.num_kv_heads = 1
+  c.model.head_dim = 16
+  c.task.max_steps = 6
+  c.tokenizer.num_train_examples = 300
+  c.sft.steps = 12
+  c.sft.rows = 8
+  c.sft.seq_len = 128
+  c.sft.warmup_steps = 2
+  c.sft.learning_rate = 1e-2
+  c.sft.eval_every = 0
+  c.sft.num_eval_examples = 8
+  c.sft.eval_batch_size = 8
+  c.sft.eval_max_new_tokens = 48
 
 
 def _check_keys(config, schema, prefix: str = "") -> None:
@@ -379,7 +405,8 @@ def drafter_opt_config(config: ml_collections.ConfigDict, warmup: bool = False):
   lr, warm = ((d.warmup.learning_rate, d.warmup.lr_warmup_steps) if warmup
               else (d.learning_rate, d.lr_warmup_steps))
   return DrafterOptConfig(learning_rate=lr, warmup_steps=warm, weight_decay=d.weight_decay,
-                          clip_norm=d.clip_norm, ce_weight=d.ce_weight)
+                          clip_norm=d.clip_norm, ce_weight=d.ce_weight,
+                          steps_ahead=d.train_steps_ahead, step_decay=d.train_step_decay)
 
 
 def spot_config(config: ml_collections.ConfigDict):
@@ -464,6 +491,11 @@ def _validate_drafter(d: ml_collections.ConfigDict) -> None:
   for key in ("lr_warmup_steps", "weight_decay", "ce_weight"):
     if d[key] < 0:
       raise ConfigError(f"drafter.{key}={d[key]} must be >= 0")
+  if d.train_steps_ahead < 1:
+    raise ConfigError(f"drafter.train_steps_ahead={d.train_steps_ahead} must be >= 1 (1 = "
+                      f"single-step training)")
+  if not 0 < d.train_step_decay <= 1:
+    raise ConfigError(f"drafter.train_step_decay={d.train_step_decay} must be in (0, 1]")
   if d.buffer.keep_steps < 1:
     raise ConfigError(f"drafter.buffer.keep_steps={d.buffer.keep_steps} must be >= 1")
   if d.buffer.sequences_per_step < 0:

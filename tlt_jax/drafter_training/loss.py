@@ -4,7 +4,8 @@ A window row holds several samples back to back. Slot s of a sample carries toke
 policy's feature f_s of that token (what the policy computed when it read x_s). The drafter
 reads (x_s, f_{s-1}) -- the previous feature of the same sample, zeros at a sample's start --
 and is trained to predict f_s (SmoothL1) and the policy's next-token distribution
-softmax(lm_head(f_s)) (soft cross-entropy), exactly the pairing it sees when drafting.
+softmax(lm_head(f_s)) (soft cross-entropy), exactly the pairing it sees when drafting; with
+`steps_ahead` > 1 the later draft steps are unrolled too (training-time test).
 Segment ids keep samples apart: attention never crosses them and positions restart at 0.
 """
 
@@ -14,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models.attention_inputs import packed_inputs
+from tlt_jax.models.attention_inputs import unrolled_inputs
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import lm_logits
 from tlt_jax.models.drafter import DrafterConfig, drafter_forward
@@ -43,30 +44,73 @@ def previous_features(features: jax.Array, segment_ids: jax.Array) -> jax.Array:
   return jnp.where(starts[..., None], 0.0, prev)
 
 
-def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg: ModelConfig,
-                 dcfg: DrafterConfig, ce_weight: float = 0.1):
-  """Scalar loss and metrics {'loss', 'feature_loss', 'ce_loss', 'top1', 'tokens'}.
+def unrolled_forward(drafter_params: dict, policy_params: dict, batch: Windows,
+                     cfg: ModelConfig, dcfg: DrafterConfig, steps: int
+                     ) -> list[tuple[jax.Array, jax.Array]]:
+  """The drafter's predictions over packed windows for draft steps 1 .. steps.
 
-  top1: how often the drafter's argmax equals the policy's argmax (a proxy for acceptance).
+  Step 1 reads (x_t, f_{t-1}) with the policy's features. Step k > 1 reads, at slot t, the true
+  token x_t with the feature the drafter predicted at slot t - 1 in step k - 1, and attends as
+  the depth-(k - 1) node of a draft tree rooted at slot t - k + 1 (`unrolled_inputs`): slot t
+  of step k is what drafting computes k - 1 steps past that root when every earlier draft was
+  the true token. Slots whose root lies before their sample start hold garbage.
+  Returns per step (features_pred [B, W, E], logits [B, W, V] float32).
+  """
+  features = previous_features(batch.features, batch.segment_ids)
+  earlier, out = None, []
+  for k in range(steps):
+    pred, logits, k_new, v_new = drafter_forward(
+        drafter_params, policy_params, batch.tokens, features,
+        unrolled_inputs(batch.segment_ids, batch.positions, k), cfg, dcfg, earlier_kv=earlier)
+    earlier = (k_new, v_new) if earlier is None else (
+        jnp.concatenate([earlier[0], k_new], axis=2), jnp.concatenate([earlier[1], v_new], 2))
+    out.append((pred, logits))
+    features = previous_features(pred, batch.segment_ids)
+  return out
+
+
+def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg: ModelConfig,
+                 dcfg: DrafterConfig, ce_weight: float = 0.1, steps_ahead: int = 1,
+                 step_decay: float = 0.8):
+  """Scalar loss and metrics {'loss', 'feature_loss', 'ce_loss', 'top1', 'top1_ahead',
+  'tokens'}.
+
+  steps_ahead: K draft steps unrolled per slot (training-time test, as EAGLE-3 trains). Step 1
+    reads the policy's features; step k > 1 reads, at slot t, the true token x_t with the
+    feature the drafter itself predicted at slot t - 1 in step k - 1, and attends as the
+    depth-(k - 1) node of a draft tree rooted at slot t - k + 1 does (`unrolled_inputs`). So
+    from the second draft step on, the drafter trains on what it is fed when drafting (its own
+    E-wide predictions, which bypass a fused drafter's `fuse` projection). Step k's loss covers
+    the trained slots whose chain stays inside their sample and weighs step_decay ** (k - 1);
+    the total is the weighted mean, so K = 1 is the single-step loss.
+  top1: how often the drafter's argmax equals the policy's argmax at step 1 (a proxy for
+    acceptance); top1_ahead: the same at step K.
   The policy params are only read (embedding, LM head) and get no gradient.
   """
   policy_params = jax.lax.stop_gradient(policy_params)
-  pred, logits, _, _ = drafter_forward(
-      drafter_params, policy_params, batch.tokens,
-      previous_features(batch.features, batch.segment_ids),
-      packed_inputs(batch.segment_ids, batch.positions), cfg, dcfg)
   target = batch.features[..., :cfg.hidden_size].astype(jnp.float32)
   target_logits = jax.lax.stop_gradient(lm_logits(policy_params, target, cfg))
-  mask = batch.loss_mask.astype(jnp.float32)
-  n = jnp.maximum(mask.sum(), 1.0)
-  feature_loss = jnp.sum(smooth_l1(pred.astype(jnp.float32), target).mean(-1) * mask) / n
   soft = jax.nn.softmax(target_logits, axis=-1)
-  ce = -jnp.sum(soft * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-  ce_loss = jnp.sum(ce * mask) / n
-  top1 = jnp.sum((jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)) * mask) / n
-  loss = feature_loss + ce_weight * ce_loss
+  target_top = jnp.argmax(target_logits, -1)
+  seg = batch.segment_ids
+  total, weights, per_step = 0.0, 0.0, []
+  for k, (pred, logits) in enumerate(unrolled_forward(drafter_params, policy_params, batch, cfg,
+                                                      dcfg, steps_ahead)):
+    # Slot t's chain is rooted at t - k: it must lie in the same sample.
+    rooted = jnp.concatenate([jnp.zeros_like(seg[:, :k]), seg[:, :seg.shape[1] - k]], 1) == seg
+    mask = (batch.loss_mask & rooted).astype(jnp.float32)
+    n = jnp.maximum(mask.sum(), 1.0)
+    feature_loss = jnp.sum(smooth_l1(pred.astype(jnp.float32), target).mean(-1) * mask) / n
+    ce = -jnp.sum(soft * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    ce_loss = jnp.sum(ce * mask) / n
+    top1 = jnp.sum((jnp.argmax(logits, -1) == target_top) * mask) / n
+    w = step_decay ** k
+    total, weights = total + w * (feature_loss + ce_weight * ce_loss), weights + w
+    per_step.append((feature_loss, ce_loss, top1, mask.sum()))
+  loss = total / weights
+  feature_loss, ce_loss, top1, tokens = per_step[0]
   return loss, {"loss": loss, "feature_loss": feature_loss, "ce_loss": ce_loss, "top1": top1,
-                "tokens": mask.sum()}
+                "top1_ahead": per_step[-1][2], "tokens": tokens}
 
 
 def smooth_l1(pred: jax.Array, target: jax.Array) -> jax.Array:

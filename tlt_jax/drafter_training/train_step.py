@@ -17,7 +17,8 @@ from tlt_jax.drafter_training.loss import Windows, drafter_loss
 
 @dataclasses.dataclass(frozen=True)
 class DrafterOptConfig:
-  """AdamW as in EAGLE: betas (0.9, 0.95), weight decay 0.01, clip 1.0, linear warm-up."""
+  """AdamW as in EAGLE: betas (0.9, 0.95), weight decay 0.01, clip 1.0, linear warm-up; and
+  the loss: ce_weight, steps_ahead and step_decay (see `drafter_loss`)."""
   learning_rate: float = 3e-4
   warmup_steps: int = 20
   weight_decay: float = 0.01
@@ -25,6 +26,8 @@ class DrafterOptConfig:
   b2: float = 0.95
   clip_norm: float = 1.0
   ce_weight: float = 0.1
+  steps_ahead: int = 1
+  step_decay: float = 0.8
 
 
 def make_optimizer(oc: DrafterOptConfig) -> optax.GradientTransformation:
@@ -48,8 +51,8 @@ def init_train_state(params: dict, oc: DrafterOptConfig) -> DrafterTrainState:
 def train_step(state: DrafterTrainState, policy_params: dict, batch: Windows, cfg: ModelConfig,
                dcfg: DrafterConfig, oc: DrafterOptConfig):
   """One AdamW update of the drafter on a batch of windows -> (new state, metrics)."""
-  grads, metrics = jax.grad(drafter_loss, has_aux=True)(state.params, policy_params, batch, cfg,
-                                                        dcfg, oc.ce_weight)
+  grads, metrics = jax.grad(drafter_loss, has_aux=True)(
+      state.params, policy_params, batch, cfg, dcfg, oc.ce_weight, oc.steps_ahead, oc.step_decay)
   updates, opt_state = make_optimizer(oc).update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads))

@@ -58,6 +58,27 @@ def packed_inputs(segment_ids: jax.Array, positions: jax.Array) -> AttentionInpu
   return AttentionInputs(positions=positions, mask=segment_causal_mask(segment_ids))
 
 
+def unrolled_inputs(segment_ids: jax.Array, positions: jax.Array, step: int) -> AttentionInputs:
+  """Inputs of unrolled draft step `step` over packed training rows (training-time test).
+
+  Query t of step k stands for the draft node at slot t of a chain rooted at slot t - k: it
+  attends the step-0 keys at slots <= t - k of its segment (what the drafter's cache holds at
+  that root) and, for i = 1 .. k, the step-i key at slot t - k + i (its draft ancestors, then
+  itself), exactly as `build_draft_tree` does at inference. Keys are ordered step 0, 1, .., k:
+  the earlier steps come in as `earlier_kv`. Step 0 is `packed_inputs`.
+
+  segment_ids, positions: [B, W] as in `packed_inputs`.
+  Returns positions [B, W] and mask [B, W, (step + 1) * W] bool.
+  """
+  w = segment_ids.shape[1]
+  same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
+  t = jnp.arange(w)[:, None]
+  j = jnp.arange(w)[None, :]
+  blocks = [same & (j <= t - step)[None]]
+  blocks += [same & (j == t - step + i)[None] for i in range(1, step + 1)]
+  return AttentionInputs(positions=positions, mask=jnp.concatenate(blocks, axis=-1))
+
+
 def rows_inputs(b: int, t: int) -> AttentionInputs:
   """One right-padded sequence per row, no cache: causal, positions 0 .. T-1 (padding comes
   last, so no real token attends to it)."""

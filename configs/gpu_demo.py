@@ -1,0 +1,103 @@
+"""The one-GPU end-to-end demonstration (experiments/gpu_e2e.py): a policy made from nothing by
+SFT on the built-in task with long chains, a drafter warmed on its generations, then GRPO with
+TLT and the baseline.
+
+  python experiments/gpu_e2e.py --out runs/gpu_e2e           # one GPU
+  python experiments/gpu_e2e.py --out /tmp/e2e --quick       # the same pipeline, toy size, CPU
+
+Variants:
+  (none)  one GPU: an ~80M-parameter Qwen2-style policy (12 layers, hidden 768, bf16), chains
+          of up to 64 steps so responses run from tens to over a thousand tokens, one rollout
+          slice of 128 rows.
+  quick   a toy policy on 2 emulated CPU devices, a few steps of each stage (smoke tests).
+The size is a first choice, not yet measured on a GPU: the decode step of this shape should be
+bound by the GPU, not by Python, which the run's busy share (metrics) shows.
+"""
+
+from tlt_jax.config import base_config, toy_settings
+
+
+def get_config(arg: str | None = None):
+  c = base_config()
+  c.mesh.axes.replica = 1
+  c.mesh.axes.fsdp = -1
+  c.tokenizer.vocab_size = 320
+  c.task.max_value = 99
+  c.task.max_operand = 19
+  c.task.max_multiplier = 9
+  c.task.body_p = 0.1       # a long body ...
+  c.task.tail_prob = 0.2    # ... and a heavy tail of the step count
+  c.drafter.spot_training = True
+  c.rollout.temperature = 1.0
+  c.rollout.speculative.tuner = "beg_mab"
+  c.rl.reward = "answer+format"
+  if not arg:
+    c.model.vocab_size = 320
+    c.model.hidden_size = 768
+    c.model.intermediate_size = 2048
+    c.model.num_layers = 12
+    c.model.num_heads = 12
+    c.model.num_kv_heads = 4
+    c.model.head_dim = 64
+    c.model.max_position_embeddings = 2048
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.model.scan_layers = "train"
+    c.task.max_steps = 64
+    c.sft.steps = 1500
+    c.sft.rows = 32
+    c.sft.seq_len = 1536
+    c.sft.learning_rate = 1e-3
+    c.sft.eval_every = 0
+    c.sft.num_eval_examples = 256
+    c.sft.eval_max_new_tokens = 1536
+    c.sft.export_dtype = "bfloat16"
+    c.rollout.max_batch = 128
+    c.rollout.max_prompt_len = 128
+    c.rollout.max_new_tokens = 1536
+    c.rollout.sd_threshold = 8
+    c.drafter.warmup.num_prompts = 256
+    c.drafter.warmup.steps = 600
+    c.drafter.warmup.max_new_tokens = 1536
+    c.drafter.warmup.window = 1024
+    c.drafter.spot.window = 1024
+    c.rl.steps = 12
+    c.rl.prompts_per_step = 16
+    c.rl.num_samples = 8
+    c.rl.learning_rate = 2e-5
+    c.rl.micro_batch_rows = 32
+    c.rl.num_eval_examples = 128
+  elif arg == "quick":
+    c.mesh.num_cpu_devices = 2
+    c.mesh.axes.replica = 2
+    toy_settings(c)
+    c.model.vocab_size = 320
+    c.model.max_position_embeddings = 512
+    c.model.attention_impl = "reference"
+    c.model.scan_layers = "all"
+    c.sft.checkpoint_every = 6
+    c.rollout.max_batch = 16
+    c.rollout.max_prompt_len = 64
+    c.rollout.max_new_tokens = 48
+    c.rollout.sd_threshold = 2
+    c.drafter.warmup.num_prompts = 8
+    c.drafter.warmup.steps = 8
+    c.drafter.warmup.max_new_tokens = 48
+    c.drafter.warmup.window = 64
+    c.drafter.warmup.batch_rows = 2
+    c.drafter.warmup.num_eval_prompts = 2
+    c.drafter.warmup.checkpoint_every = 4
+    c.drafter.spot.window = 64
+    c.drafter.spot.windows = 4
+    c.drafter.spot.batch_rows = 2
+    c.drafter.spot.max_steps = 8
+    c.rl.steps = 2
+    c.rl.prompts_per_step = 4
+    c.rl.num_samples = 4
+    c.rl.micro_batch_rows = 16
+    c.rl.num_eval_examples = 0
+  else:
+    raise ValueError(f"configs/gpu_demo.py: unknown variant {arg!r}; allowed: '' (one GPU), "
+                     f"'quick'")
+  c.lock()
+  return c

@@ -1,0 +1,186 @@
+"""Training-time test: greedy accept length per SD strategy for drafters trained with K unrolled
+draft steps (`drafter.train_steps_ahead`), without and with fused policy features.
+
+Every variant trains from the same random initialisation on the same samples of the policy's
+own responses (one sampled response per training prompt, features recomputed by the policy)
+for the same number of updates, then drafts greedily for held-out prompts at each strategy;
+the accept length is the mean tokens per running row per SD iteration.
+
+  python experiments/drafter_ttt.py --out results/drafter_ttt/drafter_ttt.json [--quick]
+
+JSON: settings, and per variant (K, fused) the training seconds, last losses and top-1 at the
+first and the K-th draft step, and accept length and SD tokens/s per strategy; `gain_deepest`:
+accept length at the deepest strategy with the largest K over K = 1, per feature setting. The
+PNG plots accept length against K per strategy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tlt_jax.components import (accept_length, load_drafter_for, load_policy,  # noqa: E402
+                                load_tokenizer_for, make_engine, task_prompts)
+from tlt_jax.config import config_from_file, drafter_opt_config, model_config  # noqa: E402
+from tlt_jax.drafter_training.train_step import init_train_state  # noqa: E402
+from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
+from tlt_jax.mesh import make_mesh  # noqa: E402
+from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
+from tlt_jax.speculative.strategy import Strategy  # noqa: E402
+from tlt_jax.speculative.tuner import FixedTuner  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def label(s: Strategy) -> str:
+  return ",".join(map(str, s.as_tuple()))
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", required=True, help="JSON path; the PNG goes next to it")
+  p.add_argument("--config", default=str(REPO / "configs" / "default.py"))
+  p.add_argument("--steps-ahead", type=int, nargs="+", default=[1, 3, 5])
+  p.add_argument("--fused-layers", default="1,3",
+                 help="policy layers fused into the fused variants' features ('' = none)")
+  p.add_argument("--strategies", nargs="+", default=None,
+                 help="'steps,topk,verify' each; default: the config's tuner arms")
+  p.add_argument("--train-prompts", type=int, default=256)
+  p.add_argument("--eval-prompts", type=int, default=64)
+  p.add_argument("--max-new-tokens", type=int, default=256)
+  p.add_argument("--train-steps", type=int, default=200)
+  p.add_argument("--batch-rows", type=int, default=8)
+  p.add_argument("--window", type=int, default=256)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--quick", action="store_true", help="smoke setting (about a minute)")
+  args = p.parse_args(argv)
+  if args.quick:
+    args.steps_ahead, args.train_prompts, args.eval_prompts = [1, 2], 8, 2
+    args.max_new_tokens, args.train_steps, args.batch_rows, args.window = 32, 6, 2, 64
+  if min(args.steps_ahead) < 1:
+    p.error(f"--steps-ahead {args.steps_ahead}: every K must be >= 1")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  config = config_from_file(args.config)
+  fused_layers = tuple(int(x) for x in args.fused_layers.split(",") if x.strip())
+  strategies = [Strategy.parse(s) for s in (args.strategies or config.rollout.speculative.arms)]
+  if args.quick:
+    strategies = strategies[:1]
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  tokenizer = load_tokenizer_for(config)
+  cfg, params = load_policy(config, mesh)
+  eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
+  _, train_prompts = task_prompts(config, tokenizer, args.train_prompts)
+  _, eval_prompts = task_prompts(config, tokenizer, args.eval_prompts, eval_split=True)
+
+  t0 = time.perf_counter()
+  sampler = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=args.max_new_tokens,
+                        max_batch=min(64, 1 << (len(train_prompts) - 1).bit_length()))
+  generated = sampler.generate(train_prompts, 1, SamplingParams(1.0), jax.random.key(args.seed))
+  feature_sets = {"unfused": ()} | ({"fused": fused_layers} if fused_layers else {})
+  samples = {}
+  for name, layers in feature_sets.items():
+    c = copy.deepcopy(config)
+    c.drafter.fused_layers = layers
+    samples[name] = collect_samples(params, model_config(c), train_prompts, generated.tokens)
+  samples_s = time.perf_counter() - t0
+  print(f"{len(train_prompts)} samples, {int(generated.lengths.sum())} response tokens; "
+        f"{samples_s:.0f} s", flush=True)
+
+  rows = []
+  for feat_name, layers in feature_sets.items():
+    vc = copy.deepcopy(config)
+    vc.drafter.fused_layers = layers
+    vcfg = model_config(vc)
+    dcfg, init = load_drafter_for(vc, vcfg, fresh=True)
+    init = jax.device_get(init)
+    trained = {}
+    for k in args.steps_ahead:
+      oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), steps_ahead=k)
+      state = jax.device_put(init_train_state(jax.device_put(init), oc), jax.devices()[0])
+      t1 = time.perf_counter()
+      trained[k], history = train_drafter(
+          state.params, params, samples[feat_name], vcfg, dcfg, oc, args.train_steps,
+          window=args.window, batch_rows=args.batch_rows, seed=args.seed, progress=False,
+          state=state)
+      tail = history[-max(1, len(history) // 10):]
+      rows.append({"variant": f"{feat_name} K={k}", "features": feat_name,
+                   "fused_layers": list(layers), "steps_ahead": k,
+                   "train_s": time.perf_counter() - t1,
+                   "loss_last": float(np.mean([h["loss"] for h in tail])),
+                   "top1_last": float(np.mean([h["top1"] for h in tail])),
+                   "top1_ahead_last": float(np.mean([h["top1_ahead"] for h in tail])),
+                   "accept_len": {}, "sd_tokens_per_s": {}})
+    # One engine per strategy and architecture; the K variants only swap weights.
+    for strategy in strategies:
+      first = trained[args.steps_ahead[0]]
+      engine = make_engine(vc, vcfg, params, mesh, eos, pad, drafter=(dcfg, first),
+                           speculative=True, tuner=FixedTuner(strategy), sd_threshold=1,
+                           max_batch=1, max_new_tokens=args.max_new_tokens)
+      for k in args.steps_ahead:
+        engine.update_params(drafter_params=trained[k])
+        key = jax.random.key(args.seed)
+        engine.generate(eval_prompts[:1], 1, SamplingParams(0.0), key)  # compiles
+        result = engine.generate(eval_prompts, 1, SamplingParams(0.0), key)
+        row = next(r for r in rows if r["variant"] == f"{feat_name} K={k}")
+        row["accept_len"][label(strategy)] = accept_length(result)
+        row["sd_tokens_per_s"][label(strategy)] = float(result.lengths.sum() / result.wall_s)
+        print(f"{row['variant']:12s} {strategy}: accept {row['accept_len'][label(strategy)]:.2f}",
+              flush=True)
+
+  deepest = label(max(strategies, key=lambda s: (s.steps, s.verify_tokens)))
+  gains = {}
+  for feat_name in feature_sets:
+    by_k = {r["steps_ahead"]: r["accept_len"][deepest] for r in rows
+            if r["features"] == feat_name}
+    gains[feat_name] = by_k[max(by_k)] / by_k[min(by_k)]
+  settings = {k: v for k, v in vars(args).items() if k != "out"}
+  settings.update(strategies=[label(s) for s in strategies], deepest=deepest,
+                  samples_s=samples_s, device=jax.devices()[0].device_kind,
+                  date=time.strftime("%Y-%m-%d"))
+  out.write_text(json.dumps({"settings": settings, "rows": rows, "gain_deepest": gains},
+                            indent=2))
+  plot(rows, strategies, out.with_suffix(".png"))
+  print(f"accept length at {deepest}, largest K over K=1: "
+        + ", ".join(f"{n} {g:.2f}x" for n, g in gains.items()))
+  print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot(rows, strategies, path):
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for i, s in enumerate(strategies):
+    for feat, style in (("unfused", "-"), ("fused", "--")):
+      pts = sorted((r["steps_ahead"], r["accept_len"][label(s)]) for r in rows
+                   if r["features"] == feat)
+      if pts:
+        ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{s} {feat}")
+  ax.set_xlabel("draft steps unrolled in training (K)")
+  ax.set_ylabel("greedy accept length")
+  ax.set_title("training-time test: accept length per strategy")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  main()

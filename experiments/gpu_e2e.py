@@ -1,0 +1,197 @@
+"""TLT against the baseline end to end, from nothing: SFT makes a policy on the built-in task,
+the offline warm-up trains its drafter, then GRPO runs with TLT and without, back to back.
+
+  python experiments/gpu_e2e.py --out runs/gpu_e2e            # one GPU, configs/gpu_demo.py
+  python experiments/gpu_e2e.py --out /tmp/e2e --quick        # toy size on CPU (a few minutes)
+
+Stages, each the project's own command (its output streams to the console and to
+OUT/logs/STAGE.log):
+  sft       python -m tlt_jax.sft                  -> OUT/sft/export (policy + tokenizer)
+  warmup    python -m tlt_jax.warmup_drafter       -> OUT/warmup/export (drafter)
+  rl        experiments/rl_runs.py, baseline + tlt -> OUT/rl (rl_runs.json, figures)
+  rollout   experiments/bench_rollout.py           -> OUT/rollout (plain vs SD cost table)
+  simulate  experiments/simulate_cluster.py        -> OUT/simulate (8-1024 devices, projected
+            from the measured costs and the baseline's response lengths)
+A stage that finished is recorded in OUT/stages.json and skipped when the command is run again,
+so a killed run resumes at the stage it was in (which resumes from its own checkpoints).
+
+OUT/gpu_e2e.json: device, date, the commands and seconds per stage, the policy's held-out
+accuracy after SFT, the warmed drafter's accept length, the RL runs' end-to-end ratios
+(baseline / TLT step time over the steady-state steps and over all steps with compiles,
+rollout-only), reward and held-out accuracy per run, the tail speedup and the projected cluster
+speedups. OUT/gpu_e2e.png: stage times, step time per RL step of both runs split into rollout
+and update, and the projected speedup against device count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def stage_commands(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
+  """The command of every stage, in order."""
+  py = sys.executable
+  config = str(REPO / "configs" / "gpu_demo.py") + (":quick" if quick else "")
+  policy, drafter = out / "sft" / "export", out / "warmup" / "export"
+  q = ["--quick"] if quick else []
+  spot = ["--set", "drafter.spot.max_steps=8"] if quick else []
+  return {
+      "sft": [py, "-m", "tlt_jax.sft", f"--config={config}", f"--workdir={out / 'sft'}"],
+      "warmup": [py, "-m", "tlt_jax.warmup_drafter", f"--config={config}",
+                 f"--config.model.path={policy}", f"--workdir={out / 'warmup'}"],
+      "rl": [py, str(REPO / "experiments" / "rl_runs.py"), "--out", str(out / "rl"),
+             "--config", config, "--set", f"model.path={policy}", "--set",
+             f"drafter.path={drafter}", "--variants", "baseline", "tlt", *spot],
+      # The cost table at the demo's shapes; the toy policy's rows all end early, so in the
+      # quick run every call counts as the tail.
+      "rollout": [py, str(REPO / "experiments" / "bench_rollout.py"), "--policy", str(policy),
+                  "--out", str(out / "rollout" / "rollout.json"),
+                  *(["--quick", "--sd-threshold", "64"] if quick else
+                    ["--max-new-tokens", "1536", "--max-batch", "128", "--sd-threshold", "8"])],
+      "simulate": [py, str(REPO / "experiments" / "simulate_cluster.py"),
+                   "--out", str(out / "simulate"),
+                   "--costs-from-bench", str(out / "rollout" / "rollout.json"),
+                   "--lengths", str(out / "rl" / "runs" / "baseline" / "rollouts.jsonl"), *q],
+  }
+
+
+def run_stage(name: str, cmd: list[str], log_path: pathlib.Path) -> float:
+  """Runs one stage, echoing its output to the console and the log; seconds it took."""
+  log_path.parent.mkdir(parents=True, exist_ok=True)
+  print(f"=== {name}: {' '.join(cmd)}", flush=True)
+  t0 = time.perf_counter()
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    for line in proc.stdout:
+      sys.stdout.write(line)
+      log.write(line)
+    rc = proc.wait()
+  if rc != 0:
+    sys.exit(f"stage {name!r} failed (exit {rc}); its output is in {log_path}. Run the same "
+             f"command again to resume from this stage.")
+  return time.perf_counter() - t0
+
+
+def _read(path: pathlib.Path) -> dict:
+  return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def collect(out: pathlib.Path, stages: dict) -> dict:
+  """The headline numbers from every stage's own outputs."""
+  sft, warm = _read(out / "sft" / "summary.json"), _read(out / "warmup" / "summary.json")
+  rl, roll = _read(out / "rl" / "rl_runs.json"), _read(out / "rollout" / "rollout.json")
+  sim = _read(out / "simulate" / "simulation.json")
+  runs = rl.get("runs", {})
+  per_run = {}
+  for name, r in runs.items():
+    s = r.get("summary", {})
+    per_run[name] = {"wall_s": r.get("wall_s"),
+                     "reward_by_step": [m["reward_mean"] for m in r.get("metrics", [])],
+                     "heldout_accuracy": {k: v for k, v in s.items() if "accuracy" in k}}
+  return {
+      "device": _device(), "date": time.strftime("%Y-%m-%d"),
+      "stages": stages,
+      "policy": {"params": sft.get("num_params"),
+                 "heldout_greedy_accuracy": sft.get("heldout_greedy_accuracy"),
+                 "heldout_mean_completion_tokens": sft.get("heldout_mean_completion_tokens")},
+      "drafter": {"accept_len_untrained": warm.get("accept_len_untrained"),
+                  "accept_len_warmed": warm.get("accept_len_warmed"),
+                  "strategy": warm.get("strategy")},
+      "end_to_end": rl.get("end_to_end"), "runs": per_run,
+      "rollout": {k: roll.get(k) for k in ("speedup_wall", "speedup_tail")},
+      "projected": [{"devices": r.get("devices"), "speedup_step": r.get("speedup_step"),
+                     "speedup_rollout": r.get("speedup_rollout")}
+                    for r in sim.get("results", [])],
+  }
+
+
+def _device() -> str:
+  import jax
+  d = jax.devices()[0]
+  return f"{d.platform}: {d.device_kind} x{jax.device_count()}"
+
+
+def plot(out: pathlib.Path, summary: dict) -> None:
+  rl = _read(out / "rl" / "rl_runs.json")
+  fig, (ax_stage, ax_step, ax_proj) = plt.subplots(1, 3, figsize=(14, 4))
+  names = list(summary["stages"])
+  ax_stage.barh(names, [summary["stages"][n]["seconds"] for n in names], color="#34495e")
+  ax_stage.invert_yaxis()
+  ax_stage.set_xlabel("seconds")
+  ax_stage.set_title(f"stages ({summary['device']})", fontsize=9)
+  for i, (name, color) in enumerate((("baseline", "#7f8c8d"), ("tlt", "#c0392b"))):
+    metrics = rl.get("runs", {}).get(name, {}).get("metrics", [])
+    steps = [m["step"] + (i - 0.5) * 0.4 for m in metrics]
+    roll = [m["rollout_s"] for m in metrics]
+    ax_step.bar(steps, roll, width=0.4, color=color, label=f"{name} rollout")
+    ax_step.bar(steps, [m["update_s"] for m in metrics], width=0.4, bottom=roll, color=color,
+                alpha=0.4, label=f"{name} update")
+  e2e = summary.get("end_to_end") or {}
+  ax_step.set_title("RL step time, baseline / TLT: "
+                    f"{e2e.get('speedup_step_time', float('nan')):.2f}x", fontsize=9)
+  ax_step.set_xlabel("RL step")
+  ax_step.set_ylabel("seconds")
+  ax_step.legend(fontsize=7)
+  proj = summary["projected"]
+  if proj:
+    ax_proj.plot([p["devices"] for p in proj], [p["speedup_step"] for p in proj], "o-",
+                 label="step")
+    ax_proj.plot([p["devices"] for p in proj], [p["speedup_rollout"] for p in proj], "s--",
+                 label="rollout")
+    ax_proj.set_xscale("log", base=2)
+    ax_proj.legend(fontsize=7)
+  ax_proj.set_xlabel("devices")
+  ax_proj.set_ylabel("projected TLT speedup (x)")
+  ax_proj.set_title("cluster projection (measured costs and lengths)", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(out / "gpu_e2e.png", dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", required=True, type=pathlib.Path, help="output folder (resumes)")
+  p.add_argument("--quick", action="store_true", help="toy size on CPU, for smoke tests")
+  args = p.parse_args(argv)
+  out = args.out.resolve()
+  out.mkdir(parents=True, exist_ok=True)
+  record_path = out / "stages.json"
+  record = _read(record_path)
+  if record and record.get("quick") != args.quick:
+    sys.exit(f"{out} holds a {'quick' if record.get('quick') else 'full'} run; give another "
+             f"--out or delete it")
+  record["quick"] = args.quick
+  stages = record.setdefault("stages", {})
+  for name, cmd in stage_commands(out, args.quick).items():
+    if name in stages:
+      print(f"=== {name}: done in an earlier run ({stages[name]['seconds']:.0f} s), skipped")
+      continue
+    seconds = run_stage(name, cmd, out / "logs" / f"{name}.log")
+    stages[name] = {"command": cmd, "seconds": seconds}
+    record_path.write_text(json.dumps(record, indent=2))  # after every stage: resumable
+  summary = collect(out, stages)
+  summary["quick"] = args.quick
+  (out / "gpu_e2e.json").write_text(json.dumps(summary, indent=2))
+  plot(out, summary)
+  e2e = summary.get("end_to_end") or {}
+  print(f"baseline / TLT step time {e2e.get('speedup_step_time', float('nan')):.2f}x over "
+        f"{e2e.get('steps')} steps; all stages {sum(s['seconds'] for s in stages.values()):.0f} s")
+  print(f"wrote {out / 'gpu_e2e.json'} and {out / 'gpu_e2e.png'}")
+
+
+if __name__ == "__main__":
+  main()
