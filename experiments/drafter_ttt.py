@@ -144,8 +144,8 @@ def main(argv=None):
         row = next(r for r in rows if r["variant"] == f"{feat_name} K={k}")
         row["accept_len"][label(strategy)] = accept_length(result)
         row["sd_tokens_per_s"][label(strategy)] = float(result.lengths.sum() / result.wall_s)
-        print(f"{row['variant']:12s} {strategy}: accept {row['accept_len'][label(strategy)]:.2f}",
-              flush=True)
+        accept = row["accept_len"][label(strategy)]
+        print(f"{row['variant']:12s} {label(strategy)}: accept {accept:.2f}", flush=True)
 
   deepest = label(max(strategies, key=lambda s: (s.steps, s.verify_tokens)))
   gains = {}

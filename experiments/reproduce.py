@@ -9,8 +9,8 @@ Each experiment runs as its own process (a fresh JAX runtime, its own device set
 into OUT/<name>/. A failing experiment does not stop the others: OUT/reproduce.json records
 each one's command, exit status, seconds and files, and the exit status is non-zero if any
 failed. An experiment whose extra package is missing (vs_hf needs torch) is skipped and
-recorded as such. The cluster projection uses the simulator's illustrative 7B cost model; the simulator
-is also checked against the baseline RL run (simulate_vs_run) when rl_runs ran first.
+recorded as such. The cluster projection uses the simulator's illustrative 7B cost model; the
+simulator is also checked against the baseline RL run (simulate_vs_run) when rl_runs ran first.
 """
 
 from __future__ import annotations
