@@ -42,19 +42,15 @@ def _rollouts(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", ["t1.0", "t0.8-top_p0.9"])
-def test_tlt_and_baseline_runs_give_the_same_responses_under_sampling(tmp_path, sampling):
+def test_tlt_and_baseline_runs_give_the_same_responses_under_sampling(tmp_path):
   """Every token's randomness comes from (seed, step, request, position): TLT (SD with the
-  timing-driven tuner, spot training) and the baseline sample the same responses."""
+  timing-driven tuner, spot training) and the baseline sample the same responses at
+  temperature 1 (tests/rollout/test_engine.py checks top-p and other temperatures)."""
   args = ["--config.rl.save_rollouts=True"]
-  if sampling != "t1.0":
-    args += ["--config.rollout.temperature=0.8", "--config.rollout.top_p=0.9",
-             "--config.rl.steps=1", "--config.rl.num_eval_examples=0"]
   _train(tmp_path / "tlt", *args)
   _train(tmp_path / "base", *args, *BASELINE)
   tlt, base = _metrics(tmp_path / "tlt"), _metrics(tmp_path / "base")
-  steps = 2 if sampling == "t1.0" else 1
-  assert [m["step"] for m in tlt] == list(range(1, steps + 1)) == [m["step"] for m in base]
+  assert [m["step"] for m in tlt] == [1, 2] == [m["step"] for m in base]
   for m in tlt + base:
     assert set(METRIC_KEYS) <= set(m)
   assert all(m["sd_enabled"] for m in tlt) and not any(m["sd_enabled"] for m in base)
@@ -66,8 +62,6 @@ def test_tlt_and_baseline_runs_give_the_same_responses_under_sampling(tmp_path, 
   completions = [r["completion"] for r in _rollouts(tmp_path / "tlt")]
   assert completions == [r["completion"] for r in _rollouts(tmp_path / "base")]
   assert len(set(completions)) > len(completions) // 2  # sampled: the samples differ
-  if sampling != "t1.0":
-    return
   # The TLT run's outputs: checkpoints, summary, plot, exports.
   run = tmp_path / "tlt"
   assert sorted(os.listdir(run / "checkpoints")) == ["1", "2"]
@@ -93,8 +87,8 @@ def _wait_for_checkpoint(proc, workdir, step, timeout=600):
 @pytest.mark.slow
 def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path):
   """SIGTERM stops cleanly after the step; SIGKILL mid-step loses only that step; either
-  rerun continues to exactly the metrics of an uninterrupted run (timings aside), and the
-  rerun of a finished command compiles nothing new."""
+  rerun continues to exactly the metrics of an uninterrupted run (timings aside), and a rerun
+  from scratch compiles nothing new."""
   args = ["--config.rl.steps=3", "--config.rl.num_eval_examples=0"]
   _train(tmp_path / "whole", *args)
   whole = _metrics(tmp_path / "whole")
@@ -121,11 +115,11 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path):
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for a, b in zip(resumed, whole):
       assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}, name
-  # The same command again, from scratch: the same responses, and every program loads from
-  # the persistent compilation cache.
-  _train(tmp_path / "again", *args)
-  again = _metrics(tmp_path / "again")
-  assert [{k: m[k] for k in SAME} for m in again] == [{k: m[k] for k in SAME} for m in whole]
+  # Step 1 again from scratch: the same responses, and every program loads from the
+  # persistent compilation cache (a resumed run also compiles orbax's few restore programs).
+  _train(tmp_path / "again", "--config.rl.steps=1", "--config.rl.num_eval_examples=0")
+  (again,) = _metrics(tmp_path / "again")
+  assert {k: again[k] for k in SAME} == {k: whole[0][k] for k in SAME}
   summary = json.loads((tmp_path / "again" / "summary.json").read_text())
   assert summary["xla_compiles"] == 0 and summary["xla_cache_hits"] > 0
 
