@@ -6,7 +6,9 @@ Per batch size (default 1, 8, 32), with prompts of --prompt-len tokens in the ca
   tlt plain       `plain_step` of tlt_jax.speculative.decoding (policy only)
   tlt plain+sync  the same step also keeping an EAGLE drafter's cache in step, as the
                   rollout does before it switches to SD
-  tlt SD          one `sd_step` iteration per strategy (random 1-layer drafter, greedy)
+  tlt SD          one `sd_step` iteration per strategy (random 1-layer drafter, greedy), with
+                  the policy's whole vocabulary and with each --draft-vocab-sizes (a reduced
+                  draft vocabulary with its own head: EAGLE-3)
   floor           a minimal decoder written here in plain JAX (a Python loop over static
                   slices of the stacked weights, GQA attention over the cache, LM head): what
                   the hardware allows for these weights
@@ -19,6 +21,8 @@ first SD strategy with the layers as a Python loop and as a lax.scan. Times are 
 
   python experiments/bench_decode.py --out results/decode.json                # CPU: 'small'
   python experiments/bench_decode.py --shape qwen2.5-7b --out docs/results/decode_h100.json
+  python experiments/bench_decode.py --batches 1 --strategies 8,4,48 --no-hf \
+      --draft-vocab-sizes 7061 --out results/draft_vocab/cost.json      # 32k/152k of 32k
 
 The persistent compilation cache stays off here: compile seconds are among the results.
 """
@@ -162,8 +166,11 @@ def hf_step_ms(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -
 # ---------------------------------------------------------------- tlt_jax
 
 
-def bench_batch(cfg, params, dcfg, dparams, batch, prompt_len, strategies, iters,
+def bench_batch(cfg, params, drafters, batch, prompt_len, strategies, iters,
                 with_hf, hf_new_tokens) -> dict:
+  """drafters: {draft vocabulary size (0 = full): (DrafterConfig, params)}; the full one keeps
+  its cache in step in `tlt plain+sync`."""
+  dcfg, dparams = drafters[0]
   rng = np.random.default_rng(batch)
   prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
   lengths = jnp.full((batch,), prompt_len, jnp.int32)
@@ -171,13 +178,12 @@ def bench_batch(cfg, params, dcfg, dparams, batch, prompt_len, strategies, iters
   max_new = (iters + 4) * most + 2  # EOS is off: no row finishes while being timed
   cap = -(-(prompt_len + max_new + most) // 64) * 64
 
-  def fresh(with_drafter):
-    d = dcfg if with_drafter else None
+  def fresh(with_drafter, drafter=drafters[0]):
+    d, dp = drafter if with_drafter else (None, None)
     return jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=-1,
                                      cfg=cfg, dcfg=d))(
         params, prompts, lengths, init_cache(cfg, batch, cap), jax.random.key(0),
-        drafter_params=dparams if with_drafter else None,
-        draft_cache=init_drafter_cache(cfg, dcfg, batch, cap) if with_drafter else None)
+        drafter_params=dp, draft_cache=init_drafter_cache(cfg, d, batch, cap) if d else None)
 
   def timed_steps(step, state):
     box = [state]
@@ -198,11 +204,14 @@ def bench_batch(cfg, params, dcfg, dparams, batch, prompt_len, strategies, iters
       lambda s: synced(params, s, jax.random.key(1), drafter_params=dparams), fresh(True))
   row["sd"] = {}
   for strategy in strategies:
-    sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy, cfg=cfg,
-                                   dcfg=dcfg), donate_argnums=(2,))
-    ms = timed_steps(lambda s, sd=sd: sd(params, dparams, s, jax.random.key(1)), fresh(True))
-    row["sd"][",".join(map(str, strategy.as_tuple()))] = {
-        "iteration_ms": ms, "vs_plain_step": ms / row["tlt_plain_ms"]}
+    for vocab, (d, dp) in drafters.items():
+      sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy, cfg=cfg,
+                                     dcfg=d), donate_argnums=(2,))
+      ms = timed_steps(lambda s, sd=sd, dp=dp: sd(params, dp, s, jax.random.key(1)),
+                       fresh(True, (d, dp)))
+      name = ",".join(map(str, strategy.as_tuple())) + (f" r={vocab}" if vocab else "")
+      row["sd"][name] = {"iteration_ms": ms, "vs_plain_step": ms / row["tlt_plain_ms"],
+                         "draft_vocab_size": vocab or cfg.vocab_size}
 
   floor = floor_decoder(cfg)
   k = jnp.full((cfg.num_layers, batch, cfg.num_kv_heads, prompt_len, cfg.head_dim), 0.01,
@@ -285,6 +294,8 @@ def main():
   parser.add_argument("--prompt-len", type=int, default=None,
                       help="cached prompt tokens (default: 1024 on GPU, 256 elsewhere)")
   parser.add_argument("--strategies", nargs="+", default=["8,4,48", "8,4,16", "4,2,8"])
+  parser.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[],
+                      help="also time SD with these reduced draft vocabularies")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--hf-new-tokens", type=int, default=64)
   parser.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -308,13 +319,19 @@ def main():
   params = jax.jit(functools.partial(init_params, cfg))(jax.random.key(0))
   dcfg = DrafterConfig()
   dparams = jax.jit(functools.partial(init_drafter_params, cfg, dcfg))(jax.random.key(1))
+  drafters = {0: (dcfg, dparams)}
+  for vocab in args.draft_vocab_sizes:
+    # Random weights: which ids the vocabulary holds does not change the cost.
+    d = DrafterConfig(draft_vocab_size=vocab)
+    drafters[vocab] = (d, jax.jit(functools.partial(init_drafter_params, cfg, d))(
+        jax.random.key(1)))
   result = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
             "jax": jax.__version__, "shape": shape, "model": SHAPES[shape],
             "dtype": cfg.dtype, "prompt_len": prompt_len, "iters": args.iters,
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": []}
   args.out.parent.mkdir(parents=True, exist_ok=True)
   for b in args.batches:
-    row = bench_batch(cfg, params, dcfg, dparams, b, prompt_len, strategies, args.iters,
+    row = bench_batch(cfg, params, drafters, b, prompt_len, strategies, args.iters,
                       with_hf, args.hf_new_tokens)
     result["rows"].append(row)
     sd = ", ".join(f"SD {k} {v['vs_plain_step']:.2f}x" for k, v in row["sd"].items())

@@ -1,5 +1,6 @@
 """Training-time test: greedy accept length per SD strategy for drafters trained with K unrolled
-draft steps (`drafter.train_steps_ahead`), without and with fused policy features.
+draft steps (`drafter.train_steps_ahead`), without and with fused policy features, and with
+the full or a reduced draft vocabulary (`drafter.draft_vocab_size`).
 
 Every variant trains from the same random initialisation on the same samples of the policy's
 own responses (one sampled response per training prompt, features recomputed by the policy)
@@ -7,11 +8,16 @@ for the same number of updates, then drafts greedily for held-out prompts at eac
 the accept length is the mean tokens per running row per SD iteration.
 
   python experiments/drafter_ttt.py --out results/drafter_ttt/drafter_ttt.json [--quick]
+  python experiments/drafter_ttt.py --steps-ahead 1 --fused-layers '' \
+      --draft-vocab-sizes 0 69 --out results/draft_vocab/accept.json
 
-JSON: settings, and per variant (K, fused) the training seconds, last losses and top-1 at the
-first and the K-th draft step, and accept length and SD tokens/s per strategy; `gain_deepest`:
-accept length at the deepest strategy with the largest K over K = 1, per feature setting. The
-PNG plots accept length against K per strategy.
+A reduced draft vocabulary holds the tokens most frequent in the training responses. JSON:
+settings, and per variant (features, draft vocabulary, K) the training seconds, last losses
+and top-1 at the first and the K-th draft step, and accept length and SD tokens/s per
+strategy; `gain_deepest`: accept length at the deepest strategy with the largest K over K = 1,
+per feature setting (full vocabulary); `vocab_ratio_deepest`: accept length at the deepest
+strategy with each reduced vocabulary over the full one, per feature setting and K. The PNG
+plots accept length against K per strategy.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from tlt_jax.config import config_from_file, drafter_opt_config, model_config  #
 from tlt_jax.drafter_training.train_step import init_train_state  # noqa: E402
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
+from tlt_jax.models.draft_vocab import frequent_tokens  # noqa: E402
+from tlt_jax.models.drafter import with_draft_vocab  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
 from tlt_jax.speculative.tuner import FixedTuner  # noqa: E402
@@ -57,6 +65,8 @@ def parse_args(argv=None):
   p.add_argument("--steps-ahead", type=int, nargs="+", default=[1, 3, 5])
   p.add_argument("--fused-layers", default="1,3",
                  help="policy layers fused into the fused variants' features ('' = none)")
+  p.add_argument("--draft-vocab-sizes", type=int, nargs="+", default=[0],
+                 help="draft vocabulary sizes to compare (0 = the policy's whole vocabulary)")
   p.add_argument("--strategies", nargs="+", default=None,
                  help="'steps,topk,verify' each; default: the config's tuner arms")
   p.add_argument("--train-prompts", type=int, default=256)
@@ -73,6 +83,8 @@ def parse_args(argv=None):
     args.max_new_tokens, args.train_steps, args.batch_rows, args.window = 32, 6, 2, 64
   if min(args.steps_ahead) < 1:
     p.error(f"--steps-ahead {args.steps_ahead}: every K must be >= 1")
+  if min(args.draft_vocab_sizes) < 0:
+    p.error(f"--draft-vocab-sizes {args.draft_vocab_sizes}: sizes must be >= 0")
   return args
 
 
@@ -107,12 +119,19 @@ def main(argv=None):
         f"{samples_s:.0f} s", flush=True)
 
   rows = []
-  for feat_name, layers in feature_sets.items():
+  variants = [(f, r) for f in feature_sets for r in args.draft_vocab_sizes]
+  for feat_name, vocab in variants:
+    layers = feature_sets[feat_name]
     vc = copy.deepcopy(config)
     vc.drafter.fused_layers = layers
+    vc.drafter.draft_vocab_size = vocab
     vcfg = model_config(vc)
     dcfg, init = load_drafter_for(vc, vcfg, fresh=True)
+    if vocab:  # the tokens most frequent in the policy's responses
+      init = with_draft_vocab(init, params, frequent_tokens(generated.tokens, vcfg.vocab_size,
+                                                            vocab), vcfg)
     init = jax.device_get(init)
+    name = feat_name + (f" r={vocab}" if vocab else "")
     trained = {}
     for k in args.steps_ahead:
       oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), steps_ahead=k)
@@ -123,8 +142,8 @@ def main(argv=None):
           window=args.window, batch_rows=args.batch_rows, seed=args.seed, progress=False,
           state=state)
       tail = history[-max(1, len(history) // 10):]
-      rows.append({"variant": f"{feat_name} K={k}", "features": feat_name,
-                   "fused_layers": list(layers), "steps_ahead": k,
+      rows.append({"variant": f"{name} K={k}", "features": feat_name,
+                   "fused_layers": list(layers), "draft_vocab_size": vocab, "steps_ahead": k,
                    "train_s": time.perf_counter() - t1,
                    "loss_last": float(np.mean([h["loss"] for h in tail])),
                    "top1_last": float(np.mean([h["top1"] for h in tail])),
@@ -141,38 +160,48 @@ def main(argv=None):
         key = jax.random.key(args.seed)
         engine.generate(eval_prompts[:1], 1, SamplingParams(0.0), key)  # compiles
         result = engine.generate(eval_prompts, 1, SamplingParams(0.0), key)
-        row = next(r for r in rows if r["variant"] == f"{feat_name} K={k}")
+        row = next(r for r in rows if r["variant"] == f"{name} K={k}")
         row["accept_len"][label(strategy)] = accept_length(result)
         row["sd_tokens_per_s"][label(strategy)] = float(result.lengths.sum() / result.wall_s)
         accept = row["accept_len"][label(strategy)]
-        print(f"{row['variant']:12s} {label(strategy)}: accept {accept:.2f}", flush=True)
+        print(f"{row['variant']:16s} {label(strategy)}: accept {accept:.2f}", flush=True)
 
   deepest = label(max(strategies, key=lambda s: (s.steps, s.verify_tokens)))
-  gains = {}
+  gains, vocab_ratios = {}, {}
   for feat_name in feature_sets:
-    by_k = {r["steps_ahead"]: r["accept_len"][deepest] for r in rows
-            if r["features"] == feat_name}
-    gains[feat_name] = by_k[max(by_k)] / by_k[min(by_k)]
+    full = {r["steps_ahead"]: r["accept_len"][deepest] for r in rows
+            if r["features"] == feat_name and not r["draft_vocab_size"]}
+    if full:
+      gains[feat_name] = full[max(full)] / full[min(full)]
+    for r in rows:
+      if r["features"] == feat_name and r["draft_vocab_size"] and full:
+        vocab_ratios[r["variant"]] = r["accept_len"][deepest] / full[r["steps_ahead"]]
   settings = {k: v for k, v in vars(args).items() if k != "out"}
   settings.update(strategies=[label(s) for s in strategies], deepest=deepest,
                   samples_s=samples_s, device=jax.devices()[0].device_kind,
                   date=time.strftime("%Y-%m-%d"))
-  out.write_text(json.dumps({"settings": settings, "rows": rows, "gain_deepest": gains},
-                            indent=2))
+  out.write_text(json.dumps({"settings": settings, "rows": rows, "gain_deepest": gains,
+                             "vocab_ratio_deepest": vocab_ratios}, indent=2))
   plot(rows, strategies, out.with_suffix(".png"))
   print(f"accept length at {deepest}, largest K over K=1: "
         + ", ".join(f"{n} {g:.2f}x" for n, g in gains.items()))
+  if vocab_ratios:
+    print(f"accept length at {deepest}, reduced over full vocabulary: "
+          + ", ".join(f"{n} {g:.3f}" for n, g in vocab_ratios.items()))
   print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def plot(rows, strategies, path):
   fig, ax = plt.subplots(figsize=(6, 4))
+  vocabs = sorted({r["draft_vocab_size"] for r in rows})
   for i, s in enumerate(strategies):
     for feat, style in (("unfused", "-"), ("fused", "--")):
-      pts = sorted((r["steps_ahead"], r["accept_len"][label(s)]) for r in rows
-                   if r["features"] == feat)
-      if pts:
-        ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{s} {feat}")
+      for vocab, marker in zip(vocabs, "osd^v"):
+        pts = sorted((r["steps_ahead"], r["accept_len"][label(s)]) for r in rows
+                     if r["features"] == feat and r["draft_vocab_size"] == vocab)
+        if pts:
+          tag = f" r={vocab}" if vocab else ""
+          ax.plot(*zip(*pts), style, marker=marker, color=f"C{i}", label=f"{s} {feat}{tag}")
   ax.set_xlabel("draft steps unrolled in training (K)")
   ax.set_ylabel("greedy accept length")
   ax.set_title("training-time test: accept length per strategy")

@@ -121,6 +121,8 @@ def test_rollout_sections_build_the_engine_pieces():
     ("rollout.speculative.arms", ("2,2,8",), "exceeds the 6 draft candidates"),
     ("rollout.top_p", 0.0, "top_p must be in"),
     ("drafter.num_layers", 0, "drafter.num_layers must be >= 1"),
+    ("drafter.draft_vocab_size", -1, r"draft_vocab_size must be >= 0 \(0 = the policy's"),
+    ("drafter.draft_vocab_size", 1, r"draft_vocab_size=1 is below the widest strategy's topk"),
     ("rollout.max_new_tokens", 10_000, "exceeds model.max_position_embeddings"),
 ])
 def test_bad_rollout_values(path, value, match):

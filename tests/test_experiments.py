@@ -47,10 +47,8 @@ def test_bench_sd_step_quick(tmp_path):
   assert oracle["accept_len"] > 1.5
 
 
-@pytest.mark.slow
-def test_bench_rollout_quick(tmp_path):
-  out = tmp_path / "rollout.json"
-  _run_script("bench_rollout.py", "--quick", "--policy", "assets/tiny-policy", "--out", str(out))
+def _check_bench_rollout(out):
+  """bench_rollout.py's outputs (its --quick run is gpu_e2e --quick's rollout stage)."""
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert set(data["modes"]) == {"plain", "sd(3, 2, 6)", "sd-beg_mab", "sd-table"}
@@ -64,7 +62,7 @@ def test_bench_rollout_quick(tmp_path):
   comparison = data["tuner_comparison"]
   assert comparison["best_fixed"] == comparison["worst_fixed"] == "sd(3, 2, 6)"
   assert comparison["beg_mab_vs_best_fixed"] > 0
-  assert (tmp_path / "rollout_by_batch.png").exists()
+  assert (out.parent / "rollout_by_batch.png").exists()
   assert data["speedup_wall"] > 0
 
 
@@ -168,16 +166,18 @@ def test_reproduce_runs_a_subset_and_records_it(tmp_path):
 @pytest.mark.slow
 def test_drafter_ttt_quick(tmp_path):
   out = tmp_path / "ttt.json"
-  _run_script("drafter_ttt.py", "--quick", "--out", str(out))
+  _run_script("drafter_ttt.py", "--quick", "--draft-vocab-sizes", "0", "40", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
-  variants = {(r["features"], r["steps_ahead"]) for r in data["rows"]}
-  assert variants == {("unfused", 1), ("unfused", 2), ("fused", 1), ("fused", 2)}
+  variants = {(r["features"], r["draft_vocab_size"], r["steps_ahead"]) for r in data["rows"]}
+  assert variants == {(f, r, k) for f in ("unfused", "fused") for r in (0, 40) for k in (1, 2)}
   for r in data["rows"]:
     (accept,) = r["accept_len"].values()
     assert 1.0 <= accept <= 5.0  # (4, 2, 8): at most 4 drafted tokens + the bonus token
     assert r["top1_ahead_last"] >= 0
   assert set(data["gain_deepest"]) == {"unfused", "fused"}
+  assert set(data["vocab_ratio_deepest"]) == {f"{f} r=40 K={k}" for f in ("unfused", "fused")
+                                              for k in (1, 2)}
 
 
 @pytest.mark.slow
@@ -190,6 +190,7 @@ def test_gpu_e2e_quick_runs_every_stage_and_resumes(tmp_path):
   assert data["policy"]["params"] > 0 and data["drafter"]["accept_len_warmed"] >= 1.0
   assert data["end_to_end"]["steps"] == 2 and set(data["runs"]) == {"baseline", "tlt"}
   assert data["projected"] and all(p["speedup_step"] > 0 for p in data["projected"])
+  _check_bench_rollout(out / "rollout" / "rollout.json")
   # A second run finds every stage done and only rewrites the summary.
   r = _run_script("gpu_e2e.py", "--quick", "--out", str(out))
   assert r.stdout.count("done in an earlier run") == 5

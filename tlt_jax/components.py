@@ -71,7 +71,10 @@ def load_drafter_for(config: ml_collections.ConfigDict, cfg: ModelConfig,
                         f"the config's drafter section describes {dcfg}; make them agree or "
                         f"set drafter.path=''")
     return dcfg, params
-  return dcfg, init_drafter_params(cfg, dcfg, jax.random.key(config.seed + 1))
+  try:
+    return dcfg, init_drafter_params(cfg, dcfg, jax.random.key(config.seed + 1))
+  except ValueError as e:  # e.g. a draft vocabulary larger than the policy's
+    raise ConfigError(str(e)) from None
 
 
 def _first_line(e: Exception) -> str:

@@ -201,6 +201,10 @@ def base_config() -> ml_collections.ConfigDict:
   # training), step k weighted train_step_decay ** (k - 1). Offline warm-up and spot training.
   c.drafter.train_steps_ahead = 1
   c.drafter.train_step_decay = 0.8
+  # Reduced draft vocabulary (EAGLE-3): the drafter drafts over the draft_vocab_size tokens the
+  # policy generates most in the warm-up, with its own head (0 = the policy's whole vocabulary
+  # and head). Acceptance is unchanged: a drafted token is only ever a proposal.
+  c.drafter.draft_vocab_size = 0
   # The hidden-state buffer: features of the last `keep_steps` RL steps, for a sample of
   # `sequences_per_step` responses per step (0 = all).
   c.drafter.buffer = ml_collections.ConfigDict()
@@ -363,6 +367,12 @@ def _validate_rollout(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
       raise ConfigError(str(e)) from None
   _validate_drafter(config.drafter)
+  if config.drafter.draft_vocab_size:
+    from tlt_jax.speculative.strategy import Strategy
+    widest = max(Strategy.parse(a).topk for a in (*sd.arms, sd.strategy))
+    if config.drafter.draft_vocab_size < widest:
+      raise ConfigError(f"drafter.draft_vocab_size={config.drafter.draft_vocab_size} is below "
+                        f"the widest strategy's topk ({widest}); use at least {widest}")
   limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
   if config.model.path:  # the checkpoint's own limit
     with open(os.path.join(config.model.path, "config.json")) as f:
@@ -395,7 +405,8 @@ def drafter_config(config: ml_collections.ConfigDict):
   d = config.drafter
   return DrafterConfig(num_layers=d.num_layers, use_features=d.use_features,
                        intermediate_size=d.intermediate_size,
-                       fused_features=len(tuple(d.fused_layers)))
+                       fused_features=len(tuple(d.fused_layers)),
+                       draft_vocab_size=d.draft_vocab_size)
 
 
 def drafter_opt_config(config: ml_collections.ConfigDict, warmup: bool = False):

@@ -4,7 +4,8 @@
 
 The policy (model.path) answers `drafter.warmup.num_prompts` training prompts of the task at
 drafter.warmup.temperature; the drafter (the config's drafter section, random init) trains on
-the policy's own features of those responses. Outputs in WORKDIR:
+the policy's own features of those responses. With drafter.draft_vocab_size > 0 its draft
+vocabulary is the tokens most frequent in those responses. Outputs in WORKDIR:
 
   generations.jsonl   the policy's responses (reused by a rerun)
   checkpoints/        orbax checkpoints of the drafter train state (a rerun resumes)
@@ -34,6 +35,8 @@ from tlt_jax.config import drafter_opt_config
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
 from tlt_jax.mesh import make_mesh
+from tlt_jax.models.draft_vocab import frequent_tokens
+from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
@@ -89,6 +92,11 @@ def main(argv):
 
   # ---------------------------------------------------------------- train, with checkpoints
   dcfg, init_params = load_drafter_for(config, cfg, fresh=True)
+  if dcfg.draft_vocab_size:  # the tokens the policy generates most (EAGLE-3, FR-Spec)
+    d2t = frequent_tokens(completions, cfg.vocab_size, dcfg.draft_vocab_size)
+    init_params = with_draft_vocab(init_params, params, d2t, cfg)
+    print(f"draft vocabulary: the {dcfg.draft_vocab_size} of {cfg.vocab_size} tokens most "
+          f"frequent in the responses")
   untrained = jax.device_get(init_params)  # host copy: training donates the device arrays
   oc = drafter_opt_config(config, warmup=True)
   state = init_train_state(init_params, oc)

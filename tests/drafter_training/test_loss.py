@@ -1,5 +1,6 @@
 """Drafter loss on packed windows: segments never mix, and training lowers the loss."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_st
 from tlt_jax.drafter_training.windows import Sample, pack_windows
 from tlt_jax.models import init_cache, prefill
 from tlt_jax.models.attention_inputs import packed_inputs
-from tlt_jax.models.drafter import drafter_forward
+from tlt_jax.models.decoder import lm_logits
+from tlt_jax.models.drafter import DRAFT_TO_POLICY, drafter_forward, with_draft_vocab
 
 
 def _samples(cfg, params, lengths, seed=0):
@@ -82,6 +84,46 @@ def test_training_lowers_loss_on_a_fixed_buffer(tiny_cfg, tiny_params):
   assert float(aux["top1"]) > float(first_aux["top1"]) + 0.2
   # The policy was only read.
   assert set(state.params) == set(dparams)
+
+
+def test_reduced_vocab_loss_restricts_the_target_and_trains_only_weights(tiny_cfg, tiny_params):
+  """A draft vocabulary of every id with the policy's head is the full-vocabulary loss; one
+  without the policy's argmax at some trained slots leaves those slots out; training moves
+  the head and the layers, never the vocabulary map."""
+  v = tiny_cfg.vocab_size
+  batch = jax.tree.map(jnp.asarray, pack_windows(
+      _samples(tiny_cfg, tiny_params, [12, 9, 15, 7, 10], seed=2), window=16))
+  dcfg, dparams = random_drafter(tiny_cfg, seed=2)
+
+  def reduced(d2t):
+    return (dataclasses.replace(dcfg, draft_vocab_size=len(d2t)),
+            with_draft_vocab(dparams, tiny_params, d2t, tiny_cfg))
+
+  full, full_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, steps_ahead=2)
+  rcfg, rparams = reduced(np.arange(v))
+  same, same_aux = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg, steps_ahead=2)
+  np.testing.assert_allclose(float(same), float(full), rtol=1e-5)
+  assert float(same_aux["top1"]) == float(full_aux["top1"])
+
+  top = np.asarray(jnp.argmax(lm_logits(tiny_params, batch.features, tiny_cfg), -1))
+  mask = np.asarray(batch.loss_mask)
+  common = np.bincount(top[mask], minlength=v).argmax()
+  rcfg, rparams = reduced(np.delete(np.arange(v), common))
+  _, aux = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg)
+  assert int(aux["tokens"]) == mask.sum() - (mask & (top == common)).sum() < mask.sum()
+
+  oc = DrafterOptConfig(learning_rate=3e-3, warmup_steps=5)
+  first, _ = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg)
+  rparams = jax.device_get(rparams)  # a host copy: the updates donate the train state
+  state = init_train_state(jax.tree.map(jnp.asarray, rparams), oc)
+  step = jit_train_step(tiny_cfg, rcfg, oc)
+  for _ in range(30):
+    state, _ = step(state, tiny_params, batch)
+  last, _ = drafter_loss(state.params, tiny_params, batch, tiny_cfg, rcfg)
+  assert float(last) < 0.8 * float(first)
+  np.testing.assert_array_equal(state.params[DRAFT_TO_POLICY], rparams[DRAFT_TO_POLICY])
+  assert state.params[DRAFT_TO_POLICY].dtype == jnp.int32
+  assert not np.allclose(state.params["lm_head"]["kernel"], rparams["lm_head"]["kernel"])
 
 
 def test_pack_errors():

@@ -41,7 +41,8 @@ def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, 
   # One row per slice and no EOS: slice 0 serves two requests back to back, the others one,
   # so slices 1-3 sit idle for the second half of the rollout.
   ec = EngineConfig(max_batch=1, max_prompt_len=8, max_new_tokens=64, sd_threshold=0)
-  dcfg, dparams = random_drafter(tiny_cfg, seed=4)
+  # A reduced draft vocabulary (EAGLE-3): its int32 map rides along untrained.
+  dcfg, dparams = random_drafter(tiny_cfg, seed=4, draft_vocab_size=32)
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec, drafter=(dcfg, dparams),
                          tuner=FixedTuner((2, 2, 4)), log_features=True)
   prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9], [10, 11]]
@@ -76,6 +77,8 @@ def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, 
   after = jax.device_get(spot.params)
   assert int(spot.state.step) == metrics["drafter_steps"]
   assert not np.allclose(before["fc"]["kernel"], after["fc"]["kernel"])
+  assert not np.allclose(before["lm_head"]["kernel"], after["lm_head"]["kernel"])
+  np.testing.assert_array_equal(after["d2t"], np.arange(32))
   engine.update_params(drafter_params=spot.params)  # a reshard onto every slice
   assert engine.generate(prompts, 1, GREEDY, jax.random.key(0)).tokens == off.tokens
 

@@ -1,6 +1,7 @@
 """Greedy speculative decoding emits exactly what plain greedy decoding emits, and leaves the
 same policy cache, for any drafter and strategy; an oracle drafter accepts the maximum."""
 
+import dataclasses
 import functools
 
 import jax
@@ -156,3 +157,28 @@ def test_fused_features_layout_and_width_check(tiny_cfg, tiny_params):
     drafter_forward(dparams, tiny_params, tokens[:, :1], feats[:, :1],
                     decode_inputs(jnp.zeros((3,), jnp.int32)), tiny_cfg, dcfg,
                     cache=init_drafter_cache(tiny_cfg, dcfg, 3, 8))
+
+
+def test_reduced_vocab_drafter_maps_drafts_to_policy_ids(tiny_cfg, tiny_params, plain_outputs):
+  """A drafter over a few of the 61 policy tokens: the oracle restricted to a draft vocabulary
+  that holds every token plain decoding emits still accepts the maximum (so draft ids map
+  back to the right policy ids), and a random one stays lossless."""
+  from tlt_jax.models.draft_vocab import frequent_tokens
+  from tlt_jax.models.drafter import with_draft_vocab
+  chain, _ = _run(tiny_cfg, tiny_params, 21, -1)
+  emitted = np.concatenate([np.asarray(chain.out).ravel(), plain_outputs.ravel()])
+  r = len(set(emitted.tolist())) + 4
+  d2t = frequent_tokens([emitted, range(tiny_cfg.vocab_size)], tiny_cfg.vocab_size, r)
+  assert set(emitted.tolist()) <= set(d2t.tolist()) and r < tiny_cfg.vocab_size
+  assert not np.array_equal(d2t, np.arange(r))
+  ocfg, oparams = oracle_drafter(tiny_cfg, tiny_params)
+  ocfg = dataclasses.replace(ocfg, draft_vocab_size=r)
+  oparams = with_draft_vocab(oparams, tiny_params, d2t, tiny_cfg)
+  state, accepted = _run(tiny_cfg, tiny_params, 21, -1, Strategy(4, 1, 5), (ocfg, oparams))
+  np.testing.assert_array_equal(np.asarray(state.out), np.asarray(chain.out))
+  assert accepted.shape[0] == 4 and (accepted == 5).all()  # every draft accepted
+
+  dcfg, dparams = random_drafter(tiny_cfg, seed=3, draft_vocab_size=r)
+  dparams = with_draft_vocab(dparams, tiny_params, d2t, tiny_cfg)
+  state, _ = _run(tiny_cfg, tiny_params, 14, -1, Strategy(3, 2, 6), (dcfg, dparams))
+  np.testing.assert_array_equal(np.asarray(state.out), plain_outputs)

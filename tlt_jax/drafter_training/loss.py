@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from tlt_jax.models.attention_inputs import unrolled_inputs
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import lm_logits
-from tlt_jax.models.drafter import DrafterConfig, drafter_forward
+from tlt_jax.models.draft_vocab import in_draft_vocab
+from tlt_jax.models.drafter import DRAFT_TO_POLICY, DrafterConfig, drafter_forward, \
+    policy_token_ids
 
 
 @flax.struct.dataclass
@@ -85,25 +87,34 @@ def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg:
     the total is the weighted mean, so K = 1 is the single-step loss.
   top1: how often the drafter's argmax equals the policy's argmax at step 1 (a proxy for
     acceptance); top1_ahead: the same at step K.
+  With a reduced draft vocabulary (EAGLE-3, FR-Spec) the cross-entropy's target is the
+  policy's distribution restricted to the draft vocabulary, and slots whose policy argmax lies
+  outside it (no draft can be accepted there) are left out of the loss.
   The policy params are only read (embedding, LM head) and get no gradient.
   """
   policy_params = jax.lax.stop_gradient(policy_params)
   target = batch.features[..., :cfg.hidden_size].astype(jnp.float32)
   target_logits = jax.lax.stop_gradient(lm_logits(policy_params, target, cfg))
-  soft = jax.nn.softmax(target_logits, axis=-1)
   target_top = jnp.argmax(target_logits, -1)
+  loss_mask = batch.loss_mask
+  if dcfg.draft_vocab_size:
+    d2t = drafter_params[DRAFT_TO_POLICY]
+    loss_mask = loss_mask & in_draft_vocab(d2t, cfg.vocab_size)[target_top]
+    target_logits = jnp.take(target_logits, d2t, axis=-1)
+  soft = jax.nn.softmax(target_logits, axis=-1)
   seg = batch.segment_ids
   total, weights, per_step = 0.0, 0.0, []
   for k, (pred, logits) in enumerate(unrolled_forward(drafter_params, policy_params, batch, cfg,
                                                       dcfg, steps_ahead)):
     # Slot t's chain is rooted at t - k: it must lie in the same sample.
     rooted = jnp.concatenate([jnp.zeros_like(seg[:, :k]), seg[:, :seg.shape[1] - k]], 1) == seg
-    mask = (batch.loss_mask & rooted).astype(jnp.float32)
+    mask = (loss_mask & rooted).astype(jnp.float32)
     n = jnp.maximum(mask.sum(), 1.0)
     feature_loss = jnp.sum(smooth_l1(pred.astype(jnp.float32), target).mean(-1) * mask) / n
     ce = -jnp.sum(soft * jax.nn.log_softmax(logits, axis=-1), axis=-1)
     ce_loss = jnp.sum(ce * mask) / n
-    top1 = jnp.sum((jnp.argmax(logits, -1) == target_top) * mask) / n
+    drafted = policy_token_ids(drafter_params, jnp.argmax(logits, -1))
+    top1 = jnp.sum((drafted == target_top) * mask) / n
     w = step_decay ** k
     total, weights = total + w * (feature_loss + ce_weight * ce_loss), weights + w
     per_step.append((feature_loss, ce_loss, top1, mask.sum()))

@@ -42,7 +42,7 @@ from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainS
 from tlt_jax.mesh import (DEFAULT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
                           replica_slices, stack_slices, to_mesh)
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes
+from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, trainable_part
 from tlt_jax.rollout.feature_log import FeatureBlock
 
 
@@ -129,7 +129,7 @@ class SpotTrainer:
     params = to_mesh(drafter_params, self._state_shardings(home).params)
     if opt_state is None:
       opt_state = jax.jit(self._tx.init, out_shardings=self._state_shardings(home).opt_state)(
-          params)
+          trainable_part(params))
     self.state = to_mesh(
         DrafterTrainState(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32)),
         self._state_shardings(home))
@@ -159,8 +159,8 @@ class SpotTrainer:
       rep = NamedSharding(mesh, P())
       p_sh = logical_shardings(self._axes, mesh, self.rules, self._shapes)
       o_sh = optax.tree_map_params(self._tx, lambda _, sh: sh,
-                                   jax.eval_shape(self._tx.init, self._shapes), p_sh,
-                                   transform_non_params=lambda _: rep)
+                                   jax.eval_shape(self._tx.init, trainable_part(self._shapes)),
+                                   trainable_part(p_sh), transform_non_params=lambda _: rep)
       self._shardings[mesh] = DrafterTrainState(params=p_sh, opt_state=o_sh, step=rep)
     return self._shardings[mesh]
 

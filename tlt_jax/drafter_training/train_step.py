@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig
+from tlt_jax.models.drafter import DrafterConfig, fixed_part, trainable_part
 from tlt_jax.drafter_training.loss import Windows, drafter_loss
 
 
@@ -38,23 +38,28 @@ def make_optimizer(oc: DrafterOptConfig) -> optax.GradientTransformation:
 
 @flax.struct.dataclass
 class DrafterTrainState:
+  """params: the whole drafter; opt_state: over its trainable part (`trainable_part`)."""
   params: dict
   opt_state: optax.OptState
   step: jax.Array  # int32, advanced by every update
 
 
 def init_train_state(params: dict, oc: DrafterOptConfig) -> DrafterTrainState:
-  return DrafterTrainState(params=params, opt_state=make_optimizer(oc).init(params),
+  return DrafterTrainState(params=params,
+                           opt_state=make_optimizer(oc).init(trainable_part(params)),
                            step=jnp.zeros((), jnp.int32))
 
 
 def train_step(state: DrafterTrainState, policy_params: dict, batch: Windows, cfg: ModelConfig,
                dcfg: DrafterConfig, oc: DrafterOptConfig):
-  """One AdamW update of the drafter on a batch of windows -> (new state, metrics)."""
-  grads, metrics = jax.grad(drafter_loss, has_aux=True)(
-      state.params, policy_params, batch, cfg, dcfg, oc.ce_weight, oc.steps_ahead, oc.step_decay)
-  updates, opt_state = make_optimizer(oc).update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  """One AdamW update of the drafter on a batch of windows -> (new state, metrics). The
+  fixed vocabulary map (if any) gets no gradient and no update."""
+  fixed, trainable = fixed_part(state.params), trainable_part(state.params)
+  grads, metrics = jax.grad(lambda p: drafter_loss(
+      {**p, **fixed}, policy_params, batch, cfg, dcfg, oc.ce_weight, oc.steps_ahead,
+      oc.step_decay), has_aux=True)(trainable)
+  updates, opt_state = make_optimizer(oc).update(grads, state.opt_state, trainable)
+  params = {**optax.apply_updates(trainable, updates), **fixed}
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
   return DrafterTrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 

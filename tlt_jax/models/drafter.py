@@ -9,6 +9,12 @@ The embedding and LM head are the policy's: `drafter_forward` takes the policy p
 them, and the drafter's own params never contain them, so training the drafter or syncing its
 weights can never touch the policy. Its layers are the policy's `layer_forward`, one weights
 dict per layer (`layer_0`, `layer_1`, ...).
+
+With a reduced draft vocabulary (`draft_vocab_size` r > 0, EAGLE-3) the drafter has its own
+head `lm_head` [E, r] over r policy tokens and the fixed map `d2t` [r] int32 from draft ids to
+policy ids (`tlt_jax.models.draft_vocab`); its logits are over draft ids, and
+`policy_token_ids` maps what it drafts back. `d2t` is the one integer leaf of the params and
+is never trained (`trainable_part`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from tlt_jax.models.layers import LayerCache, layer_forward, layer_param_specs, 
 from tlt_jax.models.params import ParamSpec, init_from_specs, logical_axes_from_specs
 
 
+# The params key of the reduced vocabulary's draft-id -> policy-id map (int32, never trained).
+DRAFT_TO_POLICY = "d2t"
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
   """Drafter architecture knobs (the rest follows the policy's ModelConfig).
@@ -41,6 +51,8 @@ class DrafterConfig:
     `feature_layers`, EAGLE-3 style); > 0 adds a `fuse` projection (1 + n) * E -> E for
     features that come from the policy. Features the drafter predicted itself are E wide
     and go in as they are.
+  draft_vocab_size: r > 0 drafts over r policy tokens with its own [E, r] head (EAGLE-3's
+    reduced vocabulary); 0 drafts over the policy's whole vocabulary with the policy's head.
   """
   num_layers: int = 1
   use_features: bool = True
@@ -48,6 +60,7 @@ class DrafterConfig:
   norm_input: bool = False
   norm_output: bool = False
   fused_features: int = 0
+  draft_vocab_size: int = 0
 
   def __post_init__(self):
     if self.num_layers < 1:
@@ -56,6 +69,9 @@ class DrafterConfig:
       raise ValueError(f"drafter.fused_features must be >= 0, got {self.fused_features}")
     if self.intermediate_size < 0:
       raise ValueError(f"drafter.intermediate_size must be >= 0, got {self.intermediate_size}")
+    if self.draft_vocab_size < 0:
+      raise ValueError(f"drafter.draft_vocab_size must be >= 0 (0 = the policy's vocabulary), "
+                       f"got {self.draft_vocab_size}")
 
 
 def drafter_model_config(cfg: ModelConfig, dcfg: DrafterConfig) -> ModelConfig:
@@ -68,7 +84,8 @@ def drafter_model_config(cfg: ModelConfig, dcfg: DrafterConfig) -> ModelConfig:
 
 def drafter_param_specs(cfg: ModelConfig, dcfg: DrafterConfig) -> dict:
   """The ParamSpec tree of the drafter: fc/{kernel [2E or E, E], bias [E]}; fuse/kernel
-  [(1 + n) E, E] with fused features; layer_i/...; norm/weight with norm_output."""
+  [(1 + n) E, E] with fused features; layer_i/...; norm/weight with norm_output; lm_head/kernel
+  [E, r] and d2t [r] int32 with a reduced draft vocabulary."""
   lcfg = drafter_model_config(cfg, dcfg)
   e = cfg.hidden_size
   fc_in = 2 * e if dcfg.use_features else e
@@ -81,6 +98,12 @@ def drafter_param_specs(cfg: ModelConfig, dcfg: DrafterConfig) -> dict:
     specs[f"layer_{i}"] = layer_param_specs(lcfg, input_norm=i > 0 or dcfg.norm_input)
   if dcfg.norm_output:
     specs["norm"] = {"weight": ParamSpec((e,), ("embed",), "ones")}
+  if dcfg.draft_vocab_size:
+    if dcfg.draft_vocab_size > cfg.vocab_size:
+      raise ValueError(f"drafter.draft_vocab_size={dcfg.draft_vocab_size} exceeds the policy's "
+                       f"vocabulary ({cfg.vocab_size}); use at most {cfg.vocab_size} or 0")
+    specs["lm_head"] = {"kernel": ParamSpec((e, dcfg.draft_vocab_size), ("embed", "vocab"))}
+    specs[DRAFT_TO_POLICY] = ParamSpec((dcfg.draft_vocab_size,), (None,), "index")
   return specs
 
 
@@ -114,7 +137,8 @@ def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array
     earlier_kv: optional (k, v) [Ld, B, N0, KVH, D] of earlier uncached draft nodes, which
       attn.mask covers before the block's own keys.
   Returns:
-    (features_pred [B, T, E], logits [B, T, V] float32, k_new, v_new [Ld, B, T, KVH, D]).
+    (features_pred [B, T, E], logits [B, T, V or r] float32 over policy or draft ids, k_new,
+    v_new [Ld, B, T, KVH, D]).
   """
   lcfg = drafter_model_config(cfg, dcfg)
   e = cfg.hidden_size
@@ -144,7 +168,39 @@ def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array
     vs.append(v)
   if dcfg.norm_output:
     x = rms_norm(x, drafter_params["norm"]["weight"], lcfg.rms_norm_eps)
-  return x, lm_logits(policy_params, x, cfg), jnp.stack(ks), jnp.stack(vs)
+  head = policy_params if not dcfg.draft_vocab_size else drafter_params
+  head_cfg = cfg if not dcfg.draft_vocab_size else cfg.replace(tie_embeddings=False)
+  return x, lm_logits(head, x, head_cfg), jnp.stack(ks), jnp.stack(vs)
+
+
+def policy_token_ids(drafter_params: dict, ids: jax.Array) -> jax.Array:
+  """Draft ids -> policy ids (int32, same shape); the identity without a reduced vocabulary."""
+  if DRAFT_TO_POLICY not in drafter_params:
+    return ids
+  return jnp.take(drafter_params[DRAFT_TO_POLICY], ids, axis=0)
+
+
+def with_draft_vocab(drafter_params: dict, policy_params: dict, d2t, cfg: ModelConfig) -> dict:
+  """The drafter params with the draft vocabulary `d2t` ([r] policy ids, increasing) and its
+  head started from the policy's LM head at those ids (as EAGLE-3 starts it): the params of
+  the same drafter with draft_vocab_size = r."""
+  d2t = jnp.asarray(d2t, jnp.int32)
+  if cfg.tie_embeddings:
+    head = jnp.take(policy_params["embed"]["embedding"], d2t, axis=0).T
+  else:
+    head = jnp.take(policy_params["lm_head"]["kernel"], d2t, axis=1)
+  dtype = drafter_params["fc"]["kernel"].dtype
+  return {**drafter_params, DRAFT_TO_POLICY: d2t, "lm_head": {"kernel": head.astype(dtype)}}
+
+
+def trainable_part(drafter_params: dict) -> dict:
+  """The weights an optimizer updates: everything but the fixed vocabulary map."""
+  return {k: v for k, v in drafter_params.items() if k != DRAFT_TO_POLICY}
+
+
+def fixed_part(drafter_params: dict) -> dict:
+  """What training never changes: the vocabulary map (empty without one)."""
+  return {k: v for k, v in drafter_params.items() if k == DRAFT_TO_POLICY}
 
 
 def drafter_from_policy(cfg: ModelConfig, policy_params: dict) -> tuple[DrafterConfig, dict]:

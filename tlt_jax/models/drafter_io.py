@@ -5,6 +5,11 @@ for) and `model.safetensors` with EAGLE's tensor names: `fc.weight` / `fc.bias` 
 torch.nn.Linear stores them), `layers.{i}.self_attn.q_proj.weight` and the rest of each
 decoder layer under the same names as the policy's layers, and `norm.weight` / `fuse.weight`
 when the architecture has them. The embedding and LM head are the policy's and are not saved.
+
+A drafter with a reduced draft vocabulary also holds its own head and the vocabulary maps as
+EAGLE-3 stores them: `lm_head.weight` [r, E], `d2t` [r] int64 offsets (policy id = draft id +
+d2t[draft id]) and `t2d` [V] bool (the policy ids in the draft vocabulary), with
+`draft_vocab_size` at the top level of config.json.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig, drafter_model_config, init_drafter_params
+from tlt_jax.models.draft_vocab import ids_from_offsets, in_draft_vocab, offsets_from_ids
+from tlt_jax.models.drafter import (DRAFT_TO_POLICY, DrafterConfig, drafter_model_config,
+                                    init_drafter_params)
 from tlt_jax.models.hf import _tensor_table
 
 CONFIG_FILE = "config.json"
@@ -37,6 +45,9 @@ def _tensors(cfg: ModelConfig, dcfg: DrafterConfig):
     rows.append(("fuse.weight", ("fuse", "kernel"), t, t))
   if dcfg.norm_output:
     rows.append(("norm.weight", ("norm", "weight"), None, None))
+  if dcfg.draft_vocab_size:
+    rows.append(("lm_head.weight", ("lm_head", "kernel"), t, t))
+    rows.append(("d2t", (DRAFT_TO_POLICY,), ids_from_offsets, offsets_from_ids))
   layer_rows = [r for r in _tensor_table(drafter_model_config(cfg, dcfg)) if r.per_layer]
   for i in range(dcfg.num_layers):
     for r in layer_rows:
@@ -45,6 +56,10 @@ def _tensors(cfg: ModelConfig, dcfg: DrafterConfig):
       rows.append((r.hf_name.format(i=i).removeprefix("model."), (f"layer_{i}",) + r.path[1:],
                    r.to_ours, r.to_hf))
   return rows
+
+
+def _t2d_mask(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
+  return np.asarray(in_draft_vocab(jnp.asarray(d2t), vocab_size))
 
 
 def save_drafter(path: str, params: dict, cfg: ModelConfig, dcfg: DrafterConfig,
@@ -58,10 +73,15 @@ def save_drafter(path: str, params: dict, cfg: ModelConfig, dcfg: DrafterConfig,
       value = value[k]
     arr = np.asarray(jax.device_get(value))
     tensors[name] = np.ascontiguousarray(to_hf(arr) if to_hf else arr)
+  if dcfg.draft_vocab_size:
+    d2t = np.asarray(jax.device_get(params[DRAFT_TO_POLICY]))
+    tensors["t2d"] = _t2d_mask(d2t, cfg.vocab_size)
   save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
   config = {"architectures": ["TltJaxEagleDrafter"], "drafter": dataclasses.asdict(dcfg),
             "policy": {f: getattr(cfg, f) for f in POLICY_FIELDS},
             "torch_dtype": str(cfg.param_dtype), **(metadata or {})}
+  if dcfg.draft_vocab_size:
+    config["draft_vocab_size"] = dcfg.draft_vocab_size
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
     json.dump(config, f, indent=2)
 
@@ -88,7 +108,7 @@ def load_drafter(path: str, cfg: ModelConfig) -> tuple[DrafterConfig, dict]:
   params: dict = {}
   with safe_open(os.path.join(path, WEIGHTS_FILE), framework="np") as f:
     names = set(f.keys())
-    expected = {r[0] for r in rows}
+    expected = {r[0] for r in rows} | ({"t2d"} if dcfg.draft_vocab_size else set())
     if names != expected:
       raise ValueError(f"drafter {path!r}: missing tensors {sorted(expected - names)}, "
                        f"unexpected tensors {sorted(names - expected)}")
@@ -106,5 +126,13 @@ def load_drafter(path: str, cfg: ModelConfig) -> tuple[DrafterConfig, dict]:
       node = params
       for k in tree_path[:-1]:
         node = node.setdefault(k, {})
-      node[tree_path[-1]] = arr.astype(cfg.jnp_param_dtype)
+      node[tree_path[-1]] = arr if tree_path == (DRAFT_TO_POLICY,) else arr.astype(
+          cfg.jnp_param_dtype)
+    if dcfg.draft_vocab_size:
+      d2t = params[DRAFT_TO_POLICY]
+      if (np.any(d2t < 0) or np.any(d2t >= cfg.vocab_size) or np.any(np.diff(d2t) <= 0)
+          or not np.array_equal(f.get_tensor("t2d"), _t2d_mask(d2t, cfg.vocab_size))):
+        raise ValueError(f"drafter {path!r}: its d2t and t2d do not describe one draft "
+                         f"vocabulary of increasing policy ids below {cfg.vocab_size}")
   return dcfg, params
+

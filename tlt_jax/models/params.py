@@ -18,8 +18,8 @@ INIT_STDDEV = 0.02
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-  """shape, logical axis names (one per dimension), init: 'normal' (stddev 0.02), 'ones' or
-  'zeros'."""
+  """shape, logical axis names (one per dimension), init: 'normal' (stddev 0.02), 'ones',
+  'zeros' or 'index' (int32 0, 1, ..., for a fixed index map that is never trained)."""
   shape: tuple[int, ...]
   axes: tuple[str | None, ...]
   init: str = "normal"
@@ -44,6 +44,8 @@ def init_from_specs(specs, rng: jax.Array, dtype) -> dict:
   keys = jax.random.split(rng, len(leaves))
 
   def one(spec: ParamSpec, key):
+    if spec.init == "index":
+      return jnp.arange(spec.shape[0], dtype=jnp.int32)
     if spec.init == "ones":
       return jnp.ones(spec.shape, dtype)
     if spec.init == "zeros":

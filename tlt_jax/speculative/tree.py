@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from tlt_jax.models.attention_inputs import (ancestor_mask, decode_inputs, expansion_inputs,
                                              tree_depths)
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig, drafter_forward
+from tlt_jax.models.drafter import DrafterConfig, drafter_forward, policy_token_ids
 from tlt_jax.models.kv_cache import KVCache, append_kv
 from tlt_jax.speculative.strategy import Strategy
 
@@ -61,6 +61,7 @@ def build_draft_tree(drafter_params: dict, policy_params: dict, root_tokens: jax
       decode_inputs(n), cfg, dcfg, cache=drafter_cache)
   drafter_cache = append_kv(drafter_cache, k_root, v_root, active.astype(jnp.int32))
   logp, tok = jax.lax.top_k(jax.nn.log_softmax(logits[:, 0]), k)  # [B, K]
+  tok = policy_token_ids(drafter_params, tok)  # a reduced draft vocabulary's ids -> policy's
 
   cand_tokens, cand_scores, cand_parents = [tok], [logp], [jnp.full((b, k), -1, jnp.int32)]
   beam_ids = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index
@@ -83,6 +84,7 @@ def build_draft_tree(drafter_params: dict, policy_params: dict, root_tokens: jax
     buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, v_new.astype(buf_v.dtype), slot0, 2)
 
     child_logp, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits), k)  # [B, K, K]
+    child_tok = policy_token_ids(drafter_params, child_tok)
     scores = (beam_scores[:, :, None] + child_logp).reshape(b, k * k)
     child_tok = child_tok.reshape(b, k * k)
     cand_tokens.append(child_tok)
