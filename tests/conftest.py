@@ -52,14 +52,3 @@ def repo_config(name: str, arg: str | None = None):
     sys.path.pop(0)
   return module.get_config(arg)
 
-
-# Files whose tests run whole jobs in subprocesses, slowest first. CI spreads test files over
-# two workers in collection order (pytest -n 2 --dist loadfile), so starting these first lets
-# the short files fill in around them and both workers finish at about the same time.
-SLOWEST_FILES = ("tests/test_train.py", "tests/test_experiments.py", "tests/test_multihost.py",
-                 "tests/rollout/test_engine.py", "tests/drafter_training/test_spot.py")
-
-
-def pytest_collection_modifyitems(config, items):
-  rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

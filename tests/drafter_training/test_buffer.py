@@ -18,11 +18,14 @@ from tlt_jax.speculative.tuner import FixedTuner
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [3, 3], [20, 1]]
 
 
-def _policy_features(cfg, params, seq):
+def _policy_features(cfg, params, seq, width=32):
+  """The policy's features of `seq`, prefilled padded to one width (one compile for all)."""
   n = len(seq)
-  _, feats, _ = prefill(params, jnp.asarray(np.asarray(seq)[None]), jnp.asarray([n]),
-                        init_cache(cfg, 1, n), cfg)
-  return np.asarray(feats[0])
+  tokens = np.zeros((1, width), np.int32)
+  tokens[0, :n] = seq
+  _, feats, _ = prefill(params, jnp.asarray(tokens), jnp.asarray([n]),
+                        init_cache(cfg, 1, width), cfg)
+  return np.asarray(feats[0, :n])
 
 
 @pytest.mark.parametrize("threshold", [0, 2])  # plain decoding only; plain then SD
