@@ -192,19 +192,31 @@ def main(argv=None):
 
 
 def plot(rows, strategies, path):
-  fig, ax = plt.subplots(figsize=(6, 4))
-  vocabs = sorted({r["draft_vocab_size"] for r in rows})
-  for i, s in enumerate(strategies):
-    for feat, style in (("unfused", "-"), ("fused", "--")):
-      for vocab, marker in zip(vocabs, "osd^v"):
-        pts = sorted((r["steps_ahead"], r["accept_len"][label(s)]) for r in rows
-                     if r["features"] == feat and r["draft_vocab_size"] == vocab)
-        if pts:
-          tag = f" r={vocab}" if vocab else ""
-          ax.plot(*zip(*pts), style, marker=marker, color=f"C{i}", label=f"{s} {feat}{tag}")
-  ax.set_xlabel("draft steps unrolled in training (K)")
+  """Accept length against K per strategy and drafter; with a single K, bars per strategy."""
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  if len({r["steps_ahead"] for r in rows}) == 1:
+    width = 0.8 / len(rows)
+    x = np.arange(len(strategies))
+    for j, r in enumerate(rows):
+      ax.bar(x + j * width, [r["accept_len"][label(s)] for s in strategies], width,
+             label=r["variant"])
+    ax.set_xticks(x + 0.4 - width / 2, [f"({label(s)})" for s in strategies])
+    ax.set_xlabel("strategy (steps, topk, verify tokens)")
+    ax.set_title("accept length per strategy and drafter")
+  else:
+    vocabs = sorted({r["draft_vocab_size"] for r in rows})
+    for i, s in enumerate(strategies):
+      for feat, style in (("unfused", "-"), ("fused", "--")):
+        for vocab, marker in zip(vocabs, "osd^v"):
+          pts = sorted((r["steps_ahead"], r["accept_len"][label(s)]) for r in rows
+                       if r["features"] == feat and r["draft_vocab_size"] == vocab)
+          if pts:
+            tag = f" r={vocab}" if vocab else ""
+            ax.plot(*zip(*pts), style, marker=marker, color=f"C{i}",
+                    label=f"({label(s)}) {feat}{tag}")
+    ax.set_xlabel("draft steps unrolled in training (K)")
+    ax.set_title("training-time test: accept length per strategy")
   ax.set_ylabel("greedy accept length")
-  ax.set_title("training-time test: accept length per strategy")
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
