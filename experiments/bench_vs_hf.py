@@ -161,7 +161,8 @@ def main():
   key = jax.random.key(0)
   result = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
             "torch_threads": torch.get_num_threads(), "policy": args.policy,
-            "max_new_tokens": args.max_new_tokens, "greedy": {}, "speculative": {}}
+            "max_new_tokens": args.max_new_tokens, "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(sys.argv), "greedy": {}, "speculative": {}}
 
   # ---------------------------------------------------------------- greedy, per batch size
   for b in args.batch_sizes:
