@@ -56,7 +56,8 @@ def unrolled_forward(drafter_params: dict, policy_params: dict, batch: Windows,
   the depth-(k - 1) node of a draft tree rooted at slot t - k + 1 (`unrolled_inputs`): slot t
   of step k is what drafting computes k - 1 steps past that root when every earlier draft was
   the true token. Slots whose root lies before their sample start hold garbage.
-  Returns per step (features_pred [B, W, E], logits [B, W, V] float32).
+  Returns per step (features_pred [B, W, E], logits [B, W, V or r] float32, r with a reduced
+  draft vocabulary).
   """
   features = previous_features(batch.features, batch.segment_ids)
   earlier, out = None, []

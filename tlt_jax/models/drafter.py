@@ -168,9 +168,11 @@ def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array
     vs.append(v)
   if dcfg.norm_output:
     x = rms_norm(x, drafter_params["norm"]["weight"], lcfg.rms_norm_eps)
-  head = policy_params if not dcfg.draft_vocab_size else drafter_params
-  head_cfg = cfg if not dcfg.draft_vocab_size else cfg.replace(tie_embeddings=False)
-  return x, lm_logits(head, x, head_cfg), jnp.stack(ks), jnp.stack(vs)
+  if dcfg.draft_vocab_size:  # its own untied [E, r] head
+    logits = lm_logits(drafter_params, x, cfg.replace(tie_embeddings=False))
+  else:
+    logits = lm_logits(policy_params, x, cfg)
+  return x, logits, jnp.stack(ks), jnp.stack(vs)
 
 
 def policy_token_ids(drafter_params: dict, ids: jax.Array) -> jax.Array:
