@@ -12,6 +12,10 @@ from tests.experiment_modules import load_experiment
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _jsonl(path):
+  return [json.loads(line) for line in open(path)]
+
+
 def _run_script(script, *args, timeout=600):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script), *args],
@@ -122,6 +126,19 @@ def test_rl_runs_quick(tmp_path):
   e2e = data["end_to_end"]
   assert e2e["steps"] == 2 and e2e["speedup_step_time"] > 0
   assert "speedup_without_compiles_after_first" in e2e
+  # Every token's randomness comes from (seed, step, request, position): with SD or without,
+  # any drafter, spot-trained or not, the job samples the same responses at temperature 1
+  # (tests/rollout/test_engine.py checks top-p), so it scores the same rewards and takes the
+  # same updates.
+  completions = {name: [r["completion"] for r in _jsonl(tmp_path / "runs" / name /
+                                                         "rollouts.jsonl")]
+                 for name in data["runs"]}
+  assert len(set(completions["baseline"])) > len(completions["baseline"]) // 2  # sampled
+  same = ("reward_mean", "accuracy", "response_len_mean", "response_len_max", "rollout_tokens")
+  for name, run in data["runs"].items():
+    assert completions[name] == completions["baseline"], name
+    assert [{k: m[k] for k in same} for m in run["metrics"]] == \
+        [{k: m[k] for k in same} for m in data["runs"]["baseline"]["metrics"]], name
 
 
 @pytest.mark.slow

@@ -34,10 +34,9 @@ class ExecutablePool:
                            f"Fewer batch buckets or strategies, or a larger pool")
       import jax
       t0 = time.perf_counter()
-      kw = {}
       if out_shardings is not None:
-        kw["out_shardings"] = out_shardings(jax.eval_shape(fn, *args))
-      exe = jax.jit(fn, donate_argnums=donate_argnums, **kw).lower(*args).compile()
+        fn = _with_output_layout(fn, out_shardings)
+      exe = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
       self.compile_seconds += time.perf_counter() - t0
       self.compiles += 1
       self._exes[key] = exe
@@ -53,3 +52,15 @@ class ExecutablePool:
     """{'executables', 'compiles', 'compile_s', 'keys'} for logs and benchmarks."""
     return {"executables": len(self._exes), "compiles": self.compiles,
             "compile_s": self.compile_seconds, "keys": [repr(k) for k in self._exes]}
+
+
+def _with_output_layout(fn: Callable, out_shardings: Callable) -> Callable:
+  """fn whose outputs are constrained to `out_shardings(outputs)`: the layout pinned inside
+  the one trace that lowering does (asking jit for out_shardings would need the output
+  shapes first, that is, a second trace of the whole program)."""
+  import jax
+
+  def pinned(*args):
+    out = fn(*args)
+    return jax.lax.with_sharding_constraint(out, out_shardings(out))
+  return pinned
