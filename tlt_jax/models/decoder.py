@@ -124,7 +124,7 @@ def forward(params: dict, tokens: jax.Array, attn: AttentionInputs, cfg: ModelCo
 
 
 def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
-            cfg: ModelConfig):
+            cfg: ModelConfig, fresh: bool = False):
   """Runs right-padded prompts and appends them to the cache.
 
   Args:
@@ -132,12 +132,15 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
     lengths: [B] int32 prompt lengths (0 allowed: the row is left untouched).
     cache: appended to at slots cache.lengths[b] + j (usually an empty cache; a non-empty one
       makes this a chunked prefill).
+    fresh: the caller guarantees the cache is empty, so the prompts attend to themselves only
+      and not to the cache's S empty slots (the prefill's cost then does not grow with S).
   Returns:
     logits [B, T, V] float32, features [B, T, F] (final-norm hidden states first; see
     `forward`), the new cache. Entries at padding positions are meaningless.
   """
   attn = prefill_inputs(cache.lengths, tokens.shape[1], lengths)
-  logits, features, k_new, v_new = forward(params, tokens, attn, cfg, cache)
+  logits, features, k_new, v_new = forward(params, tokens, attn, cfg,
+                                           None if fresh else cache)
   return logits, features, append_kv(cache, k_new, v_new, lengths)
 
 

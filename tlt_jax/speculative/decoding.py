@@ -118,7 +118,8 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
           cfg: ModelConfig, drafter_params: dict | None = None,
           draft_cache: KVCache | None = None, dcfg: DrafterConfig | None = None,
           log_features: bool = False, requests: jax.Array | None = None) -> GenState:
-  """Prefills right-padded prompts [B, P] (lengths [B] >= 1) and samples the first token.
+  """Prefills right-padded prompts [B, P] (lengths [B] >= 1) into empty caches (`cache`,
+  `draft_cache`: fresh from init_cache) and samples the first token.
 
   key: the rollout's key; requests: [B] int32 request ids (default 0 .. B-1, -1 = padding):
     together they fix every token's noise.
@@ -129,7 +130,7 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
   b = prompts.shape[0]
   if requests is None:
     requests = jnp.arange(b, dtype=jnp.int32)
-  logits, hidden, cache = prefill(policy_params, prompts, lengths, cache, cfg)
+  logits, hidden, cache = prefill(policy_params, prompts, lengths, cache, cfg, fresh=True)
   last = lengths - 1
   take_last = lambda x: jnp.take_along_axis(  # noqa: E731
       x, last.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
@@ -139,8 +140,7 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
     prev_features = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
     _, _, k_new, v_new = drafter_forward(
         drafter_params, policy_params, prompts, prev_features,
-        prefill_inputs(draft_cache.lengths, prompts.shape[1], lengths), cfg, dcfg,
-        cache=draft_cache)
+        prefill_inputs(draft_cache.lengths, prompts.shape[1], lengths), cfg, dcfg)
     draft_cache = append_kv(draft_cache, k_new, v_new, lengths)
   log = None
   if log_features:
