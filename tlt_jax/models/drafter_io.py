@@ -135,4 +135,3 @@ def load_drafter(path: str, cfg: ModelConfig) -> tuple[DrafterConfig, dict]:
         raise ValueError(f"drafter {path!r}: its d2t and t2d do not describe one draft "
                          f"vocabulary of increasing policy ids below {cfg.vocab_size}")
   return dcfg, params
-

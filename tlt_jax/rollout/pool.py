@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 
+import jax
+
 
 class ExecutablePool:
   """Compiled executables by key; `max_size` bounds the pool (an error, not an eviction, so a
@@ -32,7 +34,6 @@ class ExecutablePool:
       if len(self._exes) >= self.max_size:
         raise RuntimeError(f"executable pool is full ({self.max_size}); new key {key!r}. "
                            f"Fewer batch buckets or strategies, or a larger pool")
-      import jax
       t0 = time.perf_counter()
       if out_shardings is not None:
         fn = _with_output_layout(fn, out_shardings)
@@ -58,8 +59,6 @@ def _with_output_layout(fn: Callable, out_shardings: Callable) -> Callable:
   """fn whose outputs are constrained to `out_shardings(outputs)`: the layout pinned inside
   the one trace that lowering does (asking jit for out_shardings would need the output
   shapes first, that is, a second trace of the whole program)."""
-  import jax
-
   def pinned(*args):
     out = fn(*args)
     return jax.lax.with_sharding_constraint(out, out_shardings(out))
