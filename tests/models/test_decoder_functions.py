@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.models import decode, init_cache, prefill, verify
-from tlt_jax.models.attention_inputs import (ancestor_mask, expansion_inputs, packed_inputs,
-                                             prefill_inputs, tree_depths)
+from tlt_jax.models import append_kv, decode, init_cache, prefill, verify
+from tlt_jax.models.attention_inputs import (ancestor_mask, decode_inputs, expansion_inputs,
+                                             packed_inputs, prefill_inputs, tree_depths)
 from tlt_jax.models.decoder import forward, param_logical_axes, param_specs
 from tlt_jax.models.params import ParamSpec
 
@@ -47,6 +47,32 @@ def test_scan_and_loop_over_layers_give_the_same_outputs(tiny_cfg, tiny_params, 
                                atol=1e-6, err_msg=name)
   e = tiny_cfg.hidden_size
   assert loop["pre_feats"].shape[-1] == e * (1 + len(feature_layers))
+
+
+def test_decode_writes_then_attends_like_a_one_token_forward(tiny_cfg, tiny_params):
+  """Decode (the token's key/value written into the cache before attending) gives the
+  logits, features and cache of a one-token `forward` over the prefix plus the token followed
+  by `append_kv`; an inactive row's cache is left as it was."""
+  rng = np.random.default_rng(1)
+  tokens = jnp.asarray(rng.integers(0, tiny_cfg.vocab_size, (3, 7)), jnp.int32)
+  for cfg in (tiny_cfg.replace(feature_layers=(1,)),
+              tiny_cfg.replace(feature_layers=(1,), scan_layers=True)):
+    _, _, cache = prefill(tiny_params, tokens, jnp.asarray(LENGTHS), init_cache(cfg, 3, 16),
+                          cfg)
+    active = jnp.asarray([True, False, True])
+    logits, feats, new_cache = jax.jit(functools.partial(decode, cfg=cfg))(
+        tiny_params, tokens[:, 1], cache, active=active)
+    want_logits, want_feats, k, v = forward(tiny_params, tokens[:, 1:2],
+                                            decode_inputs(cache.lengths), cfg, cache)
+    want_cache = append_kv(cache, k, v, active.astype(jnp.int32))
+    rows = np.asarray(active)
+    np.testing.assert_allclose(np.asarray(logits)[rows], np.asarray(want_logits[:, 0])[rows],
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(feats)[rows], np.asarray(want_feats[:, 0])[rows],
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(new_cache.lengths), [6, 2, 8])
+    for got, want in ((new_cache.k, want_cache.k), (new_cache.v, want_cache.v)):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
 
 
 def test_training_forward_without_a_cache_matches_prefill(tiny_cfg, tiny_params):

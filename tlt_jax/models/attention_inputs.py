@@ -45,6 +45,13 @@ def decode_inputs(position: jax.Array) -> AttentionInputs:
                          mask=jnp.ones((position.shape[0], 1, 1), bool))
 
 
+def cached_decode_inputs(position: jax.Array) -> AttentionInputs:
+  """One token per row at position[b] whose key/value is already written into the cache at
+  slot position[b]: it attends to the cache alone, its own uncached copy masked out."""
+  return AttentionInputs(positions=position[:, None],
+                         mask=jnp.zeros((position.shape[0], 1, 1), bool))
+
+
 def tree_inputs(start: jax.Array, depths: jax.Array, ancestors: jax.Array) -> AttentionInputs:
   """A draft tree of T nodes whose root sits at position start[b]: node i at start + depth,
   attending to its ancestors and itself (ancestors [B, T, T], see `ancestor_mask`)."""

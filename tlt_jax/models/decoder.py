@@ -5,9 +5,11 @@ Weights (a plain nested dict; `param_specs` is the table of shapes and logical a
   embed/embedding [V, E]; layers/<one layer's weights with a leading L axis> (see
   `tlt_jax.models.layers`); norm/weight [E]; lm_head/kernel [E, V] (absent when tied).
 
-All three entry points run `forward`: T new tokens per row at explicit positions attend to the
+Prefill and verify run `forward`: T new tokens per row at explicit positions attend to the
 cached prefix and to each other under a mask (`tlt_jax.models.attention_inputs`); they differ
-only in the attention inputs and in what is written back to the cache. The layers run as a
+only in the attention inputs and in what is written back to the cache. Decode runs the same
+layers on one token per row but writes its key/value into the cache before attending, so the
+cache is updated in place rather than copied on every step. The layers run as a
 Python loop over static slices of the stacked weights (on GPU a `lax.scan` copies each layer's
 slice before its matmuls); `cfg.scan_layers` selects the scan, which compiles faster for deep
 models.
@@ -19,11 +21,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models.attention_inputs import (AttentionInputs, decode_inputs, prefill_inputs,
-                                             tree_inputs)
+from tlt_jax.models.attention_inputs import (AttentionInputs, cached_decode_inputs,
+                                             prefill_inputs, tree_inputs)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, append_kv, empty_prefix, gather_tree_kv
-from tlt_jax.models.layers import LayerCache, layer_forward, layer_param_specs, rms_norm
+from tlt_jax.models.layers import (LayerCache, cached_layer_forward, layer_forward,
+                                   layer_param_specs, rms_norm)
 from tlt_jax.models.params import ParamSpec, init_from_specs, logical_axes_from_specs
 
 
@@ -72,35 +75,46 @@ def _layer(tree: dict, i: int) -> dict:
   return jax.tree.map(lambda x: x[i], tree)
 
 
+def over_layers(fn, carry, xs, cfg: ModelConfig):
+  """Runs fn(carry, i, xs_i) -> (carry, y) for each layer i: a Python loop over static
+  slices of xs (a pytree with a leading L axis) and a static i, or a `lax.scan` with a traced
+  i under cfg.scan_layers. Returns (carry, the ys stacked on a leading L axis)."""
+  if cfg.scan_layers:
+    return jax.lax.scan(lambda c, a: fn(c, a[0], a[1]), carry,
+                        (jnp.arange(cfg.num_layers), xs))
+  ys = []
+  for i in range(cfg.num_layers):
+    carry, y = fn(carry, i, _layer(xs, i))
+    ys.append(y)
+  return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+
 def run_layers(layers: dict, x: jax.Array, attn: AttentionInputs, cache: KVCache | None,
                cfg: ModelConfig):
-  """The decoder stack over x [B, T, E]: a Python loop over layers, or a lax.scan with
-  cfg.scan_layers.
+  """The decoder stack over x [B, T, E] (see `over_layers`).
 
   Returns:
     (x [B, T, E], k_new, v_new [L, B, T, KVH, D], outputs of cfg.feature_layers (a list of
     [B, T, E])).
   """
-  b = x.shape[0]
   if cache is None:
-    cache = empty_prefix(cfg, b)
-  if cfg.scan_layers:
-    def body(x, layer_args):
-      w, k_cache, v_cache = layer_args
-      x, k, v = layer_forward(x, w, attn, LayerCache(k_cache, v_cache, cache.lengths), cfg)
-      return x, (k, v, x if cfg.feature_layers else None)
-    x, (k_new, v_new, outs) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
-    taken = [outs[i] for i in cfg.feature_layers]
-    return x, k_new, v_new, taken
-  ks, vs, taken = [], [], {}
-  for i in range(cfg.num_layers):
-    x, k, v = layer_forward(x, _layer(layers, i), attn,
-                            LayerCache(cache.k[i], cache.v[i], cache.lengths), cfg)
-    ks.append(k)
-    vs.append(v)
-    if i in cfg.feature_layers:
-      taken[i] = x
-  return x, jnp.stack(ks), jnp.stack(vs), [taken[i] for i in cfg.feature_layers]
+    cache = empty_prefix(cfg, x.shape[0])
+
+  def layer(x, i, w_k_v):
+    w, k_cache, v_cache = w_k_v
+    x, k, v = layer_forward(x, w, attn, LayerCache(k_cache, v_cache, cache.lengths), cfg)
+    return x, (k, v, x if cfg.feature_layers else None)
+  x, (k_new, v_new, outs) = over_layers(layer, x, (layers, cache.k, cache.v), cfg)
+  return x, k_new, v_new, [outs[i] for i in cfg.feature_layers]
+
+
+def _outputs(params: dict, x: jax.Array, taken: list, cfg: ModelConfig):
+  """The stack's output x [B, T, E] and the feature layers' outputs -> (logits [B, T, V]
+  float32, features [B, T, F]: the final-norm hidden state, then the taken outputs)."""
+  hidden = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
+  features = jnp.concatenate([hidden] + [t.astype(hidden.dtype) for t in taken], -1) \
+      if taken else hidden
+  return lm_logits(params, hidden, cfg), features
 
 
 def forward(params: dict, tokens: jax.Array, attn: AttentionInputs, cfg: ModelConfig,
@@ -117,10 +131,8 @@ def forward(params: dict, tokens: jax.Array, attn: AttentionInputs, cfg: ModelCo
   """
   x = embed(params, tokens, cfg)
   x, k_new, v_new, taken = run_layers(params["layers"], x, attn, cache, cfg)
-  hidden = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
-  features = jnp.concatenate([hidden] + [t.astype(hidden.dtype) for t in taken], -1) \
-      if taken else hidden
-  return lm_logits(params, hidden, cfg), features, k_new, v_new
+  logits, features = _outputs(params, x, taken, cfg)
+  return logits, features, k_new, v_new
 
 
 def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
@@ -148,6 +160,10 @@ def decode(params: dict, tokens: jax.Array, cache: KVCache, cfg: ModelConfig,
            active: jax.Array | None = None):
   """One new token per sequence at position cache.lengths[b].
 
+  Each layer writes the token's key/value into the cache before attending to it
+  (`cached_layer_forward`), so the cache is updated in place: the same attention as
+  `forward` over the prefix plus the token, without copies of the cache per step.
+
   Args:
     tokens: [B] int32.
     active: optional [B] bool; inactive rows are computed but not written to the cache.
@@ -156,9 +172,17 @@ def decode(params: dict, tokens: jax.Array, cache: KVCache, cfg: ModelConfig,
   """
   b = tokens.shape[0]
   num_new = jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32)
-  logits, features, k_new, v_new = forward(params, tokens[:, None],
-                                           decode_inputs(cache.lengths), cfg, cache)
-  return logits[:, 0], features[:, 0], append_kv(cache, k_new, v_new, num_new)
+  attn = cached_decode_inputs(cache.lengths)
+
+  def layer(carry, i, w):
+    x, k, v = carry
+    x, k, v = cached_layer_forward(x, w, attn, i, k, v, cache.lengths, num_new, cfg)
+    return (x, k, v), x if cfg.feature_layers else None
+  (x, k, v), outs = over_layers(layer, (embed(params, tokens[:, None], cfg), cache.k, cache.v),
+                                params["layers"], cfg)
+  logits, features = _outputs(params, x, [outs[i] for i in cfg.feature_layers], cfg)
+  lengths = jnp.minimum(cache.lengths + num_new, cache.capacity)
+  return logits[:, 0], features[:, 0], KVCache(k=k, v=v, lengths=lengths)
 
 
 @flax.struct.dataclass

@@ -75,22 +75,45 @@ def append_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
   lengths saturate at the capacity.
   """
   t = k_new.shape[2]
-  j = jnp.arange(t)[None, :]
-  slots = cache.lengths[:, None] + j  # [B, T]
-  # Out-of-range slot index: the scatter drops it.
-  slots = jnp.where(j < num_new[:, None], slots, cache.capacity)
-
-  rows = jnp.broadcast_to(jnp.arange(slots.shape[0])[:, None], slots.shape)
-
-  def write(buf, new):
-    # One scatter indexed by (row, slot) on axes 1 and 3 of buf [L, B, KVH, S, D]; the
-    # indexed axes lead the update, so new goes [L, B, T, KVH, D] -> [B, T, L, KVH, D]. A
-    # per-row vmap here made XLA re-layout the whole cache on every step.
-    return buf.at[:, rows, :, slots, :].set(
-        jnp.moveaxis(new, 0, 2).astype(buf.dtype), mode="drop")
-
+  slots = _slots(cache.lengths, cache.capacity, t, num_new)
   lengths = jnp.minimum(cache.lengths + num_new.astype(jnp.int32), cache.capacity)
-  return KVCache(k=write(cache.k, k_new), v=write(cache.v, v_new), lengths=lengths)
+  return KVCache(k=_scatter(cache.k, k_new, slots), v=_scatter(cache.v, v_new, slots),
+                 lengths=lengths)
+
+
+def write_layer_kv(buf: jax.Array, layer, new: jax.Array, lengths: jax.Array,
+                   num_new: jax.Array) -> jax.Array:
+  """Writes one layer's new entries into a stacked cache array, in place where XLA can.
+
+  Args:
+    buf: cache.k or cache.v [L, B, KVH, S, D].
+    layer: the layer index (a Python int, or a traced int32 scalar inside a layer scan).
+    new: [B, T, KVH, D] that layer's keys or values of T new tokens per row.
+    lengths, num_new: [B] int32 as in `append_kv` (lengths are not advanced here).
+  Returns:
+    buf with the entries written (the same drop rule as `append_kv`).
+  """
+  slots = _slots(lengths, buf.shape[3], new.shape[1], num_new)
+  return _scatter(buf, new, slots, layer)
+
+
+def _slots(lengths: jax.Array, capacity: int, t: int, num_new: jax.Array) -> jax.Array:
+  """[B, T] int32 target slots of T new entries per row; entries past num_new[b] get the
+  out-of-range slot `capacity`, which the scatter drops."""
+  j = jnp.arange(t)[None, :]
+  return jnp.where(j < num_new[:, None], lengths[:, None] + j, capacity)
+
+
+def _scatter(buf: jax.Array, new: jax.Array, slots: jax.Array, layer=None) -> jax.Array:
+  """One scatter indexed by (row, slot) on axes 1 and 3 of buf [L, B, KVH, S, D]: new is
+  [L, B, T, KVH, D] for every layer (layer None) or [B, T, KVH, D] for one. A per-row vmap
+  here made XLA re-layout the whole cache on every step."""
+  rows = jnp.broadcast_to(jnp.arange(slots.shape[0])[:, None], slots.shape)
+  if layer is None:
+    # The indexed axes lead the update: [L, B, T, KVH, D] -> [B, T, L, KVH, D].
+    return buf.at[:, rows, :, slots, :].set(jnp.moveaxis(new, 0, 2).astype(buf.dtype),
+                                            mode="drop")
+  return buf.at[layer, rows, :, slots, :].set(new.astype(buf.dtype), mode="drop")
 
 
 def gather_tree_kv(tree_kv: jax.Array, path: jax.Array) -> jax.Array:

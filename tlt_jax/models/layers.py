@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from tlt_jax.kernels import prefix_tree_attention
 from tlt_jax.models.attention_inputs import AttentionInputs
 from tlt_jax.models.config import ModelConfig, RopeConfig
+from tlt_jax.models.kv_cache import write_layer_kv
 from tlt_jax.models.params import ParamSpec
 
 
@@ -97,6 +98,27 @@ def _project(x: jax.Array, w: dict, dtype) -> jax.Array:
   return out + w["bias"].astype(dtype) if "bias" in w else out
 
 
+def qkv(x: jax.Array, w: dict, positions: jax.Array, cfg: ModelConfig
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x [B, T, E] normed inputs at positions [B, T] through the layer's `self_attn` q/k/v
+  projections -> q [B, T, H, D], k, v [B, T, KVH, D] (q and k after RoPE)."""
+  dt = cfg.jnp_dtype
+  inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
+  q = apply_rope(_project(x, w["q_proj"], dt), positions, inv_freq)
+  k = apply_rope(_project(x, w["k_proj"], dt), positions, inv_freq)
+  return q, k, _project(x, w["v_proj"], dt)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, w: dict, mask: jax.Array,
+           prefix: LayerCache, cfg: ModelConfig) -> jax.Array:
+  """Queries q [B, T, H, D] over the valid prefix and the uncached keys k, v [B, N, KVH, D]
+  (under mask [B, T, N]), through the output projection -> [B, T, E]."""
+  dt = cfg.jnp_dtype
+  out = prefix_tree_attention(q, prefix.k, prefix.v, prefix.lengths, k.astype(dt),
+                              v.astype(dt), mask, impl=cfg.attention_impl)
+  return jnp.einsum("bthd,hde->bte", out.astype(dt), w["o_proj"]["kernel"].astype(dt))
+
+
 def attention(x: jax.Array, w: dict, attn: AttentionInputs, prefix: LayerCache,
               cfg: ModelConfig, earlier_kv: tuple[jax.Array, jax.Array] | None = None
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -110,19 +132,12 @@ def attention(x: jax.Array, w: dict, attn: AttentionInputs, prefix: LayerCache,
   Returns:
     (out [B, T, E], k, v [B, T, KVH, D] of this block, after RoPE).
   """
-  dt = cfg.jnp_dtype
-  inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
-  q = apply_rope(_project(x, w["q_proj"], dt), attn.positions, inv_freq)
-  k = apply_rope(_project(x, w["k_proj"], dt), attn.positions, inv_freq)
-  v = _project(x, w["v_proj"], dt)
+  q, k, v = qkv(x, w, attn.positions, cfg)
   k_all, v_all = k, v
   if earlier_kv is not None:
-    k_all = jnp.concatenate([earlier_kv[0].astype(dt), k], axis=1)
-    v_all = jnp.concatenate([earlier_kv[1].astype(dt), v], axis=1)
-  out = prefix_tree_attention(q, prefix.k, prefix.v, prefix.lengths, k_all, v_all, attn.mask,
-                              impl=cfg.attention_impl)
-  out = jnp.einsum("bthd,hde->bte", out.astype(dt), w["o_proj"]["kernel"].astype(dt))
-  return out, k, v
+    k_all = jnp.concatenate([earlier_kv[0].astype(k.dtype), k], axis=1)
+    v_all = jnp.concatenate([earlier_kv[1].astype(v.dtype), v], axis=1)
+  return attend(q, k_all, v_all, w, attn.mask, prefix, cfg), k, v
 
 
 def mlp(x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
@@ -145,9 +160,39 @@ def layer_forward(x: jax.Array, w: dict, attn: AttentionInputs, prefix: LayerCac
   Returns:
     (x [B, T, E], k, v [B, T, KVH, D] of the block, for the cache).
   """
-  eps = cfg.rms_norm_eps
-  h = rms_norm(x, w["input_layernorm"]["weight"], eps) if "input_layernorm" in w else x
-  a, k, v = attention(h, w["self_attn"], attn, prefix, cfg, earlier_kv)
-  x = x + a
-  x = x + mlp(rms_norm(x, w["post_attention_layernorm"]["weight"], eps), w["mlp"], cfg)
-  return x, k, v
+  a, k, v = attention(_input_norm(x, w, cfg), w["self_attn"], attn, prefix, cfg, earlier_kv)
+  return _residual_mlp(x + a, w, cfg), k, v
+
+
+def cached_layer_forward(x: jax.Array, w: dict, attn: AttentionInputs, layer,
+                         cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array,
+                         num_new: jax.Array, cfg: ModelConfig):
+  """`layer_forward` of one new token per row that first writes its key/value into the
+  stacked cache and then attends to the cache alone: the cache is read after its write, so
+  XLA updates it in place instead of copying it around the layer (decode).
+
+  Args:
+    x: [B, 1, E]; attn: `cached_decode_inputs`; layer: this layer's index into the cache
+      (an int, or a traced int32 inside a layer scan).
+    cache_k, cache_v: [L, B, KVH, S, D] the whole stacked cache; lengths [B] its lengths.
+    num_new: [B] int32, 1 where the row's token is written, 0 where not (its output is then
+      meaningless).
+  Returns:
+    (x [B, 1, E], cache_k, cache_v with this layer's entries written).
+  """
+  q, k, v = qkv(_input_norm(x, w, cfg), w["self_attn"], attn.positions, cfg)
+  cache_k = write_layer_kv(cache_k, layer, k, lengths, num_new)
+  cache_v = write_layer_kv(cache_v, layer, v, lengths, num_new)
+  prefix = LayerCache(cache_k[layer], cache_v[layer], lengths + num_new)
+  a = attend(q, k, v, w["self_attn"], attn.mask, prefix, cfg)
+  return _residual_mlp(x + a, w, cfg), cache_k, cache_v
+
+
+def _input_norm(x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
+  return rms_norm(x, w["input_layernorm"]["weight"], cfg.rms_norm_eps) \
+      if "input_layernorm" in w else x
+
+
+def _residual_mlp(x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
+  return x + mlp(rms_norm(x, w["post_attention_layernorm"]["weight"], cfg.rms_norm_eps),
+                 w["mlp"], cfg)
