@@ -20,11 +20,18 @@ by tail time. Every mode decodes plainly until the tail, so speedup_wall is boun
 tail's share of the plain rollout and carries that phase's run-to-run noise. The PNG shows
 running rows and tokens/s over time; OUT_by_batch.png shows tokens/s by active batch size per
 mode and the tuner comparison.
+
+`steps_per_call`: plain decoding again with each --sweep-steps-per-call value N (at most N
+decode steps per compiled call; N = 1 is one host round trip per token): the median wall time
+of three timed rollouts, calls, device-busy share and whether the outputs are the plain mode's;
+OUT_steps_per_call.png plots the wall time against N. The engine's default N comes from this
+sweep.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -99,21 +106,63 @@ def summarize(result, threshold: int, compile_s: float, executables: int) -> dic
 
 
 def run_mode(cfg, params, mesh, ec, drafter, tuner, prompts, samples, sp, key,
-             warmups: int = 4):
-  """Rollouts until one compiles nothing new (a tuner that explores may need a new program
-  in a later rollout), then the timed one. Returns (timed result, compile seconds,
+             warmups: int = 8):
+  """Rollouts until two in a row compile nothing new (a tuner that explores may need a new
+  program in a later rollout), then the timed one. Returns (timed result, compile seconds,
   executables); programs the timed rollout still compiled are in its wall time and counted
   as `timed_compiles` by summarize."""
   engine = RolloutEngine(cfg, params, mesh, ec, drafter=drafter, tuner=tuner)
-  compiles = -1
+  compiles, quiet = -1, 0
   for _ in range(warmups):
     first = engine.generate(prompts, samples, sp, key)
-    if first.pool["compiles"] == compiles:
-      break
+    quiet = quiet + 1 if first.pool["compiles"] == compiles else 0
     compiles = first.pool["compiles"]
+    if quiet == 2:
+      break
   result = engine.generate(prompts, samples, sp, key)
   result.timed_compiles = result.pool["compiles"] - first.pool["compiles"]
   return result, result.pool["compile_s"], result.pool["executables"]
+
+
+def steps_per_call_sweep(cfg, params, mesh, ec, prompts, samples, sp, key, values,
+                         plain_tokens, repeats: int = 3) -> dict:
+  """Plain decoding with at most N steps per compiled call, for each N in values: one warm
+  rollout, then the median of `repeats` timed ones (a rollout here is about a second, so one
+  alone is noisy)."""
+  out = {}
+  for n in values:
+    engine = RolloutEngine(cfg, params, mesh, dataclasses.replace(ec, steps_per_call=n))
+    engine.generate(prompts, samples, sp, key)
+    runs = sorted((engine.generate(prompts, samples, sp, key) for _ in range(repeats)),
+                  key=lambda r: r.wall_s)
+    res = runs[len(runs) // 2]
+    out[str(n)] = dict(wall_s=res.wall_s, wall_s_runs=[r.wall_s for r in runs],
+                       tokens_per_s=sum(map(len, res.tokens)) / res.wall_s,
+                       decode_calls=sum(r.mode != "prefill" for r in res.timeline),
+                       busy_share=res.call_s / res.wall_s,
+                       outputs_identical_to_plain=all(r.tokens == plain_tokens for r in runs))
+    print(f"plain, steps_per_call {n:4d}: median wall {res.wall_s:6.2f}s  "
+          f"calls {out[str(n)]['decode_calls']:5d}  busy {out[str(n)]['busy_share']:.0%}")
+  first = out[str(values[0])]["wall_s"]
+  for row in out.values():
+    row["speedup_vs_first"] = first / row["wall_s"]
+  return out
+
+
+def plot_sweep(sweep: dict, path) -> None:
+  n = [int(k) for k in sweep]
+  fig, ax = plt.subplots(figsize=(5, 3.4))
+  ax.plot(n, [sweep[str(k)]["wall_s"] for k in n], "o-", label="median")
+  for k in n:
+    ax.plot([k] * len(sweep[str(k)]["wall_s_runs"]), sweep[str(k)]["wall_s_runs"], ".",
+            color="gray", ms=4)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("decode steps per compiled call, at most")
+  ax.set_ylabel("plain rollout wall time (s)")
+  ax.set_ylim(bottom=0)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def fixed_table(strategies: list[str], thresholds) -> list[Strategy]:
@@ -193,6 +242,8 @@ def main():
   parser.add_argument("--max-batch", type=int, default=64)
   parser.add_argument("--sd-threshold", type=int, default=4)
   parser.add_argument("--steps-per-call", type=int, default=EngineConfig.steps_per_call)
+  parser.add_argument("--sweep-steps-per-call", type=int, nargs="+",
+                      default=[1, 4, 16, 32, 128])
   parser.add_argument("--strategies", nargs="+", default=["4,2,8", "3,2,6", "6,2,12"])
   parser.add_argument("--temperature", type=float, default=0.0)
   parser.add_argument("--drafter-steps", type=int, default=400)
@@ -202,6 +253,7 @@ def main():
   if args.quick:
     args.num_prompts, args.num_samples, args.max_new_tokens = 4, 2, 48
     args.max_batch, args.strategies, args.drafter_steps, args.drafter_prompts = 8, ["3,2,6"], 20, 8
+    args.sweep_steps_per_call = [1, 32]
   if not os.path.isdir(args.policy):
     sys.exit(f"policy folder {args.policy!r} not found; make it with the SFT command in the "
              f"README or pass --policy DIR")
@@ -253,6 +305,8 @@ def main():
           f"{rows[name]['tail_tokens_per_s'] or 0:8.1f}  accept {rows[name]['accept_len']}  "
           f"device busy {rows[name]['busy_share']:.0%} of the wall time")
   plain_tokens = runs["plain"].tokens
+  sweep = steps_per_call_sweep(cfg, params, mesh, ec, prompts, args.num_samples, sp, key,
+                               args.sweep_steps_per_call, plain_tokens)
   lossless = {n: r.tokens == plain_tokens for n, r in runs.items()}
   plain = rows["plain"]
   sd_names = [n for n in rows if n != "plain"]
@@ -270,13 +324,14 @@ def main():
       speedup_wall=plain["wall_s"] / rows[best]["wall_s"],
       speedup_tail=(rows[best]["tail_tokens_per_s"] / plain["tail_tokens_per_s"]
                     if plain["tail_tokens_per_s"] and rows[best]["tail_tokens_per_s"] else None),
-      tuner_comparison=tuner_comparison(rows))
+      tuner_comparison=tuner_comparison(rows), steps_per_call_sweep=sweep)
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(result, indent=2))
   plot({"plain": runs["plain"], best: runs[best]}, args.out.with_suffix(".png"),
        args.sd_threshold)
   plot_by_batch(rows, result["tuner_comparison"],
                 args.out.with_name(args.out.stem + "_by_batch.png"))
+  plot_sweep(sweep, args.out.with_name(args.out.stem + "_steps_per_call.png"))
   print(json.dumps({k: result[k] for k in ("best_sd_mode", "speedup_wall", "speedup_tail")}))
 
 

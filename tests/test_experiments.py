@@ -68,6 +68,12 @@ def _check_bench_rollout(out):
   assert comparison["beg_mab_vs_best_fixed"] > 0
   assert (out.parent / "rollout_by_batch.png").exists()
   assert data["speedup_wall"] > 0
+  sweep = data["steps_per_call_sweep"]
+  assert set(sweep) == {"1", "32"}
+  assert all(row["outputs_identical_to_plain"] for row in sweep.values())
+  # One step per call: a call per token; up to 32 per call: far fewer calls for the same tokens.
+  assert sweep["32"]["decode_calls"] < sweep["1"]["decode_calls"]
+  assert (out.parent / "rollout_steps_per_call.png").exists()
 
 
 def test_tuner_comparison_ranks_by_tail_time():
@@ -99,6 +105,23 @@ def test_bench_vs_hf_quick(tmp_path):
     assert row["ratio"] == pytest.approx(row["tlt_tokens_per_s"] / row["hf_tokens_per_s"])
     # The same checkpoint, greedy, in fp32: the two libraries agree token for token here.
     assert row["identical_outputs"] == row["prompts"]
+
+
+@pytest.mark.slow
+def test_bench_vs_revision_quick(tmp_path):
+  """The committed tree against itself, extracted by git archive: the same greedy tokens."""
+  out = tmp_path / "vs_rev.json"
+  _run_script("bench_vs_revision.py", "--quick", "--rev", "HEAD", "--out", str(out))
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").exists()
+  assert data["outputs_identical"] is True
+  assert data["revision"]["tokens"] == data["current"]["tokens"] > 0
+  assert len(data["revision"]["wall_s"]) == len(data["current"]["wall_s"]) == 1
+  assert data["speedup"] > 0
+  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "bench_vs_revision.py"),
+                      "--rev", "no-such-revision", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True)
+  assert r.returncode != 0 and "not a revision" in r.stderr
 
 
 @pytest.mark.slow
