@@ -152,7 +152,7 @@ def steps_per_call_sweep(cfg, params, mesh, ec, prompts, samples, sp, key, value
 def plot_sweep(sweep: dict, path) -> None:
   n = [int(k) for k in sweep]
   fig, ax = plt.subplots(figsize=(5, 3.4))
-  ax.plot(n, [sweep[str(k)]["wall_s"] for k in n], "o-", label="median")
+  ax.plot(n, [sweep[str(k)]["wall_s"] for k in n], "o-")  # the medians
   for k in n:
     ax.plot([k] * len(sweep[str(k)]["wall_s_runs"]), sweep[str(k)]["wall_s_runs"], ".",
             color="gray", ms=4)

@@ -175,8 +175,8 @@ def cached_layer_forward(x: jax.Array, w: dict, attn: AttentionInputs, layer,
     x: [B, 1, E]; attn: `cached_decode_inputs`; layer: this layer's index into the cache
       (an int, or a traced int32 inside a layer scan).
     cache_k, cache_v: [L, B, KVH, S, D] the whole stacked cache; lengths [B] its lengths.
-    num_new: [B] int32, 1 where the row's token is written, 0 where not (its output is then
-      meaningless).
+    num_new: [B] int32, 1 where the row's token is written, 0 where not (that row then
+      attends to its prefix alone; the caller ignores its output).
   Returns:
     (x [B, 1, E], cache_k, cache_v with this layer's entries written).
   """
