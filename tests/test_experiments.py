@@ -68,6 +68,8 @@ def _check_bench_rollout(out):
   assert comparison["beg_mab_vs_best_fixed"] > 0
   assert (out.parent / "rollout_by_batch.png").exists()
   assert data["speedup_wall"] > 0
+  # The best SD mode ran SD in the tail (a tuner that decoded it plainly is not one).
+  assert data["modes"][data["best_sd_mode"]]["sd_calls"] > 0
   sweep = data["steps_per_call_sweep"]
   assert set(sweep) == {"1", "32"}
   assert all(row["outputs_identical_to_plain"] for row in sweep.values())
