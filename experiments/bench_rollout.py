@@ -47,12 +47,14 @@ import numpy as np  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tlt_jax.components import accept_length  # noqa: E402
 from tlt_jax.drafter_training.train_step import DrafterOptConfig  # noqa: E402
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.models.drafter import DrafterConfig, init_drafter_params  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer  # noqa: E402
+from tlt_jax.rl.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from tlt_jax.rl.tokenizer import prompt_ids  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
 from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner, TableTuner  # noqa: E402
@@ -62,9 +64,6 @@ DEFAULT_POLICY = "assets/tiny-policy"
 
 def load_problem(policy: str, num_prompts: int, offset: int):
   """(cfg, params, prompt id lists, eos id) for the policy folder and its built-in task."""
-  from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
-  from tlt_jax.rl.tasks.arithmetic import ArithmeticTask
-  from tlt_jax.rl.tokenizer import prompt_ids
   cfg = load_hf_config(policy, attention_impl="reference")
   params = load_hf_params(policy, cfg)
   tok = load_tokenizer(policy)

@@ -34,10 +34,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from configs.default import get_config  # noqa: E402
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
+from tlt_jax.components import model_config  # noqa: E402
 from tlt_jax.models import ModelConfig, init_cache, init_params  # noqa: E402
 from tlt_jax.models.drafter import (DrafterConfig, drafter_from_policy,  # noqa: E402
                                     init_drafter_cache, init_drafter_params)
+from tlt_jax.models.hf import load_hf_config, load_hf_params  # noqa: E402
 from tlt_jax.speculative.decoding import plain_step, sd_step, start  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
@@ -48,11 +51,8 @@ GREEDY = SamplingParams(temperature=0.0)
 def load_policy(path: str | None) -> tuple[ModelConfig, dict]:
   """The HF policy at `path`, or the random model of configs/default.py."""
   if path:
-    from tlt_jax.models.hf import load_hf_config, load_hf_params
     cfg = load_hf_config(path, attention_impl="reference")
     return cfg, load_hf_params(path, cfg)
-  from configs.default import get_config
-  from tlt_jax.config import model_config
   cfg = model_config(get_config()).replace(attention_impl="reference")
   return cfg, init_params(cfg, jax.random.key(0))
 

@@ -40,8 +40,13 @@ import numpy as np  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from configs.default import get_config  # noqa: E402
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
+from tlt_jax.components import task_prompts  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
+from tlt_jax.models.drafter_io import load_drafter  # noqa: E402
+from tlt_jax.models.hf import (load_hf_config, load_hf_params, load_tokenizer,  # noqa: E402
+                               save_hf_checkpoint)
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.tuner import FixedTuner  # noqa: E402
@@ -52,9 +57,6 @@ GREEDY = SamplingParams(0.0)
 
 def load_prompts(policy: str, count: int) -> tuple[list[list[int]], int, int]:
   """Held-out problems of the default config's task (the one the tiny policy learnt)."""
-  from configs.default import get_config
-  from tlt_jax.components import task_prompts
-  from tlt_jax.models.hf import load_tokenizer
   tok = load_tokenizer(policy)
   _, prompts = task_prompts(get_config(), tok, count, eval_split=True)
   return prompts, tok.eos_token_id, tok.pad_token_id
@@ -98,7 +100,6 @@ def hf_generate(model, prompts, batch, max_new, eos, pad, assistant=None):
 def make_assistant(policy: str, layers: int, out_dir: str) -> str:
   """The policy cut to its first `layers` layers (same embedding, final norm and head), saved
   in HF layout: a draft model for transformers' assisted generation."""
-  from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer, save_hf_checkpoint
   cfg = load_hf_config(policy)
   params = load_hf_params(policy, cfg)
   small = cfg.replace(num_layers=layers)
@@ -148,8 +149,6 @@ def main():
 
   import torch
   from transformers import AutoModelForCausalLM
-  from tlt_jax.models.drafter_io import load_drafter
-  from tlt_jax.models.hf import load_hf_config, load_hf_params
   torch.set_num_threads(os.cpu_count() or 1)
 
   prompts, eos, pad = load_prompts(args.policy, args.prompts)

@@ -39,15 +39,16 @@ import numpy as np  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tlt_jax.components import (accept_length, load_drafter_for, load_policy,  # noqa: E402
-                                load_tokenizer_for, make_engine, task_prompts)
-from tlt_jax.config import config_from_file, drafter_opt_config, model_config  # noqa: E402
+from tlt_jax.cli import config_from_file  # noqa: E402
+from tlt_jax.components import (drafter_opt_config, load_drafter_for, load_policy,  # noqa: E402
+                                load_tokenizer_for, make_engine, model_config, task_prompts)
 from tlt_jax.drafter_training.train_step import init_train_state  # noqa: E402
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.models.draft_vocab import frequent_tokens  # noqa: E402
 from tlt_jax.models.drafter import with_draft_vocab  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
+from tlt_jax.rollout.engine import accept_length  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
 from tlt_jax.speculative.tuner import FixedTuner  # noqa: E402
 

@@ -33,6 +33,17 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tlt_jax.cli import config_from_file  # noqa: E402
+from tlt_jax.components import load_drafter_for, load_policy, load_tokenizer_for  # noqa: E402
+from tlt_jax.config import ConfigError  # noqa: E402
+from tlt_jax.mesh import make_mesh  # noqa: E402
+from tlt_jax.models.drafter import init_drafter_cache  # noqa: E402
+from tlt_jax.models.kv_cache import init_cache  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig  # noqa: E402
+from tlt_jax.speculative.decoding import decode_loop, start  # noqa: E402
+from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
+from tlt_jax.speculative.strategy import Strategy  # noqa: E402
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -51,10 +62,6 @@ def program_sets(max_batch: int, sd_threshold: int, strategies: list) -> dict[st
 def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens: int,
                 eos: int) -> dict:
   """Compiles every program of a set; returns counts, seconds and memory."""
-  from tlt_jax.models.drafter import init_drafter_cache
-  from tlt_jax.models.kv_cache import init_cache
-  from tlt_jax.speculative.decoding import decode_loop, start
-  from tlt_jax.speculative.sampling import SamplingParams
   sp = SamplingParams(1.0)
   key = jax.random.key(0)
   states = {}
@@ -114,28 +121,19 @@ def main():
   parser.add_argument("--quick", action="store_true",
                       help="max_batch 4, SD threshold 2, one strategy (smoke test)")
   args = parser.parse_args()
-  from tlt_jax.config import ConfigError, config_from_file
   try:
     config = config_from_file(args.config)
   except ConfigError as e:
     sys.exit(f"config error: {e}")
 
-  from tlt_jax.components import load_drafter_for, load_tokenizer_for
-  from tlt_jax.config import model_config
-  from tlt_jax.mesh import make_mesh
-  from tlt_jax.models.hf import load_hf_params
-  from tlt_jax.rollout.engine import EngineConfig
-  from tlt_jax.speculative.strategy import Strategy
   r = config.rollout
   strategies = [Strategy.parse(s) for s in r.speculative.arms]
   max_batch, threshold = r.max_batch, r.sd_threshold
   if args.quick:
     max_batch, threshold, strategies = 4, 2, strategies[:1]
-  cfg = model_config(config)
-  mesh = make_mesh({"replica": 1}, jax.devices()[:1])
-  params = load_hf_params(config.model.path, cfg, mesh) if config.model.path else None
-  if params is None:
+  if not config.model.path:
     sys.exit("--config must name a model.path (the policy whose programs are compiled)")
+  cfg, params = load_policy(config, make_mesh({"replica": 1}, jax.devices()[:1]))
   dcfg, dparams = load_drafter_for(config, cfg)
   eos = load_tokenizer_for(config).eos_token_id
   capacity = EngineConfig(max_batch=1, max_prompt_len=r.max_prompt_len,

@@ -32,23 +32,28 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
+from tlt_jax.components import (load_policy, load_tokenizer_for, make_engine,  # noqa: E402
+                                task_examples)
 from tlt_jax.config import base_config  # noqa: E402
-from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer  # noqa: E402
+from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.rl.evaluate import evaluate  # noqa: E402
-from tlt_jax.rl.tasks import ArithmeticTask  # noqa: E402
-
-_TASK_KEYS = ("min_steps", "max_steps", "body_p", "tail_prob", "tail_alpha", "max_value",
-              "max_operand", "max_multiplier")
+from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 
 
-def heldout_task(policy: str) -> ArithmeticTask:
-  """The held-out split of the task the policy was trained on (config defaults otherwise)."""
-  task = dict(base_config().task)
+def policy_config(policy: str, batch_size: int, max_new_tokens: int):
+  """A config for sampling from `policy` on the task it was trained on (its
+  sft_summary.json's task section when it has one, else the defaults), without SD."""
+  config = base_config()
+  config.model.path = policy
+  config.model.attention_impl = "reference"
+  config.rollout.speculative.enable = False
+  config.rollout.max_batch = batch_size
+  config.rollout.max_new_tokens = max_new_tokens
   summary = os.path.join(policy, "sft_summary.json")
   if os.path.isfile(summary):
     with open(summary) as f:
-      task.update(json.load(f)["config"]["task"])
-  return ArithmeticTask(seed=task["eval_seed"], **{k: task[k] for k in _TASK_KEYS})
+      config.task.update(json.load(f)["config"]["task"])
+  return config
 
 
 def summarize(lengths) -> dict:
@@ -91,13 +96,16 @@ def main():
   num_prompts = 64 if args.quick else args.num_prompts
   os.makedirs(args.out, exist_ok=True)
 
-  cfg = load_hf_config(args.policy, attention_impl="reference")
-  params = load_hf_params(args.policy, cfg)
-  tokenizer = load_tokenizer(args.policy)
-  examples = heldout_task(args.policy).examples(num_prompts)
+  config = policy_config(args.policy, args.batch_size, args.max_new_tokens)
+  mesh = make_mesh({"fsdp": -1}, jax.devices()[:1])
+  cfg, params = load_policy(config, mesh)
+  tokenizer = load_tokenizer_for(config)
+  engine = make_engine(config, cfg, params, mesh, tokenizer.eos_token_id,
+                       tokenizer.pad_token_id or 0)
+  examples = task_examples(config, num_prompts, eval_split=True)
   t0 = time.perf_counter()
-  result = evaluate(params, cfg, tokenizer, examples, args.max_new_tokens, args.batch_size,
-                    temperature=args.temperature, key=jax.random.key(args.seed))
+  result = evaluate(engine, tokenizer, examples, SamplingParams(args.temperature),
+                    key=jax.random.key(args.seed))
   seconds = time.perf_counter() - t0
   lengths = result["lengths"]
   stats = summarize(lengths)

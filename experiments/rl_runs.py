@@ -41,7 +41,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from tlt_jax.config import ConfigError, config_from_file, set_config_value  # noqa: E402
+from tlt_jax.cli import config_from_file, set_config_value, setup_devices  # noqa: E402
+from tlt_jax.config import ConfigError  # noqa: E402
+from tlt_jax.train import train  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -54,7 +56,6 @@ VARIANTS = {
 
 def run_variants(base, variants: list[str], out: pathlib.Path) -> dict[str, dict]:
   """Runs the job once per variant (fresh workdirs); returns each run's metrics and summary."""
-  from tlt_jax.train import train
   runs = {}
   for name in variants:
     config = base.copy_and_resolve_references()
@@ -223,7 +224,6 @@ def main():
     if needed not in args.variants:
       sys.exit(f"--variants must include {needed!r} (the figures compare against it)")
 
-  from tlt_jax.cli import setup_devices
   # No persistent compilation cache: the runs are compared with their compile times, so no
   # run may load the programs an earlier one compiled.
   setup_devices(config, compilation_cache=False)

@@ -13,13 +13,11 @@ Iteration times come from a cost table by batch size. For each N it compares the
   python experiments/simulate_cluster.py --out results/sim --lengths runs/lengths/lengths.json \
       --max-new-tokens 256 --costs costs.json
   python experiments/simulate_cluster.py --out results/sim --costs-from-bench results/rollout.json
-  python experiments/simulate_cluster.py --out results/cmp --compare-run runs/default
 
 Writes OUT/simulation.json (inputs, cost table, per-N results with per-slice finish times),
 OUT/simulation.csv (one row per N) and OUT/simulation.png (idle share without TLT, reclaimed
-share and projected speedup vs N). --compare-run DIR instead checks the simulator against a
-measured run (DIR/metrics.jsonl and DIR/rollouts.jsonl, from `python -m tlt_jax.train ...
---config.rl.save_rollouts=True`) and writes OUT/compare.json and OUT/compare.png.
+share and projected speedup vs N). experiments/simulate_vs_run.py checks the simulator against
+a measured run.
 
 Cost file (--costs, seconds per iteration of one slice, at each batch size):
   {"batch": [1, 2, 4, ...], "plain_s": [...], "sd_s": [...], "accept_len": [...],
@@ -121,7 +119,7 @@ def make_costs(batch, plain_s, sd_s, accept_len, prefill_s=0.0, source="") -> Co
                    float(prefill_s), source)
 
 
-def _pow2_upto(max_batch: int) -> np.ndarray:
+def pow2_upto(max_batch: int) -> np.ndarray:
   return 2.0 ** np.arange(int(np.log2(bucket(max_batch, max_batch))) + 1)
 
 
@@ -136,14 +134,14 @@ def default_costs(max_batch: int = 1024) -> CostModel:
   8 (community runs of the original report ~6.5 with 48). Use measured costs (--costs) for
   projections about a real system.
   """
-  b = _pow2_upto(max_batch)
+  b = pow2_upto(max_batch)
   verify = np.select([b <= 1, b <= 4, b <= 20], [48.0, 32.0, 16.0], 8.0)
   accept = np.interp(verify, [8, 16, 32, 48], [3.5, 4.5, 5.5, 6.4])
   return make_costs(b, 6e-3 + 1.5e-4 * b, 11e-3 + b * (1.5e-4 + 4e-5 * verify), accept,
                     prefill_s=0.0, source="built-in illustrative 7B/H100 model")
 
 
-def _read_json(path: str, what: str):
+def read_json(path: str, what: str):
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{what} {path!r} not found; check the path")
   with open(path) as f:
@@ -155,7 +153,7 @@ def _read_json(path: str, what: str):
 
 def load_costs(path: str) -> CostModel:
   """Reads a measured cost table (format in the module docstring) from a JSON file."""
-  data = _read_json(path, "cost file")
+  data = read_json(path, "cost file")
   need = ("batch", "plain_s", "sd_s", "accept_len")
   missing = [k for k in need if not isinstance(data, dict) or k not in data]
   if missing:
@@ -177,7 +175,7 @@ def costs_from_rollout_json(path: str, max_batch: int = 64) -> CostModel:
   call over the plain model at its tail batch, a ratio applied at every batch size (measured
   only up to the run's sd_threshold); accept_len is that mode's mean.
   """
-  data = _read_json(path, "bench_rollout JSON")
+  data = read_json(path, "bench_rollout JSON")
   try:
     plain, sd = data["modes"]["plain"], data["modes"][data["best_sd_mode"]]
     full = float(min(max_batch, data["prompts"] * data["samples"]))
@@ -200,7 +198,7 @@ def costs_from_rollout_json(path: str, max_batch: int = 64) -> CostModel:
   fixed = p["tail_s_per_call"] - slope * b_tail
   b_sd = s["tail_tokens"] / (s["tail_calls"] * s["accept_len"])
   ratio = s["tail_s_per_call"] / (fixed + slope * b_sd)
-  b = _pow2_upto(int(max_batch))
+  b = pow2_upto(int(max_batch))
   return make_costs(b, fixed + slope * b, ratio * (fixed + slope * b), s["accept_len"],
                     source=f"{path} (fitted from bench_rollout modes)")
 
@@ -220,7 +218,7 @@ def load_lengths(path: str) -> np.ndarray:
       raise ValueError(f"{path!r}: every line needs a `tokens` count (a rollouts.jsonl)")
     lengths = [r["tokens"] for r in rows]
   else:
-    data = _read_json(path, "lengths file")
+    data = read_json(path, "lengths file")
     lengths = data.get("lengths") if isinstance(data, dict) else data
     if not isinstance(lengths, list) or not lengths:
       raise ValueError(f"{path!r} needs a non-empty `lengths` list (as written by "
@@ -535,150 +533,6 @@ def write_outputs(rows: list[dict], record: dict, out: str) -> None:
   plt.close(fig)
 
 
-# ---------------------------------------------------------------- check against a run
-
-def _read_jsonl(path: str, what: str, need: tuple, hint: str) -> list[dict]:
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{what} {path!r} not found; {hint}")
-  with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  missing = sorted({k for r in rows for k in need if k not in r})
-  if not rows or missing:
-    raise ValueError(f"{what} {path!r} is empty or lacks keys {missing}; {hint}")
-  return rows
-
-
-def _run_settings(metrics_path: str, num_slices, max_batch, sd_threshold) -> dict:
-  """num_slices / max_batch / sd_threshold: the arguments, else the run's summary.json."""
-  given = {"num_slices": num_slices, "max_batch": max_batch, "sd_threshold": sd_threshold}
-  summary = os.path.join(os.path.dirname(os.path.abspath(metrics_path)), "summary.json")
-  if None in given.values() and os.path.isfile(summary):
-    config = _read_json(summary, "run summary").get("config", {})
-    axes = config.get("mesh", {}).get("axes", {})
-    replica = axes.get("replica", 1)
-    if replica == -1:  # the free axis: the devices left over by the fixed ones
-      fixed = int(np.prod([v for k, v in axes.items() if k != "replica"]))
-      replica = config.get("mesh", {}).get("num_cpu_devices", 0) // max(fixed, 1) or None
-    found = {"num_slices": replica, "max_batch": config.get("rollout", {}).get("max_batch"),
-             "sd_threshold": config.get("rollout", {}).get("sd_threshold")}
-    given = {k: v if v is not None else found[k] for k, v in given.items()}
-  missing = [k for k, v in given.items() if v is None]
-  if missing:
-    raise ValueError(f"cannot tell {missing} of the run: no summary.json next to "
-                     f"{metrics_path!r} says so; pass them (--num-slices, --max-batch, "
-                     f"--sd-threshold)")
-  return {k: int(v) for k, v in given.items()}
-
-
-def _run_steps_per_call(metrics_path: str) -> int:
-  """The run's rollout.steps_per_call from its summary.json; 1 (a call per iteration) when it
-  does not say."""
-  summary = os.path.join(os.path.dirname(os.path.abspath(metrics_path)), "summary.json")
-  if not os.path.isfile(summary):
-    return 1
-  config = _read_json(summary, "run summary").get("config", {})
-  return int(config.get("rollout", {}).get("steps_per_call", 1))
-
-
-def compare_with_run(metrics_jsonl_path: str, rollouts_jsonl_path: str | None = None,
-                     num_slices: int | None = None, max_batch: int | None = None,
-                     sd_threshold: int | None = None, max_compile_share: float = 0.1) -> dict:
-  """Simulated vs measured idle slice-seconds for every step of a single-machine run.
-
-  Reads the run's metrics.jsonl (rollout_s, idle_slice_s, compile_s, sd_enabled,
-  sd_accept_len_mean per step) and rollouts.jsonl (the tokens of each response; written with
-  --config.rl.save_rollouts=True), replays each step's lengths in request order and fits a
-  cost model: seconds per plain iteration (fixed + per row of the program batch), per SD
-  iteration (at the step's measured accept length) and per prefill call, by non-negative
-  least squares. Each schedule is fitted on what it determines exactly: "parallel" on busy
-  slice-seconds (slices * rollout_s - idle_slice_s), "interleaved" on rollout_s; the idle
-  time is then a prediction, not a fit. Steps whose compile_s exceeds max_compile_share of
-  rollout_s are left out of the fit (compiling is in rollout_s, not in the model).
-  Settings default to the run's summary.json (mesh replica axis, rollout.max_batch,
-  rollout.sd_threshold).
-
-  Returns {"settings", "steps": [{step, measured_idle_slice_s, measured_rollout_s,
-  <schedule>_idle_slice_s, <schedule>_rollout_s, used_in_fit}], "fit": {schedule: costs},
-  "totals": {measured and simulated idle slice-seconds}}.
-  """
-  from scipy.optimize import nnls
-  hint = "write it with `python -m tlt_jax.train ... --config.rl.save_rollouts=True`"
-  metrics = _read_jsonl(metrics_jsonl_path, "metrics file", ("step", "rollout_s",
-                        "idle_slice_s"), "pass a run's metrics.jsonl")
-  rollouts_jsonl_path = rollouts_jsonl_path or os.path.join(
-      os.path.dirname(os.path.abspath(metrics_jsonl_path)), "rollouts.jsonl")
-  rollouts = _read_jsonl(rollouts_jsonl_path, "rollouts file",
-                         ("step", "prompt", "sample", "tokens"), hint)
-  settings = _run_settings(metrics_jsonl_path, num_slices, max_batch, sd_threshold)
-  steps_per_call = _run_steps_per_call(metrics_jsonl_path)
-  by_step: dict[int, list] = {}
-  for r in rollouts:
-    by_step.setdefault(int(r["step"]), []).append((r["prompt"], r["sample"], r["tokens"]))
-  steps = [m for m in metrics if int(m["step"]) in by_step]
-  if not steps:
-    raise ValueError(f"no step of {metrics_jsonl_path!r} has responses in "
-                     f"{rollouts_jsonl_path!r}; {hint}")
-  r_, b_ = settings["num_slices"], settings["max_batch"]
-  grid = _pow2_upto(b_)
-  # Every cost enters a slice's finish time linearly (the schedule of calls does not depend
-  # on their costs), so four unit-cost runs give each slice's time for any fitted costs.
-  bases = [dict(plain_s=1.0, sd_s=0.0), dict(plain_s=grid, sd_s=0.0),
-           dict(plain_s=0.0, sd_s=1.0), dict(plain_s=0.0, sd_s=0.0, prefill_s=1.0)]
-  names = ("plain_fixed_s", "plain_per_row_s", "sd_s", "prefill_s")
-  finish = {"parallel": [], "interleaved": []}
-  for m in steps:
-    lengths = [t for _, _, t in sorted(by_step[int(m["step"])])]
-    accept = m.get("sd_accept_len_mean") or 1.0
-    threshold = settings["sd_threshold"] if m.get("sd_enabled", False) else 0
-    for schedule in finish:
-      finish[schedule].append(np.stack([simulate_rollout(
-          lengths, r_, b_, make_costs(grid, accept_len=max(accept, 1.0), **basis), threshold,
-          schedule, steps_per_call)["finish_s"] for basis in bases], 1))  # [R, 4] s per unit
-  used = np.asarray([(m.get("compile_s") or 0.0) <= max_compile_share * m["rollout_s"]
-                     for m in steps])
-  if used.sum() < 2:
-    used[:] = True  # too few clean steps: fit on all of them, compile time included
-  measured_idle = np.asarray([m["idle_slice_s"] for m in steps])
-  measured_rollout = np.asarray([m["rollout_s"] for m in steps])
-  result = {"settings": settings, "steps_per_call": steps_per_call, "fit": {}, "steps": [
-      {"step": int(m["step"]), "measured_idle_slice_s": float(measured_idle[i]),
-       "measured_rollout_s": float(measured_rollout[i]), "used_in_fit": bool(used[i])}
-      for i, m in enumerate(steps)]}
-  totals = {"measured_idle_slice_s": float(measured_idle.sum())}
-  for schedule, per_step in finish.items():
-    if schedule == "parallel":
-      features = np.stack([f.sum(0) for f in per_step])
-      target = r_ * measured_rollout - measured_idle
-    else:
-      features = np.stack([f[np.argmax(f.sum(1))] for f in per_step])  # total of all calls
-      target = measured_rollout
-    coef, _ = nnls(features[used], target[used])
-    result["fit"][schedule] = dict(zip(names, coef.tolist()))
-    for i, f in enumerate(per_step):
-      t = f @ coef
-      result["steps"][i][f"{schedule}_idle_slice_s"] = float((t.max() - t).sum())
-      result["steps"][i][f"{schedule}_rollout_s"] = float(t.max())
-    totals[f"{schedule}_idle_slice_s"] = float(sum(s[f"{schedule}_idle_slice_s"]
-                                                   for s in result["steps"]))
-  result["totals"] = totals
-  return result
-
-
-def plot_compare(result: dict, path: str) -> None:
-  steps = [s["step"] for s in result["steps"]]
-  fig, ax = plt.subplots(figsize=(7, 3.4), dpi=110)
-  ax.plot(steps, [s["measured_idle_slice_s"] for s in result["steps"]], "ko-", label="measured")
-  for schedule, style in (("interleaved", "s--"), ("parallel", "^:")):
-    ax.plot(steps, [s[f"{schedule}_idle_slice_s"] for s in result["steps"]], style,
-            label=f"simulated, {schedule}")
-  ax.set_xlabel("RL step")
-  ax.set_ylabel("idle slice-seconds")
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-
-
 # ---------------------------------------------------------------- command line
 
 def main():
@@ -713,27 +567,12 @@ def main():
   parser.add_argument("--schedule", default="parallel", choices=("parallel", "interleaved"))
   parser.add_argument("--trials", type=int, default=8, help="length draws per device count")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--compare-run", help="a run's workdir: simulated vs measured idle time")
-  parser.add_argument("--num-slices", type=int, help="--compare-run: the run's slices")
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   try:
-    if args.compare_run:
-      compare_main(args)
-    else:
-      sweep_main(args)
+    sweep_main(args)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
-
-
-def compare_main(args) -> None:
-  result = compare_with_run(os.path.join(args.compare_run, "metrics.jsonl"),
-                            num_slices=args.num_slices, max_batch=args.max_batch,
-                            sd_threshold=args.sd_threshold)
-  with open(os.path.join(args.out, "compare.json"), "w") as f:
-    json.dump(result, f, indent=1)
-  plot_compare(result, os.path.join(args.out, "compare.png"))
-  print(json.dumps({"settings": result["settings"], "totals": result["totals"]}))
 
 
 def sweep_main(args) -> None:

@@ -9,7 +9,8 @@ import ml_collections
 import pytest
 
 from tests.conftest import repo_config
-from tlt_jax.config import ConfigError, base_config, model_config, validate_config
+from tlt_jax.components import model_config, validate_config
+from tlt_jax.config import ConfigError, base_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,8 +103,8 @@ def test_cli_generates_and_writes_outputs(tmp_path):
 
 
 def test_rollout_sections_build_the_engine_pieces():
-  from tlt_jax.config import (drafter_config, engine_config, make_tuner_from_config,
-                              sampling_params)
+  from tlt_jax.components import (drafter_config, engine_config, make_tuner_from_config,
+                                  sampling_params)
   c = repo_config("default")
   assert engine_config(c).sd_threshold == c.rollout.sd_threshold
   assert sampling_params(c).temperature == c.rollout.temperature
@@ -150,7 +151,7 @@ def test_gpu_configs_need_a_model_path_and_validate_with_one(variant, devices):
 
 
 def test_scan_layers_picks_the_loop_or_the_scan_per_pass():
-  from tlt_jax.config import model_config, training_model_config
+  from tlt_jax.components import model_config, training_model_config
   c = base_config()
   for value, decode_scans, train_scans in (("none", False, False), ("train", False, True),
                                            ("all", True, True)):

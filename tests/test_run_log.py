@@ -4,7 +4,7 @@ dropped with a warning, atomic rewrites."""
 import json
 import logging
 
-from tlt_jax.run_log import (append_jsonl, read_jsonl, response_key, resume_jsonl,
+from tlt_jax.run_log import (RunLog, append_jsonl, read_jsonl, response_key, resume_jsonl,
                              write_jsonl)
 
 
@@ -44,3 +44,26 @@ def test_missing_and_clean_files(tmp_path, caplog):
   assert not caplog.records  # nothing dropped, nothing said
   (tmp_path / "junk.jsonl").write_text('[1, 2]\n{"no_step": 1}\n')
   assert read_jsonl(str(tmp_path / "junk.jsonl")) == ([], 2)
+
+
+def test_run_log_cuts_every_file_back_to_the_resume_step(tmp_path):
+  for name in ("metrics.jsonl", "eval.jsonl"):
+    write_jsonl(str(tmp_path / name), [{"step": s} for s in (0, 1, 2, 3)])
+  write_jsonl(str(tmp_path / "rollouts.jsonl"),
+              [{"step": s, "prompt": 0, "sample": 0} for s in (1, 2, 3)])
+  with RunLog(str(tmp_path), resume_step=2) as log:
+    assert [r["step"] for r in log.rows["metrics"]] == [0, 1, 2]
+    assert [r["step"] for r in log.rows["eval"]] == [0, 1, 2]
+    log.write("metrics", [{"step": 3, "loss": 0.5}])
+    log.write("rollouts", [{"step": 3, "prompt": 0, "sample": 1}])
+  assert [r["step"] for r in _lines(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+  assert _lines(tmp_path / "metrics.jsonl")[-1]["loss"] == 0.5
+  assert [(r["step"], r["sample"]) for r in _lines(tmp_path / "rollouts.jsonl")] == [
+      (1, 0), (2, 0), (3, 1)]
+
+
+def test_run_log_of_another_process_writes_nothing(tmp_path):
+  with RunLog(str(tmp_path), resume_step=0, write=False) as log:
+    log.write("metrics", [{"step": 1}])
+    assert log.rows["metrics"] == [{"step": 1}]
+  assert not list(tmp_path.iterdir())

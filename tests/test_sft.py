@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import repo_config
 from tlt_jax.mesh import make_mesh, shard_pytree
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.models import init_params, param_logical_axes
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.rl.data import PromptIterator
@@ -63,7 +65,7 @@ def test_sharded_train_step_lowers_the_loss(tiny_cfg, task_tokenizer):
   cfg = tiny_cfg.replace(vocab_size=len(task_tokenizer))
   mesh = make_mesh({"replica": 2, "fsdp": -1, "tensor": 1})
   params = shard_pytree(init_params(cfg, jax.random.key(0)), param_logical_axes(cfg), mesh)
-  tx = make_optimizer(config.sft)
+  tx = make_optimizer(config)
   opt_state, opt_sharding = init_optimizer(tx, params, mesh)
   sharding = jax.tree.map(lambda x: x.sharding, params)
   step = make_train_step(cfg, tx, sharding, opt_sharding)
@@ -155,7 +157,10 @@ def test_shipped_policy_solves_heldout_problems(shipped):
   task = dict(json.load(open(os.path.join(ASSET, "sft_summary.json")))["config"]["task"])
   del task["name"], task["seed"]
   examples = ArithmeticTask(seed=task.pop("eval_seed"), **task).examples(32)
-  result = evaluate(params, cfg, tok, examples, max_new_tokens=160, batch_size=32)
+  engine = RolloutEngine(cfg, params, make_mesh({"fsdp": -1}, jax.devices()[:1]),
+                         EngineConfig(max_batch=32, max_prompt_len=128, max_new_tokens=160,
+                                      eos_id=tok.eos_token_id, pad_id=tok.pad_token_id or 0))
+  result = evaluate(engine, tok, examples, SamplingParams(0.0))
   assert result["accuracy"] > 0.1
   # Valid text: every finished completion is a chain of 'a<op>b=c' lines and a '#### n' line.
   finished = [t for t, f in zip(result["texts"], result["finished"]) if f]

@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 sim = load_experiment("simulate_cluster")
+vs_run = load_experiment("simulate_vs_run")
 
 
 def flat_costs(seconds=0.01, accept=1.0, sd_seconds=None, max_batch=64, prefill_s=0.0):
@@ -279,7 +280,7 @@ def _write_run(workdir, schedule, num_slices=2, max_batch=4, threshold=2, summar
 @pytest.mark.parametrize("schedule", ["interleaved", "parallel"])
 def test_compare_with_run_recovers_a_synthetic_run(tmp_path, schedule):
   metrics = _write_run(str(tmp_path), schedule)
-  res = sim.compare_with_run(str(tmp_path / "metrics.jsonl"), num_slices=2, max_batch=4,
+  res = vs_run.compare_with_run(str(tmp_path / "metrics.jsonl"), num_slices=2, max_batch=4,
                              sd_threshold=2)
   assert [s["used_in_fit"] for s in res["steps"]] == [False] + [True] * 7
   for name, value in TRUE.items():
@@ -293,17 +294,17 @@ def test_compare_with_run_needs_rollouts(tmp_path):
   _write_run(str(tmp_path), "parallel")
   os.remove(tmp_path / "rollouts.jsonl")
   with pytest.raises(FileNotFoundError, match="save_rollouts=True"):
-    sim.compare_with_run(str(tmp_path / "metrics.jsonl"), num_slices=2, max_batch=4,
+    vs_run.compare_with_run(str(tmp_path / "metrics.jsonl"), num_slices=2, max_batch=4,
                          sd_threshold=2)
   _write_run(str(tmp_path), "parallel")
   with pytest.raises(ValueError, match="num_slices"):  # no summary.json to read them from
-    sim.compare_with_run(str(tmp_path / "metrics.jsonl"))
+    vs_run.compare_with_run(str(tmp_path / "metrics.jsonl"))
 
 
 # ---------------------------------------------------------------- the script
 
-def _run_script(*args, timeout=120):
-  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "simulate_cluster.py"),
+def _run_script(*args, timeout=120, script="simulate_cluster.py"):
+  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script),
                       *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
   assert r.returncode == 0, r.stderr[-3000:]
   return r
@@ -326,7 +327,8 @@ def test_quick_mode_end_to_end(tmp_path):
 
 def test_compare_run_cli_reads_the_run_summary(tmp_path):
   _write_run(str(tmp_path / "run"), "interleaved", summary=True)
-  _run_script("--compare-run", str(tmp_path / "run"), "--out", str(tmp_path / "out"))
+  _run_script("--run", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+              script="simulate_vs_run.py")
   res = json.loads((tmp_path / "out" / "compare.json").read_text())
   assert res["settings"] == {"num_slices": 2, "max_batch": 4, "sd_threshold": 2}
   assert (tmp_path / "out" / "compare.png").exists()

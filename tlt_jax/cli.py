@@ -1,15 +1,20 @@
-"""Shared command-line plumbing: config flags whose errors read as one line, and device setup."""
+"""Shared command-line plumbing: config files with overrides, config flags whose errors read
+as one line, and device setup."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import sys
 
 import jax
+import ml_collections
 from absl import flags
 
 from tlt_jax.compile_cache import enable_compilation_cache
-from tlt_jax.config import ConfigError, validate_config
+from tlt_jax.components import validate_config
+from tlt_jax.config import ConfigError
 from tlt_jax.mesh import initialize_distributed
 
 
@@ -77,3 +82,49 @@ def run_main(main) -> None:
     except ConfigError as e:
       sys.exit(f"config error: {e}")
   app.run(wrapped, flags_parser=parse_flags)
+
+
+def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file given as 'path[:arg]' (as --config takes it), unlocked,
+  with 'key=value' overrides (dotted keys; values parsed to the existing value's type)."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} not found")
+  module_spec = importlib.util.spec_from_file_location("tlt_jax_config_file", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(arg or None)
+  config.unlock()
+  for item in overrides:
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise ConfigError(f"override {item!r}: expected key=value, e.g. rl.steps=8")
+    set_config_value(config, key, value)
+  return config
+
+
+def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> None:
+  """config[dotted] = value; a string value is parsed to the type of the value it replaces.
+  Raises ConfigError naming the allowed keys when the key does not exist."""
+  *parents, leaf = dotted.split(".")
+  node = config
+  for i, name in enumerate(parents):
+    if name not in node:
+      raise ConfigError(f"unknown config key {dotted!r}: no section "
+                        f"{'.'.join(parents[:i + 1])!r}")
+    node = node[name]
+  if leaf not in node:
+    raise ConfigError(f"unknown config key {dotted!r}; allowed under "
+                      f"{'.'.join(parents) or 'the top level'}: {sorted(node.keys())}")
+  old = node[leaf]
+  if isinstance(value, str) and old is not None and not isinstance(old, str):
+    if isinstance(old, bool):
+      if value.lower() not in ("true", "false"):
+        raise ConfigError(f"{dotted}={value!r}: expected true or false")
+      value = value.lower() == "true"
+    else:
+      try:
+        value = type(old)(value)
+      except (TypeError, ValueError):
+        raise ConfigError(f"{dotted}={value!r}: expected a {type(old).__name__}") from None
+  node[leaf] = value

@@ -1,31 +1,207 @@
-"""A run's components built from its config: tokenizer, policy, drafter, rollout engine,
-prompts. Shared by the command-line jobs (train, warmup_drafter) and the experiments."""
+"""A run's components built from its config: the dataclasses each subsystem runs on, and the
+tokenizer, policy, drafter, rollout engine and prompts. Every job (train, warmup_drafter, sft,
+generate) and every experiment builds through here; `validate_config` builds them all once,
+before anything compiles, so a bad value fails early with the key named."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from collections.abc import Sequence
 
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import Mesh
 
-from tlt_jax.config import (ConfigError, drafter_config, engine_config, make_tuner_from_config,
-                            model_config, task_from_config)
+from tlt_jax.config import ConfigError, check_config
+from tlt_jax.drafter_training.spot import SpotConfig
+from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.mesh import logical_shardings
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.config import ModelConfig, RopeConfig, ROPE_TYPES
 from tlt_jax.models.decoder import init_params, param_logical_axes
 from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
+from tlt_jax.models.drafter_io import load_drafter
+from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
+from tlt_jax.optim import AdamWConfig
 from tlt_jax.rl.data import load_examples
-from tlt_jax.rl.tasks import Example, TaskSlice
+from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.rewards import RewardFn, make_reward
+from tlt_jax.rl.tasks import Example, TaskSlice, make_task
+from tlt_jax.rl.tokenizer import prompt_ids
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
+from tlt_jax.speculative.tuner import Tuner, make_tuner
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+  """Checks keys and values: `check_config`, then every component below is built once (their
+  dataclasses check their own ranges). Raises ConfigError naming the key and the fix.
+
+  Args:
+    num_devices: when given, the mesh shape must fit this many devices.
+  """
+  check_config(config, num_devices)
+  builders = (model_config, engine_config, sampling_params, drafter_config, spot_config,
+              make_tuner_from_config, grpo_config, reward_from_config, policy_adamw,
+              sft_adamw, drafter_opt_config, functools.partial(drafter_opt_config, warmup=True),
+              task_from_config)
+  for build in builders:
+    try:
+      build(config)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  sd = config.rollout.speculative
+  if config.drafter.draft_vocab_size:
+    widest = max(Strategy.parse(a).topk for a in (*sd.arms, sd.strategy))
+    if config.drafter.draft_vocab_size < widest:
+      raise ConfigError(f"drafter.draft_vocab_size={config.drafter.draft_vocab_size} is below "
+                        f"the widest strategy's topk ({widest}); use at least {widest}")
+  r = config.rollout
+  limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
+  if config.model.path:  # the checkpoint's own limit
+    with open(os.path.join(config.model.path, "config.json")) as f:
+      limit = json.load(f).get("max_position_embeddings", limit)
+    source = f"max_position_embeddings of {config.model.path}/config.json"
+  if r.max_prompt_len + r.max_new_tokens > limit:
+    raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
+                      f"{r.max_prompt_len + r.max_new_tokens} exceeds {source}={limit}")
+
+
+# ---------------------------------------------------------------- the subsystems' settings
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The ModelConfig described by `config.model` (read from model.path when it is set), as
+  prefill/decode/verify run it (see `training_model_config` for training)."""
+  m = config.model
+  runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
+                 scan_layers=m.scan_layers == "all",
+                 feature_layers=tuple(config.drafter.fused_layers))
+  if m.path:
+    return load_hf_config(m.path, **runtime)
+  try:
+    return ModelConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        rope=RopeConfig(theta=m.rope_theta, rope_type=ROPE_TYPES[0]),
+        rms_norm_eps=m.rms_norm_eps, qkv_bias=(m.model_type == "qwen2"),
+        tie_embeddings=m.tie_embeddings, max_position_embeddings=m.max_position_embeddings,
+        model_type=m.model_type, **runtime)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def training_model_config(config: ml_collections.ConfigDict, cfg: ModelConfig) -> ModelConfig:
+  """The policy config for training forward passes (log-probs, updates): scanned layers
+  unless model.scan_layers is 'none'."""
+  return cfg.replace(scan_layers=config.model.scan_layers != "none")
+
+
+def engine_config(config: ml_collections.ConfigDict) -> EngineConfig:
+  """The rollout EngineConfig; SD is off (threshold 0) unless rollout.speculative.enable."""
+  r = config.rollout
+  return EngineConfig(max_batch=r.max_batch, max_prompt_len=r.max_prompt_len,
+                      max_new_tokens=r.max_new_tokens, steps_per_call=r.steps_per_call,
+                      sd_threshold=r.sd_threshold if r.speculative.enable else 0)
+
+
+def sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:
+  """Rollout sampling (temperature 0 = greedy)."""
+  r = config.rollout
+  return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+
+def drafter_config(config: ml_collections.ConfigDict) -> DrafterConfig:
+  """The DrafterConfig; fused_layers become the drafter's fused_features count."""
+  d = config.drafter
+  return DrafterConfig(num_layers=d.num_layers, use_features=d.use_features,
+                       intermediate_size=d.intermediate_size,
+                       fused_features=len(tuple(d.fused_layers)),
+                       draft_vocab_size=d.draft_vocab_size)
+
+
+def drafter_opt_config(config: ml_collections.ConfigDict,
+                       warmup: bool = False) -> DrafterOptConfig:
+  """The drafter's AdamW settings and loss: online (spot training) or offline warm-up."""
+  d = config.drafter
+  lr, warm, section = ((d.warmup.learning_rate, d.warmup.lr_warmup_steps, "drafter.warmup")
+                       if warmup else (d.learning_rate, d.lr_warmup_steps, "drafter"))
+  return DrafterOptConfig(learning_rate=lr, warmup_steps=warm, weight_decay=d.weight_decay,
+                          clip_norm=d.clip_norm, ce_weight=d.ce_weight,
+                          steps_ahead=d.train_steps_ahead, step_decay=d.train_step_decay,
+                          section=section)
+
+
+def spot_config(config: ml_collections.ConfigDict) -> SpotConfig:
+  """The SpotConfig of drafter.spot."""
+  s = config.drafter.spot
+  return SpotConfig(window=s.window, windows=s.windows, batch_rows=s.batch_rows,
+                    max_steps=s.max_steps)
+
+
+def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None = None) -> Tuner:
+  """The strategy tuner that rollout.speculative describes."""
+  sd = config.rollout.speculative
+  seed = config.seed if seed is None else seed
+  if sd.tuner == "fixed":
+    return make_tuner("fixed", strategy=sd.strategy)
+  thresholds = tuple(sd.bucket_thresholds)
+  if sd.tuner == "table":
+    return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
+  return make_tuner(sd.tuner, thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
+                    epsilon=sd.epsilon, window=sd.window, seed=seed, plain_arm=sd.plain_arm)
+
+
+def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
+  """The GrpoConfig of config.rl."""
+  r = config.rl
+  return GrpoConfig(clip_eps=r.clip_eps, clip_eps_high=r.clip_eps_high,
+                    scale_by_std=r.scale_by_std, loss_agg=r.loss_agg, kl_coef=r.kl_coef,
+                    entropy_coef=r.entropy_coef)
+
+
+def reward_from_config(config: ml_collections.ConfigDict) -> RewardFn:
+  """The reward rl.reward names: `fn(prompts, completions, **columns) -> list[float]`."""
+  return make_reward(config.rl.reward, format_bonus=config.rl.format_bonus)
+
+
+def policy_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
+  """The GRPO optimizer of config.rl: constant after an optional linear warm-up."""
+  r = config.rl
+  return AdamWConfig(learning_rate=r.learning_rate, warmup_steps=r.lr_warmup_steps, b1=r.b1,
+                     b2=r.b2, weight_decay=r.weight_decay, grad_clip=r.grad_clip, section="rl")
+
+
+def sft_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
+  """The SFT optimizer of config.sft: warm-up, then a cosine decay over sft.steps."""
+  s = config.sft
+  return AdamWConfig(learning_rate=s.learning_rate, warmup_steps=s.warmup_steps,
+                     decay_steps=s.steps, end_lr_fraction=s.end_lr_fraction, b1=s.b1, b2=s.b2,
+                     weight_decay=s.weight_decay, grad_clip=s.grad_clip, section="sft")
+
+
+def task_from_config(config: ml_collections.ConfigDict, eval_split: bool = False):
+  """The built-in task that `config.task` describes (held-out problems with eval_split)."""
+  t = config.task
+  return make_task(t.name, seed=t.eval_seed if eval_split else t.seed, min_steps=t.min_steps,
+                   max_steps=t.max_steps, body_p=t.body_p, tail_prob=t.tail_prob,
+                   tail_alpha=t.tail_alpha, max_value=t.max_value,
+                   max_operand=t.max_operand, max_multiplier=t.max_multiplier)
+
+
+# ---------------------------------------------------------------- loaded and built objects
 
 
 def load_tokenizer_for(config: ml_collections.ConfigDict):
   """tokenizer.path, else the tokenizer saved with model.path. RL and drafter jobs need a
   fixed tokenizer (the policy's); training one is the SFT job's business."""
-  from tlt_jax.models.hf import load_tokenizer
   path = config.tokenizer.path or config.model.path
   if not path:
     raise ConfigError("no tokenizer: set tokenizer.path or model.path to a folder with "
@@ -43,7 +219,6 @@ def load_policy(config: ml_collections.ConfigDict, mesh: Mesh) -> tuple[ModelCon
   cfg = model_config(config)
   rules = tuple(config.mesh.rules)
   if config.model.path:
-    from tlt_jax.models.hf import load_hf_params
     try:
       return cfg, load_hf_params(config.model.path, cfg, mesh, rules)
     except (OSError, ValueError) as e:
@@ -61,7 +236,6 @@ def load_drafter_for(config: ml_collections.ConfigDict, cfg: ModelConfig,
   random weights (fresh=True ignores drafter.path)."""
   dcfg = drafter_config(config)
   if config.drafter.path and not fresh:
-    from tlt_jax.models.drafter_io import load_drafter
     try:
       saved_cfg, params = load_drafter(config.drafter.path, cfg)
     except (OSError, ValueError, TypeError) as e:
@@ -89,7 +263,6 @@ def make_engine(config: ml_collections.ConfigDict, cfg: ModelConfig, params: dic
   """The rollout engine of config.rollout; SD when a drafter is given and
   rollout.speculative.enable (or `speculative`) says so. engine_overrides replace
   EngineConfig fields (e.g. max_new_tokens); tuner replaces the configured one."""
-  from tlt_jax.rollout.engine import RolloutEngine
   ec = dataclasses.replace(engine_config(config), eos_id=eos_id, pad_id=pad_id,
                            **engine_overrides)
   use_sd = config.rollout.speculative.enable if speculative is None else speculative
@@ -118,7 +291,7 @@ def training_set(config: ml_collections.ConfigDict, size: int) -> Sequence[Examp
   the built-in task (generated on demand)."""
   if config.task.data_path:
     return _data_file(config, eval_split=False)
-  return TaskSlice(task_from_config(config.task), size)
+  return TaskSlice(task_from_config(config), size)
 
 
 def task_examples(config: ml_collections.ConfigDict, count: int, start: int = 0,
@@ -127,13 +300,12 @@ def task_examples(config: ml_collections.ConfigDict, count: int, start: int = 0,
   the built-in task's); a file may hold fewer."""
   if config.task.data_path:
     return _data_file(config, eval_split)[start:start + count]
-  return task_from_config(config.task, eval_split).examples(count, start=start)
+  return task_from_config(config, eval_split).examples(count, start=start)
 
 
 def task_prompts(config: ml_collections.ConfigDict, tokenizer, count: int, start: int = 0,
                  eval_split: bool = False) -> tuple[list, list[list[int]]]:
   """(examples, prompt token ids) of problems start .. start+count (see task_examples)."""
-  from tlt_jax.rl.tokenizer import prompt_ids
   examples = task_examples(config, count, start, eval_split)
   prompts = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
   longest = max(len(p) for p in prompts)
@@ -141,12 +313,3 @@ def task_prompts(config: ml_collections.ConfigDict, tokenizer, count: int, start
     raise ConfigError(f"a task prompt has {longest} tokens, more than rollout.max_prompt_len="
                       f"{config.rollout.max_prompt_len}; raise it")
   return examples, prompts
-
-
-def accept_length(result) -> float | None:
-  """Mean tokens per running row per SD iteration of a RolloutResult (None without SD)."""
-  sd = [r for r in result.timeline if r.mode == "sd" and r.row_steps]
-  if not sd:
-    return None
-  weights = np.asarray([r.row_steps for r in sd], np.float64)
-  return float(np.average([r.accept_mean for r in sd], weights=weights))

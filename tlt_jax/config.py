@@ -1,8 +1,10 @@
-"""The configuration schema shared by every `configs/*.py` file, and its validation.
+"""The configuration schema shared by every `configs/*.py` file, and the checks of its keys
+and of the values that no component's own dataclass checks.
 
 Config files start from `base_config()`, change values, and return it locked, so a typo in a
-key fails where it is written ("Did you mean ...?"). `validate_config` then checks values
-before anything is compiled, and `model_config(config)` turns `config.model` into a ModelConfig.
+key fails where it is written ("Did you mean ...?"). `tlt_jax.components.validate_config`
+runs `check_config` and then builds every component, whose dataclasses check their own
+ranges, before anything is compiled.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import ml_collections
 
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.mesh import DEFAULT_RULES, resolve_axis_sizes
-from tlt_jax.models.config import DTYPES, ROPE_TYPES, ModelConfig, RopeConfig
+from tlt_jax.models.config import DTYPES, MODEL_TYPES
 from tlt_jax.models.hf import check_model_folder, check_safetensors
 
-MODEL_TYPES = ("qwen2", "llama")
+# Which forward passes run the layers as a lax.scan (see model.scan_layers below).
+SCAN_LAYERS = ("none", "train", "all")
 
 
 class ConfigError(ValueError):
@@ -298,18 +301,46 @@ def _one_of(value, allowed, key: str) -> None:
     raise ConfigError(f"{key}={value!r} is not allowed; allowed values: {tuple(allowed)}")
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-  """Checks keys and values; raises ConfigError naming the key and the allowed values.
+def _positive(section: ml_collections.ConfigDict, prefix: str, keys) -> None:
+  for key in keys:
+    if section[key] <= 0:
+      raise ConfigError(f"{prefix}.{key}={section[key]} must be positive")
+
+
+def _non_negative(section: ml_collections.ConfigDict, prefix: str, keys) -> None:
+  for key in keys:
+    if section[key] < 0:
+      raise ConfigError(f"{prefix}.{key}={section[key]} must be >= 0")
+
+
+def check_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+  """Checks the keys, the mesh, and the values of sections that no dataclass checks (paths,
+  counts); raises ConfigError naming the key and the fix.
 
   Args:
     num_devices: when given, the mesh shape must fit this many devices.
   """
   _check_keys(config, base_config())
-  m = config.model
+  _check_model(config.model)
+  _check_mesh(config.mesh, num_devices)
+  _positive(config.generate, "generate", ("num_prompts", "prompt_len", "max_new_tokens"))
+  _non_negative(config.generate, "generate", ("temperature",))
+  _check_task(config.task)
+  if config.task.data_path and not config.task.eval_data_path and config.rl.num_eval_examples:
+    raise ConfigError("task.data_path is set but task.eval_data_path is not: held-out "
+                      "evaluation needs its own problems; set task.eval_data_path or "
+                      "rl.num_eval_examples=0")
+  _check_tokenizer(config.tokenizer)
+  _check_sft(config.sft)
+  _check_rl(config.rl)
+  _check_drafter(config.drafter)
+
+
+def _check_model(m: ml_collections.ConfigDict) -> None:
   _one_of(m.dtype, DTYPES, "model.dtype")
   _one_of(m.param_dtype, DTYPES, "model.param_dtype")
-  _one_of(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
   _one_of(m.model_type, MODEL_TYPES, "model.model_type")
+  _one_of(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
   _one_of(m.scan_layers, SCAN_LAYERS, "model.scan_layers")
   if m.path:
     if not os.path.isdir(m.path):
@@ -319,14 +350,15 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
       check_model_folder(m.path)
     except (FileNotFoundError, ValueError) as e:
       raise ConfigError(f"model.path={m.path!r}: {e}") from None
-  axes = dict(config.mesh.axes)
+
+
+def _check_mesh(mesh: ml_collections.ConfigDict, num_devices: int | None) -> None:
+  axes = dict(mesh.axes)
   if not axes:
     raise ConfigError("mesh.axes must name at least one axis, e.g. {'replica': 1, 'fsdp': -1}")
-  if config.mesh.num_cpu_devices < 0:
-    raise ConfigError(f"mesh.num_cpu_devices={config.mesh.num_cpu_devices} must be >= 0")
-  dist = config.mesh.distributed
-  if dist.num_processes < 0:
-    raise ConfigError(f"mesh.distributed.num_processes={dist.num_processes} must be >= 0")
+  _non_negative(mesh, "mesh", ("num_cpu_devices",))
+  dist = mesh.distributed
+  _non_negative(dist, "mesh.distributed", ("num_processes",))
   if dist.num_processes and dist.process_id >= dist.num_processes:
     raise ConfigError(f"mesh.distributed.process_id={dist.process_id} must be below "
                       f"num_processes={dist.num_processes}")
@@ -336,149 +368,52 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
       resolve_axis_sizes(axes, num_devices)
     except ValueError as e:
       raise ConfigError(str(e)) from None
-  g = config.generate
-  for key in ("num_prompts", "prompt_len", "max_new_tokens"):
-    if g[key] <= 0:
-      raise ConfigError(f"generate.{key}={g[key]} must be positive")
-  if g.temperature < 0:
-    raise ConfigError(f"generate.temperature={g.temperature} must be >= 0")
-  _validate_task(config.task)
-  if config.task.data_path and not config.task.eval_data_path and config.rl.num_eval_examples:
-    raise ConfigError("task.data_path is set but task.eval_data_path is not: held-out "
-                      "evaluation needs its own problems; set task.eval_data_path or "
-                      "rl.num_eval_examples=0")
-  _validate_tokenizer(config.tokenizer)
-  _validate_sft(config.sft)
-  _validate_rollout(config)
-  _validate_rl(config.rl)
 
 
-TUNER_KINDS = ("beg_mab", "table", "fixed")
+def _check_task(t: ml_collections.ConfigDict) -> None:
+  for key in ("data_path", "eval_data_path"):
+    if t[key] and not os.path.isfile(t[key]):
+      raise ConfigError(f"task.{key}={t[key]!r} does not exist; give a JSON-lines file of "
+                        f"problems, or '' for the built-in task")
+  if t.eval_data_path and not t.data_path:
+    raise ConfigError("task.eval_data_path is set but task.data_path is not; held-out "
+                      "problems from a file go with training problems from a file")
+  if t.seed == t.eval_seed:
+    raise ConfigError(f"task.eval_seed={t.eval_seed} equals task.seed: held-out problems must "
+                      f"come from a different seed")
 
 
-def _validate_rollout(config: ml_collections.ConfigDict) -> None:
-  """Rollout, speculative and drafter values, by building the objects that use them."""
-  r, sd = config.rollout, config.rollout.speculative
-  _one_of(sd.tuner, TUNER_KINDS, "rollout.speculative.tuner")
-  for build in (engine_config, sampling_params, drafter_config, make_tuner_from_config,
-                spot_config):
-    try:
-      build(config)
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-  _validate_drafter(config.drafter)
-  if config.drafter.draft_vocab_size:
-    from tlt_jax.speculative.strategy import Strategy
-    widest = max(Strategy.parse(a).topk for a in (*sd.arms, sd.strategy))
-    if config.drafter.draft_vocab_size < widest:
-      raise ConfigError(f"drafter.draft_vocab_size={config.drafter.draft_vocab_size} is below "
-                        f"the widest strategy's topk ({widest}); use at least {widest}")
-  limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
-  if config.model.path:  # the checkpoint's own limit
-    with open(os.path.join(config.model.path, "config.json")) as f:
-      limit = json.load(f).get("max_position_embeddings", limit)
-    source = f"max_position_embeddings of {config.model.path}/config.json"
-  if r.max_prompt_len + r.max_new_tokens > limit:
-    raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
-                      f"{r.max_prompt_len + r.max_new_tokens} exceeds {source}={limit}")
+def _check_tokenizer(t: ml_collections.ConfigDict) -> None:
+  if t.path:
+    if not os.path.isdir(t.path):
+      raise ConfigError(f"tokenizer.path={t.path!r} does not exist; give a local Hugging Face "
+                        f"tokenizer folder, or '' to train one on the task")
+    return
+  if t.vocab_size < 259:
+    raise ConfigError(f"tokenizer.vocab_size={t.vocab_size} must be >= 259 (256 bytes + 3 "
+                      f"special tokens)")
+  _positive(t, "tokenizer", ("num_train_examples",))
 
 
-def engine_config(config: ml_collections.ConfigDict):
-  """The rollout EngineConfig; SD is off (threshold 0) unless rollout.speculative.enable."""
-  from tlt_jax.rollout.engine import EngineConfig
-  r = config.rollout
-  return EngineConfig(max_batch=r.max_batch, max_prompt_len=r.max_prompt_len,
-                      max_new_tokens=r.max_new_tokens, steps_per_call=r.steps_per_call,
-                      sd_threshold=r.sd_threshold if r.speculative.enable else 0)
+def _check_sft(s: ml_collections.ConfigDict) -> None:
+  _positive(s, "sft", ("num_train_examples", "steps", "rows", "seq_len", "log_every",
+                       "num_eval_examples", "eval_batch_size", "eval_max_new_tokens",
+                       "keep_checkpoints"))
+  _non_negative(s, "sft", ("eval_every", "checkpoint_every"))
+  _one_of(s.export_dtype, DTYPES, "sft.export_dtype")
 
 
-def sampling_params(config: ml_collections.ConfigDict):
-  """Rollout sampling (temperature 0 = greedy)."""
-  from tlt_jax.speculative.sampling import SamplingParams
-  r = config.rollout
-  return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
-
-
-def drafter_config(config: ml_collections.ConfigDict):
-  """The DrafterConfig; fused_layers become the drafter's fused_features count."""
-  from tlt_jax.models.drafter import DrafterConfig
-  d = config.drafter
-  return DrafterConfig(num_layers=d.num_layers, use_features=d.use_features,
-                       intermediate_size=d.intermediate_size,
-                       fused_features=len(tuple(d.fused_layers)),
-                       draft_vocab_size=d.draft_vocab_size)
-
-
-def drafter_opt_config(config: ml_collections.ConfigDict, warmup: bool = False):
-  """The drafter's AdamW settings: online (spot training) or offline warm-up."""
-  from tlt_jax.drafter_training.train_step import DrafterOptConfig
-  d = config.drafter
-  lr, warm = ((d.warmup.learning_rate, d.warmup.lr_warmup_steps) if warmup
-              else (d.learning_rate, d.lr_warmup_steps))
-  return DrafterOptConfig(learning_rate=lr, warmup_steps=warm, weight_decay=d.weight_decay,
-                          clip_norm=d.clip_norm, ce_weight=d.ce_weight,
-                          steps_ahead=d.train_steps_ahead, step_decay=d.train_step_decay)
-
-
-def spot_config(config: ml_collections.ConfigDict):
-  """The SpotConfig of drafter.spot."""
-  from tlt_jax.drafter_training.spot import SpotConfig
-  sp = config.drafter.spot
-  return SpotConfig(window=sp.window, windows=sp.windows, batch_rows=sp.batch_rows,
-                    max_steps=sp.max_steps)
-
-
-def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None = None):
-  """The strategy tuner that rollout.speculative describes."""
-  from tlt_jax.speculative.tuner import make_tuner
-  sd = config.rollout.speculative
-  seed = config.seed if seed is None else seed
-  if sd.tuner == "fixed":
-    return make_tuner("fixed", strategy=sd.strategy)
-  thresholds = tuple(sd.bucket_thresholds)
-  if sd.tuner == "table":
-    return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
-  return make_tuner("beg_mab", thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
-                    epsilon=sd.epsilon, window=sd.window, seed=seed, plain_arm=sd.plain_arm)
-
-
-REWARDS = ("answer", "answer+format")
-
-
-def grpo_config(config: ml_collections.ConfigDict):
-  """The GrpoConfig of config.rl."""
-  from tlt_jax.rl.grpo import GrpoConfig
-  r = config.rl
-  return GrpoConfig(clip_eps=r.clip_eps, clip_eps_high=r.clip_eps_high,
-                    scale_by_std=r.scale_by_std, loss_agg=r.loss_agg, kl_coef=r.kl_coef,
-                    entropy_coef=r.entropy_coef)
-
-
-def _validate_rl(r: ml_collections.ConfigDict) -> None:
-  _one_of(r.reward, REWARDS, "rl.reward")
-  for key in ("steps", "prompts_per_step", "num_samples", "num_train_examples", "ppo_epochs",
-              "mini_batches", "micro_batch_rows", "keep_checkpoints"):
-    if r[key] <= 0:
-      raise ConfigError(f"rl.{key}={r[key]} must be positive")
-  for key in ("lr_warmup_steps", "weight_decay", "grad_clip", "checkpoint_every",
-              "format_bonus", "num_eval_examples", "eval_every", "eval_samples"):
-    if r[key] < 0:
-      raise ConfigError(f"rl.{key}={r[key]} must be >= 0")
-  if r.learning_rate <= 0:
-    raise ConfigError(f"rl.learning_rate={r.learning_rate} must be positive")
-  for key in ("b1", "b2"):
-    if not 0.0 <= r[key] < 1.0:
-      raise ConfigError(f"rl.{key}={r[key]} must be in [0, 1)")
+def _check_rl(r: ml_collections.ConfigDict) -> None:
+  _positive(r, "rl", ("steps", "prompts_per_step", "num_samples", "num_train_examples",
+                      "ppo_epochs", "mini_batches", "micro_batch_rows", "keep_checkpoints"))
+  _non_negative(r, "rl", ("checkpoint_every", "num_eval_examples", "eval_every",
+                          "eval_samples"))
   if r.num_samples < 2:
     raise ConfigError(f"rl.num_samples={r.num_samples}: GRPO compares samples within a "
                       f"group, so it needs at least 2")
-  try:
-    grpo_config(ml_collections.ConfigDict({"rl": r}))
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
 
 
-def _validate_drafter(d: ml_collections.ConfigDict) -> None:
+def _check_drafter(d: ml_collections.ConfigDict) -> None:
   if d.path:
     if not os.path.isdir(d.path):
       raise ConfigError(f"drafter.path={d.path!r} does not exist; give a folder exported by "
@@ -496,171 +431,9 @@ def _validate_drafter(d: ml_collections.ConfigDict) -> None:
                         f"line {e.lineno})") from None
     except ValueError as e:
       raise ConfigError(f"drafter.path={d.path!r}: {e}") from None
-  for key in ("learning_rate", "clip_norm"):
-    if d[key] <= 0:
-      raise ConfigError(f"drafter.{key}={d[key]} must be positive")
-  for key in ("lr_warmup_steps", "weight_decay", "ce_weight"):
-    if d[key] < 0:
-      raise ConfigError(f"drafter.{key}={d[key]} must be >= 0")
-  if d.train_steps_ahead < 1:
-    raise ConfigError(f"drafter.train_steps_ahead={d.train_steps_ahead} must be >= 1 (1 = "
-                      f"single-step training)")
-  if not 0 < d.train_step_decay <= 1:
-    raise ConfigError(f"drafter.train_step_decay={d.train_step_decay} must be in (0, 1]")
-  if d.buffer.keep_steps < 1:
-    raise ConfigError(f"drafter.buffer.keep_steps={d.buffer.keep_steps} must be >= 1")
-  if d.buffer.sequences_per_step < 0:
-    raise ConfigError(f"drafter.buffer.sequences_per_step={d.buffer.sequences_per_step} must "
-                      f"be >= 0 (0 = all)")
-  w = d.warmup
-  for key in ("num_prompts", "samples_per_prompt", "max_new_tokens", "steps", "batch_rows",
-              "window", "num_eval_prompts"):
-    if w[key] <= 0:
-      raise ConfigError(f"drafter.warmup.{key}={w[key]} must be positive")
-  for key in ("temperature", "lr_warmup_steps", "checkpoint_every"):
-    if w[key] < 0:
-      raise ConfigError(f"drafter.warmup.{key}={w[key]} must be >= 0")
-  if w.learning_rate <= 0:
-    raise ConfigError(f"drafter.warmup.learning_rate={w.learning_rate} must be positive")
-
-
-TASK_NAMES = ("arithmetic",)
-
-
-def _validate_task(t: ml_collections.ConfigDict) -> None:
-  _one_of(t.name, TASK_NAMES, "task.name")
-  for key in ("data_path", "eval_data_path"):
-    if t[key] and not os.path.isfile(t[key]):
-      raise ConfigError(f"task.{key}={t[key]!r} does not exist; give a JSON-lines file of "
-                        f"problems, or '' for the built-in task")
-  if t.eval_data_path and not t.data_path:
-    raise ConfigError("task.eval_data_path is set but task.data_path is not; held-out "
-                      "problems from a file go with training problems from a file")
-  if t.seed == t.eval_seed:
-    raise ConfigError(f"task.eval_seed={t.eval_seed} equals task.seed: held-out problems must "
-                      f"come from a different seed")
-  try:  # the task checks its own values (and names them)
-    task_from_config(t)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-
-
-def task_from_config(t: ml_collections.ConfigDict, eval_split: bool = False):
-  """The built-in task that `config.task` describes (held-out problems with eval_split)."""
-  from tlt_jax.rl.tasks.arithmetic import ArithmeticTask
-  return ArithmeticTask(seed=t.eval_seed if eval_split else t.seed, min_steps=t.min_steps,
-                        max_steps=t.max_steps, body_p=t.body_p, tail_prob=t.tail_prob,
-                        tail_alpha=t.tail_alpha, max_value=t.max_value,
-                        max_operand=t.max_operand, max_multiplier=t.max_multiplier)
-
-
-def _validate_tokenizer(t: ml_collections.ConfigDict) -> None:
-  if t.path:
-    if not os.path.isdir(t.path):
-      raise ConfigError(f"tokenizer.path={t.path!r} does not exist; give a local Hugging Face "
-                        f"tokenizer folder, or '' to train one on the task")
-    return
-  if t.vocab_size < 259:
-    raise ConfigError(f"tokenizer.vocab_size={t.vocab_size} must be >= 259 (256 bytes + 3 "
-                      f"special tokens)")
-  if t.num_train_examples <= 0:
-    raise ConfigError(f"tokenizer.num_train_examples={t.num_train_examples} must be positive")
-
-
-def _validate_sft(s: ml_collections.ConfigDict) -> None:
-  for key in ("num_train_examples", "steps", "rows", "seq_len", "log_every",
-              "num_eval_examples", "eval_batch_size", "eval_max_new_tokens", "keep_checkpoints"):
-    if s[key] <= 0:
-      raise ConfigError(f"sft.{key}={s[key]} must be positive")
-  for key in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "grad_clip"):
-    if s[key] < 0:
-      raise ConfigError(f"sft.{key}={s[key]} must be >= 0")
-  if s.warmup_steps >= s.steps:
-    raise ConfigError(f"sft.warmup_steps={s.warmup_steps} must be < sft.steps={s.steps}")
-  if s.learning_rate <= 0:
-    raise ConfigError(f"sft.learning_rate={s.learning_rate} must be positive")
-  if not 0.0 <= s.end_lr_fraction <= 1.0:
-    raise ConfigError(f"sft.end_lr_fraction={s.end_lr_fraction} must be in [0, 1]")
-  for key in ("b1", "b2"):
-    if not 0.0 <= s[key] < 1.0:
-      raise ConfigError(f"sft.{key}={s[key]} must be in [0, 1)")
-  _one_of(s.export_dtype, DTYPES, "sft.export_dtype")
-
-
-SCAN_LAYERS = ("none", "train", "all")
-
-
-def training_model_config(config: ml_collections.ConfigDict, cfg: ModelConfig) -> ModelConfig:
-  """The policy config for training forward passes (log-probs, updates): scanned layers
-  unless model.scan_layers is 'none'."""
-  return cfg.replace(scan_layers=config.model.scan_layers != "none")
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  """The ModelConfig described by `config.model` (read from model.path when it is set), as
-  prefill/decode/verify run it (see `training_model_config` for training)."""
-  m = config.model
-  runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
-                 scan_layers=m.scan_layers == "all")
-  if m.path:
-    runtime["feature_layers"] = tuple(config.drafter.fused_layers)
-    from tlt_jax.models.hf import load_hf_config
-    return load_hf_config(m.path, **runtime)
-  try:
-    return ModelConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-        rope=RopeConfig(theta=m.rope_theta, rope_type=ROPE_TYPES[0]),
-        rms_norm_eps=m.rms_norm_eps, qkv_bias=(m.model_type == "qwen2"),
-        tie_embeddings=m.tie_embeddings, max_position_embeddings=m.max_position_embeddings,
-        model_type=m.model_type, feature_layers=tuple(config.drafter.fused_layers), **runtime)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-
-
-def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
-  """`get_config(arg)` of a config file given as 'path[:arg]' (as --config takes it), unlocked,
-  with 'key=value' overrides (dotted keys; values parsed to the existing value's type)."""
-  import importlib.util
-  path, _, arg = spec.partition(":")
-  if not os.path.isfile(path):
-    raise ConfigError(f"config file {path!r} not found")
-  module_spec = importlib.util.spec_from_file_location("tlt_jax_config_file", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  config = module.get_config(arg or None)
-  config.unlock()
-  for item in overrides:
-    key, sep, value = item.partition("=")
-    if not sep:
-      raise ConfigError(f"override {item!r}: expected key=value, e.g. rl.steps=8")
-    set_config_value(config, key, value)
-  return config
-
-
-def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> None:
-  """config[dotted] = value; a string value is parsed to the type of the value it replaces.
-  Raises ConfigError naming the allowed keys when the key does not exist."""
-  *parents, leaf = dotted.split(".")
-  node = config
-  for i, name in enumerate(parents):
-    if name not in node:
-      raise ConfigError(f"unknown config key {dotted!r}: no section "
-                        f"{'.'.join(parents[:i + 1])!r}")
-    node = node[name]
-  if leaf not in node:
-    raise ConfigError(f"unknown config key {dotted!r}; allowed under "
-                      f"{'.'.join(parents) or 'the top level'}: {sorted(node.keys())}")
-  old = node[leaf]
-  if isinstance(value, str) and old is not None and not isinstance(old, str):
-    if isinstance(old, bool):
-      if value.lower() not in ("true", "false"):
-        raise ConfigError(f"{dotted}={value!r}: expected true or false")
-      value = value.lower() == "true"
-    else:
-      try:
-        value = type(old)(value)
-      except (TypeError, ValueError):
-        raise ConfigError(f"{dotted}={value!r}: expected a {type(old).__name__}") from None
-  node[leaf] = value
+  _positive(d.buffer, "drafter.buffer", ("keep_steps",))
+  _non_negative(d.buffer, "drafter.buffer", ("sequences_per_step",))
+  _positive(d.warmup, "drafter.warmup", ("num_prompts", "samples_per_prompt",
+                                         "max_new_tokens", "steps", "batch_rows", "window",
+                                         "num_eval_prompts"))
+  _non_negative(d.warmup, "drafter.warmup", ("temperature", "checkpoint_every"))

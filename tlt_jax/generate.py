@@ -18,14 +18,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 from tqdm import tqdm
 
 from tlt_jax import cli
-from tlt_jax.config import model_config
+from tlt_jax.components import load_policy
 from tlt_jax.mesh import logical_shardings, make_mesh
-from tlt_jax.models import init_cache, init_params, param_logical_axes
+from tlt_jax.models import init_cache
 from tlt_jax.speculative.decoding import plain_step, start
 from tlt_jax.speculative.sampling import SamplingParams
 
@@ -42,17 +42,8 @@ def main(argv):
 
   # ---------------------------------------------------------------- mesh and model
   mesh = make_mesh(dict(config.mesh.axes))
-  cfg = model_config(config)
   rules = tuple(config.mesh.rules)
-  logical = param_logical_axes(cfg)
-  if config.model.path:
-    from tlt_jax.models.hf import load_hf_params
-    params = load_hf_params(config.model.path, cfg, mesh, rules)
-  else:
-    shapes = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
-    params = jax.jit(functools.partial(init_params, cfg),
-                     out_shardings=logical_shardings(logical, mesh, rules, shapes))(
-                         jax.random.key(config.seed))
+  cfg, params = load_policy(config, mesh)
   print(f"mesh {dict(mesh.shape)} on {num_devices} devices; model {cfg.num_layers} layers, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
 
@@ -69,7 +60,8 @@ def main(argv):
 
   # ---------------------------------------------------------------- compiled steps
   # The rollout's pure steps, one jitted call per token so that decode time is measured
-  # per step; no EOS (random prompts), every row decodes the whole budget.
+  # per step (what this job reports); no EOS (random prompts), every row decodes the whole
+  # budget.
   sp = SamplingParams(g.temperature)
   begin = jax.jit(functools.partial(start, sp=sp, max_new_tokens=g.max_new_tokens, eos_id=-1,
                                     cfg=cfg), donate_argnums=(3,))
@@ -103,7 +95,7 @@ def main(argv):
 
 def run():
   """Console-script entry point (`tlt-generate`)."""
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run_main(main)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,67 @@
-"""Optimizer state placement shared by every trainer (SFT, GRPO, drafter)."""
+"""The one optimizer every trainer uses (SFT, GRPO, drafter): AdamW after global-norm
+clipping, with a linear warm-up and an optional cosine decay; and its state's placement."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+  """learning_rate: the peak, reached after warmup_steps of linear warm-up from 0.
+  decay_steps: 0 keeps the peak after the warm-up; else a cosine decay reaching
+  end_lr_fraction * learning_rate at decay_steps (the run's length, `<section>.steps`).
+  grad_clip: the global gradient norm is clipped to this (0 = no clipping).
+  section: the config section named in errors."""
+  learning_rate: float
+  warmup_steps: int = 0
+  decay_steps: int = 0
+  end_lr_fraction: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.999
+  weight_decay: float = 0.0
+  grad_clip: float = 0.0
+  section: str = "optimizer"
+
+  def __post_init__(self):
+    s = self.section
+    if self.learning_rate <= 0:
+      raise ValueError(f"{s}.learning_rate={self.learning_rate} must be positive")
+    for name in ("warmup_steps", "decay_steps", "weight_decay", "grad_clip"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{s}.{name}={getattr(self, name)} must be >= 0")
+    if self.decay_steps and self.warmup_steps >= self.decay_steps:
+      raise ValueError(f"{s}.warmup_steps={self.warmup_steps} must be < {s}.steps="
+                       f"{self.decay_steps} (the decay's length)")
+    if not 0.0 <= self.end_lr_fraction <= 1.0:
+      raise ValueError(f"{s}.end_lr_fraction={self.end_lr_fraction} must be in [0, 1]")
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"{s}.{name}={getattr(self, name)} must be in [0, 1)")
+
+  def schedule(self) -> optax.Schedule | float:
+    if self.decay_steps:
+      return optax.warmup_cosine_decay_schedule(
+          init_value=0.0, peak_value=self.learning_rate, warmup_steps=self.warmup_steps,
+          decay_steps=self.decay_steps, end_value=self.learning_rate * self.end_lr_fraction)
+    if self.warmup_steps:
+      return optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps)
+    return self.learning_rate
+
+
+def make_adamw(oc: AdamWConfig, decay_mask: Callable | None = None
+               ) -> optax.GradientTransformation:
+  """The optimizer `oc` describes; decay_mask(params) -> bool pytree picks the leaves that
+  weight decay applies to (None: all)."""
+  return optax.chain(
+      optax.clip_by_global_norm(oc.grad_clip) if oc.grad_clip > 0 else optax.identity(),
+      optax.adamw(oc.schedule(), b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay,
+                  mask=decay_mask))
 
 
 def init_optimizer(tx: optax.GradientTransformation, params: dict, mesh: Mesh):

@@ -1,5 +1,5 @@
 """A run's JSONL files (metrics.jsonl, eval.jsonl, rollouts.jsonl): appended line by line as
-the run goes, made whole again when a run resumes.
+the run goes, made whole again when a run resumes. `RunLog` is the one way jobs write them.
 
 A crash can leave a partial last line; a crash between writing a step's rows and its
 checkpoint leaves rows of a step that will run again; older runs may have left duplicates.
@@ -84,3 +84,46 @@ def append_jsonl(f, rows: Iterable[dict]) -> None:
   the line being written."""
   f.writelines(json.dumps(r) + "\n" for r in rows)
   f.flush()
+
+
+# name -> (file, what makes a row unique)
+LOG_FILES = {"metrics": ("metrics.jsonl", step_key), "eval": ("eval.jsonl", step_key),
+             "rollouts": ("rollouts.jsonl", response_key)}
+
+
+class RunLog:
+  """The JSONL logs of a job in `workdir`: `write(name, rows)` appends rows to
+  LOG_FILES[name] and flushes them. Opened at `resume_step`, each file is first cut back to
+  the rows up to that step (see `resume_jsonl`); `rows[name]` holds the metrics and eval rows
+  so far (rollouts are only written). With write=False (processes other than 0 of a
+  multi-host run) nothing touches the files."""
+
+  def __init__(self, workdir: str, resume_step: int, write: bool = True):
+    self.workdir, self.enabled = workdir, write
+    self.rows: dict[str, list[dict]] = {"metrics": [], "eval": []}
+    self._files: dict[str, object] = {}
+    if write:
+      for name, (filename, key) in LOG_FILES.items():
+        kept = resume_jsonl(os.path.join(workdir, filename), up_to=resume_step, key=key)
+        if name in self.rows:
+          self.rows[name] = kept
+
+  def write(self, name: str, rows: list[dict]) -> None:
+    if name in self.rows:
+      self.rows[name].extend(rows)
+    if not self.enabled:
+      return
+    if name not in self._files:
+      self._files[name] = open(os.path.join(self.workdir, LOG_FILES[name][0]), "a")
+    append_jsonl(self._files[name], rows)
+
+  def close(self) -> None:
+    for f in self._files.values():
+      f.close()
+    self._files = {}
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

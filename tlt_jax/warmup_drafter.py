@@ -29,15 +29,16 @@ from ml_collections import config_flags
 
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
-from tlt_jax.components import (accept_length, load_drafter_for, load_policy,
+from tlt_jax.components import (drafter_opt_config, load_drafter_for, load_policy,
                                 load_tokenizer_for, make_engine, task_prompts)
-from tlt_jax.config import drafter_opt_config
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models.draft_vocab import frequent_tokens
 from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
+from tlt_jax.rollout.engine import accept_length
+from tlt_jax.run_log import RunLog
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
@@ -105,21 +106,18 @@ def main(argv):
   if restored is not None:
     state = restored[1]
     print(f"resumed the drafter from step {restored[0]}")
-  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+  log = RunLog(workdir, resume_step=restored[0] if restored is not None else 0)
 
   def on_step(step, st, metrics):
-    metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+    log.write("metrics", [{"step": step, **metrics}])
     if step == w.steps or (w.checkpoint_every and step % w.checkpoint_every == 0):
-      metrics_file.flush()
       ckpt.save(step, st, {"step": step})
 
   t0 = time.perf_counter()
-  try:
+  with log:
     dparams, history = train_drafter(init_params, params, samples, cfg, dcfg, oc, w.steps,
                                       window=w.window, batch_rows=w.batch_rows,
                                       seed=config.seed, state=state, on_step=on_step)
-  finally:
-    metrics_file.close()
   train_s = time.perf_counter() - t0
   ckpt.close()
 

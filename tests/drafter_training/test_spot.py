@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import REPO, repo_config
 from tests.speculative.drafters import random_drafter
-from tlt_jax.components import accept_length, task_prompts
+from tlt_jax.components import task_prompts
+from tlt_jax.rollout.engine import accept_length
 from tlt_jax.drafter_training.spot import SpotConfig, SpotTrainer, _average_slices
 from tlt_jax.drafter_training.train_step import DrafterOptConfig, DrafterTrainState
 from tlt_jax.mesh import make_mesh

@@ -66,7 +66,7 @@ def test_folder_without_config(tmp_path):
 
 def test_unsupported_model_type():
   from transformers import GPT2Config
-  with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*llama.*qwen2"):
+  with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*qwen2.*llama"):
     model_config_from_hf(GPT2Config())
 
 

@@ -54,8 +54,8 @@ def test_bad_records_name_file_and_line(tmp_path):
 def test_data_files_for_the_jobs(tmp_path, jsonl):
   """What task.data_path / eval_data_path read, and the config around them."""
   from tests.conftest import repo_config
-  from tlt_jax.components import task_examples, training_set
-  from tlt_jax.config import ConfigError, validate_config
+  from tlt_jax.components import task_examples, training_set, validate_config
+  from tlt_jax.config import ConfigError
   assert [e.answer for e in load_examples(jsonl)] == ["1,203", r"\frac{3}{4}", "-3", "42"]
   (tmp_path / "empty.jsonl").write_text("\n\n")
   with pytest.raises(ValueError, match=r"empty.jsonl' has no records"):

@@ -13,6 +13,7 @@ import optax
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterConfig, fixed_part, trainable_part
 from tlt_jax.drafter_training.loss import Windows, drafter_loss
+from tlt_jax.optim import AdamWConfig, make_adamw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +29,28 @@ class DrafterOptConfig:
   ce_weight: float = 0.1
   steps_ahead: int = 1
   step_decay: float = 0.8
+  section: str = "drafter"  # the config section named in errors
+
+  def __post_init__(self):
+    self.adamw()  # checks the optimizer's values
+    if self.clip_norm <= 0:
+      raise ValueError(f"{self.section}.clip_norm={self.clip_norm} must be positive")
+    if self.ce_weight < 0:
+      raise ValueError(f"{self.section}.ce_weight={self.ce_weight} must be >= 0")
+    if self.steps_ahead < 1:
+      raise ValueError(f"{self.section}.train_steps_ahead={self.steps_ahead} must be >= 1 "
+                       f"(1 = single-step training)")
+    if not 0 < self.step_decay <= 1:
+      raise ValueError(f"{self.section}.train_step_decay={self.step_decay} must be in (0, 1]")
+
+  def adamw(self) -> AdamWConfig:
+    return AdamWConfig(learning_rate=self.learning_rate, warmup_steps=self.warmup_steps,
+                       b1=self.b1, b2=self.b2, weight_decay=self.weight_decay,
+                       grad_clip=self.clip_norm, section=self.section)
 
 
 def make_optimizer(oc: DrafterOptConfig) -> optax.GradientTransformation:
-  schedule = optax.linear_schedule(0.0, oc.learning_rate, max(oc.warmup_steps, 1))
-  return optax.chain(optax.clip_by_global_norm(oc.clip_norm),
-                     optax.adamw(schedule, b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay))
+  return make_adamw(oc.adamw())
 
 
 @flax.struct.dataclass

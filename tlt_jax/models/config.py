@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ROPE_TYPES = ("default", "llama3")
+MODEL_TYPES = ("qwen2", "llama")  # the Hugging Face architectures this decoder loads
 
 
 def dtype_from_name(name: str, what: str = "dtype"):
@@ -65,6 +66,9 @@ class ModelConfig:
   def __post_init__(self):
     dtype_from_name(self.dtype, "model.dtype")
     dtype_from_name(self.param_dtype, "model.param_dtype")
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"model.model_type={self.model_type!r} is not allowed; allowed values: "
+                       f"{MODEL_TYPES}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")

@@ -20,10 +20,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from tlt_jax.mesh import DEFAULT_RULES, logical_to_mesh_spec
-from tlt_jax.models.config import ModelConfig, RopeConfig
+from tlt_jax.models.config import MODEL_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
 from tlt_jax.models.decoder import param_logical_axes
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some exporters write that carry no weights.
@@ -57,10 +56,10 @@ def check_model_folder(path: str) -> None:
   model_type = data.get("model_type") if isinstance(data, dict) else None
   if not model_type:
     raise ValueError(f"{config_path} has no model_type; a Hugging Face config of one of "
-                     f"{SUPPORTED_MODEL_TYPES} is needed")
-  if model_type not in SUPPORTED_MODEL_TYPES:
+                     f"{MODEL_TYPES} is needed")
+  if model_type not in MODEL_TYPES:
     raise ValueError(f"{config_path}: unsupported model_type {model_type!r}; supported: "
-                     f"{SUPPORTED_MODEL_TYPES}")
+                     f"{MODEL_TYPES}")
   for fn in sorted(set(_weight_files(path).values())):
     check_safetensors(fn)
 
@@ -93,8 +92,8 @@ def check_safetensors(path: str) -> None:
 def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
   """Maps a transformers Llama/Qwen2 config (object) to a ModelConfig; overrides win."""
   mt = hf_config.model_type
-  if mt not in SUPPORTED_MODEL_TYPES:
-    raise ValueError(f"unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
+  if mt not in MODEL_TYPES:
+    raise ValueError(f"unsupported model_type {mt!r}; supported: {MODEL_TYPES}")
   if getattr(hf_config, "hidden_act", "silu") != "silu":
     raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only 'silu' is supported")
   if mt == "qwen2" and getattr(hf_config, "use_sliding_window", False):
@@ -107,8 +106,8 @@ def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
   rp = rp or dict(getattr(hf_config, "rope_scaling", None) or {})
   theta = rp.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
   rope_type = rp.get("rope_type", rp.get("type", "default"))
-  if rope_type not in ("default", "llama3"):
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: ('default', 'llama3')")
+  if rope_type not in ROPE_TYPES:
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}")
   rope_kw = {k: rp[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                 "original_max_position_embeddings") if k in rp}
   heads = hf_config.num_attention_heads
@@ -158,7 +157,7 @@ def hf_config_from_model_config(cfg: ModelConfig):
       raise ValueError("a llama export cannot carry qkv biases; use model_type='qwen2'")
     return LlamaConfig(**common)
   raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: "
-                   f"{SUPPORTED_MODEL_TYPES}")
+                   f"{MODEL_TYPES}")
 
 
 # ---------------------------------------------------------------- weight name mapping

@@ -1,69 +1,65 @@
-"""Accuracy of a policy on a list of `Example`s, with plain decoding."""
+"""Accuracy of a policy on a list of `Example`s, decoded by the rollout engine."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from tlt_jax.models import ModelConfig
 from tlt_jax.rl.answers import answers_match, extract_answer
 from tlt_jax.rl.tasks.example import Example
 from tlt_jax.rl.tokenizer import prompt_ids
-from tlt_jax.rollout.plain import generate_plain
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 
 
-def sample_completions(params: dict, cfg: ModelConfig, tokenizer, prompts: Sequence[str],
-                       max_new_tokens: int, batch_size: int, temperature: float = 0.0,
-                       key: jax.Array | None = None) -> list[list[int]]:
-  """Completion token ids (EOS dropped) for each prompt, through the chat template.
+def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
+             sampling: SamplingParams, samples: int = 1, key: jax.Array | None = None) -> dict:
+  """Samples `samples` completions per example with the engine's current policy and scores
+  their final answers (temperature 0 = greedy; SD, when the engine runs it, is exact).
 
-  Prompts are run in batches of similar length (sorted by prompt length, which for the built-in
-  task tracks the number of steps), so a batch rarely waits on one long straggler; the last
-  batch is padded by repeating a prompt so every batch has the same shape (one compilation).
-  """
-  key = jax.random.key(0) if key is None else key
-  ids = [prompt_ids(tokenizer, p) for p in prompts]
-  order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-  out: list[list[int] | None] = [None] * len(ids)
-  for start in range(0, len(order), batch_size):
-    chunk = order[start:start + batch_size]
-    batch = [ids[i] for i in chunk]
-    batch += [batch[-1]] * (batch_size - len(batch))
-    key, sub = jax.random.split(key)
-    completions = generate_plain(params, cfg, batch, max_new_tokens, tokenizer.eos_token_id,
-                                 SamplingParams(temperature), sub,
-                                 pad_id=tokenizer.pad_token_id)
-    for i, c in zip(chunk, completions):
-      out[i] = c
-  return out  # type: ignore[return-value]
-
-
-def evaluate(params: dict, cfg: ModelConfig, tokenizer, examples: Sequence[Example],
-             max_new_tokens: int, batch_size: int, temperature: float = 0.0,
-             key: jax.Array | None = None) -> dict:
-  """Samples a completion per example and scores its final answer.
-
-  Returns a dict: accuracy (float), num_examples, correct (list of bool), texts (decoded
-  completions), lengths (completion tokens, EOS excluded), finished (list of bool: EOS seen
-  before max_new_tokens), and accuracy_by_steps ({num_steps: [correct, total]}) for examples
-  whose metadata has 'num_steps'.
+  Returns a dict over the N = len(examples) * samples completions (example i's are
+  i * samples .. i * samples + samples - 1): accuracy (float), num_examples, samples,
+  correct (N bools), texts (decoded, special tokens dropped), lengths (N generated tokens,
+  EOS included), finished (N bools: EOS before the token budget), response_len_mean, and
+  accuracy_by_steps ({num_steps: [correct, total]}) for examples whose metadata has one.
   """
   if not examples:
     raise ValueError("evaluate needs at least one example")
-  completions = sample_completions(params, cfg, tokenizer, [e.prompt for e in examples],
-                                   max_new_tokens, batch_size, temperature, key)
-  texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-  correct = [answers_match(extract_answer(t), e.answer) for t, e in zip(texts, examples)]
+  key = jax.random.key(0) if key is None else key
+  ids = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
+  result = engine.generate(ids, samples, sampling, key, log_requests=())
+  texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+  repeated = [ex for ex in examples for _ in range(samples)]
+  correct = [answers_match(extract_answer(t), ex.answer) for t, ex in zip(texts, repeated)]
   by_steps: dict[int, list[int]] = {}
-  for e, ok in zip(examples, correct):
-    if "num_steps" in e.metadata:
-      cell = by_steps.setdefault(int(e.metadata["num_steps"]), [0, 0])
+  for ex, ok in zip(repeated, correct):
+    if "num_steps" in ex.metadata:
+      cell = by_steps.setdefault(int(ex.metadata["num_steps"]), [0, 0])
       cell[0] += int(ok)
       cell[1] += 1
+  lengths = [int(n) for n in result.lengths]
   return {"accuracy": float(np.mean(correct)), "num_examples": len(examples),
-          "correct": correct, "texts": texts, "lengths": [len(c) for c in completions],
-          "finished": [len(c) < max_new_tokens for c in completions],
+          "samples": samples, "correct": correct, "texts": texts, "lengths": lengths,
+          "finished": [f == "eos" for f in result.finish_reasons],
+          "response_len_mean": float(np.mean(lengths)),
           "accuracy_by_steps": dict(sorted(by_steps.items()))}
+
+
+def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
+                     sampling: SamplingParams, samples: int) -> dict:
+  """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged), and
+  with `samples` samples per problem at the rollout temperature (what the reward measures,
+  without the noise of each step's prompt mix). One eval.jsonl row, without the step."""
+  row = {}
+  key = jax.random.key(1)
+  for name, sp, n in (("greedy", dataclasses.replace(sampling, temperature=0.0), 1),
+                      ("sampled", sampling, samples)):
+    if n:
+      res = evaluate(engine, tokenizer, examples, sp, samples=n, key=key)
+      row[f"{name}_accuracy"] = res["accuracy"]
+      row[f"{name}_response_len_mean"] = res["response_len_mean"]
+  row["accuracy"] = row["greedy_accuracy"]
+  return row

@@ -1,5 +1,6 @@
 """The GRPO policy update: batches built on the host, log-probs and the update jitted over the
-whole mesh, with gradient accumulation over micro-batches.
+whole mesh, with gradient accumulation over micro-batches; `PolicyUpdater` runs one RL step's
+epochs of it.
 
 Shapes: a step's B = prompts x samples rows are padded to mini_batches x micro_batches x
 micro_rows (padding rows have an empty loss mask and weight 0) and laid out
@@ -10,14 +11,19 @@ micro_rows (padding rows have an empty loss mask and weight 0) and laid out
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tlt_jax.config import ConfigError
+from tlt_jax.mesh import logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.grpo import GrpoConfig, grpo_loss, loss_weights, token_log_probs
 
 WIDTH_MULTIPLE = 64
@@ -100,3 +106,79 @@ def make_policy_update(cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTrans
     return params, opt_state, out
 
   return update
+
+
+class PolicyUpdater:
+  """One RL step's update of the policy: `ppo_epochs` passes over the step's responses, each
+  `mini_batches` optimizer steps of gradients accumulated over micro-batches of
+  `micro_batch_rows` rows, on the whole mesh.
+
+  The update is compiled ahead of time once per batch shape (a handful of widths per run), so
+  the time it takes is reported apart from the update itself.
+  """
+
+  def __init__(self, cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTransformation,
+               params: dict, mesh: Mesh, rules, ppo_epochs: int, mini_batches: int,
+               micro_batch_rows: int, ref_params: dict | None = None):
+    data_ways = int(np.prod([mesh.shape[a] for a in ("replica", "fsdp") if a in mesh.shape]))
+    if micro_batch_rows % data_ways:
+      raise ConfigError(f"rl.micro_batch_rows={micro_batch_rows} must be a multiple of the "
+                        f"data-parallel devices (replica x fsdp = {data_ways})")
+    self.gc, self.mesh, self.rules = gc, mesh, rules
+    self.ppo_epochs, self.mini_batches, self.micro_rows = ppo_epochs, mini_batches, \
+        micro_batch_rows
+    self.ref_params = ref_params
+    self.opt_state, opt_sharding = init_optimizer(tx, params, mesh)
+    param_sharding = jax.tree.map(lambda x: x.sharding, params)
+    self._update = make_policy_update(cfg, gc, tx, param_sharding, opt_sharding)
+    self._log_probs = make_log_probs(cfg)
+    self._executables: dict = {}
+
+  def rows_for(self, sequences: int) -> int:
+    """Rows of a step's batch: `sequences` rounded up to whole mini-batches."""
+    unit = self.mini_batches * self.micro_rows
+    return -(-sequences // unit) * unit
+
+  def __call__(self, params: dict, prompts: Sequence[Sequence[int]],
+               completions: Sequence[Sequence[int]], advantages: np.ndarray, pad_id: int,
+               max_width: int) -> tuple[dict, dict, float]:
+    """Updates `params` (donated) and the optimizer state on one step's responses
+    (prompts[i] + completions[i], advantage advantages[i]); returns (params, the updates'
+    mean metrics, seconds spent compiling)."""
+    rows = build_rows(prompts, completions, advantages, self.rows_for(len(prompts)), pad_id,
+                      max_width=max_width)
+    batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
+                                          self.gc.loss_agg))
+    if self.ppo_epochs * self.mini_batches > 1:  # with one update the ratio is 1: not needed
+      batch["old_logp"] = self._batch_log_probs(params, batch)
+    if self.ref_params is not None:
+      batch["ref_logp"] = self._batch_log_probs(self.ref_params, batch)
+    metrics, compile_s = [], 0.0
+    for _ in range(self.ppo_epochs):
+      for m in range(self.mini_batches):
+        mini = {k: v[m] for k, v in batch.items()}
+        shapes = tuple(sorted((k, v.shape) for k, v in mini.items()))
+        if shapes not in self._executables:
+          t0 = time.perf_counter()
+          self._executables[shapes] = self._update.lower(params, self.opt_state,
+                                                         mini).compile()
+          compile_s += time.perf_counter() - t0
+        params, self.opt_state, out = self._executables[shapes](params, self.opt_state, mini)
+        metrics.append(out)
+    metrics = jax.device_get(metrics)
+    return params, {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}, compile_s
+
+  def _place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """[mini, micro, rows, ...] host arrays, rows split over the data-parallel axes."""
+    def one(x):
+      names = (None, None, "batch") + (None,) * (x.ndim - 3)
+      return jax.device_put(x, NamedSharding(self.mesh, logical_to_mesh_spec(
+          P(*names), x.shape, self.mesh, self.rules)))
+    return {k: one(v) for k, v in batch.items()}
+
+  def _batch_log_probs(self, params: dict, batch: dict) -> jax.Array:
+    """log-probs over the [mini_batches, micro_batches, rows, T] batch -> [.., T]."""
+    lead = batch["tokens"].shape[:2]
+    flat = {k: batch[k].reshape(-1, *batch[k].shape[2:])
+            for k in ("tokens", "targets", "loss_mask")}
+    return self._log_probs(params, flat).reshape(*lead, *batch["tokens"].shape[2:])

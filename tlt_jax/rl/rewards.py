@@ -71,3 +71,18 @@ def combine_rewards(*fns: RewardFn, weights: Sequence[float] | None = None) -> R
     return total
 
   return combined
+
+
+REWARDS = ("answer", "answer+format")
+
+
+def make_reward(name: str, format_bonus: float = 0.1) -> RewardFn:
+  """A reward by name: 'answer' (1 for a correct final answer) or 'answer+format' (plus
+  format_bonus for a well-formed final line)."""
+  if name not in REWARDS:
+    raise ValueError(f"rl.reward={name!r} is not allowed; allowed values: {REWARDS}")
+  if format_bonus < 0:
+    raise ValueError(f"rl.format_bonus={format_bonus} must be >= 0")
+  if name == "answer":
+    return answer_reward
+  return combine_rewards(answer_reward, make_format_reward(format_bonus))

@@ -1,10 +1,10 @@
 """Rollout: generation from the policy on the mesh.
 
-`engine.RolloutEngine` is the rollout of RL and benchmarks (continuous batching, adaptive SD);
-`plain.generate_plain` is a single fully compiled decode loop used for evaluation.
+`engine.RolloutEngine` is the one decode path of RL, evaluation and the jobs (continuous
+batching, adaptive SD); benchmarks that time single steps call the pure steps of
+`tlt_jax.speculative.decoding` directly.
 """
 
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult, StepRecord
-from tlt_jax.rollout.plain import generate_plain
 
-__all__ = ["EngineConfig", "RolloutEngine", "RolloutResult", "StepRecord", "generate_plain"]
+__all__ = ["EngineConfig", "RolloutEngine", "RolloutResult", "StepRecord"]

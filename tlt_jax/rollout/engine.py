@@ -126,6 +126,15 @@ class RolloutResult:
     return float(sum(r.host_s for r in self.timeline))
 
 
+def accept_length(result) -> float | None:
+  """Mean tokens per running row per SD iteration of a RolloutResult (None without SD)."""
+  sd = [r for r in result.timeline if r.mode == "sd" and r.row_steps]
+  if not sd:
+    return None
+  weights = np.asarray([r.row_steps for r in sd], np.float64)
+  return float(np.average([r.accept_mean for r in sd], weights=weights))
+
+
 class RolloutEngine:
   """Generation on every replica slice of `mesh`; see the module docstring."""
 
@@ -169,10 +178,6 @@ class RolloutEngine:
     None for a slice of another process."""
     return self._policy[s]
 
-  def drafter_on(self, s: int) -> dict | None:
-    """The drafter params as placed on slice s (None without a drafter)."""
-    return self._drafter[s]
-
   @property
   def speculative(self) -> bool:
     return self.dcfg is not None and self.econf.sd_threshold > 0
@@ -210,10 +215,10 @@ class RolloutEngine:
         timeline.append(run.complete(call, t0))
         results.update(run.pop_finished())
         if not run.busy:
-          slice_done[run.s] = time.perf_counter() - t0
-          blocks[run.s] = run.feature_block()
+          slice_done[run.slice] = time.perf_counter() - t0
+          blocks[run.slice] = run.feature_block()
           if on_slice_idle is not None:
-            on_slice_idle(run.s, self.slices[run.s], blocks[run.s])
+            on_slice_idle(run.slice, self.slices[run.slice], blocks[run.slice])
     if jax.process_count() > 1:
       results, slice_done = self._gather(results, slice_done, n)
     t_end = time.perf_counter()
@@ -284,7 +289,7 @@ class _SliceRun:
   def __init__(self, engine: RolloutEngine, s: int, request_ids: list[int],
                requests: list[list[int]], sp: SamplingParams, key, logged: set[int]):
     ec = engine.econf
-    self.e, self.s, self.sp, self.key = engine, s, sp, key
+    self.engine, self.slice, self.sampling, self.key = engine, s, sp, key
     self.prog = engine.programs[s]
     self.requests = requests
     self.logged = logged
@@ -326,7 +331,7 @@ class _SliceRun:
       compacted = np.asarray(action.order, np.int32)
       action = self.sched.next_action()
     t_start = time.perf_counter()
-    pool = self.e.pool
+    pool = self.engine.pool
     compiles, compile_s = pool.compiles, pool.compile_seconds
     if compacted is not None:
       self.state = self.prog.take_rows(self.state, compacted)
@@ -342,8 +347,8 @@ class _SliceRun:
     else:
       assert isinstance(action, Decode), action
       self.state, stats, iterations = self.prog.decode(
-          self.e.policy_on(self.s), self.e.drafter_on(self.s), self.state, self.key, self.sp,
-          action.strategy, action.min_running, action.max_steps)
+          *self._params(), self.state, self.key, self.sampling, action.strategy,
+          action.min_running, action.max_steps)
       call = _Call("sd" if action.strategy is not None else "plain", action.running,
                    self.sched.batch, action.strategy, 0.0, 0.0, stats, iterations, action.tail)
     call.host_s = t_start - t_host
@@ -352,7 +357,7 @@ class _SliceRun:
     return call
 
   def _prefill(self, request_ids, batch: int) -> GenState:
-    ec = self.e.econf
+    ec = self.engine.econf
     width = bucket(max(len(self.requests[r]) for r in request_ids), ec.max_prompt_len)
     prompts = np.full((batch, width), ec.pad_id, np.int32)
     lengths = np.ones((batch,), np.int32)
@@ -361,8 +366,11 @@ class _SliceRun:
       prompts[i, :len(self.requests[r])] = self.requests[r]
       lengths[i] = len(self.requests[r])
       ids[i] = r
-    return self.prog.start(self.e.policy_on(self.s), self.e.drafter_on(self.s), prompts,
-                           lengths, ids, self.key, self.sp)
+    return self.prog.start(*self._params(), prompts, lengths, ids, self.key, self.sampling)
+
+  def _params(self) -> tuple[dict, dict | None]:
+    """(policy, drafter) as placed on this slice; the drafter is None without one."""
+    return self.engine.policy_on(self.slice), self.engine._drafter[self.slice]
 
   def complete(self, call: _Call, t0: float) -> StepRecord:
     """Waits for the call's results (the one host sync), harvests finished rows and tells
@@ -378,14 +386,14 @@ class _SliceRun:
       steps = int(stats.steps.sum())
       accept = float(stats.accepted.sum()) / steps if steps else 0.0
       if call.tail and iters and not call.cold:  # a program's first run would mislead it
-        self.e.tuner.update(call.active, call.strategy, accept, wall / iters)
+        self.engine.tuner.update(call.active, call.strategy, accept, wall / iters)
     rows = self.sched.rows
     finished = [i for i, r in enumerate(rows) if r >= 0 and done[i]]
     if finished:
       out = np.asarray(jax.device_get(self.state.out))
       for i in finished:
         toks = out[i, :num_out[i]].tolist()
-        self._finished[rows[i]] = (toks, self.e._reason(toks))
+        self._finished[rows[i]] = (toks, self.engine._reason(toks))
       if self.store is not None:
         self._harvest_features(finished)
       self.sched.finished(finished)
@@ -393,7 +401,7 @@ class _SliceRun:
       self.state = None
     t_end = time.perf_counter()
     strategy = call.strategy.as_tuple() if call.strategy is not None else None
-    return StepRecord(slice=self.s, mode=call.mode, active=call.active, bucket=call.bucket,
+    return StepRecord(slice=self.slice, mode=call.mode, active=call.active, bucket=call.bucket,
                       strategy=strategy, emitted=emitted, accept_mean=accept, wall_s=wall,
                       t_end_s=t_end - t0, iterations=iters, row_steps=steps,
                       compiled=call.cold,

@@ -15,7 +15,8 @@ Batch sizes map to buckets by thresholds: with [1, 2, 5, 21], bs 1 -> bucket 0, 
 the batch grows (verification stops being free once decode is compute-bound).
 
 `strategies()` lists every strategy a tuner may return and `strategies_for(batch_size)` those of
-one bucket, so the engine can compile exactly those executables ahead of time.
+one bucket. The engine compiles a strategy's program the first time it is chosen (a pool keyed
+by strategy and batch bucket), so an arm never chosen costs no compile.
 """
 
 from __future__ import annotations
@@ -409,10 +410,6 @@ TUNERS = {"beg_mab": BegMabTuner, "table": TableTuner, "fixed": FixedTuner}
 def make_tuner(kind: str, **kwargs) -> Tuner:
   """A tuner by name ("beg_mab", "table", "fixed"); kwargs go to its constructor."""
   if kind not in TUNERS:
-    raise ValueError(f"unknown tuner kind {kind!r}; choose one of {sorted(TUNERS)}")
+    raise ValueError(f"rollout.speculative.tuner={kind!r} is not allowed; allowed values: "
+                     f"{tuple(TUNERS)}")
   return TUNERS[kind](**kwargs)
-
-
-def default_beg_mab(seed: int = 0) -> BegMabTuner:
-  """BEG-MAB with the original system's buckets, budgets, epsilon 0.1 and window 300."""
-  return BegMabTuner(DEFAULT_THRESHOLDS, DEFAULT_ARMS, DEFAULT_EPSILON, DEFAULT_WINDOW, seed)
