@@ -40,6 +40,8 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
                            "--out", str(out / "length_histogram"), *q],
       # 1, 3, 4: baseline / TLT / frozen / no-warm-up RL runs, back to back.
       "rl_runs": ["rl_runs.py", "--out", str(out / "rl_runs"), *q],
+      # Held-out accuracy before and after GRPO, per update setting and seed.
+      "grpo_settings": ["grpo_settings.py", "--out", str(out / "grpo_settings"), *q],
       # 2, 5: rollout throughput by mode and active batch size; the tuner vs fixed strategies.
       "rollout": ["bench_rollout.py", "--policy", POLICY,
                   "--out", str(out / "rollout" / "rollout.json"), *q],

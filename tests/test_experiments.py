@@ -167,6 +167,36 @@ def test_rl_runs_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_grpo_settings_quick(tmp_path):
+  _run_script("grpo_settings.py", "--quick", "--out", str(tmp_path))
+  data = json.loads((tmp_path / "grpo_settings.json").read_text())
+  assert (tmp_path / "grpo_settings.png").stat().st_size > 1000
+  assert list(data["settings"]) == ["default", "kl0.1+warmup"]
+  assert data["settings"]["kl0.1+warmup"]["overrides"] == ["rl.kl_coef=0.1",
+                                                           "rl.lr_warmup_steps=4"]
+  for setting in data["settings"].values():
+    (run,) = setting["runs"]
+    assert run["seed"] == 0 and len(run["reward"]) == 2  # runlocal: 2 RL steps
+    assert all(0.0 <= a <= 1.0 for a in run["greedy"] + run["sampled"])
+    assert setting["greedy_change_mean"] == run["greedy"][1] - run["greedy"][0]
+
+
+def test_grpo_settings_parses_settings_and_summarises_seeds():
+  gs = load_experiment("grpo_settings")
+  assert gs.parse_setting("kl=rl.kl_coef=0.1, rl.lr_warmup_steps=4") == (
+      "kl", ["rl.kl_coef=0.1", "rl.lr_warmup_steps=4"])
+  for bad in ("kl", "kl=", "kl=rl.kl_coef"):
+    with pytest.raises(ValueError, match="expected NAME=KEY=VALUE"):
+      gs.parse_setting(bad)
+  runs = [{"greedy": [0.5, 0.6], "sampled": [0.4, 0.3]},
+          {"greedy": [0.5, 0.4], "sampled": [0.4, 0.5]}]
+  s = gs.summarize(runs)
+  assert s["greedy_change_mean"] == pytest.approx(0.0)
+  assert (s["greedy_change_min"], s["greedy_change_max"]) == pytest.approx((-0.1, 0.1))
+  assert s["sampled_change_mean"] == pytest.approx(0.0)
+
+
+@pytest.mark.slow
 def test_executable_pool_quick(tmp_path):
   _run_script("executable_pool.py", "--quick", "--out", str(tmp_path))
   data = json.loads((tmp_path / "executable_pool.json").read_text())
@@ -184,7 +214,7 @@ def test_reproduce_lists_every_experiment_and_rejects_unknown_names(tmp_path):
   r = _run_script("reproduce.py", "--all", "--dry-run", "--out", str(tmp_path))
   names = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines()
            if line.startswith("[")]
-  assert names == ["length_histogram", "rl_runs", "rollout", "executable_pool",
+  assert names == ["length_histogram", "rl_runs", "grpo_settings", "rollout", "executable_pool",
                    "simulate_cluster", "simulate_vs_run", "vs_hf", "drafter_ttt"]
   for name in names:  # every script it would run exists
     script = next(line for line in r.stdout.splitlines() if f"] {name}:" in line).split()[2]

@@ -114,7 +114,7 @@ class PolicyUpdater:
   `micro_batch_rows` rows, on the whole mesh.
 
   The update is compiled ahead of time once per batch shape (a handful of widths per run), so
-  the time it takes is reported apart from the update itself.
+  the seconds spent compiling are reported apart from the update's.
   """
 
   def __init__(self, cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTransformation,
@@ -125,8 +125,8 @@ class PolicyUpdater:
       raise ConfigError(f"rl.micro_batch_rows={micro_batch_rows} must be a multiple of the "
                         f"data-parallel devices (replica x fsdp = {data_ways})")
     self.gc, self.mesh, self.rules = gc, mesh, rules
-    self.ppo_epochs, self.mini_batches, self.micro_rows = ppo_epochs, mini_batches, \
-        micro_batch_rows
+    self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
+    self.micro_rows = micro_batch_rows
     self.ref_params = ref_params
     self.opt_state, opt_sharding = init_optimizer(tx, params, mesh)
     param_sharding = jax.tree.map(lambda x: x.sharding, params)

@@ -1,0 +1,167 @@
+"""Held-out accuracy before and after GRPO, per setting and seed: what the RL update does to a
+policy, measured.
+
+Runs the main job (tlt_jax.train) on the baseline variant of a config (no SD, no spot
+training: the update is the same with TLT, whose outputs are identical) once per setting and
+seed, each from the same policy, and records held-out greedy and sampled accuracy at the first
+and the last step, the reward per step, and the run-to-run spread over seeds.
+
+  python experiments/grpo_settings.py --out results/grpo_settings
+  python experiments/grpo_settings.py --out /tmp/gs --quick    # configs/default.py:runlocal
+  python experiments/grpo_settings.py --out results/gs --seeds 0 1 2 \
+      --setting "kl=rl.kl_coef=0.1,rl.lr_warmup_steps=4" --setting "lr3e-5=rl.learning_rate=3e-5"
+
+A setting is NAME=KEY=VALUE[,KEY=VALUE...] (config overrides); `default` (no overrides) is
+always run first. Writes OUT/runs/<setting>-seed<k>/ (each run's workdir),
+OUT/grpo_settings.json and OUT/grpo_settings.png (the change of held-out greedy and sampled
+accuracy per setting, one point per seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tlt_jax.cli import config_from_file, set_config_value, setup_devices  # noqa: E402
+from tlt_jax.config import ConfigError  # noqa: E402
+from tlt_jax.train import train  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# What was tried on the tiny default (README: "What GRPO does to the tiny policy").
+DEFAULT_SETTINGS = {
+    "kl0.1+warmup": "rl.kl_coef=0.1,rl.lr_warmup_steps=4",
+    "kl0.3+lr2e-4": "rl.kl_coef=0.3,rl.lr_warmup_steps=4,rl.learning_rate=2e-4",
+    "lr3e-4+warmup16": "rl.learning_rate=3e-4,rl.lr_warmup_steps=16",
+    "sequence_mean": "rl.loss_agg=sequence_mean",
+    "8 updates/step": "rl.ppo_epochs=2,rl.mini_batches=4",
+}
+
+
+def parse_setting(text: str) -> tuple[str, list[str]]:
+  """'NAME=KEY=VALUE,KEY=VALUE' -> (NAME, ['KEY=VALUE', ...])."""
+  name, sep, rest = text.partition("=")
+  overrides = [o.strip() for o in rest.split(",") if o.strip()]
+  if not sep or not name or not overrides or any("=" not in o for o in overrides):
+    raise ValueError(f"--setting {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...], e.g. "
+                     f"kl=rl.kl_coef=0.1,rl.lr_warmup_steps=4")
+  return name.strip(), overrides
+
+
+def run_one(base, overrides: list[str], seed: int, workdir: pathlib.Path) -> dict:
+  """One run of the job from scratch; its held-out evaluations and reward per step."""
+  config = base.copy_and_resolve_references()
+  config.unlock()
+  for item in overrides:
+    key, _, value = item.partition("=")
+    set_config_value(config, key, value)
+  config.seed = seed
+  config.rl.export = False
+  config.lock()
+  if workdir.exists():
+    shutil.rmtree(workdir)
+  t0 = time.perf_counter()
+  train(config, str(workdir), progress=False)
+  evals = [json.loads(line) for line in open(workdir / "eval.jsonl")]
+  metrics = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  first, last = evals[0], evals[-1]
+  return {"seed": seed, "wall_s": time.perf_counter() - t0,
+          "greedy": [first["greedy_accuracy"], last["greedy_accuracy"]],
+          "sampled": [first.get("sampled_accuracy"), last.get("sampled_accuracy")],
+          "reward": [m["reward_mean"] for m in metrics]}
+
+
+def summarize(runs: list[dict]) -> dict:
+  """Mean and spread over seeds of the change (last - first) of each accuracy."""
+  out = {}
+  for kind in ("greedy", "sampled"):
+    deltas = [r[kind][1] - r[kind][0] for r in runs if r[kind][0] is not None]
+    if deltas:
+      out[f"{kind}_change_mean"] = float(np.mean(deltas))
+      out[f"{kind}_change_min"] = float(np.min(deltas))
+      out[f"{kind}_change_max"] = float(np.max(deltas))
+  return out
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+  names = list(result["settings"])
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110, sharey=True)
+  for ax, kind in zip(axes, ("greedy", "sampled")):
+    for i, name in enumerate(names):
+      runs = result["settings"][name]["runs"]
+      deltas = [r[kind][1] - r[kind][0] for r in runs if r[kind][0] is not None]
+      ax.plot(deltas, [i] * len(deltas), "o", color="#3b6ea5", alpha=0.8)
+      if deltas:
+        ax.plot([np.mean(deltas)], [i], "|", color="#c0392b", markersize=14)
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.set_xlabel(f"held-out {kind} accuracy: after - before")
+  axes[0].invert_yaxis()
+  fig.suptitle(result["title"], fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
+  parser.add_argument("--config", default=str(REPO / "configs" / "default.py") + ":baseline",
+                      help="config file[:variant] (default: the tiny default's baseline)")
+  parser.add_argument("--setting", action="append", default=None,
+                      help="NAME=KEY=VALUE[,KEY=VALUE...] (repeatable; default: the settings "
+                           "the README reports)")
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+  parser.add_argument("--quick", action="store_true",
+                      help="configs/default.py:runlocal, one setting, one seed (smoke test)")
+  args = parser.parse_args()
+  spec = str(REPO / "configs" / "default.py") + ":runlocal" if args.quick else args.config
+  try:
+    settings = dict(parse_setting(s) for s in args.setting) if args.setting else {
+        name: parse_setting(f"{name}={text}")[1] for name, text in DEFAULT_SETTINGS.items()}
+    # Quick: the runlocal settings without SD and spot training, as the baseline variant.
+    config = config_from_file(spec, ["rollout.speculative.enable=False",
+                                     "drafter.spot_training=False"] if args.quick else [])
+  except (ConfigError, ValueError) as e:
+    sys.exit(f"error: {e}")
+  settings = {"default": [], **settings}
+  seeds = args.seeds
+  if args.quick:
+    settings, seeds = {"default": [], **dict(list(settings.items())[1:2])}, seeds[:1]
+  setup_devices(config)
+  args.out.mkdir(parents=True, exist_ok=True)
+  result = {"config": spec, "seeds": seeds,
+            "title": f"{spec.split('/')[-1]}: {config.rl.steps} GRPO steps, held-out "
+                     f"{config.rl.num_eval_examples} problems, seeds {seeds}",
+            "settings": {}}
+  for name, overrides in settings.items():
+    runs = []
+    for seed in seeds:
+      print(f"=== {name} (seed {seed}): {' '.join(overrides) or 'no overrides'}", flush=True)
+      runs.append(run_one(config, overrides, seed, args.out / "runs" / f"{name}-seed{seed}"))
+    result["settings"][name] = {"overrides": overrides, "runs": runs, **summarize(runs)}
+    with open(args.out / "grpo_settings.json", "w") as f:  # a killed sweep keeps what ran
+      json.dump(result, f, indent=2)
+  plot(result, args.out / "grpo_settings.png")
+  for name, s in result["settings"].items():
+    print(f"{name:>18}: greedy {s.get('greedy_change_mean', float('nan')):+.3f} "
+          f"[{s.get('greedy_change_min', float('nan')):+.3f}, "
+          f"{s.get('greedy_change_max', float('nan')):+.3f}], sampled "
+          f"{s.get('sampled_change_mean', float('nan')):+.3f}")
+  print(f"wrote {args.out}/grpo_settings.json and grpo_settings.png")
+
+
+if __name__ == "__main__":
+  main()
