@@ -37,6 +37,18 @@ def test_unknown_key_in_an_unlocked_config_is_named():
 
 
 @pytest.mark.parametrize("key,value,match", [
+    ("eval_batch_size", 48, "sft.eval_batch_size=48 must be a power of two"),
+    ("warmup_steps", 2000, r"sft.warmup_steps=2000 must be < sft.steps=1000"),
+    ("learning_rate", 0.0, "sft.learning_rate=0.0 must be positive"),
+])
+def test_bad_sft_values(key, value, match):
+  c = base_config()
+  c.sft[key] = value
+  with pytest.raises(ConfigError, match=match):
+    validate_config(c)
+
+
+@pytest.mark.parametrize("key,value,match", [
     ("dtype", "fp8", r"model.dtype='fp8' is not allowed; allowed values: \('float32'"),
     ("param_dtype", "int8", r"model.param_dtype='int8'"),
     ("attention_impl", "flash", r"model.attention_impl='flash'.*'reference'"),

@@ -400,6 +400,9 @@ def _check_sft(s: ml_collections.ConfigDict) -> None:
                        "num_eval_examples", "eval_batch_size", "eval_max_new_tokens",
                        "keep_checkpoints"))
   _non_negative(s, "sft", ("eval_every", "checkpoint_every"))
+  if s.eval_batch_size & (s.eval_batch_size - 1):
+    raise ConfigError(f"sft.eval_batch_size={s.eval_batch_size} must be a power of two (the "
+                      f"rollout engine's batch evaluates the held-out problems)")
   _one_of(s.export_dtype, DTYPES, "sft.export_dtype")
 
 
