@@ -27,9 +27,9 @@ from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
 from tlt_jax.rl.data import load_examples
 from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.phases import rl_prompts
 from tlt_jax.rl.rewards import RewardFn, make_reward
 from tlt_jax.rl.tasks import Example, TaskSlice, make_task
-from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
@@ -307,9 +307,4 @@ def task_prompts(config: ml_collections.ConfigDict, tokenizer, count: int, start
                  eval_split: bool = False) -> tuple[list, list[list[int]]]:
   """(examples, prompt token ids) of problems start .. start+count (see task_examples)."""
   examples = task_examples(config, count, start, eval_split)
-  prompts = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
-  longest = max(len(p) for p in prompts)
-  if longest > config.rollout.max_prompt_len:
-    raise ConfigError(f"a task prompt has {longest} tokens, more than rollout.max_prompt_len="
-                      f"{config.rollout.max_prompt_len}; raise it")
-  return examples, prompts
+  return examples, rl_prompts(tokenizer, examples, config)

@@ -133,6 +133,11 @@ def local_slices(slices: Sequence[Mesh]) -> list[int]:
   return [s for s, m in enumerate(slices) if is_local(m)]
 
 
+def data_parallel_size(mesh: Mesh) -> int:
+  """Devices a batch's rows are split over: the product of the 'replica' and 'fsdp' axes."""
+  return int(np.prod([mesh.shape[a] for a in ("replica", "fsdp") if a in mesh.shape]))
+
+
 def replica_slices(mesh: Mesh) -> list[Mesh]:
   """Splits the mesh along `replica` into sub-meshes with the same axis names (replica=1)."""
   if REPLICA_AXIS not in mesh.axis_names:

@@ -32,7 +32,7 @@ from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.components import (load_policy, make_engine, sft_adamw, task_from_config,
                                 training_model_config)
 from tlt_jax.config import ConfigError
-from tlt_jax.mesh import logical_to_mesh_spec, make_mesh
+from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, make_mesh
 from tlt_jax.models import ModelConfig, forward
 from tlt_jax.models.attention_inputs import packed_inputs
 from tlt_jax.models.hf import load_tokenizer, save_hf_checkpoint
@@ -149,7 +149,7 @@ def main(argv):
   # ---------------------------------------------------------------- mesh and data
   mesh = make_mesh(dict(config.mesh.axes))
   rules = tuple(config.mesh.rules)
-  data_ways = int(np.prod([mesh.shape[a] for a in ("replica", "fsdp") if a in mesh.shape]))
+  data_ways = data_parallel_size(mesh)
   if s.rows % data_ways:
     raise ConfigError(f"sft.rows={s.rows} must be a multiple of the data-parallel devices "
                       f"(replica x fsdp = {data_ways})")

@@ -18,13 +18,13 @@ from tlt_jax.rollout.engine import RolloutEngine, RolloutResult, accept_length
 
 
 def rl_prompts(tokenizer, examples: list, config: ml_collections.ConfigDict) -> list[list[int]]:
-  """Chat-formatted prompt ids of a step's problems; ConfigError when one is longer than
-  rollout.max_prompt_len."""
+  """Chat-formatted prompt ids of problems (a step's, or any the engine will decode);
+  ConfigError when one is longer than rollout.max_prompt_len."""
   prompts = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
   longest = max(len(p) for p in prompts)
   if longest > config.rollout.max_prompt_len:
-    raise ConfigError(f"a training problem ({config.task.data_path or 'the built-in task'})"
-                      f" has {longest} prompt tokens, more than rollout.max_prompt_len="
+    raise ConfigError(f"a problem ({config.task.data_path or 'the built-in task'}) has "
+                      f"{longest} prompt tokens, more than rollout.max_prompt_len="
                       f"{config.rollout.max_prompt_len}; raise it")
   return prompts
 

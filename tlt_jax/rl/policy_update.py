@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.config import ConfigError
-from tlt_jax.mesh import logical_to_mesh_spec
+from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.grpo import GrpoConfig, grpo_loss, loss_weights, token_log_probs
@@ -120,7 +120,7 @@ class PolicyUpdater:
   def __init__(self, cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTransformation,
                params: dict, mesh: Mesh, rules, ppo_epochs: int, mini_batches: int,
                micro_batch_rows: int, ref_params: dict | None = None):
-    data_ways = int(np.prod([mesh.shape[a] for a in ("replica", "fsdp") if a in mesh.shape]))
+    data_ways = data_parallel_size(mesh)
     if micro_batch_rows % data_ways:
       raise ConfigError(f"rl.micro_batch_rows={micro_batch_rows} must be a multiple of the "
                         f"data-parallel devices (replica x fsdp = {data_ways})")
