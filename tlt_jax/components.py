@@ -164,7 +164,7 @@ def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
   r = config.rl
   return GrpoConfig(clip_eps=r.clip_eps, clip_eps_high=r.clip_eps_high,
                     scale_by_std=r.scale_by_std, loss_agg=r.loss_agg, kl_coef=r.kl_coef,
-                    entropy_coef=r.entropy_coef)
+                    entropy_coef=r.entropy_coef, sampling=sampling_params(config))
 
 
 def reward_from_config(config: ml_collections.ConfigDict) -> RewardFn:

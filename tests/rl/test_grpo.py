@@ -139,3 +139,72 @@ def test_updates_raise_the_likelihood_of_good_responses_and_lower_bad_ones(tiny_
     params, opt_state, _ = update(params, opt_state, mini)
   after = _logp(tiny_cfg, params, rows_only).sum(axis=1)
   assert after[0] > before[0] + 0.1 and after[1] < before[1] - 0.1, (before, after)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.6, 1.0), (0.6, 0.8), (1.0, 1.0), (1.0, 0.8)])
+def test_trainer_scores_tokens_under_the_distribution_the_engine_sampled(
+    tiny_cfg, tiny_params, temperature, top_p):
+  """The engine samples a rollout; the trainer's log-probs of those tokens equal log q, q being
+  the sampler's distribution (temperature, top-p), and that q re-derives every sampled token
+  from the engine's own noise (so it is the distribution the tokens came from)."""
+  from tlt_jax.mesh import make_mesh
+  from tlt_jax.models import forward
+  from tlt_jax.models.attention_inputs import rows_inputs
+  from tlt_jax.rl.policy_update import make_log_probs
+  from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+  from tlt_jax.speculative.sampling import SamplingParams, gumbel_max, target_probs, token_noise
+
+  sp = SamplingParams(temperature=temperature, top_p=top_p)
+  prompts, samples, key = [[1, 2, 3], [4, 5, 6, 7], [9, 8]], 4, jax.random.key(3)
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  engine = RolloutEngine(tiny_cfg, tiny_params, mesh,
+                         EngineConfig(max_batch=16, max_prompt_len=8, max_new_tokens=10))
+  res = engine.generate(prompts, samples, sp, key)
+  rows_prompts = [prompts[i // samples] for i in range(len(res.tokens))]
+  rows = build_rows(rows_prompts, res.tokens, np.zeros(len(res.tokens), np.float32),
+                    len(res.tokens), pad_id=0)
+  mb = {k: jnp.asarray(rows[k])[None] for k in ("tokens", "targets", "loss_mask")}
+  trainer = np.asarray(make_log_probs(tiny_cfg, GrpoConfig(sampling=sp).sampling)(
+      tiny_params, mb)[0])
+
+  logits = forward(tiny_params, jnp.asarray(rows["tokens"]),
+                   rows_inputs(*rows["tokens"].shape), tiny_cfg)[0]
+  q = np.asarray(target_probs(logits, sp))
+  untempered = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
+  worst, worst_untempered, tokens = 0.0, 0.0, 0
+  for i, (p, toks) in enumerate(zip(rows_prompts, res.tokens)):
+    pos = np.arange(len(p) - 1, len(p) - 1 + len(toks))  # the positions that predict toks
+    noise = np.asarray(token_noise(key, jnp.full((1,), i, jnp.int32),
+                                   jnp.arange(len(toks))[None], q.shape[-1]))[0]
+    redrawn = np.asarray(gumbel_max(jnp.asarray(q[i, pos]), jnp.asarray(noise)))
+    np.testing.assert_array_equal(redrawn, toks)
+    sampler = np.log(q[i, pos, toks])
+    worst = max(worst, float(np.abs(trainer[i, pos] - sampler).max()))
+    worst_untempered = max(worst_untempered,
+                           float(np.abs(untempered[i, pos, toks] - sampler).max()))
+    tokens += len(toks)
+  assert tokens > 40
+  assert worst < 1e-4
+  if temperature != 1.0 or top_p < 1.0:  # the untempered softmax is not the sampler's q
+    assert worst_untempered > 0.05
+
+
+def test_trainer_log_probs_stay_finite_when_the_token_leaves_the_top_p_support(tiny_cfg,
+                                                                                tiny_params,
+                                                                                batch):
+  """After an update the nucleus may exclude a sampled token; it keeps a finite log-prob."""
+  from tlt_jax.speculative.sampling import SamplingParams
+  sp = SamplingParams(temperature=0.6, top_p=0.05)  # a nucleus of about one token
+  logp, entropy = token_log_probs(tiny_params, batch["tokens"], batch["targets"],
+                                  batch["loss_mask"], tiny_cfg, sp, with_entropy=True)
+  assert np.isfinite(np.asarray(logp)).all() and np.isfinite(np.asarray(entropy)).all()
+  grads = jax.grad(lambda p: token_log_probs(p, batch["tokens"], batch["targets"],
+                                             batch["loss_mask"], tiny_cfg, sp)[0].sum())(
+                                                 tiny_params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_grpo_refuses_greedy_sampling():
+  from tlt_jax.speculative.sampling import SamplingParams
+  with pytest.raises(ValueError, match="rollout.temperature=0"):
+    GrpoConfig(sampling=SamplingParams(temperature=0.0))

@@ -16,6 +16,14 @@ Per token: ratio = exp(logp - old_logp); the clipped surrogate
   -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
 (eps_high > eps is DAPO's clip-higher), plus kl_coef * k3(ref || policy) with the low-variance
 estimator k3 = exp(ref - logp) - (ref - logp) - 1, minus entropy_coef * entropy.
+
+Every log-prob (logp, old_logp, ref_logp) and the entropy are taken under the distribution the
+rollout sampled from (`GrpoConfig.sampling`: temperature, top-k, top-p, exactly as
+`speculative.sampling.support_logits` applies them), so at temperature 0.7 the gradient is that
+of the policy that produced the tokens, not of the untempered one. Top-k / top-p renormalise
+over the support the current parameters give, with the scored token always inside it: at the
+sampling parameters that is exactly the sampler's q, and after an update has moved the support
+the token keeps a finite log-prob (and a gradient) instead of -inf.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy as np
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.attention_inputs import rows_inputs
 from tlt_jax.models.decoder import forward
+from tlt_jax.speculative.sampling import SamplingParams, support_logits
 
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
 
@@ -39,15 +48,21 @@ class GrpoConfig:
   scale_by_std: divide advantages by the group's reward std (False: Dr. GRPO style).
   loss_agg: 'token_mean' (every response token weighs the same) or 'sequence_mean' (every
   response weighs the same). kl_coef: weight of the KL to the reference (0 = no reference).
-  entropy_coef: weight of the entropy bonus."""
+  entropy_coef: weight of the entropy bonus. sampling: the rollout's sampling distribution,
+  under which tokens are scored (see the module docstring); it must not be greedy."""
   clip_eps: float = 0.2
   clip_eps_high: float = 0.2
   scale_by_std: bool = True
   loss_agg: str = "token_mean"
   kl_coef: float = 0.0
   entropy_coef: float = 0.0
+  sampling: SamplingParams = SamplingParams()
 
   def __post_init__(self):
+    if self.sampling.greedy:
+      raise ValueError("rollout.temperature=0 (greedy) gives every sample of a prompt the same "
+                       "response, so every GRPO advantage is 0 and nothing is learnt; set "
+                       "rollout.temperature > 0 (e.g. 1.0)")
     if not 0 < self.clip_eps < 1 or self.clip_eps_high <= 0:
       raise ValueError(f"rl.clip_eps={self.clip_eps} must be in (0, 1) and rl.clip_eps_high="
                        f"{self.clip_eps_high} positive")
@@ -86,15 +101,23 @@ def loss_weights(loss_mask: np.ndarray, loss_agg: str) -> np.ndarray:
 
 
 def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_mask: jax.Array,
-                    cfg: ModelConfig, with_entropy: bool = False):
-  """log p(targets) [B, T] float32 (0 off the mask) and, if asked, the entropy [B, T]."""
+                    cfg: ModelConfig, sp: SamplingParams = SamplingParams(),
+                    with_entropy: bool = False):
+  """log q(targets) [B, T] float32 (0 off the mask) under the sampling distribution sp (not
+  greedy; see the module docstring) and, if asked, the entropy of q [B, T]."""
   logits, _, _, _ = forward(params, tokens, rows_inputs(*tokens.shape), cfg)
-  logp_all = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+  scaled = logits.astype(jnp.float32) / sp.temperature
+  support = support_logits(logits, sp)
+  if sp.top_k or sp.top_p < 1.0:
+    is_target = jax.nn.one_hot(targets, scaled.shape[-1], dtype=jnp.bool_)
+    support = jnp.where(is_target, scaled, support)
+  logq_all = jax.nn.log_softmax(support, axis=-1)
+  logp = jnp.take_along_axis(logq_all, targets[..., None], axis=-1)[..., 0]
   logp = jnp.where(loss_mask, logp, 0.0)
   if not with_entropy:
     return logp, None
-  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  q = jnp.exp(logq_all)
+  entropy = -jnp.sum(jnp.where(q > 0, q * logq_all, 0.0), axis=-1)
   return logp, jnp.where(loss_mask, entropy, 0.0)
 
 
@@ -104,7 +127,7 @@ def grpo_loss(params: dict, batch: dict, cfg: ModelConfig, gc: GrpoConfig):
   mask = batch["loss_mask"]
   maskf = mask.astype(jnp.float32)
   logp, entropy = token_log_probs(params, batch["tokens"], batch["targets"], mask, cfg,
-                                  with_entropy=gc.entropy_coef > 0)
+                                  gc.sampling, with_entropy=gc.entropy_coef > 0)
   adv = batch["advantages"][:, None]
   # Without old_logp the batch was sampled by these very params (one update per step).
   old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)

@@ -25,6 +25,7 @@ from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.grpo import GrpoConfig, grpo_loss, loss_weights, token_log_probs
+from tlt_jax.speculative.sampling import SamplingParams
 
 WIDTH_MULTIPLE = 64
 
@@ -71,14 +72,14 @@ def split_minibatches(batch: dict[str, np.ndarray], mini_batches: int, micro_row
   return out
 
 
-def make_log_probs(cfg: ModelConfig):
-  """jitted (params, micro_batches [M, b, T] dict) -> log-probs [M, b, T], one micro-batch at
-  a time (so memory is that of one micro-batch)."""
+def make_log_probs(cfg: ModelConfig, sp: SamplingParams):
+  """jitted (params, micro_batches [M, b, T] dict) -> log-probs [M, b, T] under the sampling
+  distribution sp, one micro-batch at a time (so memory is that of one micro-batch)."""
 
   @jax.jit
   def log_probs(params, mb):
     return jax.lax.map(lambda x: token_log_probs(params, x["tokens"], x["targets"],
-                                                 x["loss_mask"], cfg)[0], mb)
+                                                 x["loss_mask"], cfg, sp)[0], mb)
   return log_probs
 
 
@@ -131,7 +132,7 @@ class PolicyUpdater:
     self.opt_state, opt_sharding = init_optimizer(tx, params, mesh)
     param_sharding = jax.tree.map(lambda x: x.sharding, params)
     self._update = make_policy_update(cfg, gc, tx, param_sharding, opt_sharding)
-    self._log_probs = make_log_probs(cfg)
+    self._log_probs = make_log_probs(cfg, gc.sampling)
     self._executables: dict = {}
 
   def rows_for(self, sequences: int) -> int:

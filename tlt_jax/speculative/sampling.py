@@ -39,28 +39,33 @@ class SamplingParams:
     return self.temperature == 0.0
 
 
-def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
-  """float32 logits [..., V] -> probabilities q [..., V] (float32, rows sum to 1)."""
-  logits = logits.astype(jnp.float32)
-  if sp.greedy:
-    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-  logits = logits / sp.temperature
+def support_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """float32 logits [..., V] -> logits / temperature with -inf outside the top-k / top-p
+  support [..., V] float32: log q up to a constant, q being what a non-greedy sp samples from.
+  The trainer scores sampled tokens under this same q (tlt_jax.rl.grpo.token_log_probs)."""
+  logits = logits.astype(jnp.float32) / sp.temperature
   if sp.top_k:
     kth = jax.lax.top_k(logits, sp.top_k)[0][..., -1:]
     logits = jnp.where(logits >= kth, logits, -jnp.inf)
-  probs = jax.nn.softmax(logits, axis=-1)
   if sp.top_p < 1.0:
     # Keep the smallest prefix of the sorted distribution whose mass reaches top_p
     # (the token that crosses it included).
+    probs = jax.nn.softmax(logits, axis=-1)
     order = jnp.argsort(-probs, axis=-1)
     sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_sorted = mass_before < sp.top_p
     keep = jnp.zeros_like(keep_sorted).at[
         tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
-    probs = jnp.where(keep, probs, 0.0)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-  return probs
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return logits
+
+
+def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """float32 logits [..., V] -> probabilities q [..., V] (float32, rows sum to 1)."""
+  if sp.greedy:
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(support_logits(logits, sp), axis=-1)
 
 
 def token_noise(key: jax.Array, requests: jax.Array, positions: jax.Array,
