@@ -81,7 +81,8 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   prefill/decode/verify run it (see `training_model_config` for training)."""
   m = config.model
   runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
-                 scan_layers=m.scan_layers == "all",
+                 scan_layers=m.scan_layers == "all", remat=m.remat,
+                 attention_query_chunk=m.attention_query_chunk,
                  feature_layers=tuple(config.drafter.fused_layers))
   if m.path:
     return load_hf_config(m.path, **runtime)

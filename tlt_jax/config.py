@@ -69,6 +69,12 @@ def base_config() -> ml_collections.ConfigDict:
   # loop) or "all". The scan compiles faster and keeps training memory down; on GPU it copies
   # every layer's weights before use, so decoding loops.
   c.model.scan_layers = "train"
+  # Training memory (log-probs, policy/SFT/drafter updates): per-layer rematerialisation
+  # ("none", "full": save each layer's input only, "dots": also its matmul outputs) and
+  # attention over at most this many queries at a time, each chunk rematerialised (0 = all
+  # at once). Exact either way; both trade compute for memory (see the README's GPU notes).
+  c.model.remat = "none"
+  c.model.attention_query_chunk = 0
 
   c.generate = ml_collections.ConfigDict()
   c.generate.num_prompts = 16

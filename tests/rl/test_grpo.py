@@ -40,14 +40,19 @@ def test_build_rows_masks_exactly_the_response_targets():
   np.testing.assert_allclose(rows["advantages"], [0.5, -1.0, 0, 0])
 
 
-@pytest.fixture(scope="module")
-def batch(tiny_cfg):
-  rng = np.random.default_rng(0)
+def grpo_rows(completion_lengths=(4, 2, 6, 3), seed=0) -> dict:
+  """Four random prompt + completion rows with advantages and token-mean weights."""
+  rng = np.random.default_rng(seed)
   prompts = [rng.integers(1, 60, n).tolist() for n in (3, 5, 2, 4)]
-  completions = [rng.integers(1, 60, n).tolist() for n in (4, 2, 6, 3)]
+  completions = [rng.integers(1, 60, n).tolist() for n in completion_lengths]
   rows = build_rows(prompts, completions, np.array([1.0, -0.5, 2.0, -1.5], np.float32), 4, 0)
   rows["weight"] = loss_weights(rows["loss_mask"], "token_mean")
-  return {k: jnp.asarray(v) for k, v in rows.items()}
+  return rows
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_cfg):
+  return {k: jnp.asarray(v) for k, v in grpo_rows().items()}
 
 
 def _logp(tiny_cfg, tiny_params, batch):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.kernels import crossover
-from tlt_jax.kernels.reference import prefix_tree_attention_reference
+from tlt_jax.kernels.reference import prefix_tree_attention_reference, query_chunked_attention
 from tlt_jax.kernels.tree_attention_pallas import MAX_TREE_TOKENS, prefix_tree_attention_pallas
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
@@ -25,7 +25,8 @@ def auto_uses_kernel(backend: str, device_kind: str, dtype: str, batch: int, pre
 
 
 def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, *,
-                          impl: str = "auto", scale: float | None = None):
+                          impl: str = "auto", scale: float | None = None,
+                          query_chunk: int = 0):
   """Dispatches prefix + tree attention to an implementation; see the reference for shapes.
 
   impl:
@@ -41,6 +42,9 @@ def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
     "pallas_interpret": the same kernel under the Pallas interpreter (slow; CPU tests).
   Both Pallas choices fall back to the reference when T > 64, or when the uncached block has
   more keys than queries (N > T, the drafter's tree expansion).
+  query_chunk: where the reference runs over more than this many queries (training rows,
+    long prefills), it runs `query_chunk` queries at a time under rematerialisation
+    (`query_chunked_attention`: the same result in a fraction of the memory); 0 = never.
   """
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"unknown attention impl {impl!r}; allowed: {ATTENTION_IMPLS}")
@@ -53,5 +57,6 @@ def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
         k_cache.shape[2], q.shape[1], fits_kernel, crossover.load_tables())
     impl = "pallas" if use_kernel else "reference"
   if impl == "reference" or not fits_kernel:
-    return prefix_tree_attention_reference(*args, scale=scale)
+    return query_chunked_attention(prefix_tree_attention_reference, *args, query_chunk,
+                                   scale=scale)
   return prefix_tree_attention_pallas(*args, scale=scale, interpret=impl == "pallas_interpret")

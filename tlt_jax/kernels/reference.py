@@ -74,3 +74,33 @@ def prefix_tree_attention_reference(
   out = (jnp.einsum("bkgts,bksd->btkgd", p[..., :s], vc)
          + jnp.einsum("bkgtj,bjkd->btkgd", p[..., s:], vn))
   return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def query_chunked_attention(attention_fn, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                            cache_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                            new_mask: jax.Array, chunk: int, **kw) -> jax.Array:
+  """attention_fn (the contract above) computed `chunk` queries at a time, each chunk under
+  `jax.checkpoint`, so neither the forward nor the backward pass ever holds more than one
+  chunk's [B, H, chunk, S + N] scores: the saved residuals are the inputs alone. Every query
+  still sees every key, so the result is the same attention (exact, not approximated), for
+  any mask (causal rows, packed segments, the drafter's unrolled steps).
+
+  Shapes as in `prefix_tree_attention_reference`; chunk <= 0 or T <= chunk calls it once.
+  """
+  b, t = q.shape[:2]
+  if chunk <= 0 or t <= chunk:
+    return attention_fn(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, **kw)
+  pad = -t % chunk
+  n = (t + pad) // chunk
+  # Padded queries attend to nothing (all-False mask rows) and come back as zeros, cut below.
+  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  new_mask = jnp.pad(new_mask, ((0, 0), (0, pad), (0, 0)))
+  qs = q.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)
+  masks = new_mask.reshape(b, n, chunk, new_mask.shape[-1]).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(q_chunk, mask_chunk):
+    return attention_fn(q_chunk, k_cache, v_cache, cache_lengths, k_new, v_new, mask_chunk,
+                        **kw)
+  out = jax.lax.map(lambda a: one(*a), (qs, masks))  # [n, B, chunk, H, D]
+  return out.swapaxes(0, 1).reshape(b, t + pad, *out.shape[3:])[:, :t]

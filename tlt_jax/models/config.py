@@ -9,6 +9,10 @@ import jax.numpy as jnp
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ROPE_TYPES = ("default", "llama3")
 MODEL_TYPES = ("qwen2", "llama")  # the Hugging Face architectures this decoder loads
+# Per-layer rematerialisation under differentiation: "none" saves every activation, "full"
+# only each layer's input (the backward pass recomputes the layer), "dots" also the matmul
+# outputs without a batch dimension (less recompute, more memory).
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 def dtype_from_name(name: str, what: str = "dtype"):
@@ -62,8 +66,19 @@ class ModelConfig:
   # Run the layers as a lax.scan over the stacked weights instead of a Python loop: compiles
   # faster for deep models, but on GPU the scan copies each layer's weights before use.
   scan_layers: bool = False
+  # Training memory (no effect on a forward pass that is not differentiated, except
+  # attention_query_chunk's chunking): see REMAT_POLICIES, and `query_chunk` of
+  # tlt_jax.kernels.prefix_tree_attention (0 = the whole block at once).
+  remat: str = "none"
+  attention_query_chunk: int = 0
 
   def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r} is not allowed; allowed values: "
+                       f"{REMAT_POLICIES}")
+    if self.attention_query_chunk < 0:
+      raise ValueError(f"model.attention_query_chunk must be >= 0 (0 = off), got "
+                       f"{self.attention_query_chunk}")
     dtype_from_name(self.dtype, "model.dtype")
     dtype_from_name(self.param_dtype, "model.param_dtype")
     if self.model_type not in MODEL_TYPES:

@@ -115,7 +115,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w: dict, mask: jax.Array,
   (under mask [B, T, N]), through the output projection -> [B, T, E]."""
   dt = cfg.jnp_dtype
   out = prefix_tree_attention(q, prefix.k, prefix.v, prefix.lengths, k.astype(dt),
-                              v.astype(dt), mask, impl=cfg.attention_impl)
+                              v.astype(dt), mask, impl=cfg.attention_impl,
+                              query_chunk=cfg.attention_query_chunk)
   return jnp.einsum("bthd,hde->bte", out.astype(dt), w["o_proj"]["kernel"].astype(dt))
 
 
@@ -151,7 +152,8 @@ def mlp(x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
 
 def layer_forward(x: jax.Array, w: dict, attn: AttentionInputs, prefix: LayerCache,
                   cfg: ModelConfig, earlier_kv: tuple[jax.Array, jax.Array] | None = None):
-  """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x)).
+  """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x)), under
+  `jax.checkpoint` with cfg.remat's policy when that is not "none" (training memory).
 
   Args:
     x: [B, T, E] in the compute dtype; w: one layer's weights (without `input_layernorm`,
@@ -160,8 +162,17 @@ def layer_forward(x: jax.Array, w: dict, attn: AttentionInputs, prefix: LayerCac
   Returns:
     (x [B, T, E], k, v [B, T, KVH, D] of the block, for the cache).
   """
-  a, k, v = attention(_input_norm(x, w, cfg), w["self_attn"], attn, prefix, cfg, earlier_kv)
-  return _residual_mlp(x + a, w, cfg), k, v
+  def layer(x, w, attn, prefix, earlier_kv):
+    a, k, v = attention(_input_norm(x, w, cfg), w["self_attn"], attn, prefix, cfg, earlier_kv)
+    return _residual_mlp(x + a, w, cfg), k, v
+  if cfg.remat != "none":
+    layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat])
+  return layer(x, w, attn, prefix, earlier_kv)
+
+
+# jax.checkpoint policies of ModelConfig.remat (None: save only the layer's inputs).
+_REMAT_POLICIES = {"full": None,
+                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def cached_layer_forward(x: jax.Array, w: dict, attn: AttentionInputs, layer,
