@@ -6,9 +6,10 @@
       --config.model.path=/models/Qwen2.5-7B-Instruct \\
       --config.drafter.path=runs/qwen7b_warmup/export --workdir runs/qwen7b
 
-Variants: `1gpu` (one rollout slice: SD in the tail, no spot training since no slice goes idle
-while another decodes) and `8gpu` (4 rollout slices of 2 GPUs, FSDP within a slice; slices
-that finish first train the drafter). Settings follow the paper's 7B runs where the hardware
+Variant: `8gpu` (4 rollout slices of 2 GPUs, FSDP within a slice; slices that finish first
+train the drafter). There is no one-GPU variant: the 7B policy's bf16 weights and AdamW state
+(~44 GiB) and the rollout cache of 64 rows x 8.7k slots (~30 GiB) already pass a 70 GiB
+budget on one 80 GB GPU before any activation (tests/test_gpu_programs.py). Settings follow the paper's 7B runs where the hardware
 allows (8 samples per prompt, clip 0.2, token-mean loss, KL 0.001, lr 1e-6); the built-in
 task stands in for a math data set. model.path is required: the config fails early without it
 (its placeholder names no folder).
@@ -24,6 +25,9 @@ def get_config(arg: str | None = None):
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "bfloat16"
   c.model.attention_impl = "auto"  # the Pallas kernel on GPU
+  # 8.7k-token training rows: keep each layer's input only, attend 512 queries at a time.
+  c.model.remat = "full"
+  c.model.attention_query_chunk = 512
   c.task.max_steps = 64
   c.task.max_value = 999
   c.rollout.max_batch = 64
@@ -53,14 +57,14 @@ def get_config(arg: str | None = None):
   c.rl.num_eval_examples = 256
   c.rl.eval_every = 20
   c.rl.checkpoint_every = 10
-  if arg == "1gpu":
-    c.mesh.axes.replica = 1
-    c.mesh.axes.fsdp = 1
-    c.drafter.spot_training = False
-  elif arg == "8gpu":
+  if arg == "8gpu":
     c.mesh.axes.replica = 4
     c.mesh.axes.fsdp = 2
+  elif arg == "1gpu":
+    raise ValueError("configs/qwen2_5_gpu.py:1gpu was removed: a 7B policy's weights, AdamW "
+                     "state and rollout cache do not fit one 80 GB GPU; use :8gpu, or "
+                     "configs/gpu_demo.py for one GPU")
   else:
-    raise ValueError(f"configs/qwen2_5_gpu.py: give a variant, '1gpu' or '8gpu' (got {arg!r})")
+    raise ValueError(f"configs/qwen2_5_gpu.py: give the variant '8gpu' (got {arg!r})")
   c.lock()
   return c

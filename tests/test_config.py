@@ -149,9 +149,10 @@ def test_bad_rollout_values(path, value, match):
     validate_config(c)
 
 
-@pytest.mark.parametrize("variant,devices", [("1gpu", 1), ("8gpu", 8)])
-def test_gpu_configs_need_a_model_path_and_validate_with_one(variant, devices):
-  c = repo_config("qwen2_5_gpu", variant)
+def test_gpu_configs_need_a_model_path_and_validate_with_one():
+  with pytest.raises(ValueError, match="1gpu was removed: .* do not fit one 80 GB GPU"):
+    repo_config("qwen2_5_gpu", "1gpu")
+  c = repo_config("qwen2_5_gpu", "8gpu")
   with pytest.raises(ConfigError, match="model.path='/path/to/Qwen2.5-7B-Instruct' does not"):
     validate_config(c)
   c.unlock()
@@ -159,7 +160,7 @@ def test_gpu_configs_need_a_model_path_and_validate_with_one(variant, devices):
   with pytest.raises(ConfigError, match="max_position_embeddings of .*tiny-policy"):
     validate_config(c)  # 512 + 8192 tokens do not fit the tiny policy's 1024 positions
   c.rollout.max_prompt_len, c.rollout.max_new_tokens = 128, 512
-  validate_config(c, num_devices=devices)
+  validate_config(c, num_devices=8)
 
 
 def test_scan_layers_picks_the_loop_or_the_scan_per_pass():

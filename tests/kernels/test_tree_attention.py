@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax.budget import abstract_gpu
 from tlt_jax.kernels import ATTENTION_IMPLS, auto_uses_kernel, crossover, prefix_tree_attention
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
 from tlt_jax.kernels.tree_attention_pallas import (choose_k_splits, kernel_plan,
@@ -151,26 +152,49 @@ def test_dispatcher_routes_and_falls_back():
   assert set(ATTENTION_IMPLS) == {"auto", "reference", "pallas", "pallas_interpret"}
 
 
-# k_splits None takes the split rule, which splits this small grid (4 programs, 4 KV blocks).
-@pytest.mark.parametrize("dtype,t,h,k_splits", [(jnp.bfloat16, 48, 6, 1), (jnp.float32, 1, 8, None),
-                                                (jnp.bfloat16, 48, 6, 3)])
-def test_triton_lowering_for_cuda(dtype, t, h, k_splits):
-  """Lowers the compiled (non-interpret) kernel for CUDA on this CPU-only machine.
+# k_splits None takes the split rule, which splits this small grid (4 programs, 4 KV blocks);
+# the last two rows are the Qwen2.5-7B decode and verify shapes (28 / 4 heads, D = 128).
+@pytest.mark.parametrize("dtype,b,t,h,kvh,d,s,k_splits", [
+    (jnp.bfloat16, 2, 48, 6, 2, 80, 200, 1), (jnp.float32, 2, 1, 8, 2, 80, 200, None),
+    (jnp.bfloat16, 2, 48, 6, 2, 80, 200, 3), (jnp.bfloat16, 1, 1, 28, 4, 128, 16384, None),
+    (jnp.bfloat16, 8, 48, 28, 4, 128, 8704, None)])
+def test_triton_lowering_for_cuda(dtype, b, t, h, kvh, d, s, k_splits):
+  """Lowers the compiled (non-interpret) kernel for CUDA on this CPU-only machine, under an
+  abstract H100 (jax 0.11 refuses to lower Pallas for a GPU it cannot see otherwise).
 
   Runs the whole Pallas -> Triton IR lowering, which rejects e.g. non power-of-two tiles or
   unsupported ops, so a change that breaks the GPU path fails here without a GPU.
   """
-  args = make_inputs(b=2, t=t, h=h, kvh=2, d=80, s=200, lengths=[100, 7], tree="random",
-                     dtype=dtype)
+  args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in make_inputs(
+      b=b, t=t, h=h, kvh=kvh, d=d, s=8, lengths=[3] * b, tree="random", dtype=dtype)]
+  args[1] = args[2] = jax.ShapeDtypeStruct((b, kvh, s, d), dtype)  # the cache at full size
   fn = lambda *a: prefix_tree_attention_pallas(*a, k_splits=k_splits, num_sms=132,  # noqa: E731
                                                num_warps=4, interpret=False)
-  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  text = lowered.as_text()
+  with abstract_gpu():
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text
   assert "num_warps = 4" in text
-  split = k_splits != 1
-  assert ('"prefix_tree_attention_split"' in text) == split
+  split = "prefix_tree_attention_split" in text
   assert ('"prefix_tree_attention"' in text) == (not split)
+  if k_splits is not None:
+    assert split == (k_splits != 1)
+
+
+def test_kernel_gradients_are_the_references():
+  """The kernel has no backward of its own; through the dispatcher its gradient is the
+  reference's, so a training forward that takes the kernel still trains."""
+  args = make_inputs(b=2, t=8, h=4, kvh=2, d=16, s=24, lengths=[20, 5], tree="random",
+                     dtype=jnp.float32)
+  w = jax.random.normal(jax.random.key(0), args[0].shape)
+
+  def loss(impl, q, kc, vc, kn, vn):
+    out = prefix_tree_attention(q, kc, vc, args[3], kn, vn, args[6], impl=impl)
+    return jnp.sum(out * w)
+  floats = [args[i] for i in (0, 1, 2, 4, 5)]
+  want = jax.grad(functools.partial(loss, "reference"), argnums=range(5))(*floats)
+  got = jax.grad(functools.partial(loss, "pallas_interpret"), argnums=range(5))(*floats)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 def test_split_rule_fills_the_grid():

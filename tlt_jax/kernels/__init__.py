@@ -1,5 +1,7 @@
 """Attention kernels: one contract (see `reference.py`), several implementations."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -59,4 +61,29 @@ def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
   if impl == "reference" or not fits_kernel:
     return query_chunked_attention(prefix_tree_attention_reference, *args, query_chunk,
                                    scale=scale)
-  return prefix_tree_attention_pallas(*args, scale=scale, interpret=impl == "pallas_interpret")
+  return _kernel(*args, scale, impl == "pallas_interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kernel(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, scale, interpret):
+  """The Pallas kernel, differentiable: it has no backward of its own, so its gradient is the
+  reference's (the same function), recomputed from the inputs. Training forwards whose blocks
+  fit the kernel (short drafter windows) take it on GPU under impl="auto"."""
+  return prefix_tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new,
+                                      new_mask, scale=scale, interpret=interpret)
+
+
+def _kernel_fwd(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, scale, interpret):
+  out = _kernel(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, scale, interpret)
+  return out, (q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask)
+
+
+def _kernel_bwd(scale, interpret, saved, grad_out):
+  q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask = saved
+  _, vjp = jax.vjp(lambda q, kc, vc, kn, vn: prefix_tree_attention_reference(
+      q, kc, vc, cache_lengths, kn, vn, new_mask, scale=scale), q, k_cache, v_cache, k_new, v_new)
+  dq, dkc, dvc, dkn, dvn = vjp(grad_out)
+  return dq, dkc, dvc, None, dkn, dvn, None
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)

@@ -36,7 +36,7 @@ class ExecutablePool:
                            f"Fewer batch buckets or strategies, or a larger pool")
       t0 = time.perf_counter()
       if out_shardings is not None:
-        fn = _with_output_layout(fn, out_shardings)
+        fn = with_output_layout(fn, out_shardings)
       exe = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
       self.compile_seconds += time.perf_counter() - t0
       self.compiles += 1
@@ -55,7 +55,7 @@ class ExecutablePool:
             "compile_s": self.compile_seconds, "keys": [repr(k) for k in self._exes]}
 
 
-def _with_output_layout(fn: Callable, out_shardings: Callable) -> Callable:
+def with_output_layout(fn: Callable, out_shardings: Callable) -> Callable:
   """fn whose outputs are constrained to `out_shardings(outputs)`: the layout pinned inside
   the one trace that lowering does (asking jit for out_shardings would need the output
   shapes first, that is, a second trace of the whole program)."""
