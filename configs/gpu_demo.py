@@ -9,7 +9,8 @@ Variants:
   (none)  one GPU: an ~80M-parameter Qwen2-style policy (12 layers, hidden 768, bf16), chains
           of up to 64 steps so responses run from tens to over a thousand tokens, one rollout
           slice of 128 rows.
-  quick   a toy policy on 2 emulated CPU devices, a few steps of each stage (smoke tests).
+  quick   a toy policy, a few steps of each stage (smoke tests): on CPU 2 emulated devices
+          (two rollout slices), on one GPU one slice.
 The size is a first choice, not yet measured on a GPU: the decode step of this shape should be
 bound by the GPU, not by Python, which the run's busy share (metrics) shows.
 """
@@ -43,13 +44,17 @@ def get_config(arg: str | None = None):
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16"
     c.model.scan_layers = "train"
+    # Without these the SFT step (32 x 1536) needs ~224 GiB, by XLA's memory analysis
+    # (tlt_jax.budget); with them ~7 GiB, and the RL job's largest program ~10 GiB.
+    c.model.remat = "full"
+    c.model.attention_query_chunk = 256
     c.task.max_steps = 64
-    c.sft.steps = 1500
+    c.sft.steps = 600
     c.sft.rows = 32
     c.sft.seq_len = 1536
     c.sft.learning_rate = 1e-3
     c.sft.eval_every = 0
-    c.sft.num_eval_examples = 256
+    c.sft.num_eval_examples = 128
     c.sft.eval_max_new_tokens = 1536
     c.sft.export_dtype = "bfloat16"
     c.rollout.max_batch = 128
@@ -61,15 +66,16 @@ def get_config(arg: str | None = None):
     c.drafter.warmup.max_new_tokens = 1536
     c.drafter.warmup.window = 1024
     c.drafter.spot.window = 1024
-    c.rl.steps = 12
+    c.rl.steps = 8
     c.rl.prompts_per_step = 16
     c.rl.num_samples = 8
     c.rl.learning_rate = 2e-5
     c.rl.micro_batch_rows = 32
-    c.rl.num_eval_examples = 128
+    c.rl.num_eval_examples = 64
   elif arg == "quick":
     c.mesh.num_cpu_devices = 2
-    c.mesh.axes.replica = 2
+    c.mesh.axes.replica = -1  # every device a slice: 2 on CPU, 1 on one GPU
+    c.mesh.axes.fsdp = 1
     toy_settings(c)
     c.model.vocab_size = 320
     c.model.max_position_embeddings = 512

@@ -2,7 +2,10 @@
 the offline warm-up trains its drafter, then GRPO runs with TLT and without, back to back.
 
   python experiments/gpu_e2e.py --out runs/gpu_e2e            # one GPU, configs/gpu_demo.py
-  python experiments/gpu_e2e.py --out /tmp/e2e --quick        # toy size on CPU (a few minutes)
+  python experiments/gpu_e2e.py --out /tmp/e2e --quick        # toy size (CPU or one GPU)
+  python experiments/gpu_e2e.py --out runs/gpu_e2e --stages sft warmup rollout   # in two
+  python experiments/gpu_e2e.py --out runs/gpu_e2e --stages rl simulate          # commands
+  python experiments/gpu_e2e.py --out runs/gpu_e2e --set rl.steps=4 --set sft:sft.steps=300
 
 Stages, each the project's own command (its output streams to the console and to
 OUT/logs/STAGE.log):
@@ -13,7 +16,14 @@ OUT/logs/STAGE.log):
   simulate  experiments/simulate_cluster.py        -> OUT/simulate (8-1024 devices, projected
             from the measured costs and the baseline's response lengths)
 A stage that finished is recorded in OUT/stages.json and skipped when the command is run again,
-so a killed run resumes at the stage it was in (which resumes from its own checkpoints).
+so a killed run resumes at the stage it was in (which resumes from its own checkpoints; the RL
+stage keeps the variant that finished and resumes the other). --stages runs a subset, in the
+order above; the summary is written once every stage is done. --set KEY=VALUE overrides the
+config of every config-driven stage (sft, warmup, rl), --set STAGE:KEY=VALUE of one.
+
+Estimated on one H100 at the default sizes (not yet measured): sft ~3-4 min (600 steps of
+32 x 1536 tokens, ~80M parameters, with rematerialisation), warmup ~2 min, rollout ~2-3 min,
+rl ~6-8 min (8 steps per variant, both variants, compiles included), simulate < 1 min.
 
 OUT/gpu_e2e.json: device, date, the commands and seconds per stage, the policy's held-out
 accuracy after SFT, the warmed drafter's accept length, the RL runs' end-to-end ratios
@@ -41,26 +51,59 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def stage_commands(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
-  """The command of every stage, in order."""
+STAGES = ("sft", "warmup", "rl", "rollout", "simulate")
+CONFIG_STAGES = ("sft", "warmup", "rl")
+
+
+def stage_overrides(sets: list[str]) -> dict[str, list[str]]:
+  """--set values -> {stage: [KEY=VALUE, ...]}: plain ones go to every config-driven stage,
+  STAGE:KEY=VALUE ones to that stage only."""
+  out = {name: [] for name in CONFIG_STAGES}
+  for item in sets:
+    stage, colon, rest = item.partition(":")
+    if colon and "=" not in stage:
+      if stage not in CONFIG_STAGES:
+        raise SystemExit(f"--set {item}: {stage!r} takes no config; config-driven stages: "
+                         f"{', '.join(CONFIG_STAGES)}")
+      out[stage].append(rest)
+    else:
+      for name in CONFIG_STAGES:
+        out[name].append(item)
+  for items in out.values():
+    for item in items:
+      if "=" not in item:
+        raise SystemExit(f"--set {item}: expected KEY=VALUE or STAGE:KEY=VALUE")
+  return out
+
+
+def stage_commands(out: pathlib.Path, quick: bool, sets: dict[str, list[str]] | None = None
+                   ) -> dict[str, list[str]]:
+  """The command of every stage, in order; sets: `stage_overrides`."""
+  sets = sets or {}
   py = sys.executable
   config = str(REPO / "configs" / "gpu_demo.py") + (":quick" if quick else "")
   policy, drafter = out / "sft" / "export", out / "warmup" / "export"
   q = ["--quick"] if quick else []
   spot = ["--set", "drafter.spot.max_steps=8"] if quick else []
+  flags = {name: [f"--config.{kv}" for kv in sets.get(name, [])] for name in CONFIG_STAGES}
   return {
-      "sft": [py, "-m", "tlt_jax.sft", f"--config={config}", f"--workdir={out / 'sft'}"],
+      "sft": [py, "-m", "tlt_jax.sft", f"--config={config}", f"--workdir={out / 'sft'}",
+              *flags["sft"]],
       "warmup": [py, "-m", "tlt_jax.warmup_drafter", f"--config={config}",
-                 f"--config.model.path={policy}", f"--workdir={out / 'warmup'}"],
+                 f"--config.model.path={policy}", f"--workdir={out / 'warmup'}",
+                 *flags["warmup"]],
       "rl": [py, str(REPO / "experiments" / "rl_runs.py"), "--out", str(out / "rl"),
              "--config", config, "--set", f"model.path={policy}", "--set",
-             f"drafter.path={drafter}", "--variants", "baseline", "tlt", *spot],
+             f"drafter.path={drafter}", "--variants", "baseline", "tlt", "--resume", *spot,
+             *[a for kv in sets.get("rl", []) for a in ("--set", kv)]],
       # The cost table at the demo's shapes; the toy policy's rows all end early, so in the
       # quick run every call counts as the tail.
       "rollout": [py, str(REPO / "experiments" / "bench_rollout.py"), "--policy", str(policy),
                   "--out", str(out / "rollout" / "rollout.json"),
                   *(["--quick", "--sd-threshold", "64"] if quick else
-                    ["--max-new-tokens", "1536", "--max-batch", "128", "--sd-threshold", "8"])],
+                    ["--max-new-tokens", "1536", "--max-batch", "128", "--sd-threshold", "8",
+                     "--num-prompts", "64", "--drafter-steps", "200",
+                     "--drafter-prompts", "128"])],
       "simulate": [py, str(REPO / "experiments" / "simulate_cluster.py"),
                    "--out", str(out / "simulate"),
                    "--costs-from-bench", str(out / "rollout" / "rollout.json"),
@@ -165,8 +208,14 @@ def plot(out: pathlib.Path, summary: dict) -> None:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, type=pathlib.Path, help="output folder (resumes)")
-  p.add_argument("--quick", action="store_true", help="toy size on CPU, for smoke tests")
+  p.add_argument("--quick", action="store_true",
+                 help="toy size (configs/gpu_demo.py:quick), on CPU or one GPU: smoke tests")
+  p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
+                 help="the stages to run (default: all; they run in the order above)")
+  p.add_argument("--set", action="append", default=[], metavar="[STAGE:]KEY=VALUE",
+                 help="config override for every config-driven stage, or for one (repeatable)")
   args = p.parse_args(argv)
+  sets = stage_overrides(args.set)
   out = args.out.resolve()
   out.mkdir(parents=True, exist_ok=True)
   record_path = out / "stages.json"
@@ -176,13 +225,19 @@ def main(argv=None):
              f"--out or delete it")
   record["quick"] = args.quick
   stages = record.setdefault("stages", {})
-  for name, cmd in stage_commands(out, args.quick).items():
+  for name, cmd in stage_commands(out, args.quick, sets).items():
+    if name not in args.stages:
+      continue
     if name in stages:
       print(f"=== {name}: done in an earlier run ({stages[name]['seconds']:.0f} s), skipped")
       continue
     seconds = run_stage(name, cmd, out / "logs" / f"{name}.log")
     stages[name] = {"command": cmd, "seconds": seconds}
     record_path.write_text(json.dumps(record, indent=2))  # after every stage: resumable
+  missing = [name for name in STAGES if name not in stages]
+  if missing:
+    print(f"stages still to run: {' '.join(missing)} (the summary is written after the last)")
+    return
   summary = collect(out, stages)
   summary["quick"] = args.quick
   (out / "gpu_e2e.json").write_text(json.dumps(summary, indent=2))

@@ -13,6 +13,9 @@ prompts and seed:
   python experiments/rl_runs.py --out results/rl --config configs/qwen2_5_gpu.py:8gpu \
       --set model.path=/models/Qwen2.5-7B-Instruct --set drafter.path=runs/warmup/export
 
+With --resume a rerun keeps OUT's runs: a variant that finished is read back (OUT/runs/<variant>/
+run.json), one cut off (a kill, a timeout) resumes from its own checkpoints.
+
 Writes OUT/runs/<variant>/ (each run's workdir: metrics.jsonl, rollouts.jsonl, summary.json),
 OUT/rl_runs.json (per-step series and the ratios below) and three figures:
   long_tail.png           response-length percentiles per RL step (baseline), and the
@@ -54,8 +57,11 @@ VARIANTS = {
 }
 
 
-def run_variants(base, variants: list[str], out: pathlib.Path) -> dict[str, dict]:
-  """Runs the job once per variant (fresh workdirs); returns each run's metrics and summary."""
+def run_variants(base, variants: list[str], out: pathlib.Path,
+                 resume: bool = False) -> dict[str, dict]:
+  """Runs the job once per variant; returns each run's metrics and summary. Fresh workdirs,
+  unless `resume`: then a variant that finished (its run.json) is read back, and one that was
+  cut off resumes from its own checkpoints (its compiles and wall time count again)."""
   runs = {}
   for name in variants:
     config = base.copy_and_resolve_references()
@@ -65,13 +71,21 @@ def run_variants(base, variants: list[str], out: pathlib.Path) -> dict[str, dict
     config.rl.save_rollouts = True
     config.lock()
     workdir = out / "runs" / name
-    if workdir.exists():
-      shutil.rmtree(workdir)
-    print(f"=== {name}", flush=True)
-    t0 = time.perf_counter()
-    summary = train(config, str(workdir))
-    runs[name] = {"wall_s": time.perf_counter() - t0, "summary": summary,
-                  "metrics": _jsonl(workdir / "metrics.jsonl"),
+    record = workdir / "run.json"
+    if resume and record.is_file():
+      print(f"=== {name}: finished in an earlier run, read back", flush=True)
+      done = json.loads(record.read_text())
+    else:
+      if workdir.exists() and not resume:
+        shutil.rmtree(workdir)
+      print(f"=== {name}", flush=True)
+      t0 = time.perf_counter()
+      summary = train(config, str(workdir))
+      done = {"wall_s": time.perf_counter() - t0, "summary": summary}
+      if summary.get("stopped_early"):  # a signal: the checkpoint holds the rest
+        sys.exit(f"run {name!r} stopped early; run the same command with --resume to go on")
+      record.write_text(json.dumps(done, indent=2))
+    runs[name] = {**done, "metrics": _jsonl(workdir / "metrics.jsonl"),
                   "rollouts": _jsonl(workdir / "rollouts.jsonl"),
                   "slices": int(config.mesh.axes.get("replica", 1))}
   return runs
@@ -207,6 +221,9 @@ def main():
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="config override, e.g. --set rl.steps=8 (repeatable)")
   parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  parser.add_argument("--resume", action="store_true",
+                      help="keep OUT's runs: finished variants are read back, a cut-off one "
+                           "resumes from its checkpoints (default: every variant from scratch)")
   parser.add_argument("--quick", action="store_true",
                       help="configs/default.py:runlocal (2 steps, at most 16 drafter steps per "
                            "idle slice and rollout, no evaluation), for smoke tests")
@@ -228,7 +245,7 @@ def main():
   # run may load the programs an earlier one compiled.
   setup_devices(config, compilation_cache=False)
   args.out.mkdir(parents=True, exist_ok=True)
-  runs = run_variants(config, args.variants, args.out)
+  runs = run_variants(config, args.variants, args.out, resume=args.resume)
 
   base = runs["baseline"]
   lengths = length_percentiles(base["rollouts"])

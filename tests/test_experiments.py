@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -250,16 +251,49 @@ def test_drafter_ttt_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_e2e_quick_runs_every_stage_and_resumes(tmp_path):
-  out = tmp_path / "e2e"
-  _run_script("gpu_e2e.py", "--quick", "--out", str(out), timeout=900)
-  data = json.loads((out / "gpu_e2e.json").read_text())
-  assert list(data["stages"]) == ["sft", "warmup", "rl", "rollout", "simulate"]
-  assert (out / "gpu_e2e.png").exists() and (out / "rl" / "end_to_end.png").exists()
+def test_gpu_campaign_quick_runs_its_three_commands_and_gpu_e2e_resumes(tmp_path):
+  """The campaign's three commands at toy shapes: the kernel grid and the decode bench, then
+  gpu_e2e in two halves; each step recorded with its exit status and files."""
+  out = tmp_path / "campaign"
+  _run_script("gpu_campaign.py", "all", "--quick", "--out", str(out), timeout=1500)
+  record = json.loads((out / "campaign.json").read_text())
+  assert set(record["steps"]) == {"tree_attention", "decode_7b", "gpu_e2e_sft_warmup_rollout",
+                                  "gpu_e2e_rl_simulate"}
+  assert all(r["returncode"] == 0 for r in record["steps"].values())
+  assert json.loads((out / "1" / "tree_attention.json").read_text())["results"]
+  assert (out / "1" / "decode_7b.png").exists()
+  e2e = out / "e2e"
+  data = json.loads((e2e / "gpu_e2e.json").read_text())
+  assert list(data["stages"]) == ["sft", "warmup", "rollout", "rl", "simulate"]
+  assert (e2e / "gpu_e2e.png").exists() and (e2e / "rl" / "end_to_end.png").exists()
   assert data["policy"]["params"] > 0 and data["drafter"]["accept_len_warmed"] >= 1.0
   assert data["end_to_end"]["steps"] == 2 and set(data["runs"]) == {"baseline", "tlt"}
   assert data["projected"] and all(p["speedup_step"] > 0 for p in data["projected"])
-  _check_bench_rollout(out / "rollout" / "rollout.json")
-  # A second run finds every stage done and only rewrites the summary.
-  r = _run_script("gpu_e2e.py", "--quick", "--out", str(out))
+  _check_bench_rollout(e2e / "rollout" / "rollout.json")
+  # A rerun finds every stage done and only rewrites the summary.
+  r = _run_script("gpu_e2e.py", "--quick", "--out", str(e2e))
   assert r.stdout.count("done in an earlier run") == 5
+
+
+def test_gpu_campaign_names_what_is_missing_and_refuses_a_cpu(tmp_path, monkeypatch):
+  campaign = load_experiment("gpu_campaign")
+  monkeypatch.setitem(campaign.REQUIRED, "no_such_module_here", "no-such-package")
+  with pytest.raises(SystemExit, match="missing packages: no-such-package"):
+    campaign.main(["1", "--out", str(tmp_path)])
+  monkeypatch.delitem(campaign.REQUIRED, "no_such_module_here")
+  with pytest.raises(SystemExit, match="no GPU here .* --quick"):
+    campaign.main(["1", "--out", str(tmp_path)])
+
+
+def test_gpu_e2e_stage_overrides():
+  e2e = load_experiment("gpu_e2e")
+  sets = e2e.stage_overrides(["rl.steps=4", "sft:sft.steps=3"])
+  assert sets == {"sft": ["rl.steps=4", "sft.steps=3"], "warmup": ["rl.steps=4"],
+                  "rl": ["rl.steps=4"]}
+  cmds = e2e.stage_commands(pathlib.Path("/tmp/x"), True, sets)
+  assert "--config.sft.steps=3" in cmds["sft"] and "--config.sft.steps=3" not in cmds["warmup"]
+  assert cmds["rl"][-2:] == ["--set", "rl.steps=4"] and "--resume" in cmds["rl"]
+  with pytest.raises(SystemExit, match="'simulate' takes no config"):
+    e2e.stage_overrides(["simulate:x=1"])
+  with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+    e2e.stage_overrides(["sft:steps"])

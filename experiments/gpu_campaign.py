@@ -1,0 +1,143 @@
+"""Every GPU figure the project owes, in three commands of at most 9 minutes each on one GPU.
+
+  python experiments/gpu_campaign.py 1 --out runs/campaign   # kernel grid, 7B decode and SD
+  python experiments/gpu_campaign.py 2 --out runs/campaign   # gpu_e2e: sft, warmup, rollout
+  python experiments/gpu_campaign.py 3 --out runs/campaign   # gpu_e2e: rl, simulate
+  python experiments/gpu_campaign.py all --quick --out /tmp/campaign   # toy shapes, any device
+
+Command 1 (~8 min estimated, not yet measured): experiments/bench_tree_attention.py's default
+grid (the kernel against the reference and the device's copy bandwidth; -> OUT/1/
+tree_attention.json, .png), then experiments/bench_decode.py at the Qwen2.5-7B shape, batches
+1 and 8 (the decode step against the plain-JAX floor, SD iterations with the full and a 32k
+draft vocabulary; -> OUT/1/decode_7b.json, .png).
+Commands 2 and 3 (~7 and ~8 min estimated): the two halves of experiments/gpu_e2e.py with
+configs/gpu_demo.py (-> OUT/e2e/..., gpu_e2e.json and .png once both ran). Command 3 needs the
+files command 2 left in OUT.
+
+Each step runs under its own deadline (SIGTERM, then SIGKILL 30 s later), inside the
+command's 9 minutes; every step writes its JSON as it goes and is safe to rerun (gpu_e2e skips
+finished stages and resumes cut-off ones). OUT/campaign.json records every step's command,
+exit status, seconds and files. The imports are checked first: a missing package is named in
+one line, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EXPERIMENTS = REPO / "experiments"
+COMMAND_SECONDS = 540  # 9 minutes per command
+# import name -> how to get it (the GPU machine lacks ml_collections: carry its wheel)
+REQUIRED = {"jax": "jax[cuda12]", "flax": "flax", "optax": "optax",
+            "orbax.checkpoint": "orbax-checkpoint", "transformers": "transformers",
+            "tokenizers": "tokenizers", "safetensors": "safetensors",
+            "ml_collections": "ml-collections", "absl": "absl-py", "tqdm": "tqdm",
+            "matplotlib": "matplotlib", "jinja2": "jinja2"}
+
+
+def missing_packages() -> list[str]:
+  """The pip names of REQUIRED packages that do not import here."""
+  return [pip for name, pip in REQUIRED.items() if importlib.util.find_spec(name) is None]
+
+
+def steps(command: str, out: pathlib.Path, quick: bool) -> list[tuple[str, list[str], int]]:
+  """(name, argv, seconds allowed) of each step of one command."""
+  py = sys.executable
+  one, e2e = out / "1", out / "e2e"
+  q = ["--quick"] if quick else []
+  if command == "1":
+    return [
+        ("tree_attention", [py, str(EXPERIMENTS / "bench_tree_attention.py"), *q,
+                            "--out", str(one / "tree_attention.json"),
+                            "--time-budget", "270"], 300),
+        ("decode_7b", [py, str(EXPERIMENTS / "bench_decode.py"),
+                       *(q or ["--shape", "qwen2.5-7b", "--batches", "1", "8",
+                               "--draft-vocab-sizes", "32768"]),
+                       "--out", str(one / "decode_7b.json"), "--time-budget", "180"], 220)]
+  stages = ["sft", "warmup", "rollout"] if command == "2" else ["rl", "simulate"]
+  return [(f"gpu_e2e_{'_'.join(stages)}", [py, str(EXPERIMENTS / "gpu_e2e.py"), *q,
+                                             "--out", str(e2e), "--stages", *stages],
+           COMMAND_SECONDS - 20)]
+
+
+def run_step(name: str, argv: list[str], seconds: int, log: pathlib.Path) -> dict:
+  """Runs one step under its deadline, its output to the console and to `log`."""
+  log.parent.mkdir(parents=True, exist_ok=True)
+  print(f"=== {name} (at most {seconds} s): {' '.join(argv)}", flush=True)
+  t0 = time.monotonic()
+  with open(log, "w") as f:
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+      rc = proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGTERM)  # the jobs checkpoint and stop on SIGTERM
+      try:
+        rc = proc.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait()
+      print(f"    {name}: deadline reached, stopped (rerun to resume)", flush=True)
+  tail = log.read_text(errors="replace").splitlines()[-6:]
+  print("\n".join(f"    | {line}" for line in tail), flush=True)
+  return {"command": argv, "returncode": rc, "seconds": round(time.monotonic() - t0, 1),
+          "log": str(log)}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("command", choices=("1", "2", "3", "all"),
+                 help="which command (all: the three in a row, for --quick)")
+  p.add_argument("--out", required=True, type=pathlib.Path, help="output folder (kept)")
+  p.add_argument("--quick", action="store_true", help="toy shapes on any device (CI)")
+  args = p.parse_args(argv)
+  missing = missing_packages()
+  if missing:
+    sys.exit(f"missing packages: {', '.join(missing)} (pip install {' '.join(missing)}; "
+             f"without a network, carry their wheels)")
+  import jax
+  device = jax.devices()[0]
+  if not args.quick and device.platform != "gpu":
+    sys.exit(f"no GPU here (jax sees {device.platform}: {device.device_kind}); the campaign "
+             f"measures GPUs: run it with --quick to check it on this machine")
+  out = args.out.resolve()
+  record_path = out / "campaign.json"
+  record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+  record.update(device=f"{device.platform}: {device.device_kind}", jax=jax.__version__,
+                quick=args.quick)
+  commands = ("1", "2", "3") if args.command == "all" else (args.command,)
+  # The deadlines are the GPU's; a CPU smoke run (CI, beside other work) gets three times.
+  stretch = 3 if args.quick else 1
+  failed = []
+  for command in commands:
+    t0 = time.monotonic()
+    for name, step_argv, seconds in steps(command, out, args.quick):
+      seconds *= stretch
+      left = COMMAND_SECONDS * stretch - (time.monotonic() - t0)
+      result = run_step(name, step_argv, int(min(seconds, max(left, 1))),
+                        out / "logs" / f"{name}.log")
+      result["date"] = time.strftime("%Y-%m-%d %H:%M")
+      record.setdefault("steps", {})[name] = result
+      out.mkdir(parents=True, exist_ok=True)
+      record_path.write_text(json.dumps(record, indent=2))
+      if result["returncode"] != 0:
+        failed.append(f"{name} (exit {result['returncode']}, log {result['log']})")
+  print(f"{'step':<32}{'exit':>6}{'seconds':>10}")
+  for name, r in record.get("steps", {}).items():
+    print(f"{name:<32}{r['returncode']:>6}{r['seconds']:>10.1f}")
+  print(f"wrote {record_path}")
+  if failed:
+    sys.exit(f"failed: {'; '.join(failed)}")
+
+
+if __name__ == "__main__":
+  main()
