@@ -1,5 +1,5 @@
 """Benchmark: the policy's decode step and SD iteration against a plain-JAX floor and
-transformers, side by side in one run, on random weights of a named shape.
+(with --hf) transformers, side by side in one run, on random weights of a named shape.
 
 Per batch size (default 1, 8, 32), with prompts of --prompt-len tokens in the cache:
 
@@ -12,33 +12,65 @@ Per batch size (default 1, 8, 32), with prompts of --prompt-len tokens in the ca
   floor           a minimal decoder written here in plain JAX (a Python loop over static
                   slices of the stacked weights, GQA attention over the cache, LM head): what
                   the hardware allows for these weights
-  transformers    `generate` of a Qwen2ForCausalLM of the same shape (PyTorch, dynamic
-                  cache), per step: (time of N new tokens - time of 1) / (N - 1)
+  transformers    with --hf only: `generate` of a Qwen2ForCausalLM of the same shape (PyTorch,
+                  dynamic cache; bfloat16 on GPU, float32 on CPU), per step:
+                  (time of N new tokens - time of 1) / (N - 1)
 
 and, with --compile-times, the first-call compile seconds of prefill, the plain step and the
 first SD strategy with the layers as a Python loop and as a lax.scan. Times are medians of
---iters calls after a warm-up, in milliseconds. Writes JSON (the device named) and a PNG.
+--iters calls after a warm-up, in milliseconds.
+
+Each program is jitted once and reused for every call of the same shapes; a new batch size
+compiles them again. The prefill that fills the caches is set-up, not a result: it runs with
+the layers as a scan, which compiles much faster than the unrolled loop at 28 layers. The
+persistent compilation cache (tlt_jax.compile_cache) is on, so a rerun loads the programs from
+disk, except with --compile-times, whose compile seconds are results.
+
+The JSON (the device, jax version, date, commit and command line recorded) is rewritten after
+every measurement, so a run cut short keeps what it measured; the PNG after every batch.
+--time-budget starts no batch after the first once that many seconds have passed.
+
+transformers runs only after the batch's JAX results are written and its arrays freed. JAX
+preallocates 75% of GPU memory at start-up, which would leave PyTorch too little, so --hf sets
+XLA_PYTHON_CLIENT_PREALLOCATE=false unless the environment sets it already.
 
   python experiments/bench_decode.py --out results/decode.json                # CPU: 'small'
-  python experiments/bench_decode.py --shape qwen2.5-7b --out docs/results/decode_h100.json
-  python experiments/bench_decode.py --batches 1 --strategies 8,4,48 --no-hf \
+  python experiments/bench_decode.py --shape qwen2.5-7b --batches 1 8 --time-budget 480 \
+      --out docs/results/decode_h100.json
+  python experiments/bench_decode.py --shape qwen2.5-7b --batches 1 8 --hf \
+      --out results/decode_vs_hf.json
+  python experiments/bench_decode.py --batches 1 --strategies 8,4,48 \
       --draft-vocab-sizes 7061 --out results/draft_vocab/cost.json      # 32k/152k of 32k
-
-The persistent compilation cache stays off here: compile seconds are among the results.
+  python experiments/bench_decode.py --quick --out /tmp/decode.json  # any device; 2 CPUs: ~30 s
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import gc
 import importlib.util
 import json
+import os
 import pathlib
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+T0 = time.perf_counter()  # --time-budget counts from here
+
+# JAX preallocates 75% of GPU memory when it starts, which leaves transformers too little: on
+# GPU, run --hf with XLA_PYTHON_CLIENT_PREALLOCATE=false. Set here, before JAX starts, unless
+# the environment sets it already. Even then JAX keeps what it frees in its own pool: PyTorch
+# gets only what JAX never took.
+if "--hf" in sys.argv[1:]:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -48,6 +80,8 @@ import numpy as np  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
+from tlt_jax.kernels import ATTENTION_IMPLS  # noqa: E402
 from tlt_jax.models import ModelConfig, init_cache, init_params, prefill  # noqa: E402
 from tlt_jax.models.drafter import (DrafterConfig, init_drafter_cache,  # noqa: E402
                                     init_drafter_params)
@@ -125,15 +159,44 @@ def floor_decoder(cfg: ModelConfig):
   return step
 
 
+# ---------------------------------------------------------------- run records
+
+
+def run_metadata() -> dict:
+  """Where and how this run was made: device, jax version, date, commit, command line."""
+  device = jax.devices()[0]
+  try:
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, timeout=10).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
+    commit = None
+  return {"device": {"platform": device.platform, "device_kind": device.device_kind},
+          "jax_version": jax.__version__,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "git_commit": commit, "command": shlex.join(sys.argv)}
+
+
+def write_json(path: pathlib.Path, doc: dict) -> None:
+  """Replaces path with doc in one step: a run killed mid-write keeps the previous version."""
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(doc, indent=2))
+  os.replace(tmp, path)
+
+
 # ---------------------------------------------------------------- transformers
 
 
+def hf_available() -> bool:
+  return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
 def hf_step_ms(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> dict:
-  """transformers' greedy decode ms per step for a random Qwen2 of cfg's shape."""
+  """transformers' greedy decode ms per step for a random Qwen2 of cfg's shape, in bfloat16
+  on GPU and float32 on CPU."""
   import torch
   from transformers import Qwen2Config, Qwen2ForCausalLM
   device = "cuda" if torch.cuda.is_available() else "cpu"
-  dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+  dtype = torch.bfloat16 if device == "cuda" else torch.float32
   hf_cfg = Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                        intermediate_size=cfg.intermediate_size,
                        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -141,8 +204,14 @@ def hf_step_ms(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -
                        tie_word_embeddings=cfg.tie_embeddings,
                        max_position_embeddings=cfg.max_position_embeddings)
   torch.manual_seed(0)
-  with torch.device(device):
-    model = Qwen2ForCausalLM(hf_cfg).to(dtype).eval()
+  # Built in the target dtype: a 7B model built in float32 first would need 30 GB on the GPU.
+  default_dtype = torch.get_default_dtype()
+  torch.set_default_dtype(dtype)
+  try:
+    with torch.device(device):
+      model = Qwen2ForCausalLM(hf_cfg).eval()
+  finally:
+    torch.set_default_dtype(default_dtype)
   ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
 
   def gen(n):
@@ -160,30 +229,72 @@ def hf_step_ms(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -
   one = min(gen(1) for _ in range(2))
   many = min(gen(new_tokens) for _ in range(2))
   del model
-  return {"device": device, "step_ms": (many - one) / (new_tokens - 1) * 1e3}
+  if device == "cuda":
+    torch.cuda.empty_cache()  # the next batch's JAX programs need the memory back
+  return {"device": device, "dtype": str(dtype).removeprefix("torch."),
+          "step_ms": (many - one) / (new_tokens - 1) * 1e3}
 
 
 # ---------------------------------------------------------------- tlt_jax
 
 
-def bench_batch(cfg, params, drafters, batch, prompt_len, strategies, iters,
-                with_hf, hf_new_tokens) -> dict:
-  """drafters: {draft vocabulary size (0 = full): (DrafterConfig, params)}; the full one keeps
-  its cache in step in `tlt plain+sync`."""
-  dcfg, dparams = drafters[0]
+def build_programs(cfg, drafters, strategies, max_new, cap) -> dict:
+  """Every jitted program of the run, built once: a new batch size compiles each again, a
+  repeat or another strategy of the same batch compiles nothing.
+
+  start:  (params, drafter params, prompts [B, P], lengths [B]) -> GenState with the full
+          drafter's cache filled; the layers run as a scan (set-up, not timed). The reduced
+          drafters reuse it: their layers, and so their cache's shape, are the full one's.
+  plain, synced: (params, state, key[, drafter params]) -> (state, stats), state donated.
+  sd:     {strategy_name: (params, drafter params, state, key) -> (state, stats)}, state
+          donated.
+  floor:  see floor_decoder.
+  """
+  dcfg = drafters[0][0]
+  scan_cfg = cfg.replace(scan_layers=True)
+
+  def filled(params, dparams, prompts, lengths):
+    b = prompts.shape[0]
+    return start(params, prompts, lengths, init_cache(scan_cfg, b, cap), jax.random.key(0),
+                 GREEDY, max_new, -1, scan_cfg, drafter_params=dparams,
+                 draft_cache=init_drafter_cache(scan_cfg, dcfg, b, cap), dcfg=dcfg)
+
+  sd = {}
+  for strategy in strategies:
+    for vocab, (d, _) in drafters.items():
+      sd[strategy_name(strategy, vocab)] = jax.jit(
+          functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy, cfg=cfg, dcfg=d),
+          donate_argnums=(2,))
+  return {
+      "start": jax.jit(filled),
+      "plain": jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1, cfg=cfg),
+                       donate_argnums=(1,)),
+      "synced": jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1, cfg=cfg,
+                                          dcfg=dcfg), donate_argnums=(1,)),
+      "sd": sd,
+      "floor": floor_decoder(cfg),
+  }
+
+
+def strategy_name(strategy: Strategy, vocab: int) -> str:
+  return ",".join(map(str, strategy.as_tuple())) + (f" r={vocab}" if vocab else "")
+
+
+def bench_batch(programs, cfg, params, drafters, batch, prompt_len, strategies, iters,
+                row, save) -> None:
+  """Fills `row` with the JAX times of one batch size, calling save() after each one.
+
+  drafters: {draft vocabulary size (0 = full): (DrafterConfig, params)}; the full one keeps
+  its cache in step in `tlt plain+sync`. Every array made here dies with this call.
+  """
+  dparams = drafters[0][1]
   rng = np.random.default_rng(batch)
   prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
   lengths = jnp.full((batch,), prompt_len, jnp.int32)
-  most = max([s.steps for s in strategies] + [0]) + 1
-  max_new = (iters + 4) * most + 2  # EOS is off: no row finishes while being timed
-  cap = -(-(prompt_len + max_new + most) // 64) * 64
 
-  def fresh(with_drafter, drafter=drafters[0]):
-    d, dp = drafter if with_drafter else (None, None)
-    return jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=-1,
-                                     cfg=cfg, dcfg=d))(
-        params, prompts, lengths, init_cache(cfg, batch, cap), jax.random.key(0),
-        drafter_params=dp, draft_cache=init_drafter_cache(cfg, d, batch, cap) if d else None)
+  def fresh(with_drafter: bool):
+    state = programs["start"](params, dparams, prompts, lengths)
+    return state if with_drafter else state.replace(draft_cache=None)
 
   def timed_steps(step, state):
     box = [state]
@@ -193,37 +304,30 @@ def bench_batch(cfg, params, drafters, batch, prompt_len, strategies, iters,
       jax.block_until_ready(box[0].num_out)
     return median_ms(one, iters)
 
-  row = {"batch": batch}
-  plain = jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1, cfg=cfg),
-                  donate_argnums=(1,))
-  row["tlt_plain_ms"] = timed_steps(lambda s: plain(params, s, jax.random.key(1)),
-                                    fresh(False))
-  synced = jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1, cfg=cfg, dcfg=dcfg),
-                   donate_argnums=(1,))
+  key = jax.random.key(1)
+  plain, synced = programs["plain"], programs["synced"]
+  row["tlt_plain_ms"] = timed_steps(lambda s: plain(params, s, key), fresh(False))
+  save()
   row["tlt_plain_sync_ms"] = timed_steps(
-      lambda s: synced(params, s, jax.random.key(1), drafter_params=dparams), fresh(True))
+      lambda s: synced(params, s, key, drafter_params=dparams), fresh(True))
+  save()
   row["sd"] = {}
   for strategy in strategies:
-    for vocab, (d, dp) in drafters.items():
-      sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy, cfg=cfg,
-                                     dcfg=d), donate_argnums=(2,))
-      ms = timed_steps(lambda s, sd=sd, dp=dp: sd(params, dp, s, jax.random.key(1)),
-                       fresh(True, (d, dp)))
-      name = ",".join(map(str, strategy.as_tuple())) + (f" r={vocab}" if vocab else "")
+    for vocab, (_, dp) in drafters.items():
+      name = strategy_name(strategy, vocab)
+      sd = programs["sd"][name]
+      ms = timed_steps(lambda s, sd=sd, dp=dp: sd(params, dp, s, key), fresh(True))
       row["sd"][name] = {"iteration_ms": ms, "vs_plain_step": ms / row["tlt_plain_ms"],
                          "draft_vocab_size": vocab or cfg.vocab_size}
+      save()
 
-  floor = floor_decoder(cfg)
   k = jnp.full((cfg.num_layers, batch, cfg.num_kv_heads, prompt_len, cfg.head_dim), 0.01,
                cfg.jnp_dtype)
   tokens = prompts[:, 0]
+  floor = programs["floor"]
   row["floor_ms"] = median_ms(lambda: jax.block_until_ready(floor(params, tokens, k, k)), iters)
   row["tlt_vs_floor"] = row["tlt_plain_ms"] / row["floor_ms"]
-  if with_hf:
-    hf = hf_step_ms(cfg, batch, prompt_len, hf_new_tokens)
-    row.update(hf_device=hf["device"], hf_ms=hf["step_ms"],
-               tlt_speedup_vs_hf=hf["step_ms"] / row["tlt_plain_ms"])
-  return row
+  save()
 
 
 def compile_seconds(cfg, params, dcfg, dparams, batch, prompt_len, strategy) -> dict:
@@ -252,13 +356,17 @@ def compile_seconds(cfg, params, dcfg, dparams, batch, prompt_len, strategy) -> 
     }
     for prog, (fn, args) in programs.items():
       t0 = time.perf_counter()
-      jax.jit(fn).lower(*args).compile()
+      jax.jit(fn).lower(*args).compile()  # a fresh jit on purpose: the compile is the result
       out[f"{prog}_{name}_s"] = time.perf_counter() - t0
   return out
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
-  rows = result["rows"]
+  """Step times per batch (left) and SD iteration / plain step per strategy (right), from the
+  batches measured to the end."""
+  rows = [r for r in result["rows"] if r.get("complete")]
+  if not rows:
+    return
   batches = [r["batch"] for r in rows]
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   series = [("tlt_plain_ms", "tlt_jax plain step"), ("tlt_plain_sync_ms", "+ drafter cache sync"),
@@ -271,7 +379,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
   ax1.set_ylabel("ms per decode step")
   ax1.set_yscale("log")
   ax1.legend(fontsize=8)
-  ax1.set_title(f"{result['shape']} on {result['device']}")
+  ax1.set_title(f"{result['shape']} on {result['device']['device_kind']} "
+                f"(attention {result['attention_impl']})")
   for strategy in rows[0]["sd"]:
     ax2.plot(batches, [r["sd"][strategy]["vs_plain_step"] for r in rows], "o-",
              label=f"SD {strategy}")
@@ -285,8 +394,9 @@ def plot(result: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None) -> argparse.Namespace:
+  # No abbreviations: --hf is looked for verbatim before JAX is imported (see the top).
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument("--out", required=True, type=pathlib.Path, help="JSON output path")
   parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                       help="model shape (default: qwen2.5-7b on GPU, small elsewhere)")
@@ -296,57 +406,117 @@ def main():
   parser.add_argument("--strategies", nargs="+", default=["8,4,48", "8,4,16", "4,2,8"])
   parser.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[],
                       help="also time SD with these reduced draft vocabularies")
+  parser.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
+                      help="attention of the policy and so of the drafter, whose layers "
+                           "follow the policy's config")
   parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--hf", action="store_true",
+                      help="also time transformers, after each batch's JAX measurements")
   parser.add_argument("--hf-new-tokens", type=int, default=64)
-  parser.add_argument("--no-hf", action="store_true", help="skip transformers")
   parser.add_argument("--compile-times", action="store_true",
-                      help="also compile prefill / plain / SD with a loop and with a scan")
-  parser.add_argument("--quick", action="store_true", help="tiny settings for smoke tests")
-  args = parser.parse_args()
+                      help="also compile prefill / plain / SD with a loop and with a scan "
+                           "(turns the persistent compilation cache off)")
+  parser.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
+                      help="start no batch after the first once this many seconds have passed "
+                           "since the script started (0 = no limit)")
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke run on any device: shape 'small', batches 1 and 2, one "
+                           "strategy, 3 iterations, no --compile-times, no --hf")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.shape, args.batches, args.strategies, args.iters = "small", [1, 2], ["3,2,6"], 3
+    args.prompt_len, args.draft_vocab_sizes = 32, []
+    args.compile_times = args.hf = False
+  if args.attention_impl == "pallas" and jax.default_backend() != "gpu":
+    parser.error(f"--attention-impl pallas needs a GPU (backend here: "
+                 f"{jax.default_backend()}); pallas_interpret runs the kernel on CPU")
+  if args.time_budget < 0:
+    parser.error(f"--time-budget must be >= 0 seconds, got {args.time_budget}")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
   gpu = jax.default_backend() == "gpu"
   shape = args.shape or ("qwen2.5-7b" if gpu else "small")
   prompt_len = args.prompt_len or (1024 if gpu else 256)
-  if args.quick:
-    args.batches, args.strategies, args.iters, args.hf_new_tokens = [1, 2], ["3,2,6"], 3, 6
-    prompt_len = 32
-  with_hf = not args.no_hf and importlib.util.find_spec("torch") is not None
-  if not args.no_hf and not with_hf:
-    print("torch is not installed: transformers is not measured (pip install torch)")
+  if args.compile_times:
+    # The environment (JAX_COMPILATION_CACHE_DIR) may turn it on: compile seconds would then
+    # measure a disk read.
+    jax.config.update("jax_enable_compilation_cache", False)
+    cache_dir = None
+  else:
+    cache_dir = enable_compilation_cache()
+  with_hf = args.hf and hf_available()
+  if args.hf and not with_hf:
+    print("torch or transformers is not installed: transformers is not measured")
   cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=32768,
                     dtype="bfloat16" if gpu else "float32",
-                    param_dtype="bfloat16" if gpu else "float32")
+                    param_dtype="bfloat16" if gpu else "float32",
+                    attention_impl=args.attention_impl)
   strategies = [Strategy.parse(s) for s in args.strategies]
-  params = jax.jit(functools.partial(init_params, cfg))(jax.random.key(0))
+  # Random weights, whose values do not change the cost: drawn with the "rbg" generator,
+  # which compiles in half the time of the default one.
+  weight_key = functools.partial(jax.random.key, impl="rbg")
+  params = jax.jit(functools.partial(init_params, cfg))(weight_key(0))
   dcfg = DrafterConfig()
-  dparams = jax.jit(functools.partial(init_drafter_params, cfg, dcfg))(jax.random.key(1))
+  dparams = jax.jit(functools.partial(init_drafter_params, cfg, dcfg))(weight_key(1))
   drafters = {0: (dcfg, dparams)}
   for vocab in args.draft_vocab_sizes:
-    # Random weights: which ids the vocabulary holds does not change the cost.
+    # Which ids the vocabulary holds does not change the cost either.
     d = DrafterConfig(draft_vocab_size=vocab)
     drafters[vocab] = (d, jax.jit(functools.partial(init_drafter_params, cfg, d))(
-        jax.random.key(1)))
-  result = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-            "jax": jax.__version__, "shape": shape, "model": SHAPES[shape],
-            "dtype": cfg.dtype, "prompt_len": prompt_len, "iters": args.iters,
-            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": []}
+        weight_key(1)))
+  most = max([s.steps for s in strategies] + [0]) + 1
+  max_new = (args.iters + 4) * most + 2  # EOS is off: no row finishes while being timed
+  cap = -(-(prompt_len + max_new + most) // 64) * 64
+  programs = build_programs(cfg, drafters, strategies, max_new, cap)
+
+  result = {**run_metadata(), "shape": shape, "model": SHAPES[shape], "dtype": cfg.dtype,
+            "attention_impl": args.attention_impl, "prompt_len": prompt_len,
+            "iters": args.iters, "batches": args.batches, "strategies": args.strategies,
+            "hf": with_hf, "compilation_cache": cache_dir,
+            "time_budget_s": args.time_budget or None, "stopped_early": False,
+            "skipped_batches": [], "rows": []}
   args.out.parent.mkdir(parents=True, exist_ok=True)
-  for b in args.batches:
-    row = bench_batch(cfg, params, drafters, b, prompt_len, strategies, args.iters,
-                      with_hf, args.hf_new_tokens)
+  png = args.out.with_suffix(".png")
+  save = functools.partial(write_json, args.out, result)
+  for i, b in enumerate(args.batches):
+    if i and args.time_budget and time.perf_counter() - T0 > args.time_budget:
+      result.update(stopped_early=True, skipped_batches=args.batches[i:])
+      print(f"time budget of {args.time_budget:.0f} s spent: batches {args.batches[i:]} "
+            f"skipped", flush=True)
+      break
+    row = {"batch": b, "complete": False}
     result["rows"].append(row)
+    bench_batch(programs, cfg, params, drafters, b, prompt_len, strategies, args.iters, row,
+                save)
+    if with_hf:
+      # The batch's arrays died with bench_batch; its executables go too, as the next batch
+      # size compiles its own anyway.
+      gc.collect()
+      jax.clear_caches()
+      hf = hf_step_ms(cfg, b, prompt_len, args.hf_new_tokens)
+      row.update(hf_device=hf["device"], hf_dtype=hf["dtype"], hf_ms=hf["step_ms"],
+                 tlt_speedup_vs_hf=hf["step_ms"] / row["tlt_plain_ms"])
+    row["complete"] = True
+    save()
+    plot(result, png)
     sd = ", ".join(f"SD {k} {v['vs_plain_step']:.2f}x" for k, v in row["sd"].items())
     hf = f", transformers {row['hf_ms']:.2f} ms" if "hf_ms" in row else ""
     print(f"B={b}: plain {row['tlt_plain_ms']:.2f} ms (+sync {row['tlt_plain_sync_ms']:.2f}), "
           f"floor {row['floor_ms']:.2f} ms ({row['tlt_vs_floor']:.2f}x){hf}; {sd}", flush=True)
-    args.out.write_text(json.dumps(result, indent=2))  # kept current: nothing lost on a crash
-  if args.compile_times:
+  if args.compile_times and result["stopped_early"]:
+    result["compile_s"] = "skipped: time budget spent"
+  elif args.compile_times:
     result["compile_s"] = compile_seconds(cfg, params, dcfg, dparams, args.batches[0],
                                           prompt_len, strategies[0])
     print("compile seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                           result["compile_s"].items()), flush=True)
-  args.out.write_text(json.dumps(result, indent=2))
-  plot(result, args.out.with_suffix(".png"))
-  print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+  result["wall_s"] = time.perf_counter() - T0
+  save()
+  plot(result, png)
+  print(f"wrote {args.out} and {png} ({result['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

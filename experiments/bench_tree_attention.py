@@ -1,11 +1,12 @@
 """Benchmark: Pallas prefix + tree attention (split-K where chosen) against the jnp reference.
 
 Grid over batch size x prefix length x tree size (T verify tokens). For each point it reports
-the kernel and reference times, their ratio, the kernel's number of prefix splits, and the
-achieved bandwidth (bytes of prefix K and V read / time) as a fraction of two ceilings: the
-device's datasheet peak HBM bandwidth, and the bandwidth of a large device-to-device copy
-measured by this script (x + 1 over a 1 GiB buffer: read + write bytes / time), which is what
-a streaming kernel can actually reach. Verification at small batch is memory-bound, so those
+the kernel and reference times, their ratio (speedup_vs_reference = reference_ms / kernel_ms),
+the kernel's number of prefix splits, and the achieved bandwidth (bytes of prefix K and V read /
+time) in bytes/s and as a fraction of two ceilings: the device's datasheet peak HBM bandwidth,
+and the bandwidth of a large device-to-device copy measured once per run by this script (x + 1
+over a 1 GiB bfloat16 buffer on GPU, 64 MiB on CPU: read + write bytes / time), which is what a
+streaming kernel can actually reach. Verification at small batch is memory-bound, so those
 fractions say how much is left on the table.
 
 Every GPU point is also checked: the kernel's output must be finite everywhere, and its relative
@@ -13,40 +14,62 @@ error (max |kernel - ref32| / max |ref32|) against the reference run in float32 
 last sequence must stay within the dtype's tolerance. The bf16 reference's own error is recorded
 next to it as the baseline.
 
-On CPU only the reference runs; kernel entries are marked skipped (interpret mode measures the
-interpreter, not the kernel).
+The JSON records the kernel's targets (TARGETS) and, per point, whether the kernel met each one
+that applies there (a wrong output meets none):
+  - batch 1, prefix >= 16k: >= 50% of the measured copy bandwidth;
+  - batch >= 16, tree >= 16, prefix >= 16k: >= 3x the reference;
+  - every point: at least as fast as the reference.
 
-The default grid (6 batches x 4 prefix lengths x 4 tree sizes = 96 points, 2 warmup + 10 timed
-calls each) is sized for an 8-minute budget on one H100; the JSON records the run's wall_s.
-Compiles dominate, so the grid has two prefix lengths fewer than a full power-of-two sweep,
-inputs are sliced from one random draw instead of being drawn (and compiled) per point, and the
-float32 check compiles once per (S, T) instead of per point. Use --iters / --batches /
---prefix-lens / --tree-sizes to shrink it further, and --k-splits 1 for an unsplit-kernel run to
-compare against.
+On CPU only the reference runs; kernel entries are marked skipped and targets null (interpret
+mode measures the interpreter, not the kernel).
+
+The default grid is 4 batches (1, 4, 16, 32) x 4 prefix lengths (2k, 8k, 16k, 32k) x 4 tree
+sizes (1: a plain step; 8, 16, 48: the default tuner table's, whose 32 falls in the 48 bucket of
+the crossover table) = 64 points at the Qwen2.5-7B head shape (28 query / 4 KV heads, D = 128,
+bf16), 2 warm-up + 10 timed calls each. Compiles dominate: per point the reference, the kernel
+and the float32 check (one program for both outputs), about 0.5-2 s each on an H100, and a
+slice of the inputs (drawn once at the largest shape), against at most ~75 ms of timed calls
+(12 calls of 0.1-4.4 ms reference and 0.2-1.5 ms kernel). That is 2-6.5 s a point, with ~30 s
+of start-up and the copy measurement: about 5 minutes on one H100 (2.5 at best, 7.5 at worst).
+The persistent compilation cache makes a rerun much faster.
+
+The JSON is rewritten after every grid point, so a run cut short loses at most the point in
+flight; --time-budget starts no point after the first once that many seconds have passed since
+the script started, and records the points it skipped. Use --iters / --batches / --prefix-lens
+/ --tree-sizes to shrink the grid, and --k-splits 1 for an unsplit-kernel run to compare
+against.
 
   python experiments/bench_tree_attention.py --out results/tree_attention.json \
-      --write-crossovers tlt_jax/kernels/crossover.json
+      --time-budget 480 --write-crossovers tlt_jax/kernels/crossover.json
   python experiments/bench_tree_attention.py --quick --out /tmp/bt.json    # CPU smoke run
 
-Writes the JSON and a PNG (time and bandwidth fraction vs prefix length, one column per T) next
-to it; with --write-crossovers also the kernel-vs-reference crossover table the `impl="auto"`
-dispatcher reads (merged into an existing file: the table for this device kind and dtype is
-replaced).
+Writes the JSON and, at the end, a PNG (time and bandwidth fraction vs prefix length, one column
+per T) next to it; with --write-crossovers also the kernel-vs-reference crossover table the
+`impl="auto"` dispatcher reads (merged into an existing file: the table for this device kind and
+dtype is replaced).
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
-import itertools
-import json
-import pathlib
-import statistics
-import sys
 import time
 
+T0 = time.perf_counter()  # --time-budget counts from here
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import functools  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import pathlib  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 # Runnable as a plain script from the repository root without installing the package.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,14 +96,30 @@ PEAK_HBM_BYTES_PER_S = (
     ("A100", 1.555e12),
 )
 
-FULL_GRID = dict(batches=(1, 2, 4, 8, 16, 32),
-                 prefix_lens=(1024, 4096, 16384, 32768),
-                 tree_sizes=(1, 8, 32, 64))
+FULL_GRID = dict(batches=(1, 4, 16, 32),
+                 prefix_lens=(2048, 8192, 16384, 32768),
+                 tree_sizes=(1, 8, 16, 48))
 QUICK_GRID = dict(batches=(1, 2), prefix_lens=(1024, 2048), tree_sizes=(8, 16))
 CPU_SKIP = "skipped: cpu: reference only"
 # Max relative error of the kernel against the float32 reference (see `check_point`).
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 COPY_BYTES = {"gpu": 1 << 30, "cpu": 64 << 20}
+# What the kernel should reach. `where` bounds the points a target applies to: axis -> [min,
+# max], None = unbounded; `metric` (a result field) must be >= `at_least` there.
+TARGETS = (
+    dict(name="bandwidth_batch1_long_prefix",
+         where=dict(batch=[1, 1], prefix_len=[16384, None]),
+         metric="kernel_bw_fraction_of_copy", at_least=0.5,
+         why="one sequence verifying against a long cache is a stream over K/V"),
+    dict(name="speedup_large_batch_tree_long_prefix",
+         where=dict(batch=[16, None], tree_size=[16, None], prefix_len=[16384, None]),
+         metric="speedup_vs_reference", at_least=3.0,
+         why="the reference materialises B x H x T x S scores in HBM; the kernel does not"),
+    dict(name="never_slower",
+         where={},
+         metric="speedup_vs_reference", at_least=1.0,
+         why="impl='auto' should never lose by picking the kernel"),
+)
 
 
 def peak_hbm_bytes_per_s(device: jax.Device) -> float | None:
@@ -92,8 +131,29 @@ def peak_hbm_bytes_per_s(device: jax.Device) -> float | None:
   return None
 
 
+def run_metadata(device: jax.Device) -> dict:
+  """Where and how this run was made: device, jax version, date, commit, command line."""
+  try:
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, timeout=10).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
+    commit = None
+  return dict(device=dict(platform=device.platform, device_kind=device.device_kind),
+              jax_version=jax.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              git_commit=commit, command=shlex.join(sys.argv))
+
+
+def write_json(path: pathlib.Path, doc: dict) -> None:
+  """Replaces path with doc in one step: a run killed mid-write keeps the previous version."""
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(doc, indent=2))
+  os.replace(tmp, path)
+
+
 def make_inputs(key, batch, prefix_len, t, heads, kv_heads, head_dim, dtype):
-  """Full-length prefixes (cache_lengths == S) and a causal (chain) draft tree."""
+  """The largest point's inputs, drawn once: q [B, T, H, D], k/v cache [B, KVH, S, D] full
+  (cache_lengths [B] == S), k/v new [B, T, KVH, D] and a causal (chain) draft tree [B, T, T]."""
   k = jax.random.split(key, 5)
   normal = lambda kk, shape: jax.random.normal(kk, shape, jnp.float32).astype(dtype)  # noqa: E731
   return (normal(k[0], (batch, t, heads, head_dim)),
@@ -105,59 +165,151 @@ def make_inputs(key, batch, prefix_len, t, heads, kv_heads, head_dim, dtype):
           jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t)))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def slice_inputs(base, batch, prefix_len, t):
-  """Inputs of one grid point cut from the largest ones (same layout as `make_inputs`)."""
+  """One point's inputs cut from the largest ones (layout of `make_inputs`), in one program:
+  drawing them per point would compile a random generator per point, slicing eagerly a
+  program per slice."""
   q, kc, vc, _, kn, vn, _ = base
   return (q[:batch, :t], kc[:batch, :, :prefix_len], vc[:batch, :, :prefix_len],
           jnp.full((batch,), prefix_len, jnp.int32), kn[:batch, :t], vn[:batch, :t],
           jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t)))
 
 
-def median_seconds(fn, args, warmup: int, iters: int) -> float:
-  """Median wall time of fn(*args) after `warmup` calls (the first one compiles)."""
+def median_seconds(fn, args, warmup: int, iters: int):
+  """(median wall seconds of fn(*args) after `warmup` calls (the first one compiles), the
+  last output)."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
   for _ in range(iters):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    out = jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return statistics.median(times), out
 
 
 def copy_bytes_per_s(nbytes: int, warmup: int, iters: int) -> float:
-  """Measured device-to-device copy bandwidth: (read + write bytes) / time of x + 1."""
-  x = jnp.ones((nbytes // 4,), jnp.float32)
-  seconds = median_seconds(jax.jit(lambda a: a + 1.0), (x,), warmup, max(iters, 5))
+  """Measured device-to-device copy bandwidth of a bfloat16 buffer of nbytes: (read + write
+  bytes) / time of x + 1, which XLA cannot elide the way it may elide a bare copy."""
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  seconds, _ = median_seconds(jax.jit(lambda a: a + 1), (x,), warmup, max(iters, 5))
   return 2 * nbytes / seconds
 
 
 def bench_point(fn, args, warmup, iters, kv_bytes, ceilings):
-  """Returns (ms, {ceiling name: fraction of it or None}, status, output or None)."""
+  """Returns (ms, bytes/s, {ceiling name: fraction of it or None}, status, output or None)."""
   try:
-    seconds = median_seconds(fn, args, warmup, iters)
-    out = fn(*args)
+    seconds, out = median_seconds(fn, args, warmup, iters)
   except Exception as e:  # e.g. the reference running out of memory at batch 32 x 32k
-    return None, {name: None for name in ceilings}, \
+    return None, None, {name: None for name in ceilings}, \
         f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}", None
-  fractions = {name: kv_bytes / seconds / c if c else None for name, c in ceilings.items()}
-  return seconds * 1e3, fractions, "ok", out
+  bw = kv_bytes / seconds
+  fractions = {name: bw / c if c else None for name, c in ceilings.items()}
+  return seconds * 1e3, bw, fractions, "ok", out
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
-def _check_rows(out, ref32, rows):
-  """(max relative error over `rows` against ref32, whether every element of out is finite)."""
-  picked = out[jnp.asarray(rows)].astype(jnp.float32)
-  err = jnp.max(jnp.abs(picked - ref32)) / jnp.maximum(jnp.max(jnp.abs(ref32)), 1e-30)
+def _check_rows(inputs, out, rows):
+  """(max relative error of out's `rows` against the reference in float32 on those rows,
+  whether every element of out is finite). One program per point serves both outputs."""
+  picked = [x[jnp.asarray(rows)] for x in inputs]
+  ref32 = prefix_tree_attention_reference(
+      *(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in picked))
+  got = out[jnp.asarray(rows)].astype(jnp.float32)
+  err = jnp.max(jnp.abs(got - ref32)) / jnp.maximum(jnp.max(jnp.abs(ref32)), 1e-30)
   return err, jnp.all(jnp.isfinite(out))
 
 
-def check_point(out, ref32, rows):
-  """Returns dict(rel_err, finite) of one output against the float32 reference of `rows`."""
+def check_point(inputs, out, rows):
+  """Returns dict(rel_err, finite) of one output against the float32 reference of `rows`:
+  the first and last sequence, so a batch indexing mistake in the kernel shows up."""
   if out is None:
     return dict(rel_err=None, finite=None)
-  err, finite = _check_rows(out, ref32, rows)
+  err, finite = _check_rows(inputs, out, rows)
   return dict(rel_err=float(err), finite=bool(finite))
+
+
+def target_met(target: dict, r: dict) -> bool | None:
+  """Whether result row r meets target (None: the kernel did not run here, as on CPU)."""
+  if r["kernel_status"] == CPU_SKIP:
+    return None
+  if r["kernel_status"] != "ok" or not r["kernel_correct"]:
+    return False
+  value = r[target["metric"]]
+  if value is None:
+    # A speedup over a reference that failed (out of memory): the kernel is the only option.
+    return target["metric"] == "speedup_vs_reference" and r["reference_status"] != "ok"
+  return value >= target["at_least"]
+
+
+def applies(target: dict, r: dict) -> bool:
+  return all((lo is None or r[axis] >= lo) and (hi is None or r[axis] <= hi)
+             for axis, (lo, hi) in target["where"].items())
+
+
+def summarize_targets(results: list[dict]) -> dict:
+  """Per target: the points it applies to, how many the kernel ran at and met, and whether
+  all of those met it (None when the kernel ran at none)."""
+  summary = {}
+  for target in TARGETS:
+    verdicts = [r["targets"][target["name"]] for r in results if target["name"] in r["targets"]]
+    measured = [v for v in verdicts if v is not None]
+    summary[target["name"]] = dict(points=len(verdicts), measured=len(measured),
+                                   met=sum(measured), all_met=all(measured) if measured else None)
+  return summary
+
+
+def bench_grid_point(args, base, reference, kernel, ceilings, on_gpu, dtype, batch,
+                     prefix_len, t) -> dict:
+  """One result row: the reference (and on GPU the kernel) timed and checked at (B, S, T)."""
+  inputs = slice_inputs(base, batch, prefix_len, t)
+  kv_bytes = 2 * batch * args.kv_heads * prefix_len * args.head_dim * dtype.itemsize
+  rows = tuple(sorted({0, batch - 1}))
+  ref_ms, ref_bw, ref_frac, ref_status, ref_out = bench_point(reference, inputs, args.warmup,
+                                                              args.iters, kv_bytes, ceilings)
+  ref_check = check_point(inputs, ref_out, rows)
+  del ref_out
+  plan = kernel_plan(inputs[0].shape, inputs[1].shape, dtype, block_k=args.block_k,
+                     k_splits=args.k_splits)
+  if on_gpu:
+    ker_ms, ker_bw, ker_frac, ker_status, ker_out = bench_point(kernel, inputs, args.warmup,
+                                                                args.iters, kv_bytes, ceilings)
+    ker_check = check_point(inputs, ker_out, rows)
+    ker_correct = (ker_status == "ok" and ker_check["finite"]
+                   and ker_check["rel_err"] <= TOLERANCE[args.dtype])
+  else:
+    ker_ms, ker_bw, ker_frac, ker_status = None, None, dict.fromkeys(ceilings), CPU_SKIP
+    ker_check, ker_correct = check_point(inputs, None, rows), None
+  row = dict(
+      batch=batch, prefix_len=prefix_len, tree_size=t, kv_bytes=kv_bytes,
+      k_splits=plan["k_splits"],
+      grid_programs=(batch * args.kv_heads * plan["rows_pad"] // plan["block_rows"]
+                     * plan["k_splits"]),
+      reference_ms=ref_ms, reference_status=ref_status, reference_bytes_per_s=ref_bw,
+      reference_bw_fraction=ref_frac["peak"], reference_bw_fraction_of_copy=ref_frac["copy"],
+      reference_rel_err=ref_check["rel_err"], reference_finite=ref_check["finite"],
+      kernel_ms=ker_ms, kernel_status=ker_status, kernel_bytes_per_s=ker_bw,
+      kernel_bw_fraction=ker_frac["peak"], kernel_bw_fraction_of_copy=ker_frac["copy"],
+      kernel_rel_err=ker_check["rel_err"], kernel_finite=ker_check["finite"],
+      kernel_correct=ker_correct,
+      speedup_vs_reference=(ref_ms / ker_ms) if ref_ms and ker_ms else None)
+  row["targets"] = {g["name"]: target_met(g, row) for g in TARGETS if applies(g, row)}
+  return row
+
+
+def describe(r: dict) -> str:
+  """One line of a result row for the log."""
+  kernel_col = (f"{r['kernel_ms']:.3f} ms ({r['k_splits']} splits, "
+                f"{r['kernel_bw_fraction_of_copy']:.0%} of copy bw, "
+                f"err {r['kernel_rel_err']:.1e})" if r["kernel_ms"] is not None
+                else r["kernel_status"])
+  ref_col = (f"{r['reference_ms']:.3f} ms" if r["reference_ms"] is not None
+             else r["reference_status"])
+  missed = [name for name, met in r["targets"].items() if met is False]
+  return (f"B={r['batch']:>3} S={r['prefix_len']:>6} T={r['tree_size']:>3}  "
+          f"reference {ref_col}  kernel {kernel_col}"
+          + (f"  missed: {', '.join(missed)}" if missed else ""))
 
 
 def plot(results, path: pathlib.Path, title: str):
@@ -209,11 +361,15 @@ def main(argv=None):
                       help="force this many prefix splits (default: the kernel's split rule)")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
+                      help="start no grid point after the first once this many seconds have "
+                           "passed since the script started (0 = no limit)")
   parser.add_argument("--write-crossovers", type=pathlib.Path, default=None, metavar="PATH",
                       help="merge this run's kernel-vs-reference table into PATH (GPU runs)")
   args = parser.parse_args(argv)
+  if args.time_budget < 0:
+    parser.error(f"--time-budget must be >= 0 seconds, got {args.time_budget}")
   enable_compilation_cache()
-  start_time = time.perf_counter()
 
   grid = dict(QUICK_GRID if args.quick else FULL_GRID)
   for name in ("batches", "prefix_lens", "tree_sizes"):
@@ -224,54 +380,13 @@ def main(argv=None):
 
   device = jax.devices()[0]
   on_gpu = jax.default_backend() == "gpu"
+  copy_bytes = COPY_BYTES["gpu" if on_gpu else "cpu"]
   ceilings = dict(peak=peak_hbm_bytes_per_s(device),
-                  copy=copy_bytes_per_s(COPY_BYTES["gpu" if on_gpu else "cpu"], args.warmup,
-                                        args.iters))
+                  copy=copy_bytes_per_s(copy_bytes, args.warmup, args.iters))
   dtype = jnp.dtype(args.dtype)
   reference = jax.jit(prefix_tree_attention_reference)
   kernel = jax.jit(functools.partial(prefix_tree_attention_pallas, block_k=args.block_k,
                                      k_splits=args.k_splits))
-
-  base = make_inputs(jax.random.key(0), max(grid["batches"]), max(grid["prefix_lens"]),
-                     max(grid["tree_sizes"]), args.heads, args.kv_heads, args.head_dim, dtype)
-  results = []
-  points = list(itertools.product(grid["batches"], grid["prefix_lens"], grid["tree_sizes"]))
-  for batch, prefix_len, t in tqdm(points, desc="tree attention"):
-    inputs = slice_inputs(base, batch, prefix_len, t)
-    kv_bytes = 2 * batch * args.kv_heads * prefix_len * args.head_dim * dtype.itemsize
-    # The float32 reference of the first and last sequence: one compile per (S, T), and a batch
-    # indexing mistake in the kernel shows up in the last one.
-    rows = tuple(sorted({0, batch - 1}))
-    ref32 = reference(*(x[jnp.asarray(rows)].astype(jnp.float32) if x.dtype == dtype
-                        else x[jnp.asarray(rows)] for x in inputs))
-    ref_ms, ref_frac, ref_status, ref_out = bench_point(reference, inputs, args.warmup,
-                                                        args.iters, kv_bytes, ceilings)
-    ref_check = check_point(ref_out, ref32, rows)
-    plan = kernel_plan(inputs[0].shape, inputs[1].shape, dtype, block_k=args.block_k,
-                       k_splits=args.k_splits)
-    if on_gpu:
-      ker_ms, ker_frac, ker_status, ker_out = bench_point(kernel, inputs, args.warmup,
-                                                          args.iters, kv_bytes, ceilings)
-      ker_check = check_point(ker_out, ref32, rows)
-      ker_correct = (ker_status == "ok" and ker_check["finite"]
-                     and ker_check["rel_err"] <= TOLERANCE[args.dtype])
-    else:
-      ker_ms, ker_frac, ker_status = None, dict.fromkeys(ceilings), CPU_SKIP
-      ker_check, ker_correct = check_point(None, None, rows), None
-    results.append(dict(
-        batch=batch, prefix_len=prefix_len, tree_size=t, kv_bytes=kv_bytes,
-        k_splits=plan["k_splits"],
-        grid_programs=(batch * args.kv_heads * plan["rows_pad"] // plan["block_rows"]
-                       * plan["k_splits"]),
-        reference_ms=ref_ms, reference_status=ref_status,
-        reference_bw_fraction=ref_frac["peak"], reference_bw_fraction_of_copy=ref_frac["copy"],
-        reference_rel_err=ref_check["rel_err"], reference_finite=ref_check["finite"],
-        kernel_ms=ker_ms, kernel_status=ker_status,
-        kernel_bw_fraction=ker_frac["peak"], kernel_bw_fraction_of_copy=ker_frac["copy"],
-        kernel_rel_err=ker_check["rel_err"], kernel_finite=ker_check["finite"],
-        kernel_correct=ker_correct,
-        speedup_vs_reference=(ref_ms / ker_ms) if ref_ms and ker_ms else None))
-    del inputs, ref32, ref_out
 
   config = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                 dtype=args.dtype, block_k=args.block_k, k_splits=args.k_splits or "auto",
@@ -279,31 +394,47 @@ def main(argv=None):
                 timing="median wall time of jitted call incl. block_until_ready",
                 error="max |out - ref32| / max |ref32| over the first and last sequence",
                 **grid)
-  report = dict(
-      device=dict(platform=device.platform, device_kind=device.device_kind,
-                  num_sms=device_num_sms() if on_gpu else None,
-                  peak_hbm_bytes_per_s=ceilings["peak"],
-                  measured_copy_bytes_per_s=ceilings["copy"]),
-      jax_version=jax.__version__,
-      config=config,
-      wall_s=time.perf_counter() - start_time,
-      results=results)
+  meta = run_metadata(device)
+  meta["device"].update(num_sms=device_num_sms() if on_gpu else None,
+                        peak_hbm_bytes_per_s=ceilings["peak"], copy_bytes=copy_bytes,
+                        measured_copy_bytes_per_s=ceilings["copy"])
+  results = []
+  report = dict(**meta, config=config, targets=TARGETS, time_budget_s=args.time_budget or None,
+                stopped_early=False, skipped_points=[], wall_s=None, target_summary=None,
+                results=results)
   args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(report, indent=2))
+
+  def save():
+    report.update(wall_s=time.perf_counter() - T0, target_summary=summarize_targets(results))
+    write_json(args.out, report)
+
+  save()  # the device and copy bandwidth, before any point
+  base = jax.jit(make_inputs, static_argnums=(1, 2, 3, 4, 5, 6, 7))(
+      jax.random.key(0), max(grid["batches"]), max(grid["prefix_lens"]),
+      max(grid["tree_sizes"]), args.heads, args.kv_heads, args.head_dim, dtype)
+  points = list(itertools.product(grid["batches"], grid["prefix_lens"], grid["tree_sizes"]))
+  progress = tqdm(points, desc="tree attention")
+  for i, (batch, prefix_len, t) in enumerate(progress):
+    if i and args.time_budget and time.perf_counter() - T0 > args.time_budget:
+      report.update(stopped_early=True, skipped_points=[list(p) for p in points[i:]])
+      tqdm.write(f"time budget of {args.time_budget:.0f} s spent: {len(points) - i} of "
+                 f"{len(points)} points skipped")
+      break
+    row = bench_grid_point(args, base, reference, kernel, ceilings, on_gpu, dtype, batch,
+                           prefix_len, t)
+    results.append(row)
+    save()
+    tqdm.write(describe(row))
+  progress.close()
+  save()
+
   png = args.out.with_suffix(".png")
   plot(results, png, f"prefix + tree attention, {device.device_kind}, {args.dtype}, "
                      f"H={args.heads} KVH={args.kv_heads} D={args.head_dim}")
-
-  for r in results:
-    kernel_col = (f"{r['kernel_ms']:.3f} ms ({r['k_splits']} splits, "
-                  f"{r['kernel_bw_fraction_of_copy']:.0%} of copy bw, "
-                  f"err {r['kernel_rel_err']:.1e})" if r["kernel_ms"] is not None
-                  else r["kernel_status"])
-    ref_col = (f"{r['reference_ms']:.3f} ms" if r["reference_ms"] is not None
-               else r["reference_status"])
-    print(f"B={r['batch']:>3} S={r['prefix_len']:>6} T={r['tree_size']:>3}  "
-          f"reference {ref_col}  kernel {kernel_col}")
   print(f"copy bandwidth {ceilings['copy'] / 1e9:.0f} GB/s; wrote {args.out} and {png}")
+  for name, s in report["target_summary"].items():
+    print(f"target {name}: met at {s['met']} of {s['measured']} measured points "
+          f"({s['points']} in the grid)")
   if any(r["kernel_correct"] is False for r in results):
     print("WARNING: kernel output failed the correctness check at some points (kernel_correct)")
 

@@ -25,6 +25,12 @@ def _run_script(script, *args, timeout=600):
   return r
 
 
+def _check_run_metadata(data, script):
+  assert data["device"]["platform"] == "cpu" and data["device"]["device_kind"]
+  assert data["jax_version"] and data["date"] and script in data["command"]
+  assert "git_commit" in data  # None outside a git checkout
+
+
 @pytest.mark.slow
 def test_bench_tree_attention_quick(tmp_path):
   out = tmp_path / "bt.json"
@@ -32,10 +38,79 @@ def test_bench_tree_attention_quick(tmp_path):
               "--warmup", "1")
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
+  _check_run_metadata(data, "bench_tree_attention.py")
+  assert data["device"]["measured_copy_bytes_per_s"] > 0
+  assert {t["name"] for t in data["targets"]} == set(data["target_summary"])
+  assert data["stopped_early"] is False and data["skipped_points"] == []
   assert len(data["results"]) == 8  # quick grid: 2 batches x 2 prefixes x 2 tree sizes
   for row in data["results"]:
     assert row["reference_status"] == "ok" and row["reference_ms"] > 0
+    assert row["reference_bytes_per_s"] > 0
     assert row["kernel_status"] == "skipped: cpu: reference only"
+    assert row["targets"] == {"never_slower": None}  # the kernel did not run: no verdict
+
+
+def test_bench_tree_attention_targets():
+  """Which points a target covers, and the kernel's verdict there."""
+  bench = load_experiment("bench_tree_attention")
+  targets = {t["name"]: t for t in bench.TARGETS}
+
+  def row(batch, prefix_len, tree_size, **kw):
+    r = dict(batch=batch, prefix_len=prefix_len, tree_size=tree_size, kernel_status="ok",
+             kernel_correct=True, reference_status="ok", kernel_bw_fraction_of_copy=0.6,
+             speedup_vs_reference=3.5)
+    return {**r, **kw}
+  bandwidth, speedup = (targets["bandwidth_batch1_long_prefix"],
+                        targets["speedup_large_batch_tree_long_prefix"])
+  assert bench.applies(bandwidth, row(1, 16384, 1)) and not bench.applies(bandwidth,
+                                                                           row(2, 32768, 1))
+  assert not bench.applies(bandwidth, row(1, 8192, 48))
+  assert bench.applies(speedup, row(32, 32768, 48)) and not bench.applies(speedup,
+                                                                         row(32, 32768, 8))
+  assert all(bench.applies(targets["never_slower"], row(b, 2048, 1)) for b in (1, 32))
+  assert bench.target_met(bandwidth, row(1, 16384, 1)) is True
+  assert bench.target_met(bandwidth, row(1, 16384, 1, kernel_bw_fraction_of_copy=0.4)) is False
+  assert bench.target_met(speedup, row(16, 16384, 16, kernel_correct=False)) is False
+  assert bench.target_met(speedup, row(16, 16384, 16, kernel_status="error: OOM")) is False
+  assert bench.target_met(speedup, row(32, 32768, 48, reference_status="error: OOM",
+                                       speedup_vs_reference=None)) is True
+  assert bench.target_met(speedup, row(16, 16384, 16, kernel_status=bench.CPU_SKIP)) is None
+  rows = [dict(row(1, 16384, 1), targets={"never_slower": True}),
+          dict(row(1, 2048, 1), targets={"never_slower": False})]
+  summary = bench.summarize_targets(rows)
+  assert summary["never_slower"] == dict(points=2, measured=2, met=1, all_met=False)
+  assert summary["bandwidth_batch1_long_prefix"]["all_met"] is None
+
+
+@pytest.mark.slow
+def test_bench_decode_quick(tmp_path):
+  out = tmp_path / "decode.json"
+  _run_script("bench_decode.py", "--quick", "--attention-impl", "reference", "--out", str(out))
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").exists()
+  _check_run_metadata(data, "bench_decode.py")
+  assert data["attention_impl"] == "reference" and data["shape"] == "small"
+  assert data["hf"] is False and data["stopped_early"] is False  # --hf is opt-in
+  assert [r["batch"] for r in data["rows"]] == [1, 2]
+  for row in data["rows"]:
+    assert row["complete"] and row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
+    assert row["floor_ms"] > 0 and "hf_ms" not in row
+    assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,results,skipped", [
+    ("bench_decode.py", "rows", "skipped_batches"),
+    ("bench_tree_attention.py", "results", "skipped_points")])
+def test_bench_decode_and_tree_attention_stop_at_time_budget(tmp_path, script, results,
+                                                            skipped):
+  """A budget spent before the second batch (grid point) keeps the first one and says what
+  was skipped."""
+  out = tmp_path / "out.json"
+  _run_script(script, "--quick", "--time-budget", "0.001", "--out", str(out))
+  data = json.loads(out.read_text())
+  assert data["stopped_early"] is True and len(data[results]) == 1
+  assert len(data[skipped]) == (1 if script == "bench_decode.py" else 7)
 
 
 @pytest.mark.slow
