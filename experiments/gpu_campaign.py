@@ -58,11 +58,11 @@ def steps(command: str, out: pathlib.Path, quick: bool) -> list[tuple[str, list[
     return [
         ("tree_attention", [py, str(EXPERIMENTS / "bench_tree_attention.py"), *q,
                             "--out", str(one / "tree_attention.json"),
-                            "--time-budget", "230"], 250),
+                            "--time-budget", "200"], 220),
         ("decode_7b", [py, str(EXPERIMENTS / "bench_decode.py"),
                        *(q or ["--shape", "qwen2.5-7b", "--batches", "1", "8",
                                "--strategies", "8,4,48", "--draft-vocab-sizes", "32768"]),
-                       "--out", str(one / "decode_7b.json"), "--time-budget", "150"], 280)]
+                       "--out", str(one / "decode_7b.json"), "--time-budget", "180"], 310)]
   stages = ["sft", "warmup", "rollout"] if command == "2" else ["rl", "simulate"]
   return [(f"gpu_e2e_{'_'.join(stages)}", [py, str(EXPERIMENTS / "gpu_e2e.py"), *q,
                                              "--out", str(e2e), "--stages", *stages],
