@@ -1,14 +1,19 @@
-"""Checkpoints: a round trip; a broken checkpoint falls back to the previous one, is moved
-aside for inspection and written again when the run gets there."""
+"""Checkpoints: a round trip; a broken checkpoint (unreadable, or arrays that fail their
+checksums) falls back to the previous one, is moved aside for inspection and written again
+when the run gets there; one written under other settings stops the restore instead."""
 
+import errno
+import json
 import logging
 import os
 import shutil
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer, checksums
+from tlt_jax.config import RunStopped
 
 
 def _state(x):
@@ -75,3 +80,65 @@ def test_no_checkpoint_means_a_fresh_start(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "empty"))
   assert ckpt.restore_latest(_state(0)) is None and ckpt.latest_step is None
   ckpt.close()
+
+
+def test_a_checksum_mismatch_is_a_corrupt_checkpoint(tmp_path, caplog):
+  """Arrays that load but differ from what was saved (the saved checksum no longer matches)
+  are treated like any other corrupt checkpoint: moved aside, the previous one used."""
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _state(step), {"step": step})
+  ckpt.close()
+  path = tmp_path / "ckpt" / "2" / "meta" / "metadata"  # the JSON meta, as orbax writes it
+  meta = json.loads(path.read_text())
+  meta["checksums"][0] ^= 1  # as if one bit of the first array had flipped
+  path.write_text(json.dumps(meta))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3)
+  with caplog.at_level(logging.WARNING):
+    step, state, _ = ckpt.restore_latest(_state(0))
+  assert step == 1 and int(state["n"]) == 1
+  assert ckpt.failures[0][0] == 2 and "checksum mismatch in ['n']" in ckpt.failures[0][1]
+  assert os.listdir(tmp_path / "failed_checkpoints") == ["2"]
+  ckpt.close()
+
+
+def test_checksums_see_a_flipped_bit_and_swapped_elements():
+  x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+  base = checksums({"x": x, "b": jnp.ones((2,), jnp.bfloat16), "m": jnp.zeros((3,), bool)})
+  flipped = x.at[1, 2].set(jnp.nextafter(x[1, 2], 100.0))
+  swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])
+  for other in (flipped, swapped):
+    assert checksums({"x": other, "b": jnp.ones((2,), jnp.bfloat16),
+                      "m": jnp.zeros((3,), bool)})[2] != base[2]
+
+
+def test_a_checkpoint_of_other_settings_stops_the_restore_and_is_kept(tmp_path):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings={"drafter.spot_training": True,
+                                                        "rl.steps": 4})
+  ckpt.save(4, _state(4), {"step": 4})
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings={"drafter.spot_training": False,
+                                                        "rl.steps": 6})
+  with pytest.raises(CheckpointMismatch, match=r"step 4 .* other settings \("
+                     r"drafter.spot_training: True -> False; rl.steps: 4 -> 6\).*--start_over"):
+    ckpt.restore_latest({"w": _state(0)["w"]})  # the state's structure changed
+  assert ckpt.manager.all_steps() == [4] and not os.path.exists(tmp_path / "failed_checkpoints")
+  # Settings that leave the state as it was (rl.steps) just resume.
+  assert ckpt.restore_latest(_state(0))[0] == 4
+  ckpt.close()
+
+
+def test_a_full_disk_stops_in_one_line_naming_the_intact_checkpoint(tmp_path, monkeypatch):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(1, _state(1), {"step": 1})
+  ckpt.manager.wait_until_finished()
+
+  def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt" / "2"))
+  monkeypatch.setattr(ckpt.manager, "save", no_space)
+  with pytest.raises(RunStopped, match=r"the checkpoint of step 2 could not be written to .*: "
+                     r"No space left on device .*; the checkpoint of step 1 is intact; free "):
+    ckpt.save(2, _state(2), {"step": 2})
+  monkeypatch.undo()
+  ckpt.close()
+  assert Checkpointer(str(tmp_path / "ckpt")).restore_latest(_state(0))[0] == 1

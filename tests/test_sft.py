@@ -20,7 +20,8 @@ from tlt_jax.rl.evaluate import evaluate
 from tlt_jax.rl.packing import next_packed_batch, pack_sequences
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.tokenizer import prompt_ids, response_ids, train_tokenizer
-from tlt_jax.sft import init_optimizer, make_optimizer, make_train_step, sft_loss
+from tlt_jax.optim import init_optimizer
+from tlt_jax.sft_update import make_optimizer, make_train_step, sft_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET = os.path.join(REPO, "assets", "tiny-policy")

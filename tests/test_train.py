@@ -89,8 +89,8 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path):
   _wait_for_checkpoint(proc, tmp_path / "term", 1)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=600)
-  assert proc.returncode == 0, out[-3000:]
-  assert "received SIGTERM" in out
+  assert proc.returncode == 75, out[-3000:]  # stopped, not finished: a scheduler can tell
+  assert "received SIGTERM" in out and "rerun the same command to resume" in out
   done = _metrics(tmp_path / "term")
   assert 1 <= len(done) < 3
   assert sorted(os.listdir(tmp_path / "term" / "checkpoints"))[-1] == str(len(done))
@@ -170,6 +170,20 @@ def test_bad_inputs_fail_in_one_line_before_any_compile(tmp_path, args, message)
   assert time.perf_counter() - t < 60
 
 
+@pytest.mark.parametrize("job", ["tlt_jax.sft", "tlt_jax.warmup_drafter", "tlt_jax.generate"])
+def test_every_job_takes_the_workdir_lock(tmp_path, job):
+  """Two runs of one job on one folder would interleave their files: the second stops."""
+  lock = lock_workdir(str(tmp_path / "run"))
+  try:
+    r = subprocess.run([sys.executable, "-m", job, *RUNLOCAL, "--workdir",
+                        str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  finally:
+    lock.release()
+  assert r.returncode != 0 and "is in use by another run" in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+
+
 def _break_checkpoint(workdir, step):
   """Removes a checkpoint's array data, as a crash mid-write or a bad disk leaves it."""
   shutil.rmtree(workdir / "checkpoints" / str(step) / "state")
@@ -207,11 +221,21 @@ def test_damaged_runs_heal_or_stop_in_one_line(tmp_path):
   summary = json.loads((run / "summary.json").read_text())
   assert summary["steps_done"] == 2
 
+  # Settings that change what a checkpoint holds (no drafter state without spot training):
+  # the checkpoints are not corrupt, so nothing is moved; the run stops naming the change.
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-m", "tlt_jax.train", *RUNLOCAL, "--workdir", str(run), *args]
+  r = subprocess.run(cmd + ["--config.drafter.spot_training=False", "--config.rl.steps=3"],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert "config error: the checkpoint of step 2" in r.stderr
+  assert "drafter.spot_training: True -> False; rl.steps: 2 -> 3" in r.stderr
+  assert sorted(os.listdir(run / "checkpoints")) == ["1", "2"]
+  assert os.listdir(run / "failed_checkpoints") == ["2"]  # only the earlier damage
+
   # No checkpoint loads: stop in one line, naming what failed and the way out.
   for step in (1, 2):
     _break_checkpoint(run, step)
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, "-m", "tlt_jax.train", *RUNLOCAL, "--workdir", str(run), *args]
   r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
   assert "holds an earlier run (metrics of steps 1-2)" in r.stderr

@@ -43,6 +43,7 @@ from tlt_jax.optim import make_adamw
 from tlt_jax.rl.policy_update import make_log_probs, make_policy_update
 from tlt_jax.rollout.pool import ExecutablePool, with_output_layout
 from tlt_jax.rollout.programs import SlicePrograms
+from tlt_jax.sft_update import make_optimizer, make_train_step
 from tlt_jax.speculative.strategy import Strategy
 
 GiB = 1024 ** 3
@@ -118,7 +119,6 @@ class RecordingPool(ExecutablePool):
 
 
 def _sft_programs(config, cfg, resident) -> list[Program]:
-  from tlt_jax.sft import make_train_step
   params, opt = resident["policy params"], resident["policy optimizer"]
   rows, width = config.sft.rows, config.sft.seq_len
   batch = {k: jax.ShapeDtypeStruct((rows, width), jnp.bool_ if k == "loss_mask" else jnp.int32)
@@ -178,7 +178,6 @@ def _drafter_program(config, cfg, dcfg, state, params, warmup: bool) -> Program:
 
 
 def _policy_optimizer(config, job: str):
-  from tlt_jax.sft import make_optimizer
   return make_optimizer(config) if job == "sft" else make_adamw(policy_adamw(config))
 
 

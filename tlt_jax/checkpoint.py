@@ -6,29 +6,80 @@ newest step. A checkpoint that fails to load (corrupt, or cut short by a crash) 
 of the way, to FAILED_DIR next to the checkpoints folder, kept for inspection and no longer
 counted by retention, so the run writes that step again when it gets there and retention
 only ever weighs checkpoints that load; the previous one is used.
+
+Every checkpoint also carries a checksum of each array (computed on the devices, so saving
+stays asynchronous) and the settings of the run that wrote it. A restore whose arrays do not
+match their checksums is a corrupt checkpoint like any other. A checkpoint that does not fit
+the current state because the settings changed is not corrupt: the restore stops with
+`CheckpointMismatch`, naming the settings that differ, and moves nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from tlt_jax.config import ConfigError, RunStopped
+
 FAILED_DIR = "failed_checkpoints"
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+class CheckpointMismatch(ConfigError):
+  """The newest checkpoint was written under other settings and does not fit this run."""
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """uint32 sum of x's bits, each element weighted by an odd multiple of its flat index (so
+  a flipped bit or swapped elements change it)."""
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  else:
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+  index, stride = jnp.zeros(x.shape, jnp.uint32), 1
+  for d in reversed(range(x.ndim)):  # the flat index without reshaping a sharded array
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride)
+    stride = stride * x.shape[d] % 2 ** 32
+  return jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(leaves: list) -> list:
+  return [_leaf_checksum(x) for x in leaves]
+
+
+def checksums(tree) -> list[int]:
+  """One uint32 checksum per array leaf of `tree` (in jax.tree.leaves order)."""
+  return [int(c) for c in jax.device_get(_checksums(jax.tree.leaves(tree)))]
+
+
+def settings_diff(old: dict, new: dict, most: int = 6) -> str:
+  """'key: old -> new; ...' over the keys whose values differ ('' when none)."""
+  keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+  parts = [f"{k}: {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys[:most]]
+  if len(keys) > most:
+    parts.append(f"and {len(keys) - most} more")
+  return "; ".join(parts)
 
 
 class Checkpointer:
   """orbax CheckpointManager over `directory`, keeping the newest `keep` checkpoints.
 
+  settings: the run's settings as flat {key: JSON value} (`tlt_jax.config.flat_settings`),
+    kept with every checkpoint to tell a changed config from a corrupt checkpoint.
   failures: (step, reason) of every checkpoint that failed to restore, moved to
-  `failed_dir` (a sibling of `directory`).
+    `failed_dir` (a sibling of `directory`).
   """
 
-  def __init__(self, directory: str, keep: int = 2):
+  def __init__(self, directory: str, keep: int = 2, settings: dict | None = None):
     self.directory = os.path.abspath(directory)
+    self.settings = settings or {}
     self.failed_dir = os.path.join(os.path.dirname(self.directory), FAILED_DIR)
     self.failures: list[tuple[int, str]] = []
     self.manager = ocp.CheckpointManager(
@@ -38,14 +89,32 @@ class Checkpointer:
     """Starts an async save (arrays are copied off the devices before this returns)."""
     if step in self.manager.all_steps():
       return
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)))
+    meta = {**meta, "checksums": checksums(state), "settings": self.settings}
+    with self._writing(step):
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)))
+
+  @contextlib.contextmanager
+  def _writing(self, step: int):
+    """OSError while writing checkpoint `step` (a full disk, a lost mount; raised here or by
+    the previous async save) -> RunStopped naming the cause and the intact checkpoint."""
+    previous = [s for s in self.manager.all_steps() if s < step]
+    try:
+      yield
+    except OSError as e:
+      kept = (f"the checkpoint of step {max(previous)} is intact" if previous else
+              "no earlier checkpoint exists")
+      raise RunStopped(f"the checkpoint of step {step} could not be written to "
+                       f"{self.directory}: {e.strerror or e} ({e.filename or 'orbax'}); {kept}; "
+                       f"free the space (or fix the folder) and rerun the same command to "
+                       f"resume") from None
 
   def restore_latest(self, abstract_state) -> tuple[int, object, dict] | None:
     """(step, state, meta) of the newest loadable checkpoint, or None if there is none.
 
     abstract_state: the state's structure as arrays or ShapeDtypeStructs with shardings; the
-    restored arrays take those shardings.
+    restored arrays take those shardings. Raises CheckpointMismatch when the newest
+    checkpoint that fails to load was written with other settings.
     """
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -54,14 +123,46 @@ class Checkpointer:
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        return step, restored.state, restored.meta
       except Exception as e:  # noqa: BLE001 -- any failure to load means: use an older one
+        self._refuse_if_settings_changed(step)
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        moved = self._move_aside(step)
-        self.failures.append((step, reason))
-        logging.warning("checkpoint at step %d in %s could not be restored (%s); moved to %s, "
-                        "falling back to the previous one", step, self.directory, reason, moved)
+      else:
+        reason = self._checksum_mismatch(restored.state, restored.meta)
+        if reason is None:
+          return step, restored.state, restored.meta
+      moved = self._move_aside(step)  # corrupt: kept aside, the previous one is tried
+      self.failures.append((step, reason))
+      logging.warning("checkpoint at step %d in %s could not be restored (%s); moved to %s, "
+                      "falling back to the previous one", step, self.directory, reason, moved)
     return None
+
+  def _checksum_mismatch(self, state, meta: dict) -> str | None:
+    """Why the restored arrays differ from what was saved (None: they do not, or the
+    checkpoint predates checksums)."""
+    saved = meta.get("checksums")
+    if saved is None:
+      return None
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    bad = [p for p, a, b in zip(paths, checksums(state), saved) if a != b]
+    if len(saved) != len(paths) or bad:
+      return f"checksum mismatch in {', '.join(bad[:3]) or 'the array count'}"
+    return None
+
+  def _refuse_if_settings_changed(self, step: int) -> None:
+    """Raises CheckpointMismatch when checkpoint `step` (which did not load) was written with
+    settings other than this run's; returns when they are the same or unknown."""
+    try:
+      meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      written = meta.meta.get("settings")
+    except Exception:  # noqa: BLE001 -- no readable settings: judge it as corrupt
+      return
+    diff = settings_diff(written, self.settings) if written and self.settings else ""
+    if diff:
+      raise CheckpointMismatch(
+          f"the checkpoint of step {step} in {self.directory} does not fit this run: it was "
+          f"written with other settings ({diff}); rerun with the settings it was written "
+          f"with, or start from step 0 (tlt_jax.train's --start_over sets the earlier run "
+          f"aside; other jobs: another --workdir)")
 
   def _move_aside(self, step: int) -> str:
     """Moves a checkpoint that failed to load into failed_dir (a fresh name per move)."""
@@ -80,5 +181,6 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    with self._writing(self.manager.latest_step() or 0):
+      self.manager.wait_until_finished()
     self.manager.close()

@@ -14,7 +14,7 @@ from absl import flags
 
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.components import validate_config
-from tlt_jax.config import ConfigError
+from tlt_jax.config import ConfigError, RunStopped
 from tlt_jax.mesh import initialize_distributed
 
 
@@ -81,6 +81,8 @@ def run_main(main) -> None:
       return main(argv)
     except ConfigError as e:
       sys.exit(f"config error: {e}")
+    except RunStopped as e:
+      sys.exit(f"stopped: {e}")
   app.run(wrapped, flags_parser=parse_flags)
 
 

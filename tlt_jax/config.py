@@ -28,6 +28,11 @@ class ConfigError(ValueError):
   """A configuration value or key is wrong; the message names the key and the fix."""
 
 
+class RunStopped(RuntimeError):
+  """The run cannot go on (e.g. a non-finite update); the message says why, at which step,
+  and what on disk is intact."""
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every knob with its default. Sections grow as subsystems land."""
   c = ml_collections.ConfigDict()
@@ -188,6 +193,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.keep_checkpoints = 2
   c.rl.export = True                     # export policy and drafter (HF layout) at the end
   c.rl.save_rollouts = False             # every response with its reward, in rollouts.jsonl
+  # An update with a non-finite loss, gradient norm or parameter is never applied; "stop" ends
+  # the run there (before any checkpoint or export), "skip" goes on without it (counted in
+  # the metrics as nonfinite_updates).
+  c.rl.on_nonfinite = "stop"
 
   # The EAGLE drafter (tlt_jax.models.drafter).
   c.drafter = ml_collections.ConfigDict()
@@ -241,6 +250,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.drafter.warmup.checkpoint_every = 100
   c.drafter.warmup.num_eval_prompts = 32  # held-out prompts for the accept-length check
   return c
+
+
+def flat_settings(config: ml_collections.ConfigDict) -> dict:
+  """{dotted key: JSON value} of every setting (what a checkpoint records of its run)."""
+  flat = {}
+
+  def walk(node, prefix):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        walk(value, f"{prefix}{key}.")
+      else:
+        flat[f"{prefix}{key}"] = value
+  walk(json.loads(config.to_json()), "")
+  return flat
 
 
 def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
@@ -420,6 +443,7 @@ def _check_rl(r: ml_collections.ConfigDict) -> None:
   if r.num_samples < 2:
     raise ConfigError(f"rl.num_samples={r.num_samples}: GRPO compares samples within a "
                       f"group, so it needs at least 2")
+  _one_of(r.on_nonfinite, ("stop", "skip"), "rl.on_nonfinite")
 
 
 def _check_drafter(d: ml_collections.ConfigDict) -> None:

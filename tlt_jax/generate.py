@@ -28,6 +28,7 @@ from tlt_jax.mesh import logical_shardings, make_mesh
 from tlt_jax.models import init_cache
 from tlt_jax.speculative.decoding import plain_step, start
 from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.workdir import claim_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/generate", "Output folder.")
@@ -38,7 +39,7 @@ def main(argv):
   config = cli.load_config(_CONFIG)
   num_devices = cli.setup_devices(config)
   workdir = _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
+  lock = claim_workdir(workdir)  # noqa: F841 -- held until the job ends
 
   # ---------------------------------------------------------------- mesh and model
   mesh = make_mesh(dict(config.mesh.axes))

@@ -11,16 +11,13 @@ at the end; the final policy and tokenizer are exported in Hugging Face layout t
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import flags, logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,22 +26,21 @@ from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
-from tlt_jax.components import (load_policy, make_engine, sft_adamw, task_from_config,
+from tlt_jax.components import (load_policy, make_engine, task_from_config,
                                 training_model_config)
-from tlt_jax.config import ConfigError
+from tlt_jax.config import ConfigError, flat_settings
 from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, make_mesh
-from tlt_jax.models import ModelConfig, forward
-from tlt_jax.models.attention_inputs import packed_inputs
 from tlt_jax.models.hf import load_tokenizer, save_hf_checkpoint
-from tlt_jax.optim import init_optimizer, make_adamw
+from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import evaluate
 from tlt_jax.rl.packing import next_packed_batch
 from tlt_jax.rl.tasks import TaskSlice
 from tlt_jax.rl.tokenizer import prompt_ids, response_ids, train_tokenizer
 from tlt_jax.run_log import RunLog
+from tlt_jax.sft_update import make_optimizer, make_train_step
 from tlt_jax.speculative.sampling import SamplingParams
-from tlt_jax.workdir import make_workdir
+from tlt_jax.workdir import claim_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_sft.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sft", "Output folder (resumes from it).")
@@ -66,55 +62,6 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str):
                         config.tokenizer.vocab_size)
   tok.save_pretrained(saved)
   return tok
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW with linear warm-up and cosine decay (`sft_adamw`), weight decay on matrices only."""
-  return make_adamw(sft_adamw(config), decay_mask=_decay_mask)
-
-
-def _decay_mask(params: dict) -> dict:
-  """Weight decay on matrices (embeddings, kernels), not on norm weights or biases."""
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  treedef = jax.tree.structure(params)
-  keep = [not any(getattr(k, "key", None) in ("bias", "weight") for k in path)
-          for path, _ in flat]
-  return jax.tree.unflatten(treedef, keep)
-
-
-def sft_loss(params: dict, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-  """Mean next-token cross-entropy over response targets of a packed batch.
-
-  Args:
-    batch: arrays [R, S] from `tlt_jax.rl.packing` (tokens, targets, loss_mask, positions,
-      segment_ids).
-  Returns:
-    (loss, number of target tokens), float32 scalars.
-  """
-  # No cache: packed rows attend only within themselves through the segment mask.
-  attn = packed_inputs(batch["segment_ids"], batch["positions"])
-  logits, _, _, _ = forward(params, batch["tokens"], attn, cfg)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  weight = batch["loss_mask"]
-  count = jnp.sum(weight)
-  return jnp.sum(ce * weight) / jnp.maximum(count, 1.0), count
-
-
-def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, param_sharding,
-                    opt_sharding):
-  """The jitted update: (params, opt_state, batch) -> (params, opt_state, metrics); the old
-  params and optimizer state are donated."""
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1),
-                     out_shardings=(param_sharding, opt_sharding, None))
-  def train_step(params, opt_state, batch):
-    (loss, count), grads = jax.value_and_grad(sft_loss, has_aux=True)(params, batch, cfg)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-    return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "target_tokens": count}
-
-  return train_step
 
 
 def _encoder(tokenizer):
@@ -142,7 +89,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   config = cli.load_config(_CONFIG)
   num_devices = cli.setup_devices(config)
-  workdir = make_workdir(_WORKDIR.value)
+  workdir = _WORKDIR.value
+  lock = claim_workdir(workdir)  # noqa: F841 -- held until the job ends
   s = config.sft
   started = time.perf_counter()
 
@@ -180,7 +128,8 @@ def main(argv):
         f"{num_params / 1e6:.2f}M params")
 
   # ---------------------------------------------------------------- checkpoint and log
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=s.keep_checkpoints)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=s.keep_checkpoints,
+                      settings=flat_settings(config))
   step = 0
   restored = ckpt.restore_latest({"params": params, "opt_state": opt_state})
   if restored is not None:

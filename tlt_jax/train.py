@@ -19,9 +19,11 @@ process 0 alone writes the files (orbax coordinates the checkpoints).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
+import sys
 import time
 
 import jax
@@ -32,13 +34,13 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from tlt_jax import cli
-from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer
 from tlt_jax.compile_cache import COMPILES
 from tlt_jax.components import (drafter_opt_config, grpo_config,
                                 load_drafter_for, load_policy, load_tokenizer_for, make_engine,
                                 policy_adamw, reward_from_config, sampling_params, spot_config,
                                 task_examples, training_model_config, training_set)
-from tlt_jax.config import ConfigError
+from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer
 from tlt_jax.mesh import host_copy, make_mesh
@@ -52,7 +54,7 @@ from tlt_jax.rl.phases import rl_prompts, rollout, rollout_rows, score, step_met
 from tlt_jax.rl.policy_update import PolicyUpdater
 from tlt_jax.run_log import RunLog, read_jsonl
 from tlt_jax.train_report import write_summary
-from tlt_jax.workdir import lock_workdir, make_workdir
+from tlt_jax.workdir import claim_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/train", "Output folder (resumes from it).")
@@ -97,8 +99,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
   start_over: when the workdir holds an earlier run's results but no checkpoint loads, move
   those files to WORKDIR/previous-<time>/ and start from step 0 (else: stop and say so).
   """
-  main = jax.process_index() == 0  # the process that writes files and prints
-  lock = lock_workdir(workdir) if main else None
+  lock = claim_workdir(workdir)
   try:
     with _StopFlag() as stop:
       return _train(config, workdir, reward_fn, progress, stop, start_over)
@@ -108,7 +109,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
 
 
 def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
-  make_workdir(workdir)
   main = jax.process_index() == 0
   say = tqdm.write if main else (lambda *_: None)
   rl = config.rl
@@ -150,15 +150,28 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
                           ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None)
 
   # ---------------------------------------------------------------- checkpoint and logs
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=rl.keep_checkpoints)
+  def checkpointer():
+    return Checkpointer(os.path.join(workdir, "checkpoints"), keep=rl.keep_checkpoints,
+                        settings=flat_settings(config))
+  ckpt = checkpointer()
   run = _RunState(params, updater, spot, engine, prompts_iter)
-  step = run.restore(ckpt)
+  try:
+    step = run.restore(ckpt)
+    failures, set_aside = ckpt.failures, ()
+  except CheckpointMismatch:
+    if not start_over:
+      raise
+    failures, set_aside = [(ckpt.latest_step, "written with other settings")], ("checkpoints",)
+    ckpt.close()  # the earlier run's checkpoints go aside with its other files
+    step = 0
   if step:
     engine.update_params(policy_params=run.params,
                          drafter_params=spot.params if spot is not None and use_sd else None)
     say(f"resumed from the checkpoint of step {step}")
   elif main:
-    _start_fresh(workdir, ckpt.failures, start_over, say)
+    _start_fresh(workdir, failures, start_over, say, also=set_aside)
+  if set_aside:
+    ckpt = checkpointer()
   log = RunLog(workdir, resume_step=step, write=main)
   if spot is not None:  # compile the drafter update for every slice before the first rollout
     spot.precompile(engine.slices, engine.policy_on)
@@ -198,6 +211,8 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
           rolled.result.tokens, group_advantages(scored.rewards, rl.num_samples,
                                                   updater.gc.scale_by_std),
           pad, max_width=engine.econf.capacity)
+      if update_metrics["nonfinite"] and rl.on_nonfinite == "stop":
+        raise RunStopped(_nonfinite_message(step + 1, update_metrics, ckpt.latest_step))
       engine.update_params(policy_params=run.params)  # a reshard onto the rollout slices
       step += 1
       compile_s = engine.pool.compile_seconds + (spot.compile_s if spot else 0.0) - \
@@ -230,6 +245,19 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   return write_summary(workdir, log.rows["metrics"], config,
                        wall_s=time.perf_counter() - started, stopped_early=step < rl.steps,
                        evals=log.rows["eval"], write=main, extra=compiles)
+
+
+def _nonfinite_message(step: int, metrics: dict, last_checkpoint: int | None) -> str:
+  """One line: which of the update's quantities were not finite, and what is intact."""
+  bad = [f"{k} {metrics[k]}" for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])]
+  if not metrics["params_finite"]:
+    bad.append("the updated parameters")
+  kept = (f"the checkpoint of step {last_checkpoint} is intact" if last_checkpoint else
+          "no checkpoint was written")
+  return (f"step {step}: the policy update was not finite ({', '.join(bad)}); it was not "
+          f"applied and the run stopped before any checkpoint or export ({kept}). Lower "
+          f"rl.learning_rate, check the rewards, or set rl.on_nonfinite=skip to go on without "
+          f"such updates")
 
 
 class _RunState:
@@ -285,9 +313,10 @@ RUN_FILES = ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "summary.json", "s
              "export")
 
 
-def _start_fresh(workdir: str, failures: list, start_over: bool, say) -> None:
+def _start_fresh(workdir: str, failures: list, start_over: bool, say, also=()) -> None:
   """No checkpoint loaded. If the folder holds an earlier run's results, refuse to overwrite
-  them (ConfigError saying what failed), or with start_over move them aside first."""
+  them (ConfigError saying what failed), or with start_over move them (and the files named
+  in `also`) aside first."""
   rows, _ = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   done = sorted({r["step"] for r in rows if r["step"] >= 1})
   if not done and not failures:
@@ -301,11 +330,16 @@ def _start_fresh(workdir: str, failures: list, start_over: bool, say) -> None:
         f"{workdir}/previous-<time>/ and start from step 0, or choose another --workdir")
   previous = os.path.join(workdir, time.strftime("previous-%Y%m%d-%H%M%S"))
   os.makedirs(previous)
-  for name in RUN_FILES:
+  for name in (*RUN_FILES, *also):
     if os.path.exists(os.path.join(workdir, name)):
       shutil.move(os.path.join(workdir, name), os.path.join(previous, name))
   say(f"--start_over: no checkpoint could be loaded ({failed}); the earlier run's files are "
       f"in {previous}; starting from step 0")
+
+
+# The exit status of a run that a signal stopped after its checkpoint (sysexits' EX_TEMPFAIL:
+# "try again later"), so a scheduler can tell a preempted run from a finished one.
+EXIT_STOPPED = 75
 
 
 def main(argv):
@@ -313,7 +347,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = cli.load_config(_CONFIG)
   cli.setup_devices(config)
-  train(config, _WORKDIR.value, start_over=_START_OVER.value)
+  summary = train(config, _WORKDIR.value, start_over=_START_OVER.value)
+  if summary["stopped_early"]:
+    print(f"stopped after step {summary['steps_done']} of {config.rl.steps} with a checkpoint; "
+          f"rerun the same command to resume (exit status {EXIT_STOPPED})", file=sys.stderr)
+    sys.exit(EXIT_STOPPED)
 
 
 def run():

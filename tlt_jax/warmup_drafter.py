@@ -31,6 +31,7 @@ from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.components import (drafter_opt_config, load_drafter_for, load_policy,
                                 load_tokenizer_for, make_engine, task_prompts)
+from tlt_jax.config import flat_settings
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
 from tlt_jax.mesh import make_mesh
@@ -41,6 +42,7 @@ from tlt_jax.rollout.engine import accept_length
 from tlt_jax.run_log import RunLog
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
+from tlt_jax.workdir import claim_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/warmup_drafter", "Output folder (resumes).")
@@ -72,7 +74,7 @@ def main(argv):
   config = cli.load_config(_CONFIG)
   cli.setup_devices(config)
   workdir = _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
+  lock = claim_workdir(workdir)  # noqa: F841 -- held until the job ends
   w = config.drafter.warmup
   started = time.perf_counter()
 
@@ -101,7 +103,7 @@ def main(argv):
   untrained = jax.device_get(init_params)  # host copy: training donates the device arrays
   oc = drafter_opt_config(config, warmup=True)
   state = init_train_state(init_params, oc)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), settings=flat_settings(config))
   restored = ckpt.restore_latest(state)
   if restored is not None:
     state = restored[1]

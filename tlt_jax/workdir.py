@@ -11,6 +11,8 @@ from __future__ import annotations
 import fcntl
 import os
 
+import jax
+
 from tlt_jax.config import ConfigError
 
 LOCK_FILE = ".lock"
@@ -69,3 +71,13 @@ def lock_workdir(path: str) -> WorkdirLock:
   handle.write(f"{os.getpid()}\n")
   handle.flush()
   return WorkdirLock(path, handle)
+
+
+def claim_workdir(path: str) -> WorkdirLock | None:
+  """What every job does with its --workdir first: makes it, and on process 0 (the process
+  that writes files) takes its lock. Returns the lock to hold until the job ends (None on
+  other processes)."""
+  if jax.process_index() != 0:
+    make_workdir(path)
+    return None
+  return lock_workdir(path)

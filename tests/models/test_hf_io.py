@@ -23,6 +23,10 @@ def test_export_then_load_is_bit_exact(tiny_cfg, tiny_params, tmp_path, max_shar
   save_hf_checkpoint(str(tmp_path), tiny_params, tiny_cfg, max_shard_bytes=max_shard_bytes)
   sharded = os.path.exists(tmp_path / "model.safetensors.index.json")
   assert sharded == (max_shard_bytes < 1 << 20)
+  umask = os.umask(0)
+  os.umask(umask)
+  for name in os.listdir(tmp_path):  # the weights as readable as the config (not 0600)
+    assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask, name
   cfg = load_hf_config(str(tmp_path), attention_impl=tiny_cfg.attention_impl)
   assert cfg == tiny_cfg
   _assert_trees_equal(load_hf_params(str(tmp_path), cfg), tiny_params)

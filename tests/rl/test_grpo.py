@@ -146,6 +146,33 @@ def test_updates_raise_the_likelihood_of_good_responses_and_lower_bad_ones(tiny_
   assert after[0] > before[0] + 0.1 and after[1] < before[1] - 0.1, (before, after)
 
 
+def test_a_nonfinite_update_is_not_applied_and_is_reported(tiny_cfg, tiny_params, batch):
+  """NaN advantages make the loss NaN: the update hands back the old params and optimizer
+  state, and reports it, so the job can stop before a checkpoint (or skip the update)."""
+  from tlt_jax.train import _nonfinite_message
+  host = {k: np.asarray(v) for k, v in batch.items() if k != "weight"}
+  host["advantages"] = np.where(np.arange(4) == 1, np.nan, host["advantages"]).astype(np.float32)
+  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(host, 1, 4, "token_mean").items()}
+  tx = optax.adam(1e-3)
+  update = make_policy_update(tiny_cfg, GrpoConfig(), tx, None, None)
+  params = jax.tree.map(jnp.copy, tiny_params)
+  opt_state = tx.init(params)
+  new_params, new_opt, metrics = update(params, opt_state, mini)
+  assert float(metrics["nonfinite"]) == 1.0 and np.isnan(float(metrics["loss"]))
+  jax.tree.map(np.testing.assert_array_equal, new_params, tiny_params)
+  jax.tree.map(np.testing.assert_array_equal, new_opt, tx.init(tiny_params))
+  message = _nonfinite_message(5, {k: float(v) for k, v in metrics.items()}, 4)
+  assert message.startswith("step 5: the policy update was not finite (loss nan, grad_norm nan, "
+                            "the updated parameters); it was not applied")
+  assert "checkpoint of step 4 is intact" in message and "rl.on_nonfinite=skip" in message
+  # A finite batch still updates.
+  host["advantages"] = np.nan_to_num(host["advantages"])
+  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(host, 1, 4, "token_mean").items()}
+  moved, _, metrics = update(jax.tree.map(jnp.copy, tiny_params), tx.init(tiny_params), mini)
+  assert float(metrics["nonfinite"]) == 0.0
+  assert not np.allclose(moved["lm_head"]["kernel"], tiny_params["lm_head"]["kernel"])
+
+
 @pytest.mark.parametrize("temperature,top_p", [(0.6, 1.0), (0.6, 0.8), (1.0, 1.0), (1.0, 0.8)])
 def test_trainer_scores_tokens_under_the_distribution_the_engine_sampled(
     tiny_cfg, tiny_params, temperature, top_p):

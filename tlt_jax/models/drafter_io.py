@@ -22,13 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.draft_vocab import ids_from_offsets, in_draft_vocab, offsets_from_ids
 from tlt_jax.models.drafter import (DRAFT_TO_POLICY, DrafterConfig, drafter_model_config,
                                     init_drafter_params)
-from tlt_jax.models.hf import _tensor_table
+from tlt_jax.models.hf import _tensor_table, save_safetensors
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -76,7 +75,7 @@ def save_drafter(path: str, params: dict, cfg: ModelConfig, dcfg: DrafterConfig,
   if dcfg.draft_vocab_size:
     d2t = np.asarray(jax.device_get(params[DRAFT_TO_POLICY]))
     tensors["t2d"] = _t2d_mask(d2t, cfg.vocab_size)
-  save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+  save_safetensors(tensors, os.path.join(path, WEIGHTS_FILE))
   config = {"architectures": ["TltJaxEagleDrafter"], "drafter": dataclasses.asdict(dcfg),
             "policy": {f: getattr(cfg, f) for f in POLICY_FIELDS},
             "torch_dtype": str(cfg.param_dtype), **(metadata or {})}

@@ -345,6 +345,15 @@ def _set(tree, path, value):
 # ---------------------------------------------------------------- export
 
 
+def save_safetensors(tensors: dict[str, np.ndarray], path: str) -> None:
+  """tensors as a safetensors file, with the permissions of every other file the jobs write
+  (safetensors creates its files 0600; here the umask decides, as for open())."""
+  save_file(tensors, path, metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
+
+
 def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None,
                        max_shard_bytes: int = 4 << 30) -> None:
   """Writes config.json and safetensors weights (sharded with an index past max_shard_bytes).
@@ -369,7 +378,7 @@ def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None
     if not shards[-1]:
       return
     fn = f"model-{len(written) + 1:05d}.safetensors"
-    save_file(shards[-1], os.path.join(path, fn), metadata={"format": "pt"})
+    save_safetensors(shards[-1], os.path.join(path, fn))
     written.append(fn)
     weight_map.update({n: fn for n in shards[-1]})
     shards[-1] = {}

@@ -103,7 +103,7 @@ def step_metrics(step: int, scored: Scored, rollout: Rollout, update: dict,
       "reclaimed_slice_s": spot.get("reclaimed_slice_s", 0.0),
       "compile_s": compile_s,
       "policy_loss": update["loss"], "grad_norm": update["grad_norm"],
-      "clip_frac": update["clip_frac"],
+      "clip_frac": update["clip_frac"], "nonfinite_updates": update.get("nonfinite", 0.0),
       "finished_eos": float(np.mean([f == "eos" for f in result.finish_reasons])),
   }
   if "kl" in update:

@@ -87,7 +87,11 @@ def make_policy_update(cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTrans
                        param_sharding, opt_sharding):
   """jitted (params, opt_state, mini_batch [M, b, T] dict) -> (params, opt_state, metrics):
   gradients summed over the M micro-batches (each already weighted by its share of the
-  mini-batch), then one optimizer step. params and opt_state are donated."""
+  mini-batch), then one optimizer step. params and opt_state are donated.
+
+  An update whose loss, gradient norm or new parameters are not finite is not applied (the
+  old params and optimizer state come back) and reports metrics["nonfinite"] = 1, so the
+  caller can stop before anything non-finite reaches a checkpoint, or go on without it."""
 
   @functools.partial(jax.jit, donate_argnums=(0, 1),
                      out_shardings=(param_sharding, opt_sharding, None))
@@ -100,13 +104,24 @@ def make_policy_update(cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTrans
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, (losses, metrics) = jax.lax.scan(body, zeros, mini_batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
     out = {k: jnp.mean(v) for k, v in metrics.items() if k != "pg_loss"}
     out.update(loss=jnp.sum(losses), grad_norm=optax.tree.norm(grads))
-    return params, opt_state, out
+    finite = (jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
+              & all_finite(new_params))
+    out.update(nonfinite=(~finite).astype(jnp.float32),
+               params_finite=all_finite(new_params).astype(jnp.float32))
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    return keep(new_params, params), keep(new_opt_state, opt_state), out
 
   return update
+
+
+def all_finite(tree) -> jax.Array:
+  """Scalar bool: every floating element of every leaf of `tree` is finite."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 class PolicyUpdater:
@@ -167,7 +182,10 @@ class PolicyUpdater:
         params, self.opt_state, out = self._executables[shapes](params, self.opt_state, mini)
         metrics.append(out)
     metrics = jax.device_get(metrics)
-    return params, {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}, compile_s
+    out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    out["nonfinite"] = float(sum(m["nonfinite"] for m in metrics))  # updates not applied
+    out["params_finite"] = float(min(m["params_finite"] for m in metrics))
+    return params, out, compile_s
 
   def _place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """[mini, micro, rows, ...] host arrays, rows split over the data-parallel axes."""
