@@ -6,8 +6,9 @@
       --config.model.path=/models/Qwen2.5-7B-Instruct \\
       --config.drafter.path=runs/qwen7b_warmup/export --workdir runs/qwen7b
 
-Variant: `8gpu` (4 rollout slices of 2 GPUs, FSDP within a slice; slices that finish first
-train the drafter). There is no one-GPU variant: the 7B policy's bf16 weights and AdamW state
+Variant: `8gpu`: 8 rollout slices of one GPU, each with the whole policy (the rollout layout:
+no weight gathers while decoding), training sharded over all 8 (FSDP over replica x fsdp);
+slices that finish first train the drafter. There is no one-GPU variant: the 7B policy's bf16 weights and AdamW state
 (~44 GiB) and the rollout cache of 64 rows x 8.7k slots (~30 GiB) already pass a 70 GiB
 budget on one 80 GB GPU before any activation (tests/test_gpu_programs.py). Settings follow the paper's 7B runs where the hardware
 allows (8 samples per prompt, clip 0.2, token-mean loss, KL 0.001, lr 1e-6); the built-in
@@ -58,8 +59,11 @@ def get_config(arg: str | None = None):
   c.rl.eval_every = 20
   c.rl.checkpoint_every = 10
   if arg == "8gpu":
-    c.mesh.axes.replica = 4
-    c.mesh.axes.fsdp = 2
+    c.mesh.axes.replica = 8
+    c.mesh.axes.fsdp = 1
+    # Per slice: 15 GiB of bf16 weights and a 32-row x 8.7k-slot cache (~15 GiB), beside 1/8
+    # of the training state.
+    c.rollout.max_batch = 32
   elif arg == "1gpu":
     raise ValueError("configs/qwen2_5_gpu.py:1gpu was removed: a 7B policy's weights, AdamW "
                      "state and rollout cache do not fit one 80 GB GPU; use :8gpu, or "

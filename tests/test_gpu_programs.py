@@ -73,6 +73,7 @@ def test_a_7b_policy_cannot_train_on_one_80gb_gpu():
                    num_heads=28, num_kv_heads=4, head_dim=128)
     c.rl.kl_coef = 0.0
     c.drafter.spot_training = False
+    c.rollout.max_batch = 64
   resident = job_resident(c, "train")
   params = sum(x.size for x in jax.tree.leaves(resident["policy params"]))
   assert 7.0e9 < params < 8.0e9

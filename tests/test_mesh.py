@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tlt_jax.config import base_config
-from tlt_jax.mesh import (DEFAULT_RULES, initialize_distributed, local_slices,
+from tlt_jax.mesh import (DEFAULT_RULES, ROLLOUT_RULES, initialize_distributed, local_slices,
                           logical_to_mesh_spec, make_mesh, replica_slices, resolve_axis_sizes,
                           shard_pytree, stack_slices, to_mesh)
 from tlt_jax.models import decode, init_cache, param_logical_axes, prefill
@@ -50,9 +50,12 @@ def test_logical_rules_drop_axes_that_do_not_divide():
       "fsdp", None, None)
   assert logical_to_mesh_spec(P("embed", "heads", "head_dim"), (32, 8, 8), mesh) == P(
       "fsdp", "tensor", None)
-  # batch maps to (replica, fsdp); replica=1 divides anything.
-  assert logical_to_mesh_spec(P("batch",), (4,), mesh) == P(("replica", "fsdp"))
-  assert logical_to_mesh_spec(P("batch",), (3,), mesh) == P("replica")
+  # batch maps to (replica, fsdp); an axis of size 1 is left out of the spec.
+  assert logical_to_mesh_spec(P("batch",), (4,), mesh) == P("fsdp")
+  assert logical_to_mesh_spec(P("batch",), (3,), mesh) == P(None)
+  # The rollout layout keeps whole weights: embed is not split.
+  assert logical_to_mesh_spec(P("embed", "heads", "head_dim"), (32, 8, 8), mesh,
+                              ROLLOUT_RULES) == P(None, "tensor", None)
 
 
 def _cache_shardings(mesh, cache):

@@ -36,7 +36,7 @@ from tlt_jax.components import (drafter_config, drafter_opt_config, engine_confi
                                 training_model_config)
 from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.train_step import init_train_state, train_step
-from tlt_jax.mesh import AXIS_ORDER, DEFAULT_RULES
+from tlt_jax.mesh import AXIS_ORDER, ROLLOUT_RULES
 from tlt_jax.models import init_params
 from tlt_jax.models.drafter import init_drafter_params
 from tlt_jax.optim import make_adamw
@@ -140,7 +140,7 @@ def _rollout_programs(config, cfg, params, dcfg, dparams, log_features: bool,
                        devices=jax.devices()[:1])
   pool = RecordingPool()
   progs = SlicePrograms(0, mesh, pool, cfg, dcfg, econf.capacity, econf.max_new_tokens, 0,
-                        DEFAULT_RULES, log_features)
+                        ROLLOUT_RULES, log_features)
   sp, key, b = sampling_params(config), jax.random.key(0), econf.max_batch
   prompts = np.zeros((b, econf.max_prompt_len), np.int32)
   state = progs.start(params, dparams, prompts, np.ones((b,), np.int32),

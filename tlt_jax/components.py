@@ -272,7 +272,7 @@ def make_engine(config: ml_collections.ConfigDict, cfg: ModelConfig, params: dic
   if drafter is not None and tuner is None:
     tuner = make_tuner_from_config(config)
   return RolloutEngine(cfg, params, mesh, ec, drafter=drafter, tuner=tuner,
-                       rules=tuple(config.mesh.rules), log_features=log_features)
+                       rules=tuple(config.mesh.rollout_rules), log_features=log_features)
 
 
 def _data_file(config: ml_collections.ConfigDict, eval_split: bool) -> list[Example]:

@@ -16,7 +16,7 @@ import os
 import ml_collections
 
 from tlt_jax.kernels import ATTENTION_IMPLS
-from tlt_jax.mesh import DEFAULT_RULES, resolve_axis_sizes
+from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
 from tlt_jax.models.config import DTYPES, MODEL_TYPES
 from tlt_jax.models.hf import check_model_folder, check_safetensors
 
@@ -43,7 +43,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.axes = ml_collections.ConfigDict({"replica": 1, "fsdp": -1, "tensor": 1})
   # On CPU, emulate this many devices (0 = leave JAX's default). Ignored on GPU.
   c.mesh.num_cpu_devices = 0
+  # The training layout (policy update, SFT: FSDP over every data axis) and the rollout
+  # layout on each replica slice (whole weights, or tensor-parallel: decoding gathers no
+  # weights); tlt_jax.mesh explains both.
   c.mesh.rules = DEFAULT_RULES
+  c.mesh.rollout_rules = ROLLOUT_RULES
   # Multi-host (jax.distributed): empty/0/-1 fall back to JAX_COORDINATOR_ADDRESS,
   # JAX_NUM_PROCESSES and JAX_PROCESS_ID; none set = one process. auto_detect lets JAX read
   # them from the cluster (SLURM, Open MPI). CPU processes use gloo collectives.

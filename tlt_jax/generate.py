@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.components import load_policy
-from tlt_jax.mesh import logical_shardings, make_mesh
-from tlt_jax.models import init_cache
+from tlt_jax.mesh import logical_shardings, make_mesh, to_mesh
+from tlt_jax.models import init_cache, param_logical_axes
 from tlt_jax.speculative.decoding import plain_step, start
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.workdir import claim_workdir
@@ -43,8 +43,9 @@ def main(argv):
 
   # ---------------------------------------------------------------- mesh and model
   mesh = make_mesh(dict(config.mesh.axes))
-  rules = tuple(config.mesh.rules)
+  rules = tuple(config.mesh.rollout_rules)  # decoding: whole weights per device
   cfg, params = load_policy(config, mesh)
+  params = to_mesh(params, logical_shardings(param_logical_axes(cfg), mesh, rules, params))
   print(f"mesh {dict(mesh.shape)} on {num_devices} devices; model {cfg.num_layers} layers, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
 

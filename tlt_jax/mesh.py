@@ -30,10 +30,17 @@ REPLICA_AXIS = "replica"
 AXIS_ORDER = (REPLICA_AXIS, "data", "fsdp", "sequence", "expert", "tensor")
 
 # Logical name -> mesh axis (or tuple of axes, or None). Order of the table is irrelevant.
+# Two layouts of one set of weights (the rollout engine's `update_params` reshards from the
+# first to the second once per RL step):
+#   training (DEFAULT_RULES): weights, gradients and optimizer state fully sharded over every
+#     data axis, `replica` included (FSDP over the whole mesh), tensor-parallel where set;
+#   rollout (ROLLOUT_RULES, on each replica slice): whole weights per device, or
+#     tensor-parallel within the slice, so no decode step gathers weights; a slice's rows are
+#     split over its `fsdp` devices.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", (REPLICA_AXIS, "fsdp")),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", (REPLICA_AXIS, "fsdp")),
     ("embed_in", None),  # the drafter's fc input (token embedding + features)
     ("mlp", "tensor"),
     ("heads", "tensor"),
@@ -42,6 +49,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("length", None),
 )
+ROLLOUT_RULES = tuple((name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
 
 
 def resolve_axis_sizes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -152,9 +160,9 @@ def logical_to_mesh_spec(logical: PartitionSpec, shape: Sequence[int] | None, me
                          rules=DEFAULT_RULES) -> PartitionSpec:
   """Maps a logical PartitionSpec to mesh axes.
 
-  Mesh axes missing from `mesh`, already used by an earlier dimension, or not dividing the
-  dimension's size (when `shape` is given) are dropped, so that e.g. 2 KV heads on a tensor
-  axis of 4 are replicated instead of failing.
+  Mesh axes missing from `mesh`, of size 1, already used by an earlier dimension, or not
+  dividing the dimension's size (when `shape` is given) are dropped, so that e.g. 2 KV heads
+  on a tensor axis of 4 are replicated instead of failing.
   """
   table = dict(rules)
   used: set[str] = set()
@@ -165,7 +173,7 @@ def logical_to_mesh_spec(logical: PartitionSpec, shape: Sequence[int] | None, me
     kept = []
     size = None if shape is None else shape[dim]
     for axis in targets:
-      if axis not in mesh.shape or axis in used:
+      if axis not in mesh.shape or axis in used or mesh.shape[axis] == 1:
         continue
       n = mesh.shape[axis]
       prod = math.prod(mesh.shape[a] for a in kept) * n
@@ -228,6 +236,21 @@ def _local_copy(x: jax.Array, mesh: Mesh) -> jax.Array:
   devices = set(mesh.devices.flat)
   shards = [s.data for s in x.addressable_shards if s.device in devices]
   return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, spec), shards)
+
+
+def to_slices(tree, logical_tree, mesh: Mesh, slice_ids: Sequence[int], rules=ROLLOUT_RULES
+              ) -> list:
+  """tree (any layout on `mesh`, or host data) as one copy per replica slice in the layout
+  `rules` give: one reshard on the whole mesh (XLA's collectives, across processes too),
+  then each slice's devices' shards taken as an array on that slice, without moving data.
+
+  Returns a list over every slice of `mesh`: the copy for the ids in `slice_ids` (this
+  process's slices), None for the others. `rules` must not split a leaf over `replica`
+  (each slice needs a whole copy).
+  """
+  on_mesh = to_mesh(tree, logical_shardings(logical_tree, mesh, rules, tree))
+  return [jax.tree.map(lambda x, m=m: _local_copy(x, m), on_mesh) if s in slice_ids else None
+          for s, m in enumerate(replica_slices(mesh))]
 
 
 def stack_slices(trees: Mapping[int, object], mesh: Mesh):

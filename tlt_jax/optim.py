@@ -65,9 +65,11 @@ def make_adamw(oc: AdamWConfig, decay_mask: Callable | None = None
 
 
 def init_optimizer(tx: optax.GradientTransformation, params: dict, mesh: Mesh):
-  """(opt_state, its shardings) for params already placed on `mesh`: moments follow their
-  params; scalars (step counts), which jit would leave on one device, are replicated."""
-  opt_state = jax.jit(tx.init)(params)
-  sharding = jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
-                          and x.sharding.mesh == mesh else NamedSharding(mesh, P()), opt_state)
-  return jax.device_put(opt_state, sharding), sharding
+  """(opt_state, its shardings) for params already placed on `mesh`: moments are laid out
+  like their params (asked for explicitly: XLA would replicate the zeros that init makes,
+  a full copy of both moments on every device); scalars (step counts) are replicated."""
+  replicated = NamedSharding(mesh, P())
+  sharding = optax.tree_map_params(
+      tx, lambda _, sh: sh, jax.eval_shape(tx.init, params),
+      jax.tree.map(lambda x: x.sharding, params), transform_non_params=lambda _: replicated)
+  return jax.jit(tx.init, out_shardings=sharding)(params), sharding

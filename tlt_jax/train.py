@@ -143,7 +143,7 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   if config.drafter.spot_training:
     spot = SpotTrainer(cfg, dcfg, drafter_opt_config(config), dparams, mesh,
                        spot_config(config), FeatureBuffer(config.drafter.buffer.keep_steps),
-                       rules=rules, seed=config.seed)
+                       rules=tuple(config.mesh.rollout_rules), seed=config.seed)
   updater = PolicyUpdater(training_model_config(config, cfg), grpo_config(config),
                           make_adamw(policy_adamw(config)), params, mesh, rules,
                           rl.ppo_epochs, rl.mini_batches, rl.micro_batch_rows,

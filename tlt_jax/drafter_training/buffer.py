@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.windows import plan_windows, window_arrays
-from tlt_jax.mesh import DEFAULT_RULES, logical_to_mesh_spec
+from tlt_jax.mesh import ROLLOUT_RULES, logical_to_mesh_spec
 from tlt_jax.rollout.feature_log import FeatureBlock
 
 
@@ -68,7 +68,7 @@ class FeatureBuffer:
     return sum(len(b) for b in self.blocks())
 
   def windows_on(self, mesh: Mesh, window: int, rows: int, rng: np.random.Generator,
-                 step: int | None = None, rules=DEFAULT_RULES) -> tuple[Windows, int]:
+                 step: int | None = None, rules=ROLLOUT_RULES) -> tuple[Windows, int]:
     """`rows` packed windows of `window` slots on `mesh` (batch axis sharded by `rules`),
     from a random selection of the buffer's sequences (or only RL step `step`'s).
 

@@ -39,7 +39,7 @@ from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainState,
                                                  make_optimizer, train_step)
-from tlt_jax.mesh import (DEFAULT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
+from tlt_jax.mesh import (ROLLOUT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
                           replica_slices, stack_slices, to_mesh)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, trainable_part
@@ -111,7 +111,7 @@ class SpotTrainer:
 
   def __init__(self, cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig,
                drafter_params: dict, home: Mesh, spot: SpotConfig = SpotConfig(),
-               buffer: FeatureBuffer | None = None, rules=DEFAULT_RULES, seed: int = 0,
+               buffer: FeatureBuffer | None = None, rules=ROLLOUT_RULES, seed: int = 0,
                opt_state=None, step: int = 0):
     """home: the mesh the canonical train state lives on, whose replica slices are the ones
     the rollout engine decodes on (the engine's mesh).

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from tlt_jax.mesh import DEFAULT_RULES, local_slices, logical_shardings, replica_slices, to_mesh
+from tlt_jax.mesh import ROLLOUT_RULES, local_slices, replica_slices, to_slices
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import param_logical_axes
 from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes
@@ -140,15 +140,17 @@ class RolloutEngine:
 
   def __init__(self, cfg: ModelConfig, policy_params: dict, mesh: Mesh,
                econf: EngineConfig, drafter: tuple[DrafterConfig, dict] | None = None,
-               tuner: Tuner | None = None, rules=DEFAULT_RULES, log_features: bool = False):
-    """log_features: keep the policy's features of finished sequences on device (see
+               tuner: Tuner | None = None, rules=ROLLOUT_RULES, log_features: bool = False):
+    """rules: the rollout layout on each slice (`tlt_jax.mesh.ROLLOUT_RULES`: whole weights
+    or tensor-parallel, no weight gathers while decoding); the params may come in any layout.
+    log_features: keep the policy's features of finished sequences on device (see
     generate's `log_requests`); costs a [rows, capacity, F] array per slice."""
     if drafter is not None and tuner is None:
       raise ValueError("speculative decoding needs a tuner (e.g. FixedTuner((4, 2, 8)))")
     self.cfg, self.econf, self.rules, self.tuner = cfg, econf, tuple(rules), tuner
     self.log_features = log_features
     self.dcfg = drafter[0] if drafter else None
-    self.slices = replica_slices(mesh)
+    self.mesh, self.slices = mesh, replica_slices(mesh)
     self.local = local_slices(self.slices)  # the slices this process drives (all, with one)
     self.pool = ExecutablePool()
     self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg,
@@ -160,11 +162,11 @@ class RolloutEngine:
     self.update_params(policy_params, drafter[1] if drafter else None)
 
   def update_params(self, policy_params: dict | None = None, drafter_params: dict | None = None):
-    """Places new weights on this process's slices (a reshard; nothing goes through the
-    host). Other processes' slices hold None."""
+    """Places new weights on this process's slices in the rollout layout (one reshard from
+    whatever layout they come in, e.g. training's FSDP over the whole mesh; nothing goes
+    through the host). Other processes' slices hold None."""
     def place(tree, axes):
-      return [to_mesh(tree, logical_shardings(axes, m, self.rules, tree))
-              if s in self.local else None for s, m in enumerate(self.slices)]
+      return to_slices(tree, axes, self.mesh, self.local, self.rules)
     if policy_params is not None:
       self._policy = place(policy_params, self._policy_axes)
     if drafter_params is not None:

@@ -1,0 +1,116 @@
+"""The two layouts of one set of weights, on 8 emulated devices: training (FSDP over the whole
+mesh) and rollout (whole weights or tensor-parallel per replica slice). The same tokens and
+the same GRPO update whatever the mesh; no weight gathers inside a decode program; training
+state split evenly over the devices."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tests.speculative.drafters import random_drafter
+from tlt_jax.mesh import DEFAULT_RULES, make_mesh, shard_pytree
+from tlt_jax.models import ModelConfig, RopeConfig, init_params, param_logical_axes
+from tlt_jax.optim import init_optimizer
+from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.policy_update import PolicyUpdater
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.tuner import FixedTuner
+
+# (replica, fsdp, tensor): one device; 8 slices of 1; 2 tensor-parallel slices of 4; 4 slices
+# of 2 devices that split each slice's rows.
+LAYOUTS = [(1, 1, 1), (8, 1, 1), (2, 1, 4), (4, 2, 1)]
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [3, 3], [20, 1]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  """Dimensions that every layout divides (8 heads / 4 KV heads on tensor=4; hidden 64 on 8)."""
+  cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=8, num_kv_heads=4, head_dim=8, rope=RopeConfig(theta=10000.0),
+                    qkv_bias=True, max_position_embeddings=256, attention_impl="reference")
+  return cfg, init_params(cfg, jax.random.key(0))
+
+
+def _mesh(replica, fsdp, tensor):
+  n = replica * fsdp * tensor
+  return make_mesh({"replica": replica, "fsdp": fsdp, "tensor": tensor}, jax.devices()[:n])
+
+
+def _training_params(cfg, params, mesh):
+  return shard_pytree(params, param_logical_axes(cfg), mesh, DEFAULT_RULES)
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(0.0), SamplingParams(0.9, top_p=0.95)],
+                         ids=["greedy", "sampled"])
+def test_every_layout_generates_the_same_tokens_with_sd(model, sp):
+  cfg, params = model
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=10, sd_threshold=8)
+  drafter = random_drafter(cfg, seed=1)
+  results = {}
+  for layout in LAYOUTS:
+    mesh = _mesh(*layout)
+    engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec, drafter=drafter,
+                           tuner=FixedTuner((3, 2, 6)))
+    res = engine.generate(PROMPTS, 2, sp, jax.random.key(7))
+    assert any(r.mode == "sd" for r in res.timeline), layout
+    results[layout] = res.tokens
+  for layout, tokens in results.items():
+    assert tokens == results[LAYOUTS[0]], layout
+
+
+def test_decode_programs_gather_no_weights(model):
+  """In the rollout layout each device of a slice holds whole weights (or its tensor-parallel
+  part): the compiled decode loop has no all-gather of anything weight-sized."""
+  cfg, params = model
+  weight_sizes = {x.size for x in jax.tree.leaves(params) if x.size >= cfg.hidden_size ** 2}
+  for layout in ((4, 2, 1), (2, 1, 4)):
+    mesh = _mesh(*layout)
+    ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=6, sd_threshold=8)
+    engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec,
+                           drafter=random_drafter(cfg, seed=1), tuner=FixedTuner((3, 2, 6)))
+    engine.generate(PROMPTS, 1, SamplingParams(0.0), jax.random.key(0))
+    decodes = [exe for key, exe in engine.pool._exes.items() if key[1] == "decode"]
+    assert decodes
+    for exe in decodes:
+      for shape in re.findall(r"= \w+\[([\d,]+)\][^\n]*all-gather\(", exe.as_text()):
+        gathered = int(np.prod([int(d) for d in shape.split(",")]))
+        assert gathered not in weight_sizes and gathered < cfg.hidden_size ** 2, (layout, shape)
+
+
+def test_training_state_is_split_over_every_device(model):
+  """FSDP over replica x fsdp: each device holds 1/8 of the weights and of AdamW's state
+  (within the few small leaves, e.g. biases, that tensor axes would split)."""
+  cfg, params = model
+  mesh = _mesh(4, 2, 1)
+  sharded = _training_params(cfg, params, mesh)
+  opt_state, _ = init_optimizer(optax.adamw(1e-3), sharded, mesh)
+  device = jax.devices()[0]
+  for tree in (sharded, opt_state):
+    leaves = [x for x in jax.tree.leaves(tree) if x.ndim]
+    total = sum(x.nbytes for x in leaves)
+    mine = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
+    assert mine <= total / 8 * 1.05, (mine, total)
+
+
+def test_the_grpo_update_is_the_same_on_one_device_and_on_eight(model):
+  cfg, params = model
+  completions = [[5, 6, 7, 8, 9], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3], [2, 2]]
+  prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+  advantages = np.array([1.0, -0.5, 2.0, -1.5], np.float32)
+  updated = []
+  for layout in ((1, 1, 1), (4, 2, 1)):
+    mesh = _mesh(*layout)
+    start = _training_params(cfg, jax.tree.map(jnp.copy, params), mesh)
+    updater = PolicyUpdater(cfg, GrpoConfig(), optax.sgd(0.5), start, mesh, DEFAULT_RULES,
+                            ppo_epochs=1, mini_batches=1, micro_batch_rows=8)
+    new, metrics, _ = updater(start, prompts, completions, advantages, 0, max_width=16)
+    assert metrics["nonfinite"] == 0.0
+    updated.append(jax.device_get(new))
+  for a, b in zip(jax.tree.leaves(updated[0]), jax.tree.leaves(updated[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert not np.allclose(updated[0]["lm_head"]["kernel"], params["lm_head"]["kernel"])
