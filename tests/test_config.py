@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -101,6 +102,80 @@ def test_cli_bad_variant(tmp_path):
   r = _cli("--config", "configs/default.py:nope")
   assert r.returncode != 0 and "unknown variant 'nope'" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+def _job(job, *args, cwd=REPO):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",  # the package from any cwd
+             PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+  return subprocess.run([sys.executable, "-m", f"tlt_jax.{job}", *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def _one_line_error(r, message):
+  assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+  assert len([line for line in r.stderr.splitlines() if "error" in line]) == 1, r.stderr
+
+
+@pytest.mark.parametrize("job", ["train", "sft", "warmup_drafter", "generate"])
+def test_stray_arguments_fail_in_one_line(job, tmp_path):
+  """A boolean given after a space ('--flag False') leaves 'False' over; absl would ignore it."""
+  r = _job(job, "--config", "configs/default.py:runlocal", "--workdir", str(tmp_path / "w"),
+           "--config.rollout.speculative.enable", "False")
+  _one_line_error(r, "command line error: unexpected argument 'False' after "
+                     "--config.rollout.speculative.enable: write "
+                     "--config.rollout.speculative.enable=False")
+  assert not (tmp_path / "w").exists()
+
+
+def test_stray_words_after_a_value_fail_in_one_line(tmp_path):
+  r = _job("generate", "--config", "configs/default.py:runlocal", "--workdir", str(tmp_path),
+           "extra", "words")
+  _one_line_error(r, "unexpected argument 'extra', 'words': the jobs take only flags, each as "
+                     "--flag=value")
+
+
+def test_config_file_errors_are_one_line(tmp_path):
+  """A relative path names the current directory; a failing file its line."""
+  r = _job("generate", "--config", "configs/default.py:runlocal", cwd=tmp_path)
+  _one_line_error(r, f"config error: config file 'configs/default.py' (in {tmp_path}) does "
+                     f"not exist; relative paths are read from the current directory")
+  (tmp_path / "raises.py").write_text("def get_config(arg=None):\n  return {}['rl']\n")
+  r = _job("train", "--config", str(tmp_path / "raises.py"), "--config.rl.steps=3")
+  _one_line_error(r, f"config error: config file '{tmp_path / 'raises.py'}' failed at line 2: "
+                     f"KeyError: 'rl'")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("def get_config(arg=None)\n  return 1\n", "does not parse: expected ':' (line 1)"),
+    ("x = 1\n", "has no get_config(arg) function"),
+    ("import no_such_module\n", "failed at line 1: ModuleNotFoundError: No module named"),
+    ("def get_config(arg=None):\n  raise ValueError(f'unknown variant {arg!r}')\n",
+     "failed at line 2: unknown variant 'x'"),
+])
+def test_config_files_that_fail_are_named(tmp_path, text, message):
+  from tlt_jax.cli import read_config_file
+  (tmp_path / "c.py").write_text(text)
+  with pytest.raises(ConfigError, match=re.escape(f"config file '{tmp_path / 'c.py'}' {message}")):
+    read_config_file(f"{tmp_path / 'c.py'}:x")
+
+
+@pytest.mark.parametrize("job", ["warmup_drafter", "generate"])
+def test_a_workdir_that_cannot_be_made_is_one_line(job, tmp_path):
+  (tmp_path / "a-file").write_text("")
+  r = _job(job, "--config", "configs/default.py:runlocal", "--workdir",
+           str(tmp_path / "a-file" / "run"))
+  _one_line_error(r, "cannot be a folder: not a directory")
+
+
+def test_a_policy_folder_is_not_a_drafter():
+  c = base_config()
+  c.drafter.path = os.path.join(REPO, "assets", "tiny-policy")
+  with pytest.raises(ConfigError, match=r"drafter.path='.*tiny-policy': not a drafter export "
+                                        r"\(it describes a 'qwen2' model: a policy folder\?\); "
+                                        r"a drafter folder, .* holds a config.json with "
+                                        r"'drafter' and 'policy' sections"):
+    validate_config(c)
 
 
 @pytest.mark.slow

@@ -10,13 +10,27 @@ from tlt_jax.optim import AdamWConfig, make_adamw
 
 def test_schedule_warms_up_then_holds_or_decays():
   hold = AdamWConfig(learning_rate=1e-3, warmup_steps=4).schedule()
-  np.testing.assert_allclose([hold(s) for s in (0, 2, 4, 100)], [0.0, 5e-4, 1e-3, 1e-3])
+  np.testing.assert_allclose([hold(s) for s in (0, 1, 2, 3, 4, 100)],
+                             [2e-4, 4e-4, 6e-4, 8e-4, 1e-3, 1e-3], rtol=1e-6)
   decay = AdamWConfig(learning_rate=1e-3, warmup_steps=4, decay_steps=20,
                       end_lr_fraction=0.1).schedule()
+  assert decay(0) == pytest.approx(2e-4)
   assert decay(4) == pytest.approx(1e-3)
   assert decay(20) == pytest.approx(1e-4)
   assert 1e-4 < decay(12) < 1e-3
   assert AdamWConfig(learning_rate=1e-3).schedule() == 1e-3  # no warm-up: constant
+
+
+@pytest.mark.parametrize("decay_steps", [0, 20])
+def test_the_first_update_of_a_warm_up_trains(decay_steps):
+  """Warm-up starts one increment above 0: update 0 moves the weights (Adam's first step is
+  lr * sign(g)), and the peak comes at update warmup_steps."""
+  oc = AdamWConfig(learning_rate=1e-2, warmup_steps=4, decay_steps=decay_steps)
+  tx = make_adamw(oc)
+  params = {"w": jnp.zeros(2)}
+  updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], -1e-2 / 5, rtol=1e-4)
+  assert oc.schedule()(4) == pytest.approx(1e-2)
 
 
 def test_clipping_bounds_the_first_step():

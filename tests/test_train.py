@@ -145,6 +145,12 @@ def _broken_policy(tmp_path, damage):
     ("no-weights", "has no weights: neither model.safetensors"),
     ("workdir-under-a-file", "cannot be a folder"),
     ("workdir-in-use", "is in use by another run"),
+    (["--config.rollout.max_prompt_len=64"],
+     "rollout.max_prompt_len=64 is below the built-in task's longest prompt, 119 tokens"),
+    ("long-prompt-file", "train.jsonl:2: the prompt has 310 tokens, more than "
+                         "rollout.max_prompt_len=128"),
+    ([f"--config.drafter.path={os.path.join(REPO, 'assets', 'tiny-policy')}"],
+     "not a drafter export"),
 ])
 def test_bad_inputs_fail_in_one_line_before_any_compile(tmp_path, args, message):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -155,6 +161,11 @@ def test_bad_inputs_fail_in_one_line_before_any_compile(tmp_path, args, message)
     workdir, args = tmp_path / "a-file" / "run", []
   elif args == "workdir-in-use":
     lock, args = lock_workdir(str(workdir)), []  # a live run holds it
+  elif args == "long-prompt-file":
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n"
+                            for q in ("What is 0+1?", "Add one. " * 50)))
+    args = [f"--config.task.data_path={data}", "--config.rl.num_eval_examples=0"]
   elif isinstance(args, str):
     args = [f"--config.model.path={_broken_policy(tmp_path, args)}"]
   t = time.perf_counter()

@@ -6,25 +6,63 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
+import traceback
 
 import jax
 import ml_collections
 from absl import flags
 
 from tlt_jax.compile_cache import enable_compilation_cache
-from tlt_jax.components import validate_config
+from tlt_jax.components import first_line, validate_config
 from tlt_jax.config import ConfigError, RunStopped
 from tlt_jax.mesh import initialize_distributed
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl `flags_parser` that turns config-file and override errors into a one-line exit."""
+  """absl `flags_parser` with one-line exits for a config file that is missing, does not parse
+  or raises, for bad overrides, and for words left over after the flags."""
+  if "config" in flags.FLAGS:
+    # Read here first: absl would defer a missing file's error to the config's first use and
+    # let other errors of the file through as tracebacks.
+    try:
+      read_config_file(_config_spec(argv))
+    except ConfigError as e:
+      sys.exit(f"config error: {e}")
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
     # ml_collections reports unknown override keys as AttributeError/KeyError with a hint.
     sys.exit(f"config error: {_one_line(e)}")
+  if len(rest) > 1:  # no job takes positional arguments
+    sys.exit(f"command line error: {_stray_arguments(argv, rest[1:])}")
+  return rest
+
+
+def _config_spec(argv: list[str]) -> str:
+  """The --config value absl will read: the first on the command line (as ml_collections
+  takes it), else the flag's default."""
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      break
+    m = re.match(r"^--?config(=|$)", arg)
+    if m:
+      return arg[m.end():] if m.group(1) else (argv[i + 1] if i + 1 < len(argv) else "")
+  return flags.FLAGS["config"].default_as_str.strip("'")
+
+
+def _stray_arguments(argv: list[str], stray: list[str]) -> str:
+  """What to say about positional words absl left over: most often a value given after a
+  space, which absl only takes for non-boolean flags (a boolean's next word is left over)."""
+  word = stray[0]
+  before = argv[argv.index(word, 1) - 1] if word in argv[1:] else ""  # not: from a flagfile
+  words = ", ".join(repr(w) for w in stray)
+  if before.startswith("-") and before != "--" and "=" not in before:
+    return (f"unexpected argument {words} after {before}: write {before}={word}; every flag "
+            f"takes its value after '=' (booleans too: --flag=false)")
+  return (f"unexpected argument {words}: the jobs take only flags, each as --flag=value "
+          f"(booleans too: --flag=false)")
 
 
 def _one_line(e: Exception) -> str:
@@ -86,16 +124,44 @@ def run_main(main) -> None:
   app.run(wrapped, flags_parser=parse_flags)
 
 
+def read_config_file(spec: str) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file given as 'path[:arg]' (as --config takes it).
+
+  Raises ConfigError naming the file (and the current directory, when the path is relative)
+  when it is missing, does not parse, has no get_config, or raises (with the line).
+  """
+  path, _, arg = spec.partition(":")
+  where = repr(path) if os.path.isabs(path) else f"{path!r} (in {os.getcwd()})"
+  if not os.path.isfile(path):
+    fix = ("" if os.path.isabs(path) else "; relative paths are read from the current "
+           "directory (the README's configs/... from the repository root): run from there or "
+           "give an absolute path")
+    raise ConfigError(f"config file {where} does not exist{fix}")
+  try:
+    module_spec = importlib.util.spec_from_file_location("tlt_jax_config_file", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+      raise ConfigError(f"config file {where} has no get_config(arg) function")
+    return module.get_config(arg or None)
+  except ConfigError:
+    raise
+  except SyntaxError as e:
+    raise ConfigError(f"config file {where} does not parse: {e.msg} (line {e.lineno})") from None
+  except Exception as e:
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+             if os.path.abspath(f.filename) == os.path.abspath(path)]
+    at = f" at line {lines[-1]}" if lines else ""
+    # A ValueError is how config files refuse an argument (an unknown variant): its message is
+    # meant for the user. Anything else is a bug in the file, named by its type.
+    what = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
+    raise ConfigError(f"config file {where} failed{at}: {what}{first_line(e)}") from None
+
+
 def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
   """`get_config(arg)` of a config file given as 'path[:arg]' (as --config takes it), unlocked,
   with 'key=value' overrides (dotted keys; values parsed to the existing value's type)."""
-  path, _, arg = spec.partition(":")
-  if not os.path.isfile(path):
-    raise ConfigError(f"config file {path!r} not found")
-  module_spec = importlib.util.spec_from_file_location("tlt_jax_config_file", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  config = module.get_config(arg or None)
+  config = read_config_file(spec)
   config.unlock()
   for item in overrides:
     key, sep, value = item.partition("=")

@@ -25,11 +25,12 @@ from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
 from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
-from tlt_jax.rl.data import load_examples
+from tlt_jax.rl.data import load_numbered_examples
 from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.phases import rl_prompts
 from tlt_jax.rl.rewards import RewardFn, make_reward
 from tlt_jax.rl.tasks import Example, TaskSlice, make_task
+from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
@@ -211,7 +212,7 @@ def load_tokenizer_for(config: ml_collections.ConfigDict):
   try:
     return load_tokenizer(path)
   except (OSError, ValueError) as e:
-    raise ConfigError(f"{key}={path!r}: no usable tokenizer ({_first_line(e)})") from None
+    raise ConfigError(f"{key}={path!r}: no usable tokenizer ({first_line(e)})") from None
 
 
 def load_policy(config: ml_collections.ConfigDict, mesh: Mesh) -> tuple[ModelConfig, dict]:
@@ -223,7 +224,7 @@ def load_policy(config: ml_collections.ConfigDict, mesh: Mesh) -> tuple[ModelCon
     try:
       return cfg, load_hf_params(config.model.path, cfg, mesh, rules)
     except (OSError, ValueError) as e:
-      raise ConfigError(f"model.path={config.model.path!r}: {_first_line(e)}") from None
+      raise ConfigError(f"model.path={config.model.path!r}: {first_line(e)}") from None
   shapes = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
   shardings = logical_shardings(param_logical_axes(cfg), mesh, rules, shapes)
   params = jax.jit(functools.partial(init_params, cfg), out_shardings=shardings)(
@@ -240,7 +241,7 @@ def load_drafter_for(config: ml_collections.ConfigDict, cfg: ModelConfig,
     try:
       saved_cfg, params = load_drafter(config.drafter.path, cfg)
     except (OSError, ValueError, TypeError) as e:
-      raise ConfigError(f"drafter.path={config.drafter.path!r}: {_first_line(e)}") from None
+      raise ConfigError(f"drafter.path={config.drafter.path!r}: {first_line(e)}") from None
     if saved_cfg != dcfg:
       raise ConfigError(f"drafter.path={config.drafter.path!r} holds a drafter {saved_cfg} but "
                         f"the config's drafter section describes {dcfg}; make them agree or "
@@ -252,7 +253,8 @@ def load_drafter_for(config: ml_collections.ConfigDict, cfg: ModelConfig,
     raise ConfigError(str(e)) from None
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
+  """An exception's message cut to its first line (its type's name when it has none)."""
   text = str(e).strip()
   return text.splitlines()[0] if text else type(e).__name__
 
@@ -277,14 +279,44 @@ def make_engine(config: ml_collections.ConfigDict, cfg: ModelConfig, params: dic
 
 def _data_file(config: ml_collections.ConfigDict, eval_split: bool) -> list[Example]:
   key = "eval_data_path" if eval_split else "data_path"
-  path = config.task[key]
-  if not path:
+  if not config.task[key]:
     raise ConfigError(f"task.data_path is set but task.{key} is not: held-out problems need "
                       f"their own file")
+  return [example for _, example in _data_records(config, key)]
+
+
+def _data_records(config: ml_collections.ConfigDict, key: str) -> list[tuple[int, Example]]:
+  """(line number, Example) of task.<key>'s file; ConfigError naming the key when it is bad."""
   try:
-    return load_examples(path)
+    return load_numbered_examples(config.task[key])
   except (OSError, ValueError) as e:
-    raise ConfigError(f"task.{key}: {_first_line(e)}") from None
+    raise ConfigError(f"task.{key}: {first_line(e)}") from None
+
+
+def check_prompt_lengths(config: ml_collections.ConfigDict, tokenizer,
+                         data_files: bool = True) -> None:
+  """Once, at a job's start, before anything compiles: ConfigError when a problem the job may
+  draw has more prompt tokens (chat template included) than rollout.max_prompt_len. Every
+  record of task.data_path and task.eval_data_path is measured, and the error names the file,
+  the line and the length; the built-in task is measured by its longest possible prompt
+  (`ArithmeticTask.longest_prompts`). data_files=False: the built-in task only (SFT)."""
+  limit = config.rollout.max_prompt_len
+  if data_files and config.task.data_path:
+    for key in ("data_path", "eval_data_path"):
+      if not config.task[key]:
+        continue
+      for lineno, example in _data_records(config, key):
+        n = len(prompt_ids(tokenizer, example.prompt))
+        if n > limit:
+          raise ConfigError(f"task.{key}: {config.task[key]}:{lineno}: the prompt has {n} "
+                            f"tokens, more than rollout.max_prompt_len={limit}; raise "
+                            f"rollout.max_prompt_len to at least {n} or shorten the prompt")
+    return
+  n = max(len(prompt_ids(tokenizer, p)) for p in task_from_config(config).longest_prompts())
+  if n > limit:
+    raise ConfigError(f"rollout.max_prompt_len={limit} is below the built-in task's longest "
+                      f"prompt, {n} tokens (task.max_steps={config.task.max_steps}); set "
+                      f"rollout.max_prompt_len={n} or more, or lower task.max_steps")
 
 
 def training_set(config: ml_collections.ConfigDict, size: int) -> Sequence[Example]:

@@ -18,6 +18,7 @@ import ml_collections
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
 from tlt_jax.models.config import DTYPES, MODEL_TYPES
+from tlt_jax.models.drafter_io import read_drafter_config
 from tlt_jax.models.hf import check_model_folder, check_safetensors
 
 # Which forward passes run the layers as a lax.scan (see model.scan_layers below).
@@ -460,8 +461,7 @@ def _check_drafter(d: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"drafter.path={d.path!r} has no {fn}; export a drafter with "
                           f"python -m tlt_jax.warmup_drafter")
     try:
-      with open(os.path.join(d.path, "config.json")) as f:
-        json.load(f)
+      read_drafter_config(d.path)
       check_safetensors(os.path.join(d.path, "model.safetensors"))
     except json.JSONDecodeError as e:
       raise ConfigError(f"drafter.path={d.path!r}: config.json is not valid JSON ({e.msg} at "

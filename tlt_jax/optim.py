@@ -13,7 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
-  """learning_rate: the peak, reached after warmup_steps of linear warm-up from 0.
+  """learning_rate: the peak. With warmup_steps = W > 0, update s (0-based) of the first W
+  uses learning_rate * (s + 1) / (W + 1), so the first update already trains, and the peak
+  is reached at update W.
   decay_steps: 0 keeps the peak after the warm-up; else a cosine decay reaching
   end_lr_fraction * learning_rate at decay_steps (the run's length, `<section>.steps`).
   grad_clip: the global gradient norm is clipped to this (0 = no clipping).
@@ -45,12 +47,16 @@ class AdamWConfig:
         raise ValueError(f"{s}.{name}={getattr(self, name)} must be in [0, 1)")
 
   def schedule(self) -> optax.Schedule | float:
+    """The learning rate of update s (0-based): a float when it is constant."""
+    # optax's warm-ups start at init_value; from 0 the first update would not move the
+    # weights. Starting one warm-up increment above 0 gives peak * (s + 1) / (W + 1).
+    first = self.learning_rate / (self.warmup_steps + 1)
     if self.decay_steps:
       return optax.warmup_cosine_decay_schedule(
-          init_value=0.0, peak_value=self.learning_rate, warmup_steps=self.warmup_steps,
+          init_value=first, peak_value=self.learning_rate, warmup_steps=self.warmup_steps,
           decay_steps=self.decay_steps, end_value=self.learning_rate * self.end_lr_fraction)
     if self.warmup_steps:
-      return optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps)
+      return optax.linear_schedule(first, self.learning_rate, self.warmup_steps)
     return self.learning_rate
 
 

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
-from tlt_jax.components import (load_policy, make_engine, task_from_config,
-                                training_model_config)
+from tlt_jax.components import (check_prompt_lengths, load_policy, make_engine,
+                                task_from_config, training_model_config)
 from tlt_jax.config import ConfigError, flat_settings
 from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, make_mesh
 from tlt_jax.models.hf import load_tokenizer, save_hf_checkpoint
@@ -104,6 +104,7 @@ def main(argv):
   batch_sharding = NamedSharding(mesh, logical_to_mesh_spec(P("batch", None),
                                                             (s.rows, s.seq_len), mesh, rules))
   tokenizer = get_tokenizer(config, workdir)
+  check_prompt_lengths(config, tokenizer, data_files=False)  # the held-out evaluation decodes
   iterator = PromptIterator(TaskSlice(task_from_config(config), s.num_train_examples),
                             seed=config.seed)
   eval_set = task_from_config(config, eval_split=True).examples(s.num_eval_examples)

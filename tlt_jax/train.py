@@ -36,7 +36,7 @@ from tqdm import tqdm
 from tlt_jax import cli
 from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer
 from tlt_jax.compile_cache import COMPILES
-from tlt_jax.components import (drafter_opt_config, grpo_config,
+from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, grpo_config,
                                 load_drafter_for, load_policy, load_tokenizer_for, make_engine,
                                 policy_adamw, reward_from_config, sampling_params, spot_config,
                                 task_examples, training_model_config, training_set)
@@ -119,6 +119,7 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   mesh = make_mesh(dict(config.mesh.axes))
   rules = tuple(config.mesh.rules)
   tokenizer = load_tokenizer_for(config)
+  check_prompt_lengths(config, tokenizer)
   prompts_iter = PromptIterator(training_set(config, rl.num_train_examples), seed=config.seed)
   eval_examples = task_examples(config, rl.num_eval_examples, eval_split=True) \
       if rl.num_eval_examples else []

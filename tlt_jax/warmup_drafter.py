@@ -29,8 +29,8 @@ from ml_collections import config_flags
 
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
-from tlt_jax.components import (drafter_opt_config, load_drafter_for, load_policy,
-                                load_tokenizer_for, make_engine, task_prompts)
+from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_drafter_for,
+                                load_policy, load_tokenizer_for, make_engine, task_prompts)
 from tlt_jax.config import flat_settings
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
@@ -81,6 +81,7 @@ def main(argv):
   # ---------------------------------------------------------------- policy and prompts
   mesh = make_mesh(dict(config.mesh.axes))
   tokenizer = load_tokenizer_for(config)
+  check_prompt_lengths(config, tokenizer)
   cfg, params = load_policy(config, mesh)
   _, prompts = task_prompts(config, tokenizer, w.num_prompts)
   _, eval_prompts = task_prompts(config, tokenizer, w.num_eval_prompts, eval_split=True)

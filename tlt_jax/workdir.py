@@ -46,9 +46,9 @@ def make_workdir(path: str) -> str:
   except (FileExistsError, NotADirectoryError) as e:
     raise ConfigError(f"--workdir {path!r} cannot be a folder: {e.strerror.lower()} "
                       f"({e.filename or path}); choose another --workdir") from None
-  except PermissionError:
-    raise ConfigError(f"--workdir {path!r} cannot be created: permission denied; choose "
-                      f"another --workdir") from None
+  except OSError as e:  # permission denied, a read-only file system, ...
+    raise ConfigError(f"--workdir {path!r} cannot be created: {e.strerror.lower()} "
+                      f"({e.filename or path}); choose another --workdir") from None
   if not os.access(path, os.W_OK):
     raise ConfigError(f"--workdir {path!r} is not writable; choose another --workdir")
   return path

@@ -15,15 +15,25 @@ from tlt_jax.rl.answers import (answers_match, extract_answer, extract_boxed, ex
     (r"first \boxed{1} then \boxed{2}", "2"),
     (r"\fbox{42}", "42"),
     (r"the answer: \boxed 5", "5"),
-    ("the values are -3 and 12.5", "12.5"),  # last-number fallback
-    ("she paid $1,250.50 in total", "1,250.50"),
-    ("a ratio of 3/4", "3/4"),
     ("no answer here", None),
     ("", None),
     (r"\boxed{unclosed", None),
+    ("7+5=12\n12*3=36", None),  # no '####' line: the last number is not taken ...
 ])
 def test_extract_answer(text, expected):
   assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("the values are -3 and 12.5", "12.5"),  # ... unless asked for
+    ("she paid $1,250.50 in total", "1,250.50"),
+    ("a ratio of 3/4", "3/4"),
+    ("7+5=12\n12*3=36", "36"),
+    ("work\n#### 8\nthen 9", "8"),  # the format still wins
+    ("no answer here", None),
+])
+def test_extract_answer_with_the_last_number_fallback(text, expected):
+  assert extract_answer(text, fallback=True) == expected
 
 
 def test_extractors_alone():
@@ -31,7 +41,7 @@ def test_extractors_alone():
   assert extract_hash_answer("#### ") is None
   assert extract_boxed("no box") is None
   assert extract_last_number("x = -.5") == "-.5"
-  assert extract_answer("the answer is 3", fallback=False) is None
+  assert extract_answer("the answer is 3") is None
 
 
 @pytest.mark.parametrize("a,b", [

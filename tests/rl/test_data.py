@@ -7,6 +7,7 @@ import pytest
 
 from tlt_jax.rl.data import (PromptIterator, example_from_record, load_examples, load_jsonl,
                              load_reasoning_gym)
+from tlt_jax.rl.tasks import ArithmeticTask
 
 RECORDS = [
     {"question": "Tom has 3 apples and buys 1,200 more. How many?",
@@ -80,6 +81,60 @@ def test_data_files_for_the_jobs(tmp_path, jsonl):
   config.task.data_path = str(tmp_path / "empty.jsonl")
   with pytest.raises(ConfigError, match="task.data_path: data file .* has no records"):
     training_set(config, 10)
+
+
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
+  path = tmp_path / "latin1.jsonl"
+  path.write_bytes(json.dumps(RECORDS[0]).encode() + b'\n{"question": "caf\xe9", "answer": "1"}\n')
+  with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9, the line's byte "
+                                       r"18\); re-encode the file as UTF-8"):
+    load_examples(str(path))
+  path.write_bytes('{"question": "caf\u00e9 \u00fcber", "answer": "1"}\n'.encode())
+  assert load_examples(str(path))[0].prompt == "caf\u00e9 \u00fcber"
+
+
+def test_prompt_lengths_are_checked_at_the_start(tmp_path):
+  """Every record of the data files, and the built-in task's longest prompt, against
+  rollout.max_prompt_len, before anything is compiled."""
+  from tests.conftest import repo_config
+  from tlt_jax.components import check_prompt_lengths, load_tokenizer_for
+  from tlt_jax.config import ConfigError
+  from tlt_jax.rl.tokenizer import prompt_ids
+  config = repo_config("default", "runlocal")
+  config.unlock()
+  tokenizer = load_tokenizer_for(config)
+  check_prompt_lengths(config, tokenizer)  # the shipped config's task fits
+  longest = max(len(prompt_ids(tokenizer, p))
+                for p in ArithmeticTask(**_task_args(config)).longest_prompts())
+  drawn = ArithmeticTask(**_task_args(config)).examples(2000)
+  assert max(len(prompt_ids(tokenizer, e.prompt)) for e in drawn) <= longest
+  config.rollout.max_prompt_len = longest - 1
+  with pytest.raises(ConfigError, match=rf"rollout.max_prompt_len={longest - 1} is below the "
+                                        rf"built-in task's longest prompt, {longest} tokens"):
+    check_prompt_lengths(config, tokenizer)
+
+  config.rollout.max_prompt_len = 64
+  short, long_ = "What is 2+2?", "Add one. " * 40
+  n = len(prompt_ids(tokenizer, long_))
+  (tmp_path / "train.jsonl").write_text("\n".join(
+      json.dumps({"question": q, "answer": "4"}) for q in (short, short)) + "\n")
+  (tmp_path / "heldout.jsonl").write_text("\n\n".join(
+      json.dumps({"question": q, "answer": "4"}) for q in (short, long_)) + "\n")
+  config.task.data_path = str(tmp_path / "train.jsonl")
+  config.task.eval_data_path = str(tmp_path / "heldout.jsonl")
+  with pytest.raises(ConfigError, match=rf"task.eval_data_path: .*heldout.jsonl:3: the prompt "
+                                        rf"has {n} tokens, more than rollout.max_prompt_len=64"):
+    check_prompt_lengths(config, tokenizer)
+  with pytest.raises(ConfigError, match="built-in task's longest prompt"):
+    check_prompt_lengths(config, tokenizer, data_files=False)  # the built-in task at 20 steps
+  config.task.max_steps = 6
+  check_prompt_lengths(config, tokenizer, data_files=False)  # ... and at 6
+
+
+def _task_args(config):
+  t = config.task
+  return dict(max_steps=t.max_steps, max_value=t.max_value, max_operand=t.max_operand,
+              max_multiplier=t.max_multiplier)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is not None,

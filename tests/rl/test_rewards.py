@@ -13,6 +13,12 @@ def test_answer_reward():
   assert answer_reward(PROMPTS, COMPLETIONS, answer=ANSWERS) == [1.0, 0.0, 1.0, 0.0]
 
 
+def test_answer_reward_needs_the_answer_format():
+  """A right last number without a '####' line (or a \\boxed{}) earns nothing."""
+  assert answer_reward(["p"] * 3, ["3+4=7", "so it is 7", "3+4=7\n#### 7"],
+                       answer=["7"] * 3) == [0.0, 0.0, 1.0]
+
+
 def test_format_reward_needs_a_final_hash_line_with_a_number():
   assert format_reward(PROMPTS, COMPLETIONS, answer=ANSWERS) == [0.1, 0.1, 0.0, 0.0]
   assert make_format_reward(0.5)(["p"], ["#### -1,200\n"]) == [0.5]

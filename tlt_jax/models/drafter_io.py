@@ -85,6 +85,22 @@ def save_drafter(path: str, params: dict, cfg: ModelConfig, dcfg: DrafterConfig,
     json.dump(config, f, indent=2)
 
 
+def read_drafter_config(path: str) -> dict:
+  """A drafter folder's config.json. Raises ValueError saying what a drafter export holds when
+  it is not one (e.g. a policy folder), json.JSONDecodeError when it is not JSON."""
+  with open(os.path.join(path, CONFIG_FILE)) as f:
+    config = json.load(f)
+  if not (isinstance(config, dict) and isinstance(config.get("drafter"), dict)
+          and isinstance(config.get("policy"), dict)):
+    kind = (f" (it describes a {config['model_type']!r} model: a policy folder?)"
+            if isinstance(config, dict) and "model_type" in config else "")
+    raise ValueError(f"not a drafter export{kind}; a drafter folder, as python "
+                     f"-m tlt_jax.warmup_drafter exports it to WORKDIR/export, holds a "
+                     f"{CONFIG_FILE} with 'drafter' and 'policy' sections and the drafter's "
+                     f"{WEIGHTS_FILE} (fc, layers.*)")
+  return config
+
+
 def load_drafter(path: str, cfg: ModelConfig) -> tuple[DrafterConfig, dict]:
   """(DrafterConfig, params as numpy arrays in cfg.param_dtype) from a drafter folder.
 
@@ -95,8 +111,7 @@ def load_drafter(path: str, cfg: ModelConfig) -> tuple[DrafterConfig, dict]:
     if not os.path.isfile(os.path.join(path, fn)):
       raise FileNotFoundError(f"drafter folder {path!r} has no {fn}; export one with "
                               f"python -m tlt_jax.warmup_drafter")
-  with open(os.path.join(path, CONFIG_FILE)) as f:
-    config = json.load(f)
+  config = read_drafter_config(path)
   dcfg = DrafterConfig(**config["drafter"])
   wrong = {k: (v, getattr(cfg, k)) for k, v in config["policy"].items()
            if k in POLICY_FIELDS and v != getattr(cfg, k)}

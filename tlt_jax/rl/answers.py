@@ -3,7 +3,9 @@
 Extraction, most specific first:
   - GSM8K: the last line "#### x" (`extract_hash_answer`);
   - MATH / DAPO: the last `\\boxed{x}` or `\\fbox{x}`, nested braces allowed (`extract_boxed`);
-  - fallback: the last number in the text (`extract_last_number`).
+  - only when asked (`extract_answer(text, fallback=True)`): the last number in the text
+    (`extract_last_number`). The rewards and evaluation leave it off, so a response that skips
+    the answer format earns nothing for a number it happens to end on.
 Equivalence (`answers_match`) compares exact rationals when both sides parse as numbers (signs,
 thousands commas, decimals, `a/b`, `\\frac{a}{b}` / `\\dfrac` / `\\tfrac`, a trailing `.0`,
 `$`, whitespace and `\\text{}` wrappers are handled), and normalised strings otherwise.
@@ -59,8 +61,9 @@ def extract_last_number(text: str) -> str | None:
   return found[-1] if found else None
 
 
-def extract_answer(text: str, fallback: bool = True) -> str | None:
-  """'#### x', else the last \\boxed{x}, else (when fallback) the last number; None if none."""
+def extract_answer(text: str, fallback: bool = False) -> str | None:
+  """'#### x', else the last \\boxed{x}, else None; fallback=True (for responses that were
+  never asked for a format, e.g. a base model's) takes the last number instead of None."""
   for extract in (extract_hash_answer, extract_boxed):
     found = extract(text)
     if found is not None:

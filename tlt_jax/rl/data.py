@@ -1,6 +1,7 @@
 """Real data sets as `Example`s, and a deterministic, resumable prompt iterator.
 
   load_examples(path)              a training or held-out data file (JSON lines; see load_jsonl)
+  load_numbered_examples(path)     the same as (line number, Example) pairs
   load_jsonl(path)                 GSM8K / MATH / DAPO-style JSON lines
   load_reasoning_gym(name, ...)    a reasoning_gym procedural data set (optional dependency:
                                    pip install -e ".[reasoning]")
@@ -94,38 +95,53 @@ def load_examples(path: str, limit: int | None = None) -> list[Example]:
 
   Raises FileNotFoundError or ValueError with one line naming the file (and the line).
   """
+  return [example for _, example in load_numbered_examples(path, limit)]
+
+
+def load_numbered_examples(path: str, limit: int | None = None) -> list[tuple[int, Example]]:
+  """(line number, Example) of each record of a data file, as `load_examples` reads it."""
   if path.endswith(".parquet"):
     raise ValueError(f"data file {path!r} is Parquet, which tlt_jax does not read; convert it "
                      f"to JSON lines, e.g. pandas.read_parquet(path).to_json(out, "
                      f"orient='records', lines=True)")
-  examples = load_jsonl(path, limit)
-  if not examples:
+  records = list(_jsonl_records(path, limit))
+  if not records:
     raise ValueError(f"data file {path!r} has no records (it is empty or blank)")
-  return examples
+  return records
 
 
 def load_jsonl(path: str, limit: int | None = None) -> list[Example]:
   """Reads a JSON-lines file of records (see `example_from_record`); blank lines are skipped.
 
   Raises FileNotFoundError for a missing file and ValueError naming the file and line of a bad
-  record.
+  record or of bytes that are not UTF-8.
   """
+  return [example for _, example in _jsonl_records(path, limit)]
+
+
+def _jsonl_records(path: str, limit: int | None) -> Iterator[tuple[int, Example]]:
+  """(line number, Example) of each record of a JSON-lines file; blank lines are skipped."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"data file {path!r} does not exist")
-  out = []
-  with open(path, encoding="utf-8", errors="replace") as f:
-    for lineno, line in enumerate(f, 1):
+  count = 0
+  with open(path, "rb") as f:  # bytes: a decoding error is then tied to its line
+    for lineno, raw in enumerate(f, 1):
+      where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x}, the line's byte "
+                         f"{e.start + 1}); re-encode the file as UTF-8") from None
       if not line.strip():
         continue
-      where = f"{path}:{lineno}"
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-      out.append(example_from_record(record, where))
-      if limit is not None and len(out) >= limit:
-        break
-  return out
+      yield lineno, example_from_record(record, where)
+      count += 1
+      if limit is not None and count >= limit:
+        return
 
 
 def load_reasoning_gym(name: str, size: int, seed: int = 0, **task_kwargs) -> list[Example]:

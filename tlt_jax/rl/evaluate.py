@@ -18,7 +18,8 @@ from tlt_jax.speculative.sampling import SamplingParams
 def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
              sampling: SamplingParams, samples: int = 1, key: jax.Array | None = None) -> dict:
   """Samples `samples` completions per example with the engine's current policy and scores
-  their final answers (temperature 0 = greedy; SD, when the engine runs it, is exact).
+  their final answers as the answer reward does: stated as '#### x' or '\\boxed{x}'
+  (temperature 0 = greedy; SD, when the engine runs it, is exact).
 
   Returns a dict over the N = len(examples) * samples completions (example i's are
   i * samples .. i * samples + samples - 1): accuracy (float), num_examples, samples,

@@ -27,7 +27,9 @@ def _check_lengths(completions: Sequence[str], **columns) -> None:
 
 def answer_reward(prompts: Sequence[str], completions: Sequence[str], *,
                   answer: Sequence[str], **columns) -> list[float]:
-  """1.0 when the completion's final answer (`extract_answer`) matches `answer`, else 0.0."""
+  """1.0 when the completion states its final answer in the task's format ('#### x' or
+  '\\boxed{x}', `extract_answer`) and it matches `answer`, else 0.0: a response that skips
+  the format earns nothing, even when its last number is right."""
   del prompts, columns
   _check_lengths(completions, answer=answer)
   return [float(answers_match(extract_answer(c), a)) for c, a in zip(completions, answer)]

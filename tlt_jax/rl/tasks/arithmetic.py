@@ -121,6 +121,18 @@ class ArithmeticTask:
                    metadata={"task": "arithmetic", "seed": self.seed, "index": index,
                              "num_steps": n})
 
+  def longest_prompts(self) -> list[str]:
+    """Prompts at least as long as any this task makes, one per operation: max_steps steps of
+    it with the widest start value and operand. Not problems the task draws (a chain may leave
+    [0, max_value]); the longest tokenization of the three bounds its prompts' token counts
+    for tokenizers that split words apart before merging (byte-level BPEs such as Qwen's and
+    this project's)."""
+    widest = {"add": self.max_operand, "subtract": self.max_operand,
+              "multiply": self.max_multiplier}
+    return [" ".join([f"Start with {self.max_value}."]
+                     + [_WORDS[op].format(k=widest[op])] * self.max_steps
+                     + ["What is the result?"]) for op in OPS]
+
   def examples(self, count: int, start: int = 0) -> list[Example]:
     """Problems start, start + 1, ..., start + count - 1."""
     return [self.example(i) for i in range(start, start + count)]
