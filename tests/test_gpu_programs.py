@@ -43,8 +43,8 @@ def test_every_program_lowers_for_cuda_with_the_kernel(job):
 @pytest.mark.slow
 @pytest.mark.parametrize("job", JOBS)
 def test_the_one_gpu_demo_fits_70_gib(job):
-  """configs/gpu_demo.py at its full shapes (SFT 32 x 1536, RL update 32 x 1664, rollout
-  128 rows x 1664 slots), compiled here: every program's peak under 70 GiB."""
+  """configs/gpu_demo.py at its full shapes (SFT 32 x 1536, RL update 32 x 1920, rollout
+  128 rows x 1920 slots), compiled here: every program's peak under 70 GiB."""
   budget = job_budget(repo_config("gpu_demo"), job, progress=lambda _: None)
   for name, m in budget["programs"].items():
     assert m["peak_bytes"] < 70 * GiB, (name, m["peak_bytes"] / GiB)
