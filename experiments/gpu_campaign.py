@@ -5,7 +5,7 @@
   python experiments/gpu_campaign.py 3 --out runs/campaign   # gpu_e2e: rl, simulate
   python experiments/gpu_campaign.py all --quick --out /tmp/campaign   # toy shapes, any device
 
-Command 1 (~8 min estimated, not yet measured): experiments/bench_tree_attention.py's default
+Command 1 (~8.5 min estimated, not yet measured): experiments/bench_tree_attention.py's default
 grid (the kernel against the reference and the device's copy bandwidth; -> OUT/1/
 tree_attention.json, .png), then experiments/bench_decode.py at the Qwen2.5-7B shape, batches
 1 and 8 (the decode step against the plain-JAX floor, SD iterations with the full and a 32k

@@ -1,7 +1,7 @@
 """One process of the multi-host test (tests/test_multihost.py); not collected by pytest.
 
-  python -m tests.multihost_worker --config=configs/default.py:runlocal OUT.json WORKDIR \
-      [--config.key=value ...]        (from the repo root)
+  python -m tests.multihost_worker --config=configs/default.py:runlocal --out=OUT.json \
+      --workdir=WORKDIR [--config.key=value ...]        (from the repo root)
 
 Runs the main job with the given config and overrides (the mesh and mesh.distributed ones make
 it one process of several) and writes what this process saw: the summary it returned, and
@@ -10,15 +10,18 @@ every (completion, reward) its reward function was given.
 
 import json
 
-from absl import logging
+from absl import flags, logging
 
 from tlt_jax import cli
-from tlt_jax import train as train_job  # defines the --config flag, as the CLI does
+from tlt_jax import train as train_job  # defines --config and --workdir, as the CLI does
+
+_OUT = flags.DEFINE_string("out", None, "Where this process writes what it saw (JSON).")
 
 
 def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step of every process
-  out, workdir = argv[1:]
+  del argv
+  out, workdir = _OUT.value, train_job._WORKDIR.value
   config = cli.load_config(train_job._CONFIG)
   cli.setup_devices(config)
 

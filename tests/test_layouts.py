@@ -21,9 +21,11 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
-# (replica, fsdp, tensor): one device; 8 slices of 1; 2 tensor-parallel slices of 4; 4 slices
-# of 2 devices that split each slice's rows.
-LAYOUTS = [(1, 1, 1), (8, 1, 1), (2, 1, 4), (4, 2, 1)]
+# (replica, fsdp, tensor): one device; 2 slices of 2 devices that split each slice's rows;
+# 2 tensor-parallel slices of 4; 8 slices of 1 (training only: 8 slices compile 8 copies of
+# every rollout program on CPU, and 2 slices already show a slice's own copy).
+ROLLOUT_LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 1, 4)]
+LAYOUTS = ROLLOUT_LAYOUTS + [(8, 1, 1)]
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [3, 3], [20, 1]]
 
 
@@ -45,48 +47,40 @@ def _training_params(cfg, params, mesh):
   return shard_pytree(params, param_logical_axes(cfg), mesh, DEFAULT_RULES)
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(0.0), SamplingParams(0.9, top_p=0.95)],
-                         ids=["greedy", "sampled"])
-def test_every_layout_generates_the_same_tokens_with_sd(model, sp):
+def test_every_layout_generates_the_same_tokens_with_sd_and_gathers_no_weights(model):
+  """Greedy and sampled generation with SD give the same tokens on every rollout layout; and
+  as each device of a slice holds whole weights (or its tensor-parallel part), the compiled
+  decode loops gather no weights (what they gather is a small fraction of them)."""
   cfg, params = model
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=10, sd_threshold=8)
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=8, sd_threshold=8)
   drafter = random_drafter(cfg, seed=1)
+  weight_elements = sum(x.size for x in jax.tree.leaves((params, drafter[1])))
   results = {}
-  for layout in LAYOUTS:
+  for layout in ROLLOUT_LAYOUTS:
     mesh = _mesh(*layout)
     engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec, drafter=drafter,
                            tuner=FixedTuner((3, 2, 6)))
-    res = engine.generate(PROMPTS, 2, sp, jax.random.key(7))
-    assert any(r.mode == "sd" for r in res.timeline), layout
-    results[layout] = res.tokens
-  for layout, tokens in results.items():
-    assert tokens == results[LAYOUTS[0]], layout
-
-
-def test_decode_programs_gather_no_weights(model):
-  """In the rollout layout each device of a slice holds whole weights (or its tensor-parallel
-  part): the compiled decode loop has no all-gather of anything weight-sized."""
-  cfg, params = model
-  weight_sizes = {x.size for x in jax.tree.leaves(params) if x.size >= cfg.hidden_size ** 2}
-  for layout in ((4, 2, 1), (2, 1, 4)):
-    mesh = _mesh(*layout)
-    ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=6, sd_threshold=8)
-    engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec,
-                           drafter=random_drafter(cfg, seed=1), tuner=FixedTuner((3, 2, 6)))
-    engine.generate(PROMPTS, 1, SamplingParams(0.0), jax.random.key(0))
+    for sp in (SamplingParams(0.0), SamplingParams(0.9, top_p=0.95)):
+      res = engine.generate(PROMPTS, 2, sp, jax.random.key(7))
+      assert any(r.mode == "sd" for r in res.timeline), layout
+      results[layout, sp] = res.tokens
     decodes = [exe for key, exe in engine.pool._exes.items() if key[1] == "decode"]
     assert decodes
     for exe in decodes:
-      for shape in re.findall(r"= \w+\[([\d,]+)\][^\n]*all-gather\(", exe.as_text()):
-        gathered = int(np.prod([int(d) for d in shape.split(",")]))
-        assert gathered not in weight_sizes and gathered < cfg.hidden_size ** 2, (layout, shape)
+      # Rows split over a slice's fsdp devices may be gathered (activations: ~1/6 of the
+      # weights here, far less at a real size); FSDP weights would be gathered whole.
+      gathered = sum(int(np.prod([int(d) for d in shape.split(",")])) for shape in re.findall(
+          r"= \w+\[([\d,]+)\][^\n]*all-gather\(", exe.as_text()))
+      assert gathered < weight_elements / 2, (layout, gathered, weight_elements)
+  for (layout, sp), tokens in results.items():
+    assert tokens == results[ROLLOUT_LAYOUTS[0], sp], (layout, sp)
 
 
 def test_training_state_is_split_over_every_device(model):
   """FSDP over replica x fsdp: each device holds 1/8 of the weights and of AdamW's state
   (within the few small leaves, e.g. biases, that tensor axes would split)."""
   cfg, params = model
-  mesh = _mesh(4, 2, 1)
+  mesh = _mesh(8, 1, 1)
   sharded = _training_params(cfg, params, mesh)
   opt_state, _ = init_optimizer(optax.adamw(1e-3), sharded, mesh)
   device = jax.devices()[0]
@@ -97,13 +91,13 @@ def test_training_state_is_split_over_every_device(model):
     assert mine <= total / 8 * 1.05, (mine, total)
 
 
-def test_the_grpo_update_is_the_same_on_one_device_and_on_eight(model):
+def test_the_grpo_update_is_the_same_on_every_layout(model):
   cfg, params = model
   completions = [[5, 6, 7, 8, 9], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3], [2, 2]]
   prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
   advantages = np.array([1.0, -0.5, 2.0, -1.5], np.float32)
   updated = []
-  for layout in ((1, 1, 1), (4, 2, 1)):
+  for layout in LAYOUTS:  # training: FSDP over replica x fsdp, tensor-parallel over tensor
     mesh = _mesh(*layout)
     start = _training_params(cfg, jax.tree.map(jnp.copy, params), mesh)
     updater = PolicyUpdater(cfg, GrpoConfig(), optax.sgd(0.5), start, mesh, DEFAULT_RULES,
@@ -111,6 +105,7 @@ def test_the_grpo_update_is_the_same_on_one_device_and_on_eight(model):
     new, metrics, _ = updater(start, prompts, completions, advantages, 0, max_width=16)
     assert metrics["nonfinite"] == 0.0
     updated.append(jax.device_get(new))
-  for a, b in zip(jax.tree.leaves(updated[0]), jax.tree.leaves(updated[1])):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  for other in updated[1:]:
+    for a, b in zip(jax.tree.leaves(updated[0]), jax.tree.leaves(other)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   assert not np.allclose(updated[0]["lm_head"]["kernel"], params["lm_head"]["kernel"])

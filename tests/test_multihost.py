@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 def _worker(out, workdir, *args):
   cmd = [sys.executable, "-m", "tests.multihost_worker", "--config=configs/default.py:runlocal",
-         *MESH, *args, str(out), str(workdir)]
+         *MESH, *args, f"--out={out}", f"--workdir={workdir}"]
   return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
