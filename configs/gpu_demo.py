@@ -9,8 +9,8 @@ Variants:
   (none)  one GPU: an ~80M-parameter Qwen2-style policy (12 layers, hidden 768, bf16), chains
           of up to 64 steps so responses run from tens to over a thousand tokens, one rollout
           slice of 128 rows.
-  quick   a toy policy, a few steps of each stage (smoke tests): on CPU 2 emulated devices
-          (two rollout slices), on one GPU one slice.
+  quick   a toy policy, a few steps of each stage (smoke tests), on one device (one rollout
+          slice) like the one-GPU run, on CPU or GPU.
 The size is a first choice, not yet measured on a GPU: the decode step of this shape should be
 bound by the GPU, not by Python, which the run's busy share (metrics) shows.
 """
@@ -73,9 +73,7 @@ def get_config(arg: str | None = None):
     c.rl.micro_batch_rows = 32
     c.rl.num_eval_examples = 64
   elif arg == "quick":
-    c.mesh.num_cpu_devices = 2
-    c.mesh.axes.replica = -1  # every device a slice: 2 on CPU, 1 on one GPU
-    c.mesh.axes.fsdp = 1
+    c.mesh.num_cpu_devices = 1
     toy_settings(c)
     c.model.vocab_size = 320
     c.model.max_position_embeddings = 512

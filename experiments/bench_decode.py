@@ -85,22 +85,12 @@ from tlt_jax.kernels import ATTENTION_IMPLS  # noqa: E402
 from tlt_jax.models import ModelConfig, init_cache, init_params, prefill  # noqa: E402
 from tlt_jax.models.drafter import (DrafterConfig, init_drafter_cache,  # noqa: E402
                                     init_drafter_params)
+from tlt_jax.models.shapes import MODEL_SHAPES  # noqa: E402
 from tlt_jax.speculative.decoding import plain_step, sd_step, start  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
-SHAPES = {
-    # A model small enough for a 2-core CPU, with a 32k vocabulary.
-    "small": dict(vocab_size=32768, hidden_size=256, intermediate_size=768, num_layers=6,
-                  num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True),
-    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
-                         qkv_bias=True, tie_embeddings=True),
-    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                       qkv_bias=True),
-}
 
 
 def median_ms(fn, iters: int, warmup: int = 2) -> float:
@@ -398,7 +388,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   # No abbreviations: --hf is looked for verbatim before JAX is imported (see the top).
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument("--out", required=True, type=pathlib.Path, help="JSON output path")
-  parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+  parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default=None,
                       help="model shape (default: qwen2.5-7b on GPU, small elsewhere)")
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
   parser.add_argument("--prompt-len", type=int, default=None,
@@ -450,8 +440,7 @@ def main(argv=None):
   with_hf = args.hf and hf_available()
   if args.hf and not with_hf:
     print("torch or transformers is not installed: transformers is not measured")
-  cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=32768,
-                    dtype="bfloat16" if gpu else "float32",
+  cfg = ModelConfig(**MODEL_SHAPES[shape], dtype="bfloat16" if gpu else "float32",
                     param_dtype="bfloat16" if gpu else "float32",
                     attention_impl=args.attention_impl)
   strategies = [Strategy.parse(s) for s in args.strategies]
@@ -472,7 +461,8 @@ def main(argv=None):
   cap = -(-(prompt_len + max_new + most) // 64) * 64
   programs = build_programs(cfg, drafters, strategies, max_new, cap)
 
-  result = {**run_metadata(), "shape": shape, "model": SHAPES[shape], "dtype": cfg.dtype,
+  result = {**run_metadata(), "shape": shape, "model": MODEL_SHAPES[shape],
+            "dtype": cfg.dtype,
             "attention_impl": args.attention_impl, "prompt_len": prompt_len,
             "iters": args.iters, "batches": args.batches, "strategies": args.strategies,
             "hf": with_hf, "compilation_cache": cache_dir,

@@ -4,6 +4,12 @@
   python experiments/gpu_budget.py --config configs/gpu_demo.py --set model.remat=none \\
       --jobs sft --out /tmp/no_remat.json
   python experiments/gpu_budget.py --quick --out /tmp/budget.json        # toy shapes, seconds
+  python experiments/gpu_budget.py --config configs/qwen2_5_gpu.py:8gpu --devices 8 \
+      --model-shape qwen2.5-7b --jobs train --out docs/results/gpu_budget_8gpu.json
+
+With --devices N the config's mesh spans N devices (emulated on CPU): training programs run
+over all of them in the training layout, rollout programs on the first replica slice in the
+rollout layout, and every figure is one device's share (`tlt_jax.budget`).
 
 Every program of each job (`tlt_jax.budget.job_programs`: the SFT step; the RL job's rollout
 prefill, plain and SD decode calls, log-probs, policy update and drafter update; the warm-up's
@@ -39,14 +45,15 @@ from tlt_jax.budget import (GiB, H100, JOBS, job_budget, job_programs,  # noqa: 
                             lower_for_cuda, triton_calls)
 from tlt_jax.cli import config_from_file  # noqa: E402
 from tlt_jax.config import ConfigError  # noqa: E402
+from tlt_jax.models.shapes import MODEL_SHAPES, with_model_shape  # noqa: E402
 
 
-def cuda_lowering(config, job: str) -> dict:
+def cuda_lowering(config, job: str, num_devices: int) -> dict:
   """{program: {triton_calls, lower_s}} of `job`, lowered for CUDA with the kernel forced."""
   forced = config.copy_and_resolve_references()
   forced.model.attention_impl = "pallas"  # "auto" lowers the reference off GPU
   out = {}
-  for p in job_programs(forced, job)[1]:
+  for p in job_programs(forced, job, num_devices)[1]:
     t0 = time.perf_counter()
     calls = triton_calls(lower_for_cuda(p))
     out[p.name] = {"triton_calls": calls, "lower_s": time.perf_counter() - t0}
@@ -71,7 +78,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
   ax.axvline(result["limit_gib"], color="k", ls="--", lw=1, label=f"{result['limit_gib']} GiB")
   ax.invert_yaxis()
   ax.set_xlabel("GiB on one device (XLA memory analysis)")
-  ax.set_title(f"{result['config']} ({result['compiled_on']})", fontsize=9)
+  ax.set_title(f"{result['config']} on {result.get('devices', 1)} device(s) "
+               f"({result['compiled_on']})", fontsize=9)
   ax.legend(fontsize=7, loc="lower right")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -91,16 +99,25 @@ def main(argv=None):
   p.add_argument("--no-cuda", dest="cuda", action="store_false",
                  help="skip the CUDA lowering of every program")
   p.add_argument("--quick", action="store_true", help="configs/gpu_demo.py:quick (toy shapes)")
+  p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                 help="a named model shape with random weights instead of model.path's")
+  p.add_argument("--devices", type=int, default=1,
+                 help="devices the config's mesh spans (emulated on CPU; default 1)")
   args = p.parse_args(argv)
+  if args.devices > 1 and jax.config.jax_platforms in (None, "", "cpu"):
+    jax.config.update("jax_num_cpu_devices", args.devices)
   spec = str(REPO / "configs" / "gpu_demo.py") + ":quick" if args.quick else args.config
   try:
     config = config_from_file(spec, args.set)
   except ConfigError as e:
     sys.exit(f"config error: {e}")
+  if args.model_shape:
+    config = with_model_shape(config, args.model_shape)
   device = jax.devices()[0]
   path, colon, variant = spec.partition(":")
   shown = os.path.relpath(path, REPO) + colon + variant
   result = {"config": shown, "overrides": args.set, "limit_gib": args.limit_gib,
+            "devices": args.devices, "model_shape": args.model_shape,
             "compiled_on": f"{device.platform}: {device.device_kind}",
             "cuda_lowering_device": H100 if args.cuda else None,
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "jobs": {}}
@@ -108,9 +125,10 @@ def main(argv=None):
   over = []
   for job in args.jobs:
     print(f"{job}:", flush=True)
-    budget = job_budget(config, job, progress=lambda line: print(line, flush=True))
+    budget = job_budget(config, job, progress=lambda line: print(line, flush=True),
+                        num_devices=args.devices)
     if args.cuda:
-      for name, low in cuda_lowering(config, job).items():
+      for name, low in cuda_lowering(config, job, args.devices).items():
         budget["programs"][name].update(low)
     result["jobs"][job] = budget
     args.out.write_text(json.dumps(result, indent=2))  # after every job

@@ -52,3 +52,22 @@ def repo_config(name: str, arg: str | None = None):
     sys.path.pop(0)
   return module.get_config(arg)
 
+
+
+def pytest_configure(config):
+  # Under `-n 2 --dist loadfile`, xdist hands out files largest-count-first by default, which
+  # leaves the end-to-end files (few tests, minutes each) for last, one worker running them
+  # alone. Files are handed out in collection order instead (see below).
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+  """Files with slow tests first, most slow tests first (a longest-first schedule, so the two
+  workers finish together); order within a file, and among the other files, unchanged."""
+  slow: dict[str, int] = {}
+  for item in items:
+    slow.setdefault(item.path, 0)
+    slow[item.path] += item.get_closest_marker("slow") is not None
+  rank = {path: i for i, path in enumerate(sorted(slow, key=lambda p: -slow[p]))}
+  items.sort(key=lambda item: rank[item.path])

@@ -6,10 +6,11 @@ import jax
 import pytest
 
 from tests.conftest import repo_config
-from tlt_jax.budget import (GiB, JOBS, job_budget, job_programs, job_resident, lower_for_cuda,
-                            tree_bytes, triton_calls)
+from tlt_jax.budget import (GiB, JOBS, job_budget, job_meshes, job_programs, job_resident,
+                            lower_for_cuda, tree_bytes, triton_calls)
 from tlt_jax.components import engine_config, model_config
 from tlt_jax.models.kv_cache import init_cache
+from tlt_jax.models.shapes import with_model_shape
 
 # What each job must contain (names as job_programs gives them).
 EXPECTED = {"sft": {"sft_step"},
@@ -44,10 +45,13 @@ def test_every_program_lowers_for_cuda_with_the_kernel(job):
 @pytest.mark.parametrize("job", JOBS)
 def test_the_one_gpu_demo_fits_70_gib(job):
   """configs/gpu_demo.py at its full shapes (SFT 32 x 1536, RL update 32 x 1920, rollout
-  128 rows x 1920 slots), compiled here: every program's peak under 70 GiB."""
+  128 rows x 1920 slots), compiled here: every program's peak under 70 GiB. Its weights are
+  bfloat16, so on this CPU the rollout's temporaries come from the float32 stand-in."""
   budget = job_budget(repo_config("gpu_demo"), job, progress=lambda _: None)
   for name, m in budget["programs"].items():
     assert m["peak_bytes"] < 70 * GiB, (name, m["peak_bytes"] / GiB)
+    stand_in = name.startswith("rollout_")
+    assert m["temp_source"] == ("float32 scan stand-in" if stand_in else "compiled"), name
   assert budget["peak_bytes"] > sum(budget["resident_bytes"].values())
 
 
@@ -66,11 +70,9 @@ def test_a_7b_policy_cannot_train_on_one_80gb_gpu():
   """Why configs/qwen2_5_gpu.py has no one-GPU variant: a Qwen2.5-7B-shaped policy's bf16
   weights and AdamW state, with the rollout cache of the paper's 64 rows x 8.7k slots, pass
   the 70 GiB budget before any activation (the update's float32 logits add ~39 GiB more)."""
-  c = repo_config("qwen2_5_gpu", "8gpu")
+  c = with_model_shape(repo_config("qwen2_5_gpu", "8gpu"), "qwen2.5-7b")
   with c.unlocked():
-    c.model.path = ""
-    c.model.update(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-                   num_heads=28, num_kv_heads=4, head_dim=128)
+    c.mesh.axes.replica = 1
     c.rl.kl_coef = 0.0
     c.drafter.spot_training = False
     c.rollout.max_batch = 64
@@ -82,3 +84,30 @@ def test_a_7b_policy_cannot_train_on_one_80gb_gpu():
   held = sum(tree_bytes(v) for v in resident.values())
   assert held > 40 * GiB and tree_bytes(cache) > 28 * GiB
   assert held + tree_bytes(cache) > 70 * GiB
+
+
+def test_the_8gpu_layouts_split_training_state_and_keep_whole_rollout_weights():
+  """configs/qwen2_5_gpu.py:8gpu on 8 devices: each device holds 1/8 of the weights and AdamW
+  state in the training layout, and a whole copy of the weights in the rollout layout (its
+  slice decodes without gathering weights). At the 7B shape that is 1.8 + 3.5 (+ 1.8 for
+  the KL reference) GiB of training state and 14.2 GiB of rollout weights per device, beside
+  each program's own needs (docs/results/gpu_budget_8gpu.json). Its rollout and update
+  programs lower for CUDA on an abstract mesh of 8 H100s (the update over all 8, the
+  rollout on one slice, with the kernel)."""
+  c = with_model_shape(repo_config("qwen2_5_gpu", "8gpu"), "small")
+  meshes = job_meshes(c, 8)
+  assert meshes.train.devices.size == 8 and meshes.rollout.devices.size == 1
+  resident = job_resident(c, "train", meshes)
+  whole = lambda tree: tree_bytes(jax.tree.map(  # noqa: E731
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree))
+  for name in ("policy params", "policy optimizer", "reference params"):
+    assert tree_bytes(resident[name]) <= whole(resident[name]) / 8 * 1.05, name
+  assert tree_bytes(resident["rollout params"]) == whole(resident["policy params"])
+  with c.unlocked():
+    c.model.attention_impl = "pallas"
+    c.rollout.max_new_tokens = 512  # the lowering does not depend on it
+  programs = {p.name: p for p in job_programs(c, "train", 8)[1]}
+  update = lower_for_cuda(programs["rl_update"])
+  assert "mhlo.num_partitions = 8" in update.as_text()
+  decode = next(p for name, p in programs.items() if name.startswith("rollout_decode_sd"))
+  assert triton_calls(lower_for_cuda(decode)) >= 2

@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from tests.speculative.drafters import random_drafter
-from tlt_jax.mesh import DEFAULT_RULES, make_mesh, shard_pytree
+from tlt_jax.mesh import (DEFAULT_RULES, logical_shardings, logical_to_mesh_spec, make_mesh,
+                          shard_pytree)
 from tlt_jax.models import ModelConfig, RopeConfig, init_params, param_logical_axes
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.grpo import GrpoConfig
@@ -109,3 +111,22 @@ def test_the_grpo_update_is_the_same_on_every_layout(model):
     for a, b in zip(jax.tree.leaves(updated[0]), jax.tree.leaves(other)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   assert not np.allclose(updated[0]["lm_head"]["kernel"], params["lm_head"]["kernel"])
+
+
+def test_a_mesh_axis_that_does_not_divide_a_dimension_is_an_error(model):
+  """A vocabulary of 60 on tensor=8 names the leaf, the axis, the size and the fix; KV heads
+  are marked optional (fewer KV heads than tensor devices: each keeps whole heads) and rows
+  too (a batch bucket of 1 on a slice of 2), so those are replicated instead."""
+  cfg, _ = model
+  mesh = _mesh(1, 1, 8)
+  odd = cfg.replace(vocab_size=60)
+  shapes = jax.eval_shape(lambda k: init_params(odd, k), jax.random.key(0))
+  with pytest.raises(ValueError, match=r"\['embed'\]\['embedding'\].*mesh axis 'tensor' "
+                     r"\(8 devices\) does not divide dimension 0 \('vocab', size 60\).*"
+                     r"\('vocab', 'tensor\?'\)"):
+    logical_shardings(param_logical_axes(odd), mesh, DEFAULT_RULES, shapes)
+  spec = logical_to_mesh_spec(P("batch", "kv_heads"), (1, 3), _mesh(2, 1, 4), DEFAULT_RULES)
+  assert spec == P(None, None)
+  relaxed = tuple((n, "tensor?") if n == "vocab" else (n, a) for n, a in DEFAULT_RULES)
+  placed = logical_shardings(param_logical_axes(odd), mesh, relaxed, shapes)
+  assert placed["embed"]["embedding"].spec == P(None, None)

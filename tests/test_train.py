@@ -3,6 +3,7 @@ clean stop on SIGTERM and exact resume, healing damaged runs, config errors."""
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from tlt_jax.train_report import METRIC_KEYS
 from tlt_jax.workdir import lock_workdir
 
 RUNLOCAL = ["--config", "configs/default.py:runlocal"]
+MAIN_RUN_FLAGS = ["--config.rl.save_rollouts=True"]  # .ci/run's smoke run adds the same
 SAME = ("reward_mean", "accuracy", "response_len_mean", "response_len_max", "rollout_tokens")
 
 
@@ -44,9 +46,15 @@ def _rollouts(workdir):
 def test_the_main_job_writes_its_outputs(tmp_path):
   """A TLT run (SD with the timing-driven tuner, spot training): metrics, rollouts,
   checkpoints, evaluations, summary and exports. (tests/test_experiments.py::test_rl_runs_quick
-  checks that the baseline and every drafter variant of this job sample the same responses.)"""
-  run = tmp_path / "tlt"
-  _train(run, "--config.rl.save_rollouts=True")
+  checks that the baseline and every drafter variant of this job sample the same responses.)
+
+  `.ci/run`'s smoke run of the quick start is this same command; it passes that run's workdir
+  in TLT_JAX_MAIN_RUN, which is checked instead of running the job a second time."""
+  if os.environ.get("TLT_JAX_MAIN_RUN"):
+    run = pathlib.Path(os.environ["TLT_JAX_MAIN_RUN"])
+  else:
+    run = tmp_path / "tlt"
+    _train(run, *MAIN_RUN_FLAGS)
   metrics = _metrics(run)
   assert [m["step"] for m in metrics] == [1, 2]
   for m in metrics:

@@ -13,8 +13,12 @@ update, drafter update) are built here at the shapes its config gives, with abst
 
 A job's peak is its resident state (weights, optimizer states, reference weights: what lives
 between programs) plus, for its hungriest program, the arguments that are not resident, the
-temporaries and the outputs that do not reuse a donated buffer. One device: the budget is for
-one-GPU configs (every mesh axis 1).
+temporaries and the outputs that do not reuse a donated buffer, all per device. On a mesh of
+several devices (`num_devices`; on CPU emulated with `jax_num_cpu_devices`), the programs are
+laid out as the job lays them out: training programs over the whole mesh in the training
+layout (`mesh.rules`), rollout programs on the first replica slice in the rollout layout
+(`mesh.rollout_rules`), and each device's share is what counts; the rollout's own copy of the
+weights is then resident beside the training state.
 """
 
 from __future__ import annotations
@@ -29,17 +33,20 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tlt_jax.components import (drafter_config, drafter_opt_config, engine_config, grpo_config,
                                 model_config, policy_adamw, sampling_params,
                                 training_model_config)
 from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.train_step import init_train_state, train_step
-from tlt_jax.mesh import AXIS_ORDER, ROLLOUT_RULES
-from tlt_jax.models import init_params
-from tlt_jax.models.drafter import init_drafter_params
-from tlt_jax.optim import make_adamw
+from tlt_jax.drafter_training.train_step import make_optimizer as make_drafter_optimizer
+from tlt_jax.mesh import (AXIS_ORDER, logical_shardings, logical_to_mesh_spec, make_mesh,
+                          on_mesh, replica_slices)
+from tlt_jax.models import init_params, param_logical_axes
+from tlt_jax.models.drafter import drafter_logical_axes, init_drafter_params, trainable_part
+from tlt_jax.optim import make_adamw, optimizer_shardings
 from tlt_jax.rl.policy_update import make_log_probs, make_policy_update
 from tlt_jax.rollout.pool import ExecutablePool, with_output_layout
 from tlt_jax.rollout.programs import SlicePrograms
@@ -55,42 +62,106 @@ JOBS = ("sft", "train", "warmup")
 class Program:
   """One compiled program of a job: fn(*args), args arrays or ShapeDtypeStructs; `resident`
   are the indices of args that live for the whole job (counted once, in the job's resident
-  bytes)."""
+  bytes); `mesh`, the mesh it is traced under (None: no mesh)."""
   name: str
   fn: Callable
   args: tuple
   donate_argnums: tuple = ()
   resident: tuple = ()
+  mesh: Mesh | None = None
 
 
 def tree_bytes(tree) -> int:
-  """Bytes of every array (or ShapeDtypeStruct) leaf of a pytree (a PRNG key counts as
-  its key data)."""
+  """Bytes of one device's share of every array (or ShapeDtypeStruct) leaf of a pytree: the
+  whole leaf without a sharding, its shard with one (a PRNG key counts as its key data)."""
   def nbytes(x):
+    sharding = getattr(x, "sharding", None)
+    shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
     if jnp.issubdtype(x.dtype, jax.dtypes.extended):
-      x = jax.eval_shape(jax.random.key_data, x)
-    return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+      shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, x.dtype)).shape
+      return int(np.prod(shape)) * 4
+    return int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
   return sum(nbytes(x) for x in jax.tree.leaves(tree))
 
 
+def _placed(tree, shardings):
+  """ShapeDtypeStructs of `tree`'s leaves carrying `shardings` (a matching pytree)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def _rows_on(mesh: Mesh, rules, x: jax.ShapeDtypeStruct, row_dim: int = 0):
+  """x with its dimension `row_dim` split like rows (`batch`) on mesh."""
+  names = [None] * len(x.shape)
+  names[row_dim] = "batch"
+  spec = logical_to_mesh_spec(P(*names), x.shape, mesh, rules)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobMeshes:
+  """Where a job's programs run: `train` (the whole mesh, training layout `rules`) and
+  `rollout` (its first replica slice, rollout layout `rollout_rules`)."""
+  train: Mesh
+  rollout: Mesh
+  rules: tuple
+  rollout_rules: tuple
+
+  @property
+  def several(self) -> bool:
+    return self.train.devices.size > 1
+
+
+def job_meshes(config: ml_collections.ConfigDict, num_devices: int = 1) -> JobMeshes:
+  """The config's mesh over this machine's first `num_devices` devices, and its first slice."""
+  devices = jax.devices()
+  if num_devices > len(devices):
+    raise ValueError(f"the budget asks for {num_devices} devices but this machine has "
+                     f"{len(devices)}; on CPU emulate them (jax_num_cpu_devices, set before "
+                     f"JAX starts; experiments/gpu_budget.py --devices does it)")
+  axes = {name: size for name, size in config.mesh.axes.items()}
+  for name in AXIS_ORDER:
+    axes.setdefault(name, 1)
+  mesh = make_mesh(axes, devices[:num_devices])
+  return JobMeshes(mesh, replica_slices(mesh)[0], tuple(config.mesh.rules),
+                   tuple(config.mesh.rollout_rules))
+
+
 # ---------------------------------------------------------------- CUDA lowering
+
+
+def gpu_mesh(device_kind: str = H100, axes: Sequence[str] = AXIS_ORDER,
+             sizes: Sequence[int] | None = None) -> AbstractMesh:
+  """An abstract mesh of `device_kind` GPUs with the named axes (default: every size 1)."""
+  sizes = tuple(sizes) if sizes is not None else (1,) * len(axes)
+  return AbstractMesh(sizes, tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
+                      abstract_device=AbstractDevice(device_kind, None, "cuda"))
 
 
 @contextlib.contextmanager
 def abstract_gpu(device_kind: str = H100, axes: Sequence[str] = AXIS_ORDER):
   """Traces inside run on a one-device abstract mesh of `device_kind` (every axis of `axes`
   of size 1), so that Pallas lowers for CUDA without a GPU (jax 0.11 refuses otherwise)."""
-  mesh = AbstractMesh((1,) * len(axes), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
-                      abstract_device=AbstractDevice(device_kind, None, "cuda"))
-  with jax.sharding.use_abstract_mesh(mesh):
+  with jax.sharding.use_abstract_mesh(gpu_mesh(device_kind, axes)):
     yield
 
 
 def lower_for_cuda(program: Program, device_kind: str = H100) -> jax.stages.Lowered:
-  """program lowered for CUDA on any machine (see `abstract_gpu`)."""
-  with abstract_gpu(device_kind):
+  """program lowered for CUDA on any machine: traced under an abstract mesh of `device_kind`
+  GPUs shaped like the program's mesh (one device without one), its arguments laid out on
+  that mesh as they are on the program's."""
+  mesh = program.mesh
+  abstract = (gpu_mesh(device_kind) if mesh is None
+              else gpu_mesh(device_kind, mesh.axis_names, mesh.axis_sizes))
+
+  def retarget(x):
+    sharding = getattr(x, "sharding", None)
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(abstract, spec))
+  args = jax.tree.map(retarget, program.args)
+  with jax.sharding.use_abstract_mesh(abstract):
     return jax.jit(program.fn, donate_argnums=program.donate_argnums).trace(
-        *program.args).lower(lowering_platforms=("cuda",))
+        *args).lower(lowering_platforms=("cuda",))
 
 
 def triton_calls(lowered: jax.stages.Lowered) -> int:
@@ -111,36 +182,34 @@ class RecordingPool(ExecutablePool):
     super().__init__()
     self.programs: dict = {}
 
-  def get(self, key, fn, args, donate_argnums=(), out_shardings=None):
+  def get(self, key, fn, args, donate_argnums=(), out_shardings=None, mesh=None):
     if out_shardings is not None:
       fn = with_output_layout(fn, out_shardings)
-    self.programs[key] = (fn, tuple(args), tuple(donate_argnums))
+    self.programs[key] = (fn, tuple(args), tuple(donate_argnums), mesh)
     return lambda *a: jax.eval_shape(fn, *a)
 
 
-def _sft_programs(config, cfg, resident) -> list[Program]:
+def _sft_programs(config, cfg, resident, meshes: JobMeshes) -> list[Program]:
   params, opt = resident["policy params"], resident["policy optimizer"]
   rows, width = config.sft.rows, config.sft.seq_len
-  batch = {k: jax.ShapeDtypeStruct((rows, width), jnp.bool_ if k == "loss_mask" else jnp.int32)
+  batch = {k: _rows_on(meshes.train, meshes.rules, jax.ShapeDtypeStruct(
+      (rows, width), jnp.bool_ if k == "loss_mask" else jnp.int32))
            for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
   step = make_train_step(training_model_config(config, cfg), _policy_optimizer(config, "sft"),
                          None, None).__wrapped__
-  return [Program("sft_step", step, (params, opt, batch), (0, 1), (0, 1))]
+  return [Program("sft_step", step, (params, opt, batch), (0, 1), (0, 1), meshes.train)]
 
 
 def _rollout_programs(config, cfg, params, dcfg, dparams, log_features: bool,
-                      max_new_tokens: int | None = None) -> list[Program]:
+                      meshes: JobMeshes, max_new_tokens: int | None = None) -> list[Program]:
   """prefill at max_batch, a plain decode call at max_batch and, with a drafter, an SD call
-  for every arm at the largest batch bucket SD runs at."""
+  for every arm at the largest batch bucket SD runs at, on the first slice."""
   econf = engine_config(config)
   if max_new_tokens:
     econf = dataclasses.replace(econf, max_new_tokens=max_new_tokens)
-  mesh = jax.make_mesh((1,) * len(AXIS_ORDER), AXIS_ORDER,
-                       axis_types=(AxisType.Auto,) * len(AXIS_ORDER),
-                       devices=jax.devices()[:1])
   pool = RecordingPool()
-  progs = SlicePrograms(0, mesh, pool, cfg, dcfg, econf.capacity, econf.max_new_tokens, 0,
-                        ROLLOUT_RULES, log_features)
+  progs = SlicePrograms(0, meshes.rollout, pool, cfg, dcfg, econf.capacity,
+                        econf.max_new_tokens, 0, meshes.rollout_rules, log_features)
   sp, key, b = sampling_params(config), jax.random.key(0), econf.max_batch
   prompts = np.zeros((b, econf.max_prompt_len), np.int32)
   state = progs.start(params, dparams, prompts, np.ones((b,), np.int32),
@@ -154,97 +223,129 @@ def _rollout_programs(config, cfg, params, dcfg, dparams, log_features: bool,
       progs.decode(params, dparams, small, key, sp, Strategy.parse(arm), 1,
                    econf.steps_per_call)
   out = []
-  for key_, (fn, args, donate) in pool.programs.items():
+  for key_, (fn, args, donate, mesh) in pool.programs.items():
     kind = key_[1]
     if kind not in ("prefill", "decode"):
       continue  # cache allocation and row copies: no temporaries worth a line
     strategy = key_[3] if kind == "decode" else None
     name = f"rollout_{kind}" + (f"_sd{strategy.as_tuple()}" if strategy else "")
-    out.append(Program(f"{name}_b{key_[2]}", fn, args, donate, (0, 1)))
+    out.append(Program(f"{name}_b{key_[2]}", fn, args, donate, (0, 1), mesh))
   return out
 
 
-def _drafter_program(config, cfg, dcfg, state, params, warmup: bool) -> Program:
+def _drafter_program(config, cfg, dcfg, state, params, warmup: bool,
+                     meshes: JobMeshes) -> Program:
+  """The drafter's update on the first slice (spot training and the warm-up train there)."""
   section = config.drafter.warmup if warmup else config.drafter.spot
   rows, width = section.batch_rows, section.window
-  i32 = lambda: jax.ShapeDtypeStruct((rows, width), jnp.int32)  # noqa: E731
+  on_slice = functools.partial(_rows_on, meshes.rollout, meshes.rollout_rules)
+  i32 = lambda: on_slice(jax.ShapeDtypeStruct((rows, width), jnp.int32))  # noqa: E731
   windows = Windows(tokens=i32(), segment_ids=i32(), positions=i32(),
-                    features=jax.ShapeDtypeStruct((rows, width, cfg.feature_size),
-                                                  cfg.jnp_dtype),
-                    loss_mask=jax.ShapeDtypeStruct((rows, width), jnp.bool_))
+                    features=on_slice(jax.ShapeDtypeStruct((rows, width, cfg.feature_size),
+                                                           cfg.jnp_dtype)),
+                    loss_mask=on_slice(jax.ShapeDtypeStruct((rows, width), jnp.bool_)))
   fn = functools.partial(train_step, cfg=training_model_config(config, cfg), dcfg=dcfg,
                          oc=drafter_opt_config(config, warmup=warmup))
-  return Program("drafter_step", fn, (state, params, windows), (0,), (0, 1))
+  return Program("drafter_step", fn, (state, params, windows), (0,), (0, 1), meshes.rollout)
 
 
 def _policy_optimizer(config, job: str):
   return make_optimizer(config) if job == "sft" else make_adamw(policy_adamw(config))
 
 
-def job_resident(config: ml_collections.ConfigDict, job: str) -> dict:
-  """What `job` holds on the device between its programs, by name -> abstract pytree: the
-  policy's weights, its optimizer state (sft, train), the reference weights (train with a KL
-  term) and the drafter's weights and optimizer state (warmup; train with spot training)."""
+def job_resident(config: ml_collections.ConfigDict, job: str, meshes: JobMeshes | None = None
+                 ) -> dict:
+  """What `job` holds on the device between its programs, by name -> abstract pytree laid out
+  on `meshes` (default: one device): the policy's weights, its optimizer state (sft, train),
+  the reference weights (train with a KL term), the rollout's copy of the weights (on several
+  devices, where the rollout layout differs from the training one) and the drafter's weights
+  and optimizer state (warmup; train with spot training)."""
   if job not in JOBS:
     raise ValueError(f"unknown job {job!r}; allowed: {JOBS}")
+  meshes = meshes or job_meshes(config)
   cfg = model_config(config)
-  params = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+  shapes = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+  axes = param_logical_axes(cfg)
+  train_sh = logical_shardings(axes, meshes.train, meshes.rules, shapes)
+  params = _placed(shapes, train_sh)
   resident = {"policy params": params}
   if job in ("sft", "train"):
-    resident["policy optimizer"] = jax.eval_shape(_policy_optimizer(config, job).init, params)
+    tx = _policy_optimizer(config, job)
+    resident["policy optimizer"] = _placed(
+        jax.eval_shape(tx.init, shapes), optimizer_shardings(tx, shapes, train_sh, meshes.train))
   if job == "train" and config.rl.kl_coef > 0:
     resident["reference params"] = params
+  if job != "sft" and meshes.several:
+    resident["rollout params"] = _placed(shapes, logical_shardings(
+        axes, meshes.rollout, meshes.rollout_rules, shapes))
   if job == "warmup" or (job == "train" and config.drafter.spot_training):
     dcfg = drafter_config(config)
     oc = drafter_opt_config(config, warmup=job == "warmup")
-    resident["drafter train state"] = jax.eval_shape(
+    state = jax.eval_shape(
         lambda k: init_train_state(init_drafter_params(cfg, dcfg, k), oc), jax.random.key(0))
+    d_sh = logical_shardings(drafter_logical_axes(cfg, dcfg), meshes.rollout,
+                             meshes.rollout_rules, state.params)
+    rep = NamedSharding(meshes.rollout, P())
+    resident["drafter train state"] = _placed(state, type(state)(
+        params=d_sh, step=rep, opt_state=optimizer_shardings(
+            make_drafter_optimizer(oc), trainable_part(state.params), trainable_part(d_sh),
+            meshes.rollout)))
   return resident
 
 
-def job_programs(config: ml_collections.ConfigDict, job: str
+def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int = 1
                  ) -> tuple[dict, list[Program]]:
   """(`job_resident`, programs) of `job` ("sft", "train" = the RL job, "warmup" = the
-  drafter's offline warm-up) at the config's shapes; nothing is allocated or compiled."""
-  resident = job_resident(config, job)
+  drafter's offline warm-up) at the config's shapes on its mesh over `num_devices` devices;
+  nothing is allocated or compiled."""
+  meshes = job_meshes(config, num_devices)
+  resident = job_resident(config, job, meshes)
   cfg = model_config(config)
   if job == "sft":
-    return resident, _sft_programs(config, cfg, resident)
-  params = resident["policy params"]
+    return resident, _sft_programs(config, cfg, resident, meshes)
+  rollout_params = resident.get("rollout params", resident["policy params"])
   dcfg = drafter_config(config)
-  dparams = jax.eval_shape(lambda k: init_drafter_params(cfg, dcfg, k), jax.random.key(0))
+  dstate = resident.get("drafter train state")
+  dparams = dstate.params if dstate is not None else None
   if job == "warmup":
-    step = _drafter_program(config, cfg, dcfg, resident["drafter train state"], params, True)
-    return resident, [*_rollout_programs(config, cfg, params, None, None, False,
-                                         config.drafter.warmup.max_new_tokens), step]
+    step = _drafter_program(config, cfg, dcfg, dstate, rollout_params, True, meshes)
+    return resident, [*_rollout_programs(config, cfg, rollout_params, None, None, False,
+                                         meshes, config.drafter.warmup.max_new_tokens), step]
   rl, use_sd = config.rl, config.rollout.speculative.enable
+  if use_sd and dparams is None:  # SD with a frozen drafter: its weights, on the slice
+    shapes = jax.eval_shape(lambda k: init_drafter_params(cfg, dcfg, k), jax.random.key(0))
+    dparams = _placed(shapes, logical_shardings(drafter_logical_axes(cfg, dcfg),
+                                                meshes.rollout, meshes.rollout_rules, shapes))
   tcfg, gc = training_model_config(config, cfg), grpo_config(config)
-  programs = _rollout_programs(config, cfg, params, dcfg if use_sd else None,
-                               dparams if use_sd else None, config.drafter.spot_training)
+  params = resident["policy params"]
+  programs = _rollout_programs(config, cfg, rollout_params, dcfg if use_sd else None,
+                               dparams if use_sd else None, config.drafter.spot_training,
+                               meshes)
   capacity = engine_config(config).capacity
   rows = rl.prompts_per_step * rl.num_samples
   unit = rl.mini_batches * rl.micro_batch_rows
   micro = -(-rows // unit) * unit // unit  # micro-batches per mini-batch
   shape = (micro, rl.micro_batch_rows, capacity)
+  on_mesh_rows = functools.partial(_rows_on, meshes.train, meshes.rules, row_dim=1)
   mini = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
           "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
           "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_),
           "advantages": jax.ShapeDtypeStruct(shape[:2], jnp.float32),
           "weight": jax.ShapeDtypeStruct(shape[:2], jnp.float32)}
-  if rl.ppo_epochs * rl.mini_batches > 1 or rl.kl_coef > 0:
-    programs.append(Program("log_probs", make_log_probs(tcfg, gc.sampling).__wrapped__,
-                            (params, {k: mini[k] for k in ("tokens", "targets", "loss_mask")}),
-                            (), (0,)))
   if rl.ppo_epochs * rl.mini_batches > 1:
     mini["old_logp"] = jax.ShapeDtypeStruct(shape, jnp.float32)
   if rl.kl_coef > 0:
     mini["ref_logp"] = jax.ShapeDtypeStruct(shape, jnp.float32)
+  mini = {k: on_mesh_rows(v) for k, v in mini.items()}
+  if rl.ppo_epochs * rl.mini_batches > 1 or rl.kl_coef > 0:
+    programs.append(Program("log_probs", make_log_probs(tcfg, gc.sampling).__wrapped__,
+                            (params, {k: mini[k] for k in ("tokens", "targets", "loss_mask")}),
+                            (), (0,), meshes.train))
   update = make_policy_update(tcfg, gc, _policy_optimizer(config, job), None, None).__wrapped__
   programs.append(Program("rl_update", update, (params, resident["policy optimizer"], mini),
-                          (0, 1), (0, 1)))
+                          (0, 1), (0, 1), meshes.train))
   if config.drafter.spot_training:
-    programs.append(_drafter_program(config, cfg, dcfg, resident["drafter train state"],
-                                     params, False))
+    programs.append(_drafter_program(config, cfg, dcfg, dstate, rollout_params, False, meshes))
   return resident, programs
 
 
@@ -255,8 +356,9 @@ def program_memory(program: Program) -> dict:
   """Compiles `program` for this machine's backend -> XLA's memory analysis in bytes
   (argument, output, alias, temp, and the non-resident arguments) and compile seconds."""
   t0 = time.perf_counter()
-  compiled = jax.jit(program.fn, donate_argnums=program.donate_argnums).lower(
-      *program.args).compile()
+  with on_mesh(program.mesh):
+    compiled = jax.jit(program.fn, donate_argnums=program.donate_argnums).lower(
+        *program.args).compile()
   seconds = time.perf_counter() - t0
   m = compiled.memory_analysis()
   own = [a for i, a in enumerate(program.args) if i not in program.resident]
@@ -268,17 +370,52 @@ def program_memory(program: Program) -> dict:
           "compile_s": seconds}
 
 
-def job_budget(config: ml_collections.ConfigDict, job: str, progress: Callable = print) -> dict:
-  """Memory of `job` on one device: resident bytes by name, every program's analysis with its
-  `peak_bytes` (resident + non-resident arguments + temporaries + outputs not aliased), and
-  the job's `peak_bytes` (the largest)."""
-  resident, programs = job_programs(config, job)
+def needs_rollout_stand_in(config: ml_collections.ConfigDict) -> bool:
+  """Whether this machine's compiles misstate the rollout's temporaries for a GPU: on CPU,
+  where bfloat16 matmuls run on float32 copies of their operands and the rollout's decode
+  loop converts every layer's weights at once (at the 7B shape two float32 copies of the
+  weights, ~57 GiB of temporaries that a GPU, with bfloat16 matmuls, never holds)."""
+  return jax.default_backend() == "cpu" and "bfloat16" in (config.model.dtype,
+                                                            config.model.param_dtype)
+
+
+def rollout_stand_in(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config whose rollout programs stand in for the GPU's temporaries on a CPU: float32
+  compute and weights (no conversions; every activation twice its bfloat16 size, so an upper
+  bound) and a scan over the layers (one layer's weights in flight; on a GPU the decode loop
+  reads its static per-layer slices in place)."""
+  out = config.copy_and_resolve_references()
+  with out.unlocked():
+    out.model.dtype = out.model.param_dtype = "float32"
+    out.model.scan_layers = "all"
+  return out
+
+
+def job_budget(config: ml_collections.ConfigDict, job: str, progress: Callable = print,
+               num_devices: int = 1) -> dict:
+  """Memory of `job` per device on its mesh over `num_devices` devices: resident bytes by
+  name, every program's analysis with its `peak_bytes` (resident + non-resident arguments +
+  temporaries + outputs not aliased), and the job's `peak_bytes` (the largest).
+
+  Where `needs_rollout_stand_in`, each rollout program's temporaries come from the same
+  program of `rollout_stand_in(config)` (its row says so in `temp_source`; the program's own
+  compile is kept as `temp_bytes_as_compiled`); everything else is the config's own."""
+  resident, programs = job_programs(config, job, num_devices)
+  stand_in = {}
+  if needs_rollout_stand_in(config):
+    stand_in = {p.name: p for p in job_programs(rollout_stand_in(config), job, num_devices)[1]
+                if p.name.startswith("rollout_")}
   resident_bytes = {k: tree_bytes(v) for k, v in resident.items()}
   held = sum(resident_bytes.values())
   rows = {}
   for p in programs:
     progress(f"  {job}: compiling {p.name} ...")
     m = program_memory(p)
+    m["temp_source"] = "compiled"
+    if p.name in stand_in:
+      m["temp_bytes_as_compiled"] = m["temp_bytes"]
+      m["temp_bytes"] = program_memory(stand_in[p.name])["temp_bytes"]
+      m["temp_source"] = "float32 scan stand-in"
     m["peak_bytes"] = (held + m["nonresident_argument_bytes"] + m["temp_bytes"]
                        + m["output_bytes"] - m["alias_bytes"])
     rows[p.name] = m

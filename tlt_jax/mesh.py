@@ -15,6 +15,7 @@ mesh and a process's own slices without going through the host.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -37,14 +38,19 @@ AXIS_ORDER = (REPLICA_AXIS, "data", "fsdp", "sequence", "expert", "tensor")
 #   rollout (ROLLOUT_RULES, on each replica slice): whole weights per device, or
 #     tensor-parallel within the slice, so no decode step gathers weights; a slice's rows are
 #     split over its `fsdp` devices.
+# A mesh axis must divide the dimension it splits (else `logical_to_mesh_spec` raises), unless
+# the rule marks it optional with a trailing "?": it is then dropped (that dimension is
+# replicated over it). Rows are optional (a batch bucket of 1 on a slice of 2 devices), and
+# so are KV heads (fewer KV heads than tensor devices: each device keeps whole KV heads).
+OPTIONAL = "?"
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", (REPLICA_AXIS, "fsdp")),
+    ("batch", (REPLICA_AXIS + OPTIONAL, "fsdp" + OPTIONAL)),
     ("vocab", "tensor"),
     ("embed", (REPLICA_AXIS, "fsdp")),
     ("embed_in", None),  # the drafter's fc input (token embedding + features)
     ("mlp", "tensor"),
     ("heads", "tensor"),
-    ("kv_heads", "tensor"),
+    ("kv_heads", "tensor" + OPTIONAL),
     ("head_dim", None),
     ("layers", None),
     ("length", None),
@@ -123,6 +129,12 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
                        axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
 
 
+def on_mesh(mesh: Mesh | None):
+  """`jax.set_mesh(mesh)` for the programs traced inside (None: nothing set). Programs that
+  may call the attention kernel are traced so, to run it per shard (kernels.per_shard)."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
 def is_local(mesh: Mesh) -> bool:
   """Whether every device of `mesh` belongs to this process."""
   return all(d.process_index == jax.process_index() for d in mesh.devices.flat)
@@ -160,9 +172,10 @@ def logical_to_mesh_spec(logical: PartitionSpec, shape: Sequence[int] | None, me
                          rules=DEFAULT_RULES) -> PartitionSpec:
   """Maps a logical PartitionSpec to mesh axes.
 
-  Mesh axes missing from `mesh`, of size 1, already used by an earlier dimension, or not
-  dividing the dimension's size (when `shape` is given) are dropped, so that e.g. 2 KV heads
-  on a tensor axis of 4 are replicated instead of failing.
+  Mesh axes missing from `mesh`, of size 1 or already used by an earlier dimension are
+  dropped. When `shape` is given, an axis that does not divide its dimension raises a
+  ValueError naming both, unless the rule marks it optional ("tensor?"): it is then dropped,
+  e.g. 2 KV heads on a tensor axis of 4 are replicated.
   """
   table = dict(rules)
   used: set[str] = set()
@@ -172,29 +185,65 @@ def logical_to_mesh_spec(logical: PartitionSpec, shape: Sequence[int] | None, me
     targets = (target,) if isinstance(target, str) else tuple(target or ())
     kept = []
     size = None if shape is None else shape[dim]
-    for axis in targets:
+    for marked in targets:
+      axis = marked.removesuffix(OPTIONAL)
       if axis not in mesh.shape or axis in used or mesh.shape[axis] == 1:
         continue
       n = mesh.shape[axis]
       prod = math.prod(mesh.shape[a] for a in kept) * n
       if size is not None and size % prod:
-        continue
+        if marked.endswith(OPTIONAL):
+          continue
+        raise ValueError(
+            f"mesh axis {axis!r} ({n} devices{f', after {kept}' if kept else ''}) does not "
+            f"divide dimension {dim} ('{name}', size {size}) of an array of shape "
+            f"{tuple(shape)}; choose mesh.axes sizes whose product divides {size}, or mark "
+            f"the rule optional, ('{name}', '{axis}{OPTIONAL}') in mesh.rules / "
+            f"mesh.rollout_rules, to replicate that dimension over '{axis}' instead")
       kept.append(axis)
     used.update(kept)
     out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
   return PartitionSpec(*out)
 
 
+def row_axes(mesh, rows: int, rules=DEFAULT_RULES) -> tuple[str, ...]:
+  """The axes of `mesh` (a Mesh or AbstractMesh) that split `rows` rows: the `batch` rule's,
+  as far as they divide."""
+  entry = logical_to_mesh_spec(PartitionSpec("batch"), (rows,), mesh, rules)[0]
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+  """x [B, ...] with its rows split over the axes that split rows (`row_axes`) and the rest
+  whole, on the mesh the program is traced under (`on_mesh`); x as it is without a mesh or
+  without such axes. The model puts its activations so: with FSDP weights, XLA's sharding
+  propagation would otherwise follow the weights (split the hidden dimension) and compute
+  every row on every device, the float32 logits included."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  rows = row_axes(mesh, x.shape[0])
+  if not rows:
+    return x
+  spec = PartitionSpec(rows if len(rows) > 1 else rows[0], *([None] * (x.ndim - 1)))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
 def logical_shardings(logical_tree, mesh: Mesh, rules=DEFAULT_RULES, shapes=None):
   """A pytree of NamedSharding for a pytree of logical PartitionSpecs (optionally with shapes,
-  a matching pytree of arrays or ShapeDtypeStructs used for the divisibility check)."""
+  a matching pytree of arrays or ShapeDtypeStructs used for the divisibility check; its
+  error then names the leaf)."""
   is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
   if shapes is None:
     return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_mesh_spec(s, None, mesh, rules)),
                         logical_tree, is_leaf=is_spec)
-  return jax.tree.map(
-      lambda s, x: NamedSharding(mesh, logical_to_mesh_spec(s, x.shape, mesh, rules)),
-      logical_tree, shapes, is_leaf=is_spec)
+
+  def sharding(path, s, x):
+    try:
+      return NamedSharding(mesh, logical_to_mesh_spec(s, x.shape, mesh, rules))
+    except ValueError as e:
+      raise ValueError(f"{jax.tree_util.keystr(path)}: {e}") from None
+  return jax.tree_util.tree_map_with_path(sharding, logical_tree, shapes, is_leaf=is_spec)
 
 
 def shard_pytree(tree, logical_tree, mesh: Mesh, rules=DEFAULT_RULES):

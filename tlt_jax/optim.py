@@ -74,8 +74,13 @@ def init_optimizer(tx: optax.GradientTransformation, params: dict, mesh: Mesh):
   """(opt_state, its shardings) for params already placed on `mesh`: moments are laid out
   like their params (asked for explicitly: XLA would replicate the zeros that init makes,
   a full copy of both moments on every device); scalars (step counts) are replicated."""
-  replicated = NamedSharding(mesh, P())
-  sharding = optax.tree_map_params(
-      tx, lambda _, sh: sh, jax.eval_shape(tx.init, params),
-      jax.tree.map(lambda x: x.sharding, params), transform_non_params=lambda _: replicated)
+  sharding = optimizer_shardings(tx, params, jax.tree.map(lambda x: x.sharding, params), mesh)
   return jax.jit(tx.init, out_shardings=sharding)(params), sharding
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh: Mesh):
+  """The shardings of tx's state for `params` (arrays or ShapeDtypeStructs) laid out as
+  `param_shardings`: every moment like its param, scalars replicated on `mesh`."""
+  replicated = NamedSharding(mesh, P())
+  return optax.tree_map_params(tx, lambda _, sh: sh, jax.eval_shape(tx.init, params),
+                               param_shardings, transform_non_params=lambda _: replicated)

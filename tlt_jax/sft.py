@@ -29,7 +29,7 @@ from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.components import (check_prompt_lengths, load_policy, make_engine,
                                 task_from_config, training_model_config)
 from tlt_jax.config import ConfigError, flat_settings
-from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, make_mesh
+from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, make_mesh, on_mesh
 from tlt_jax.models.hf import load_tokenizer, save_hf_checkpoint
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.data import PromptIterator
@@ -157,8 +157,9 @@ def main(argv):
     while step < s.steps:
       batch, _ = next_packed_batch(iterator, encode, s.rows, s.seq_len,
                                    pad_id=tokenizer.pad_token_id)
-      params, opt_state, metrics = train_step(params, opt_state,
-                                              jax.device_put(batch, batch_sharding))
+      with on_mesh(mesh):  # the attention kernel, where a short row takes it, per shard
+        params, opt_state, metrics = train_step(params, opt_state,
+                                                jax.device_put(batch, batch_sharding))
       step += 1
       bar.update(1)
       if step % s.log_every == 0 or step == s.steps:

@@ -32,7 +32,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.drafter_training.buffer import FeatureBuffer
@@ -40,9 +39,10 @@ from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainState,
                                                  make_optimizer, train_step)
 from tlt_jax.mesh import (ROLLOUT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
-                          replica_slices, stack_slices, to_mesh)
+                          on_mesh, replica_slices, stack_slices, to_mesh)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, trainable_part
+from tlt_jax.optim import optimizer_shardings
 from tlt_jax.rollout.feature_log import FeatureBlock
 
 
@@ -158,9 +158,8 @@ class SpotTrainer:
     if mesh not in self._shardings:
       rep = NamedSharding(mesh, P())
       p_sh = logical_shardings(self._axes, mesh, self.rules, self._shapes)
-      o_sh = optax.tree_map_params(self._tx, lambda _, sh: sh,
-                                   jax.eval_shape(self._tx.init, trainable_part(self._shapes)),
-                                   trainable_part(p_sh), transform_non_params=lambda _: rep)
+      o_sh = optimizer_shardings(self._tx, trainable_part(self._shapes), trainable_part(p_sh),
+                                 mesh)
       self._shardings[mesh] = DrafterTrainState(params=p_sh, opt_state=o_sh, step=rep)
     return self._shardings[mesh]
 
@@ -168,7 +167,8 @@ class SpotTrainer:
     exe = self._compiled.get(mesh)
     if exe is None:
       t = time.perf_counter()
-      exe = self._compiled[mesh] = self._step.lower(*args).compile()
+      with on_mesh(mesh):
+        exe = self._compiled[mesh] = self._step.lower(*args).compile()
       self.compile_s += time.perf_counter() - t
     return exe
 

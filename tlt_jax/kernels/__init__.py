@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.kernels import crossover
+from tlt_jax.kernels.per_shard import per_shard
 from tlt_jax.kernels.reference import prefix_tree_attention_reference, query_chunked_attention
 from tlt_jax.kernels.tree_attention_pallas import MAX_TREE_TOKENS, prefix_tree_attention_pallas
 
@@ -43,7 +44,8 @@ def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
     "pallas": the compiled Pallas kernel (Triton backend; needs a GPU to run).
     "pallas_interpret": the same kernel under the Pallas interpreter (slow; CPU tests).
   Both Pallas choices fall back to the reference when T > 64, or when the uncached block has
-  more keys than queries (N > T, the drafter's tree expansion).
+  more keys than queries (N > T, the drafter's tree expansion). On a mesh (a program traced
+  under `jax.set_mesh`), they run per shard of rows and KV heads (`per_shard`).
   query_chunk: where the reference runs over more than this many queries (training rows,
     long prefills), it runs `query_chunk` queries at a time under rematerialisation
     (`query_chunked_attention`: the same result in a fraction of the memory); 0 = never.
@@ -61,7 +63,8 @@ def prefix_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
   if impl == "reference" or not fits_kernel:
     return query_chunked_attention(prefix_tree_attention_reference, *args, query_chunk,
                                    scale=scale)
-  return _kernel(*args, scale, impl == "pallas_interpret")
+  interpret = impl == "pallas_interpret"
+  return per_shard(lambda *a: _kernel(*a, scale, interpret), *args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))

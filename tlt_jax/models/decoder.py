@@ -21,6 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.mesh import constrain_rows
 from tlt_jax.models.attention_inputs import (AttentionInputs, cached_decode_inputs,
                                              prefill_inputs, tree_inputs)
 from tlt_jax.models.config import ModelConfig
@@ -103,6 +104,7 @@ def run_layers(layers: dict, x: jax.Array, attn: AttentionInputs, cache: KVCache
   def layer(x, i, w_k_v):
     w, k_cache, v_cache = w_k_v
     x, k, v = layer_forward(x, w, attn, LayerCache(k_cache, v_cache, cache.lengths), cfg)
+    x = constrain_rows(x)
     return x, (k, v, x if cfg.feature_layers else None)
   x, (k_new, v_new, outs) = over_layers(layer, x, (layers, cache.k, cache.v), cfg)
   return x, k_new, v_new, [outs[i] for i in cfg.feature_layers]
@@ -114,7 +116,7 @@ def _outputs(params: dict, x: jax.Array, taken: list, cfg: ModelConfig):
   hidden = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
   features = jnp.concatenate([hidden] + [t.astype(hidden.dtype) for t in taken], -1) \
       if taken else hidden
-  return lm_logits(params, hidden, cfg), features
+  return constrain_rows(lm_logits(params, hidden, cfg)), features
 
 
 def forward(params: dict, tokens: jax.Array, attn: AttentionInputs, cfg: ModelConfig,
@@ -129,7 +131,7 @@ def forward(params: dict, tokens: jax.Array, attn: AttentionInputs, cfg: ModelCo
     features[..., :E] is the final-norm hidden state; with cfg.feature_layers the outputs of
     those layers follow (F = cfg.feature_size), for a fusing drafter.
   """
-  x = embed(params, tokens, cfg)
+  x = constrain_rows(embed(params, tokens, cfg))  # rows split, as on the mesh's data axes
   x, k_new, v_new, taken = run_layers(params["layers"], x, attn, cache, cfg)
   logits, features = _outputs(params, x, taken, cfg)
   return logits, features, k_new, v_new

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.config import ConfigError
-from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
+from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, on_mesh
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.grpo import GrpoConfig, grpo_loss, loss_weights, token_log_probs
@@ -176,8 +176,9 @@ class PolicyUpdater:
         shapes = tuple(sorted((k, v.shape) for k, v in mini.items()))
         if shapes not in self._executables:
           t0 = time.perf_counter()
-          self._executables[shapes] = self._update.lower(params, self.opt_state,
-                                                         mini).compile()
+          with on_mesh(self.mesh):
+            self._executables[shapes] = self._update.lower(params, self.opt_state,
+                                                           mini).compile()
           compile_s += time.perf_counter() - t0
         params, self.opt_state, out = self._executables[shapes](params, self.opt_state, mini)
         metrics.append(out)
@@ -200,4 +201,6 @@ class PolicyUpdater:
     lead = batch["tokens"].shape[:2]
     flat = {k: batch[k].reshape(-1, *batch[k].shape[2:])
             for k in ("tokens", "targets", "loss_mask")}
-    return self._log_probs(params, flat).reshape(*lead, *batch["tokens"].shape[2:])
+    with on_mesh(self.mesh):
+      logp = self._log_probs(params, flat)
+    return logp.reshape(*lead, *batch["tokens"].shape[2:])

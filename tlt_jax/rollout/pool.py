@@ -13,6 +13,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import jax
 
+from tlt_jax.mesh import on_mesh
+
 
 class ExecutablePool:
   """Compiled executables by key; `max_size` bounds the pool (an error, not an eviction, so a
@@ -25,10 +27,12 @@ class ExecutablePool:
     self.compile_seconds = 0.0
 
   def get(self, key: Hashable, fn: Callable, args: Sequence, donate_argnums=(),
-          out_shardings: Callable | None = None) -> object:
+          out_shardings: Callable | None = None, mesh: jax.sharding.Mesh | None = None
+          ) -> object:
     """The executable for `key`, compiling fn for `args` (arrays or ShapeDtypeStructs with
     shardings) on first use. `out_shardings(output_shapes)` pins the outputs' layout, so that
-    a program's results can feed any other program of the pool."""
+    a program's results can feed any other program of the pool. `mesh`: traced under
+    `jax.set_mesh(mesh)`, so that the attention kernel runs per shard (kernels.per_shard)."""
     exe = self._exes.get(key)
     if exe is None:
       if len(self._exes) >= self.max_size:
@@ -37,7 +41,8 @@ class ExecutablePool:
       t0 = time.perf_counter()
       if out_shardings is not None:
         fn = with_output_layout(fn, out_shardings)
-      exe = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
+      with on_mesh(mesh):
+        exe = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
       self.compile_seconds += time.perf_counter() - t0
       self.compiles += 1
       self._exes[key] = exe

@@ -55,7 +55,7 @@ class SlicePrograms:
 
   def _get(self, key, fn, args, donate=()):
     return self.pool.get((self.s, *key), fn, args, donate_argnums=donate,
-                         out_shardings=self._layout)
+                         out_shardings=self._layout, mesh=self.mesh)
 
   # ---------------------------------------------------------------- programs
 
