@@ -46,12 +46,16 @@ def test_every_program_lowers_for_cuda_with_the_kernel(job):
 def test_the_one_gpu_demo_fits_70_gib(job):
   """configs/gpu_demo.py at its full shapes (SFT 32 x 1536, RL update 32 x 1920, rollout
   128 rows x 1920 slots), compiled here: every program's peak under 70 GiB. Its weights are
-  bfloat16, so on this CPU the rollout's temporaries come from the float32 stand-in."""
-  budget = job_budget(repo_config("gpu_demo"), job, progress=lambda _: None)
+  bfloat16, so on this CPU the rollout's temporaries come from the float32 stand-in (checked
+  on the warm-up's programs; the RL job's rollout programs are measured as compiled, an
+  over-estimate, to halve their compiles)."""
+  stand_in = None if job == "warmup" else False
+  budget = job_budget(repo_config("gpu_demo"), job, progress=lambda _: None,
+                      stand_in=stand_in)
   for name, m in budget["programs"].items():
     assert m["peak_bytes"] < 70 * GiB, (name, m["peak_bytes"] / GiB)
-    stand_in = name.startswith("rollout_")
-    assert m["temp_source"] == ("float32 scan stand-in" if stand_in else "compiled"), name
+    from_stand_in = job == "warmup" and name.startswith("rollout_")
+    assert m["temp_source"] == ("float32 scan stand-in" if from_stand_in else "compiled"), name
   assert budget["peak_bytes"] > sum(budget["resident_bytes"].values())
 
 

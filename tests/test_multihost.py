@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import REPO
 
 MESH = ["--config.mesh.axes.replica=4", "--config.mesh.axes.fsdp=-1",
+        "--config.rl.eval_samples=0",  # greedy evaluation only: fewer programs to compile
         # A fixed SD strategy: the schedule, and so every sampled token, is the same in both
         # runs (the timing-driven tuner may pick differently).
         "--config.rollout.speculative.tuner=fixed", "--config.rl.save_rollouts=True",

@@ -182,7 +182,8 @@ class RecordingPool(ExecutablePool):
     super().__init__()
     self.programs: dict = {}
 
-  def get(self, key, fn, args, donate_argnums=(), out_shardings=None, mesh=None):
+  def get(self, key, fn, args, donate_argnums=(), out_shardings=None, mesh=None,
+          kind="program"):
     if out_shardings is not None:
       fn = with_output_layout(fn, out_shardings)
     self.programs[key] = (fn, tuple(args), tuple(donate_argnums), mesh)
@@ -392,19 +393,20 @@ def rollout_stand_in(config: ml_collections.ConfigDict) -> ml_collections.Config
 
 
 def job_budget(config: ml_collections.ConfigDict, job: str, progress: Callable = print,
-               num_devices: int = 1) -> dict:
+               num_devices: int = 1, stand_in: bool | None = None) -> dict:
   """Memory of `job` per device on its mesh over `num_devices` devices: resident bytes by
   name, every program's analysis with its `peak_bytes` (resident + non-resident arguments +
   temporaries + outputs not aliased), and the job's `peak_bytes` (the largest).
 
-  Where `needs_rollout_stand_in`, each rollout program's temporaries come from the same
-  program of `rollout_stand_in(config)` (its row says so in `temp_source`; the program's own
-  compile is kept as `temp_bytes_as_compiled`); everything else is the config's own."""
+  With `stand_in` (default: where `needs_rollout_stand_in`), each rollout program's
+  temporaries come from the same program of `rollout_stand_in(config)` (its row says so in
+  `temp_source`; the program's own compile is kept as `temp_bytes_as_compiled`); everything
+  else is the config's own."""
   resident, programs = job_programs(config, job, num_devices)
-  stand_in = {}
-  if needs_rollout_stand_in(config):
-    stand_in = {p.name: p for p in job_programs(rollout_stand_in(config), job, num_devices)[1]
-                if p.name.startswith("rollout_")}
+  if stand_in is None:
+    stand_in = needs_rollout_stand_in(config)
+  stand_in = {p.name: p for p in job_programs(rollout_stand_in(config), job, num_devices)[1]
+              if p.name.startswith("rollout_")} if stand_in else {}
   resident_bytes = {k: tree_bytes(v) for k, v in resident.items()}
   held = sum(resident_bytes.values())
   rows = {}

@@ -52,6 +52,7 @@ from tlt_jax.rl.evaluate import heldout_accuracy
 from tlt_jax.rl.grpo import group_advantages
 from tlt_jax.rl.phases import rl_prompts, rollout, rollout_rows, score, step_metrics
 from tlt_jax.rl.policy_update import PolicyUpdater
+from tlt_jax.rollout.pool import merge_bills
 from tlt_jax.run_log import RunLog, read_jsonl
 from tlt_jax.train_report import write_summary
 from tlt_jax.workdir import claim_workdir
@@ -149,6 +150,8 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
                           make_adamw(policy_adamw(config)), params, mesh, rules,
                           rl.ppo_epochs, rl.mini_batches, rl.micro_batch_rows,
                           ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None)
+  # Every program the job compiles goes through one of these (the bill: `merge_bills`).
+  pools = [engine.pool, updater.pool] + ([spot.pool] if spot is not None else [])
 
   # ---------------------------------------------------------------- checkpoint and logs
   def checkpointer():
@@ -200,14 +203,14 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   with log:
     while step < rl.steps and not stop.requested:
       t_step = time.perf_counter()
-      compile_before = engine.pool.compile_seconds + (spot.compile_s if spot else 0.0)
+      compile_before = sum(pool.compile_seconds for pool in pools)
       key = jax.random.fold_in(base_key, step)
       examples = prompts_iter.take(rl.prompts_per_step)
       prompts = rl_prompts(tokenizer, examples, config)
       rolled = rollout(engine, spot, prompts, sampling, key, step, config)
       scored = score(examples, rolled.result, tokenizer, reward_fn, rl.num_samples)
       t_update = time.perf_counter()
-      run.params, update_metrics, update_compile_s = updater(
+      run.params, update_metrics, _ = updater(
           run.params, [p for p in prompts for _ in range(rl.num_samples)],
           rolled.result.tokens, group_advantages(scored.rewards, rl.num_samples,
                                                   updater.gc.scale_by_std),
@@ -216,8 +219,7 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
         raise RunStopped(_nonfinite_message(step + 1, update_metrics, ckpt.latest_step))
       engine.update_params(policy_params=run.params)  # a reshard onto the rollout slices
       step += 1
-      compile_s = engine.pool.compile_seconds + (spot.compile_s if spot else 0.0) - \
-          compile_before + update_compile_s
+      compile_s = sum(pool.compile_seconds for pool in pools) - compile_before
       metrics = step_metrics(step, scored, rolled, update_metrics, engine.speculative,
                              update_s=time.perf_counter() - t_update,
                              step_s=time.perf_counter() - t_step, compile_s=compile_s)
@@ -245,7 +247,8 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   compiles = {k: v - compiles_before[k] for k, v in COMPILES.report().items()}
   return write_summary(workdir, log.rows["metrics"], config,
                        wall_s=time.perf_counter() - started, stopped_early=step < rl.steps,
-                       evals=log.rows["eval"], write=main, extra=compiles)
+                       evals=log.rows["eval"], write=main,
+                       extra={**compiles, "compile_bill": merge_bills(pools)})
 
 
 def _nonfinite_message(step: int, metrics: dict, last_checkpoint: int | None) -> str:

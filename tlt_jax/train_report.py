@@ -79,6 +79,9 @@ def _print_table(s: dict) -> None:
            f"{s['step_s_mean']:.1f} s ({s['step_s_mean_after_first'] or 0:.1f} s)"),
           ("rollout share of step time", f"{s['rollout_share']:.0%}"),
           ("compile time", f"{s['compile_s_total']:.1f} s"),
+          ("compiled, by program kind", ", ".join(
+              f"{kind} {line['programs']} ({line['seconds']:.1f} s)"
+              for kind, line in s.get("compile_bill", {}).items()) or "-"),
           ("XLA programs compiled / from the cache",
            f"{s['xla_compiles']} / {s['xla_cache_hits']}" if "xla_compiles" in s else "-"),
           ("SD accept length, mean", f"{s['sd_accept_len_mean'] or 0:.2f}"),

@@ -88,8 +88,14 @@ def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
                               (s, mesh.devices.size, block)))
   assert idle == [(0, 1, None)]  # told once, when the slice ran out of work
   assert first.pool["compiles"] == first.pool["executables"]  # every program compiled once
+  # The bill: every compile under its program kind, the SD program among them.
+  bill = first.pool["bill"]
+  assert sum(line["programs"] for line in bill.values()) == first.pool["compiles"]
+  assert {"rollout_prefill", "rollout_decode", "rollout_decode_sd"} <= set(bill)
+  assert bill["rollout_decode_sd"]["programs"] >= 1 and bill["rollout_decode_sd"]["seconds"] > 0
   second = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
   assert second.pool["compiles"] == first.pool["compiles"]
+  assert second.pool["bill"] == bill
   assert second.tokens == first.tokens == ref.tokens
 
 

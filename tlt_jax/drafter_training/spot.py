@@ -39,11 +39,12 @@ from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainState,
                                                  make_optimizer, train_step)
 from tlt_jax.mesh import (ROLLOUT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
-                          on_mesh, replica_slices, stack_slices, to_mesh)
+                          replica_slices, stack_slices, to_mesh)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, trainable_part
 from tlt_jax.optim import optimizer_shardings
 from tlt_jax.rollout.feature_log import FeatureBlock
+from tlt_jax.rollout.pool import ExecutablePool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +138,7 @@ class SpotTrainer:
     self._step = jax.jit(functools.partial(_rows_step, cfg=cfg, dcfg=dcfg, oc=oc),
                          donate_argnums=(0,))
     self._lock = threading.Lock()
-    self._compiled: dict = {}
-    self.compile_s = 0.0
+    self.pool = ExecutablePool()  # the update, once per slice mesh
     self._threads: dict[int, threading.Thread] = {}
     self._results: dict[int, tuple[DrafterTrainState, int]] = {}
     self._errors: list[BaseException] = []
@@ -163,14 +163,14 @@ class SpotTrainer:
       self._shardings[mesh] = DrafterTrainState(params=p_sh, opt_state=o_sh, step=rep)
     return self._shardings[mesh]
 
+  @property
+  def compile_s(self) -> float:
+    """Seconds spent compiling the update (once per slice)."""
+    return self.pool.compile_seconds
+
   def _executable(self, mesh: Mesh, args):
-    exe = self._compiled.get(mesh)
-    if exe is None:
-      t = time.perf_counter()
-      with on_mesh(mesh):
-        exe = self._compiled[mesh] = self._step.lower(*args).compile()
-      self.compile_s += time.perf_counter() - t
-    return exe
+    return self.pool.get(mesh, self._step, args, donate_argnums=(0,), mesh=mesh,
+                         kind="drafter_update")
 
   def precompile(self, meshes: list[Mesh], policy_on: Callable[[int], dict]) -> float:
     """Compiles the update for each slice mesh ahead of the first rollout (otherwise a slice

@@ -11,7 +11,6 @@ micro_rows (padding rows have an empty loss mask and weight 0) and laid out
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 
 import jax
@@ -21,10 +20,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.config import ConfigError
-from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, on_mesh
+from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.grpo import GrpoConfig, grpo_loss, loss_weights, token_log_probs
+from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.speculative.sampling import SamplingParams
 
 WIDTH_MULTIPLE = 64
@@ -148,7 +148,7 @@ class PolicyUpdater:
     param_sharding = jax.tree.map(lambda x: x.sharding, params)
     self._update = make_policy_update(cfg, gc, tx, param_sharding, opt_sharding)
     self._log_probs = make_log_probs(cfg, gc.sampling)
-    self._executables: dict = {}
+    self.pool = ExecutablePool()  # one update and one log-prob program per batch shape
 
   def rows_for(self, sequences: int) -> int:
     """Rows of a step's batch: `sequences` rounded up to whole mini-batches."""
@@ -165,28 +165,26 @@ class PolicyUpdater:
                       max_width=max_width)
     batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
                                           self.gc.loss_agg))
+    compile_before = self.pool.compile_seconds
     if self.ppo_epochs * self.mini_batches > 1:  # with one update the ratio is 1: not needed
       batch["old_logp"] = self._batch_log_probs(params, batch)
     if self.ref_params is not None:
       batch["ref_logp"] = self._batch_log_probs(self.ref_params, batch)
-    metrics, compile_s = [], 0.0
+    metrics = []
     for _ in range(self.ppo_epochs):
       for m in range(self.mini_batches):
         mini = {k: v[m] for k, v in batch.items()}
         shapes = tuple(sorted((k, v.shape) for k, v in mini.items()))
-        if shapes not in self._executables:
-          t0 = time.perf_counter()
-          with on_mesh(self.mesh):
-            self._executables[shapes] = self._update.lower(params, self.opt_state,
-                                                           mini).compile()
-          compile_s += time.perf_counter() - t0
-        params, self.opt_state, out = self._executables[shapes](params, self.opt_state, mini)
+        update = self.pool.get(("update", shapes), self._update,
+                               (params, self.opt_state, mini), donate_argnums=(0, 1),
+                               mesh=self.mesh, kind="policy_update")
+        params, self.opt_state, out = update(params, self.opt_state, mini)
         metrics.append(out)
     metrics = jax.device_get(metrics)
     out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
     out["nonfinite"] = float(sum(m["nonfinite"] for m in metrics))  # updates not applied
     out["params_finite"] = float(min(m["params_finite"] for m in metrics))
-    return params, out, compile_s
+    return params, out, self.pool.compile_seconds - compile_before
 
   def _place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """[mini, micro, rows, ...] host arrays, rows split over the data-parallel axes."""
@@ -201,6 +199,7 @@ class PolicyUpdater:
     lead = batch["tokens"].shape[:2]
     flat = {k: batch[k].reshape(-1, *batch[k].shape[2:])
             for k in ("tokens", "targets", "loss_mask")}
-    with on_mesh(self.mesh):
-      logp = self._log_probs(params, flat)
-    return logp.reshape(*lead, *batch["tokens"].shape[2:])
+    shapes = tuple(sorted((k, v.shape) for k, v in flat.items()))
+    log_probs = self.pool.get(("log_probs", shapes), self._log_probs,
+                              (params, flat), mesh=self.mesh, kind="log_probs")
+    return log_probs(params, flat).reshape(*lead, *batch["tokens"].shape[2:])

@@ -54,8 +54,11 @@ class SlicePrograms:
     return logical_shardings(axes, self.mesh, self.rules, shapes)
 
   def _get(self, key, fn, args, donate=()):
+    """The pool's program for key = (kind, shape and setting ...) on this slice; its compile
+    is billed as `rollout_<kind>` (SD decode calls as `rollout_decode_sd`)."""
+    kind = "rollout_" + key[0] + ("_sd" if key[0] == "decode" and key[2] is not None else "")
     return self.pool.get((self.s, *key), fn, args, donate_argnums=donate,
-                         out_shardings=self._layout, mesh=self.mesh)
+                         out_shardings=self._layout, mesh=self.mesh, kind=kind)
 
   # ---------------------------------------------------------------- programs
 
