@@ -103,21 +103,21 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path):
   args = ["--config.rl.steps=3", "--config.rl.num_eval_examples=0"]
   _train(tmp_path / "whole", *args)
   whole = _metrics(tmp_path / "whole")
+  # The two interrupted runs go side by side: the first run's programs are in the cache now.
+  term = _train(tmp_path / "term", *args, wait=False)
+  kill = _train(tmp_path / "kill", *args, wait=False)
 
-  proc = _train(tmp_path / "term", *args, wait=False)
-  _wait_for_checkpoint(proc, tmp_path / "term", 1)
-  proc.send_signal(signal.SIGTERM)
-  out, _ = proc.communicate(timeout=600)
-  assert proc.returncode == 75, out[-3000:]  # stopped, not finished: a scheduler can tell
+  _wait_for_checkpoint(term, tmp_path / "term", 1)
+  term.send_signal(signal.SIGTERM)
+  _wait_for_checkpoint(kill, tmp_path / "kill", 1)
+  kill.kill()
+  out, _ = term.communicate(timeout=600)
+  assert term.returncode == 75, out[-3000:]  # stopped, not finished: a scheduler can tell
   assert "received SIGTERM" in out and "rerun the same command to resume" in out
   done = _metrics(tmp_path / "term")
   assert 1 <= len(done) < 3
   assert sorted(os.listdir(tmp_path / "term" / "checkpoints"))[-1] == str(len(done))
-
-  proc = _train(tmp_path / "kill", *args, wait=False)
-  _wait_for_checkpoint(proc, tmp_path / "kill", 1)
-  proc.kill()
-  proc.communicate(timeout=60)
+  kill.communicate(timeout=60)
 
   for name in ("term", "kill"):
     out = _train(tmp_path / name, *args)
