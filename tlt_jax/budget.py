@@ -40,12 +40,13 @@ from tlt_jax.components import (drafter_config, drafter_opt_config, engine_confi
                                 model_config, policy_adamw, sampling_params,
                                 training_model_config)
 from tlt_jax.drafter_training.loss import Windows
+from tlt_jax.drafter_training.spot import train_state_shardings
 from tlt_jax.drafter_training.train_step import init_train_state, train_step
 from tlt_jax.drafter_training.train_step import make_optimizer as make_drafter_optimizer
 from tlt_jax.mesh import (AXIS_ORDER, logical_shardings, logical_to_mesh_spec, make_mesh,
                           on_mesh, replica_slices)
 from tlt_jax.models import init_params, param_logical_axes
-from tlt_jax.models.drafter import drafter_logical_axes, init_drafter_params, trainable_part
+from tlt_jax.models.drafter import drafter_logical_axes, init_drafter_params
 from tlt_jax.optim import make_adamw, optimizer_shardings
 from tlt_jax.rl.policy_update import make_log_probs, make_policy_update
 from tlt_jax.rollout.pool import ExecutablePool, with_output_layout
@@ -78,8 +79,8 @@ def tree_bytes(tree) -> int:
     sharding = getattr(x, "sharding", None)
     shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
     if jnp.issubdtype(x.dtype, jax.dtypes.extended):
-      shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, x.dtype)).shape
-      return int(np.prod(shape)) * 4
+      data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, x.dtype))
+      return int(np.prod(data.shape)) * jnp.dtype(data.dtype).itemsize
     return int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
   return sum(nbytes(x) for x in jax.tree.leaves(tree))
 
@@ -284,13 +285,9 @@ def job_resident(config: ml_collections.ConfigDict, job: str, meshes: JobMeshes 
     oc = drafter_opt_config(config, warmup=job == "warmup")
     state = jax.eval_shape(
         lambda k: init_train_state(init_drafter_params(cfg, dcfg, k), oc), jax.random.key(0))
-    d_sh = logical_shardings(drafter_logical_axes(cfg, dcfg), meshes.rollout,
-                             meshes.rollout_rules, state.params)
-    rep = NamedSharding(meshes.rollout, P())
-    resident["drafter train state"] = _placed(state, type(state)(
-        params=d_sh, step=rep, opt_state=optimizer_shardings(
-            make_drafter_optimizer(oc), trainable_part(state.params), trainable_part(d_sh),
-            meshes.rollout)))
+    resident["drafter train state"] = _placed(state, train_state_shardings(
+        make_drafter_optimizer(oc), state.params, drafter_logical_axes(cfg, dcfg),
+        meshes.rollout, meshes.rollout_rules))
   return resident
 
 

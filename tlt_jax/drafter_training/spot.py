@@ -85,6 +85,16 @@ def _rows_step(state: DrafterTrainState, policy_params: dict, windows: Windows, 
   return train_step(state, policy_params, batch, cfg, dcfg, oc)
 
 
+def train_state_shardings(tx, param_shapes: dict, param_axes: dict, mesh: Mesh, rules
+                          ) -> DrafterTrainState:
+  """Shardings of a drafter train state on `mesh`: params by their logical axes under `rules`
+  (param_shapes: arrays or ShapeDtypeStructs), tx's moments like their params, the step
+  counter replicated."""
+  p_sh = logical_shardings(param_axes, mesh, rules, param_shapes)
+  o_sh = optimizer_shardings(tx, trainable_part(param_shapes), trainable_part(p_sh), mesh)
+  return DrafterTrainState(params=p_sh, opt_state=o_sh, step=NamedSharding(mesh, P()))
+
+
 @jax.jit
 def _copy(tree):
   return jax.tree.map(jnp.copy, tree)  # outputs of a jit never alias undonated inputs
@@ -156,11 +166,8 @@ class SpotTrainer:
     """Shardings of the train state on `mesh`: params by their logical axes, Adam moments
     like their params, counters replicated."""
     if mesh not in self._shardings:
-      rep = NamedSharding(mesh, P())
-      p_sh = logical_shardings(self._axes, mesh, self.rules, self._shapes)
-      o_sh = optimizer_shardings(self._tx, trainable_part(self._shapes), trainable_part(p_sh),
-                                 mesh)
-      self._shardings[mesh] = DrafterTrainState(params=p_sh, opt_state=o_sh, step=rep)
+      self._shardings[mesh] = train_state_shardings(self._tx, self._shapes, self._axes, mesh,
+                                                    self.rules)
     return self._shardings[mesh]
 
   @property
