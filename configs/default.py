@@ -16,7 +16,7 @@ Override any knob: --config.rl.steps=20 --config.rollout.sd_threshold=8
 
 import os
 
-from tlt_jax.config import base_config, tiny_task_settings
+from tlt_jax.config import base_config, smoke_run_settings, tiny_task_settings
 
 ASSETS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                        "assets"))
@@ -66,23 +66,7 @@ def get_config(arg: str | None = None):
     c.rollout.speculative.enable = False
     c.drafter.spot_training = False
   elif arg == "runlocal":
-    c.rollout.max_batch = 8
-    c.rollout.max_new_tokens = 48
-    c.generate.num_prompts = 4
-    c.generate.max_new_tokens = 8
-    c.drafter.warmup.num_prompts = 8
-    c.drafter.warmup.steps = 6
-    c.drafter.warmup.max_new_tokens = 48
-    c.drafter.warmup.checkpoint_every = 3
-    c.drafter.warmup.num_eval_prompts = 2
-    c.drafter.spot.windows = 4
-    c.drafter.spot.window = 64
-    c.rl.steps = 2
-    c.rl.prompts_per_step = 2
-    c.rl.num_samples = 4
-    c.rl.micro_batch_rows = 4
-    c.rl.checkpoint_every = 1
-    c.rl.num_eval_examples = 4
+    smoke_run_settings(c)
   elif arg:
     raise ValueError(f"configs/default.py: unknown variant {arg!r}; allowed: {variants}")
   c.lock()

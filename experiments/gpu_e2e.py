@@ -129,6 +129,31 @@ def run_stage(name: str, cmd: list[str], log_path: pathlib.Path) -> float:
   return time.perf_counter() - t0
 
 
+def run_recorded_stages(out: pathlib.Path, quick: bool, commands: dict[str, list[str]],
+                        selected) -> dict:
+  """Runs the `selected` stages of `commands` ({name: command}, in order) that OUT/stages.json
+  does not record as done, recording each as it finishes (a killed run resumes at the stage
+  it was in); returns {name: {command, seconds}} of every stage done so far."""
+  out.mkdir(parents=True, exist_ok=True)
+  record_path = out / "stages.json"
+  record = _read(record_path)
+  if record and record.get("quick") != quick:
+    sys.exit(f"{out} holds a {'quick' if record.get('quick') else 'full'} run; give another "
+             f"--out or delete it")
+  record["quick"] = quick
+  stages = record.setdefault("stages", {})
+  for name, cmd in commands.items():
+    if name not in selected:
+      continue
+    if name in stages:
+      print(f"=== {name}: done in an earlier run ({stages[name]['seconds']:.0f} s), skipped")
+      continue
+    seconds = run_stage(name, cmd, out / "logs" / f"{name}.log")
+    stages[name] = {"command": cmd, "seconds": seconds}
+    record_path.write_text(json.dumps(record, indent=2))  # after every stage: resumable
+  return stages
+
+
 def _read(path: pathlib.Path) -> dict:
   return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -217,23 +242,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   sets = stage_overrides(args.set)
   out = args.out.resolve()
-  out.mkdir(parents=True, exist_ok=True)
-  record_path = out / "stages.json"
-  record = _read(record_path)
-  if record and record.get("quick") != args.quick:
-    sys.exit(f"{out} holds a {'quick' if record.get('quick') else 'full'} run; give another "
-             f"--out or delete it")
-  record["quick"] = args.quick
-  stages = record.setdefault("stages", {})
-  for name, cmd in stage_commands(out, args.quick, sets).items():
-    if name not in args.stages:
-      continue
-    if name in stages:
-      print(f"=== {name}: done in an earlier run ({stages[name]['seconds']:.0f} s), skipped")
-      continue
-    seconds = run_stage(name, cmd, out / "logs" / f"{name}.log")
-    stages[name] = {"command": cmd, "seconds": seconds}
-    record_path.write_text(json.dumps(record, indent=2))  # after every stage: resumable
+  stages = run_recorded_stages(out, args.quick, stage_commands(out, args.quick, sets),
+                               args.stages)
   missing = [name for name in STAGES if name not in stages]
   if missing:
     print(f"stages still to run: {' '.join(missing)} (the summary is written after the last)")

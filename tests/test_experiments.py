@@ -242,14 +242,16 @@ def test_grpo_settings_quick(tmp_path):
   _run_script("grpo_settings.py", "--quick", "--out", str(tmp_path))
   data = json.loads((tmp_path / "grpo_settings.json").read_text())
   assert (tmp_path / "grpo_settings.png").stat().st_size > 1000
-  assert list(data["settings"]) == ["default", "kl0.1+warmup"]
-  assert data["settings"]["kl0.1+warmup"]["overrides"] == ["rl.kl_coef=0.1",
-                                                           "rl.lr_warmup_steps=4"]
+  assert list(data["settings"]) == ["default", "lr3e-5"]
+  assert data["settings"]["lr3e-5"]["overrides"] == ["rl.learning_rate=3e-5"]
   for setting in data["settings"].values():
     (run,) = setting["runs"]
     assert run["seed"] == 0 and len(run["reward"]) == 2  # runlocal: 2 RL steps
     assert all(0.0 <= a <= 1.0 for a in run["greedy"] + run["sampled"])
     assert setting["greedy_change_mean"] == run["greedy"][1] - run["greedy"][0]
+    # The paired control: 0 before any update; the mean is over steps 2..N.
+    assert run["reward_vs_initial"][0] == 0 and run["paired"] == run["reward_vs_initial"][1]
+    assert setting["paired_mean"] == run["paired"]
 
 
 def test_grpo_settings_names_a_bad_setting(tmp_path):

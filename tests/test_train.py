@@ -18,7 +18,8 @@ from tlt_jax.train_report import METRIC_KEYS
 from tlt_jax.workdir import lock_workdir
 
 RUNLOCAL = ["--config", "configs/default.py:runlocal"]
-MAIN_RUN_FLAGS = ["--config.rl.save_rollouts=True"]  # .ci/run's smoke run adds the same
+# .ci/run's smoke run adds the same
+MAIN_RUN_FLAGS = ["--config.rl.save_rollouts=True", "--config.rl.paired_control=True"]
 SAME = ("reward_mean", "accuracy", "response_len_mean", "response_len_max", "rollout_tokens")
 
 
@@ -62,12 +63,21 @@ def test_the_main_job_writes_its_outputs(tmp_path):
   # The shipped drafter drafts well (the tuner tries every arm in the first step; it may
   # later decode plainly in a step, and then reports no accept length).
   assert metrics[0]["sd_accept_len_mean"] > 1.5
+  # The paired control: before any update the initial policy samples the same responses.
+  assert metrics[0]["reward_vs_initial"] == 0 and metrics[0]["accuracy_vs_initial"] == 0
+  assert metrics[0]["reward_initial"] == metrics[0]["reward_mean"]
+  assert metrics[1]["reward_initial"] + metrics[1]["reward_vs_initial"] == pytest.approx(
+      metrics[1]["reward_mean"])
+  assert all(m["control_s"] > 0 for m in metrics)
   rollouts = _rollouts(run)
   assert [r["step"] for r in rollouts] == [1] * 8 + [2] * 8  # 2 prompts x 4 samples
   assert len({r["completion"] for r in rollouts}) > len(rollouts) // 2  # sampled
   assert sorted(os.listdir(run / "checkpoints")) == ["1", "2"]
   summary = json.loads((run / "summary.json").read_text())
   assert summary["steps_done"] == 2 and summary["rollout_share"] > 0
+  assert summary["reward_vs_initial_mean"] == metrics[1]["reward_vs_initial"]
+  # The control decodes plainly down to the last row: batch buckets 8 and 4, on 2 slices.
+  assert summary["compile_bill_control"]["rollout_decode"]["programs"] == 4
   assert (run / "summary.png").stat().st_size > 10_000
   evals = [json.loads(line) for line in open(run / "eval.jsonl")]
   assert [e["step"] for e in evals] == [0, 2] and summary["eval_step_last"] == 2

@@ -28,7 +28,7 @@ from tlt_jax.optim import AdamWConfig
 from tlt_jax.rl.data import load_numbered_examples
 from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.phases import rl_prompts
-from tlt_jax.rl.rewards import RewardFn, make_reward
+from tlt_jax.rl.rewards import RewardFn, make_answer_reward, make_reward
 from tlt_jax.rl.tasks import Example, TaskSlice, make_task
 from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -171,7 +171,14 @@ def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
 
 def reward_from_config(config: ml_collections.ConfigDict) -> RewardFn:
   """The reward rl.reward names: `fn(prompts, completions, **columns) -> list[float]`."""
-  return make_reward(config.rl.reward, format_bonus=config.rl.format_bonus)
+  return make_reward(config.rl.reward, format_bonus=config.rl.format_bonus,
+                     answer_fallback=config.rl.answer_fallback)
+
+
+def answer_check(config: ml_collections.ConfigDict) -> RewardFn:
+  """What counts as a right answer (accuracy in the metrics and the held-out evaluation):
+  the answer reward, with rl.answer_fallback."""
+  return make_answer_reward(config.rl.answer_fallback)
 
 
 def policy_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
@@ -195,7 +202,8 @@ def task_from_config(config: ml_collections.ConfigDict, eval_split: bool = False
   return make_task(t.name, seed=t.eval_seed if eval_split else t.seed, min_steps=t.min_steps,
                    max_steps=t.max_steps, body_p=t.body_p, tail_prob=t.tail_prob,
                    tail_alpha=t.tail_alpha, max_value=t.max_value,
-                   max_operand=t.max_operand, max_multiplier=t.max_multiplier)
+                   max_operand=t.max_operand, max_multiplier=t.max_multiplier,
+                   instruction=t.instruction)
 
 
 # ---------------------------------------------------------------- loaded and built objects

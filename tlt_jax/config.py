@@ -105,6 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.max_value = 99
   c.task.max_operand = 9
   c.task.max_multiplier = 5
+  # A sentence appended to every built-in prompt, e.g. how to state the answer for a model
+  # that was not fine-tuned on the task ('' = the bare problem, as the tiny policy learned it).
+  c.task.instruction = ""
   # Your own problems instead of the built-in task: JSON lines of GSM8K / MATH / verl-style
   # records (tlt_jax.rl.data.load_jsonl); eval_data_path holds the held-out problems.
   c.task.data_path = ""
@@ -174,6 +177,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.num_train_examples = 1_000_000   # the prompt pool (training split of the task)
   c.rl.reward = "answer+format"         # or "answer"
   c.rl.format_bonus = 0.1
+  # Judge a response that states no '#### x' or \boxed{x} by its last number (reward, accuracy
+  # and evaluation alike): for a model that was never taught the answer format.
+  c.rl.answer_fallback = False
   c.rl.learning_rate = 1e-6
   c.rl.lr_warmup_steps = 0
   c.rl.weight_decay = 0.0
@@ -194,6 +200,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.num_eval_examples = 0
   c.rl.eval_samples = 4                  # also sampled at the rollout temperature (0 = no)
   c.rl.eval_every = 0
+  # The paired control: each step the initial policy also answers the step's prompts with the
+  # same rollout key (plain decoding, outside step_s), so `reward_vs_initial` is the reward
+  # the updates gained on exactly these prompts and samples' randomness (0 at step 1), free of
+  # the prompt mix's noise. Costs one more rollout per step and a copy of the weights.
+  c.rl.paired_control = False
   c.rl.checkpoint_every = 5
   c.rl.keep_checkpoints = 2
   c.rl.export = True                     # export policy and drafter (HF layout) at the end
@@ -292,6 +303,29 @@ def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
   c.task.max_multiplier = 9
   c.task.body_p = 0.3
   c.task.tail_prob = 0.15
+
+
+def smoke_run_settings(c: ml_collections.ConfigDict) -> None:
+  """The `:runlocal` sizes of a config's jobs, for smoke tests: 2 RL steps of 2 prompts x 4
+  samples, 48-token responses, an 8-prompt, 6-step drafter warm-up and a 4-problem
+  evaluation; the model and task stay the config's."""
+  c.rollout.max_batch = 8
+  c.rollout.max_new_tokens = 48
+  c.generate.num_prompts = 4
+  c.generate.max_new_tokens = 8
+  c.drafter.warmup.num_prompts = 8
+  c.drafter.warmup.steps = 6
+  c.drafter.warmup.max_new_tokens = 48
+  c.drafter.warmup.checkpoint_every = 3
+  c.drafter.warmup.num_eval_prompts = 2
+  c.drafter.spot.windows = 4
+  c.drafter.spot.window = 64
+  c.rl.steps = 2
+  c.rl.prompts_per_step = 2
+  c.rl.num_samples = 4
+  c.rl.micro_batch_rows = 4
+  c.rl.checkpoint_every = 1
+  c.rl.num_eval_examples = 4
 
 
 def toy_settings(c: ml_collections.ConfigDict) -> None:

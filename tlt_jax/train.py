@@ -38,7 +38,8 @@ from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer
 from tlt_jax.compile_cache import COMPILES
 from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, grpo_config,
                                 load_drafter_for, load_policy, load_tokenizer_for, make_engine,
-                                policy_adamw, reward_from_config, sampling_params, spot_config,
+                                answer_check, policy_adamw, reward_from_config, sampling_params,
+                                spot_config,
                                 task_examples, training_model_config, training_set)
 from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.drafter_training.buffer import FeatureBuffer
@@ -50,7 +51,8 @@ from tlt_jax.optim import make_adamw
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import heldout_accuracy
 from tlt_jax.rl.grpo import group_advantages
-from tlt_jax.rl.phases import rl_prompts, rollout, rollout_rows, score, step_metrics
+from tlt_jax.rl.phases import (paired_control, rl_prompts, rollout, rollout_rows, score,
+                               step_metrics)
 from tlt_jax.rl.policy_update import PolicyUpdater
 from tlt_jax.rollout.pool import merge_bills
 from tlt_jax.run_log import RunLog, read_jsonl
@@ -126,6 +128,7 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
       if rl.num_eval_examples else []
   eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
   reward_fn = reward_fn or reward_from_config(config)
+  answer_fn = answer_check(config)
 
   # ---------------------------------------------------------------- models
   cfg, params = load_policy(config, mesh)
@@ -150,7 +153,12 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
                           make_adamw(policy_adamw(config)), params, mesh, rules,
                           rl.ppo_epochs, rl.mini_batches, rl.micro_batch_rows,
                           ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None)
-  # Every program the job compiles goes through one of these (the bill: `merge_bills`).
+  # The initial policy, for rl.paired_control: a plain engine on its own copy of the weights
+  # (the update donates the policy's buffers).
+  control = (make_engine(config, cfg, jax.tree.map(jnp.copy, params), mesh, eos, pad)
+             if rl.paired_control else None)
+  # Every program the job compiles goes through one of these (the bill: `merge_bills`); the
+  # control's are billed apart and left out of the step's compile_s, as it is out of step_s.
   pools = [engine.pool, updater.pool] + ([spot.pool] if spot is not None else [])
 
   # ---------------------------------------------------------------- checkpoint and logs
@@ -186,7 +194,8 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
       f"{'on' if spot is not None else 'off'}; steps {step} -> {rl.steps}")
 
   def evaluate_and_log(at_step: int) -> None:
-    row = heldout_accuracy(engine, tokenizer, eval_examples, sampling, rl.eval_samples)
+    row = heldout_accuracy(engine, tokenizer, eval_examples, sampling, rl.eval_samples,
+                           answer_fn)
     log.write("eval", [{"step": at_step, **row}])
     sampled = (f", sampled {row['sampled_accuracy']:.3f} ({rl.eval_samples} per problem)"
                if rl.eval_samples else "")
@@ -208,7 +217,10 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
       examples = prompts_iter.take(rl.prompts_per_step)
       prompts = rl_prompts(tokenizer, examples, config)
       rolled = rollout(engine, spot, prompts, sampling, key, step, config)
-      scored = score(examples, rolled.result, tokenizer, reward_fn, rl.num_samples)
+      scored = score(examples, rolled.result, tokenizer, reward_fn, rl.num_samples, answer_fn)
+      paired = {} if control is None else paired_control(
+          control, examples, prompts, scored, tokenizer, sampling, key, config, reward_fn,
+          answer_fn)
       t_update = time.perf_counter()
       run.params, update_metrics, _ = updater(
           run.params, [p for p in prompts for _ in range(rl.num_samples)],
@@ -222,7 +234,9 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
       compile_s = sum(pool.compile_seconds for pool in pools) - compile_before
       metrics = step_metrics(step, scored, rolled, update_metrics, engine.speculative,
                              update_s=time.perf_counter() - t_update,
-                             step_s=time.perf_counter() - t_step, compile_s=compile_s)
+                             step_s=time.perf_counter() - t_step - paired.get("control_s", 0),
+                             compile_s=compile_s)
+      metrics.update(paired)
       log.write("metrics", [metrics])
       if rl.save_rollouts:
         log.write("rollouts", rollout_rows(step, scored, rolled.result, rl.num_samples))
@@ -248,7 +262,9 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   return write_summary(workdir, log.rows["metrics"], config,
                        wall_s=time.perf_counter() - started, stopped_early=step < rl.steps,
                        evals=log.rows["eval"], write=main,
-                       extra={**compiles, "compile_bill": merge_bills(pools)})
+                       extra={**compiles, "compile_bill": merge_bills(pools),
+                              **({"compile_bill_control": merge_bills([control.pool])}
+                                 if control is not None else {})})
 
 
 def _nonfinite_message(step: int, metrics: dict, last_checkpoint: int | None) -> str:

@@ -50,6 +50,11 @@ def write_summary(workdir: str, history: list[dict], config: ml_collections.Conf
         sd_accept_len_mean=_mean([m["sd_accept_len_mean"] for m in history]),
         reclaimed_slice_s_total=float(sum(m["reclaimed_slice_s"] for m in history)),
         idle_slice_s_total=float(sum(m["idle_slice_s"] for m in history)))
+    paired = [m["reward_vs_initial"] for m in history[1:] if "reward_vs_initial" in m]
+    if paired:  # rl.paired_control; step 1 is 0 by construction
+      summary.update(reward_vs_initial_mean=float(np.mean(paired)),
+                     accuracy_vs_initial_mean=float(np.mean(
+                         [m["accuracy_vs_initial"] for m in history[1:]])))
     if write:
       _plot(history, evals, os.path.join(workdir, "summary.png"))
       _print_table(summary)
@@ -75,6 +80,9 @@ def _print_table(s: dict) -> None:
            if "eval_sampled_accuracy_first" in s else "not evaluated"),
           ("reward (first -> last)", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"),
           ("accuracy (first -> last)", f"{s['accuracy_first']:.3f} -> {s['accuracy_last']:.3f}"),
+          *([("reward vs initial policy (paired)",
+              f"{s['reward_vs_initial_mean']:+.3f} (accuracy {s['accuracy_vs_initial_mean']:+.3f}),"
+              f" mean of steps 2-{s['steps_done']}")] if "reward_vs_initial_mean" in s else []),
           ("step time, mean (after step 1)",
            f"{s['step_s_mean']:.1f} s ({s['step_s_mean_after_first'] or 0:.1f} s)"),
           ("rollout share of step time", f"{s['rollout_share']:.0%}"),

@@ -184,3 +184,15 @@ def test_sampled_engine_with_sd_emits_what_plain_decoding_emits(smollm2, drafter
   assert accepted > 1.0
   print(f"sampled: {sum(map(len, res.tokens))} tokens identical; {accepted:.2f} tokens per "
         f"row and SD iteration")
+
+
+@pytest.mark.parametrize("variant", [None, "baseline", "gpu", "runlocal"])
+def test_the_smollm2_config_validates_and_its_prompts_fit(smollm2_dir, variant):
+  """configs/smollm2.py finds the imported folder, builds every component and fits the
+  task's longest prompt (chat template and SmolLM's system prompt included)."""
+  from tlt_jax.cli import config_from_file
+  from tlt_jax.components import check_prompt_lengths, load_tokenizer_for, validate_config
+  config = config_from_file("configs/smollm2.py" + (f":{variant}" if variant else ""))
+  assert config.model.path == smollm2_dir
+  validate_config(config)
+  check_prompt_lengths(config, load_tokenizer_for(config))

@@ -46,6 +46,14 @@ def test_answers_recomputed_from_the_trace_and_values_stay_in_range():
   assert ops == {"+", "-", "*"}
 
 
+def test_an_instruction_ends_every_prompt_and_changes_nothing_else():
+  plain, told = ArithmeticTask(seed=3), ArithmeticTask(seed=3, instruction="Give the number.")
+  for a, b in zip(plain.examples(20), told.examples(20)):
+    assert b.prompt == a.prompt + " Give the number."
+    assert (b.answer, b.solution, b.metadata) == (a.answer, a.solution, a.metadata)
+  assert all(p.endswith("result? Give the number.") for p in told.longest_prompts())
+
+
 def test_step_counts_are_long_tailed_and_bounded():
   task = ArithmeticTask(seed=0, min_steps=1, max_steps=20)
   steps = np.array([e.metadata["num_steps"] for e in task.examples(3000)])

@@ -2,7 +2,8 @@
 
 import pytest
 
-from tlt_jax.rl.rewards import answer_reward, combine_rewards, format_reward, make_format_reward
+from tlt_jax.rl.rewards import (answer_reward, combine_rewards, format_reward, make_answer_reward,
+                                 make_format_reward, make_reward)
 
 PROMPTS = ["p1", "p2", "p3", "p4"]
 COMPLETIONS = ["3+4=7\n#### 7", "3+4=8\n#### 8", r"so \boxed{7}", "3+4=7\n#### 7 apples"]
@@ -37,3 +38,14 @@ def test_mismatched_columns_are_named():
     answer_reward(PROMPTS, COMPLETIONS, answer=["7"])
   with pytest.raises(ValueError, match="2 functions but 1 weights"):
     combine_rewards(answer_reward, format_reward, weights=[1.0])
+
+
+def test_answer_fallback_judges_a_formatless_response_by_its_last_number():
+  """What a pretrained instruct model answers (configs/smollm2.py): no '####' line. The
+  stated format still wins over a later number."""
+  completions = ["The result is 7.", "6 + 1 = 7, so 8", "7", "Add 1 to 6.", "#### 7\nthen 9"]
+  fallback = make_answer_reward(fallback=True)
+  assert fallback(["p"] * 5, completions, answer=["7"] * 5) == [1.0, 0.0, 1.0, 0.0, 1.0]
+  assert answer_reward(["p"] * 5, completions, answer=["7"] * 5) == [0.0] * 4 + [1.0]
+  assert make_reward("answer", answer_fallback=True)(
+      ["p"] * 5, completions, answer=["7"] * 5) == [1.0, 0.0, 1.0, 0.0, 1.0]

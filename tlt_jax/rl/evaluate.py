@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from tlt_jax.rl.answers import answers_match, extract_answer
+from tlt_jax.rl.rewards import RewardFn, answer_reward
 from tlt_jax.rl.tasks.example import Example
 from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import RolloutEngine
@@ -16,10 +16,12 @@ from tlt_jax.speculative.sampling import SamplingParams
 
 
 def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
-             sampling: SamplingParams, samples: int = 1, key: jax.Array | None = None) -> dict:
+             sampling: SamplingParams, samples: int = 1, key: jax.Array | None = None,
+             answer_fn: RewardFn = answer_reward) -> dict:
   """Samples `samples` completions per example with the engine's current policy and scores
-  their final answers as the answer reward does: stated as '#### x' or '\\boxed{x}'
-  (temperature 0 = greedy; SD, when the engine runs it, is exact).
+  their final answers with `answer_fn` (the answer reward: stated as '#### x' or
+  '\\boxed{x}', see `rewards.make_answer_reward`) (temperature 0 = greedy; SD, when the
+  engine runs it, is exact).
 
   Returns a dict over the N = len(examples) * samples completions (example i's are
   i * samples .. i * samples + samples - 1): accuracy (float), num_examples, samples,
@@ -34,7 +36,8 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
   result = engine.generate(ids, samples, sampling, key, log_requests=())
   texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(samples)]
-  correct = [answers_match(extract_answer(t), ex.answer) for t, ex in zip(texts, repeated)]
+  correct = [bool(ok) for ok in answer_fn([ex.prompt for ex in repeated], texts,
+                                             answer=[ex.answer for ex in repeated])]
   by_steps: dict[int, list[int]] = {}
   for ex, ok in zip(repeated, correct):
     if "num_steps" in ex.metadata:
@@ -50,7 +53,8 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
 
 
 def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
-                     sampling: SamplingParams, samples: int) -> dict:
+                     sampling: SamplingParams, samples: int,
+                     answer_fn: RewardFn = answer_reward) -> dict:
   """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged), and
   with `samples` samples per problem at the rollout temperature (what the reward measures,
   without the noise of each step's prompt mix). One eval.jsonl row, without the step."""
@@ -59,7 +63,7 @@ def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
   for name, sp, n in (("greedy", dataclasses.replace(sampling, temperature=0.0), 1),
                       ("sampled", sampling, samples)):
     if n:
-      res = evaluate(engine, tokenizer, examples, sp, samples=n, key=key)
+      res = evaluate(engine, tokenizer, examples, sp, samples=n, key=key, answer_fn=answer_fn)
       row[f"{name}_accuracy"] = res["accuracy"]
       row[f"{name}_response_len_mean"] = res["response_len_mean"]
   row["accuracy"] = row["greedy_accuracy"]

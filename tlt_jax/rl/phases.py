@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 
 from tlt_jax.config import ConfigError
-from tlt_jax.rl.rewards import answer_reward
+from tlt_jax.rl.rewards import RewardFn, answer_reward
 from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import RolloutEngine, RolloutResult, accept_length
 
@@ -27,6 +27,11 @@ def rl_prompts(tokenizer, examples: list, config: ml_collections.ConfigDict) -> 
                       f"{longest} prompt tokens, more than rollout.max_prompt_len="
                       f"{config.rollout.max_prompt_len}; raise it")
   return prompts
+
+
+def rollout_key(step_key: jax.Array) -> jax.Array:
+  """The sampling key of a step's rollout (the paired control decodes with it too)."""
+  return jax.random.fold_in(step_key, 0)
 
 
 @dataclasses.dataclass
@@ -51,8 +56,7 @@ def rollout(engine: RolloutEngine, spot, prompts: list[list[int]], sampling, key
     if keep:
       logged = np.random.default_rng([config.seed, step]).choice(
           n, min(n, keep), replace=False).tolist()
-  result = engine.generate(prompts, config.rl.num_samples, sampling,
-                           jax.random.fold_in(key, 0),
+  result = engine.generate(prompts, config.rl.num_samples, sampling, rollout_key(key),
                            on_slice_idle=spot.on_slice_idle if spot else None,
                            log_requests=logged)
   spot_metrics = {}
@@ -72,16 +76,36 @@ class Scored:
   correct: np.ndarray
 
 
-def score(examples: list, result, tokenizer, reward_fn, num_samples: int) -> Scored:
-  """Decodes the responses (response i answers examples[i // num_samples]) and scores them."""
+def score(examples: list, result, tokenizer, reward_fn, num_samples: int,
+          answer_fn: RewardFn = answer_reward) -> Scored:
+  """Decodes the responses (response i answers examples[i // num_samples]) and scores them:
+  rewards by `reward_fn`, right or wrong by `answer_fn` (`rewards.make_answer_reward`)."""
   completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(num_samples)]
   prompts = [ex.prompt for ex in repeated]
   answers = [ex.answer for ex in repeated]
   rewards = np.asarray(reward_fn(prompts, completions, answer=answers,
                                  metadata=[ex.metadata for ex in repeated]), np.float32)
-  correct = np.asarray(answer_reward(prompts, completions, answer=answers))
+  correct = np.asarray(answer_fn(prompts, completions, answer=answers))
   return Scored(completions, rewards, correct)
+
+
+def paired_control(control: RolloutEngine, examples: list, prompts: list[list[int]],
+                   scored: Scored, tokenizer, sampling, key: jax.Array,
+                   config: ml_collections.ConfigDict, reward_fn: RewardFn,
+                   answer_fn: RewardFn) -> dict:
+  """The initial policy (`control`, plain decoding) on the step's prompts with the step's
+  rollout key, scored like the rollout: the step's reward and accuracy minus the initial
+  policy's, and its seconds. Same key and policy give the same samples, so both differences
+  are exactly 0 until the first update."""
+  t0 = time.perf_counter()
+  result = control.generate(prompts, config.rl.num_samples, sampling, rollout_key(key),
+                            log_requests=())
+  base = score(examples, result, tokenizer, reward_fn, config.rl.num_samples, answer_fn)
+  return {"reward_initial": float(base.rewards.mean()),
+          "reward_vs_initial": float(scored.rewards.mean() - base.rewards.mean()),
+          "accuracy_vs_initial": float(scored.correct.mean() - base.correct.mean()),
+          "control_s": time.perf_counter() - t0}
 
 
 def step_metrics(step: int, scored: Scored, rollout: Rollout, update: dict,

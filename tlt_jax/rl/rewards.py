@@ -25,14 +25,26 @@ def _check_lengths(completions: Sequence[str], **columns) -> None:
                        f"{len(completions)} completions; pass one entry per completion")
 
 
-def answer_reward(prompts: Sequence[str], completions: Sequence[str], *,
-                  answer: Sequence[str], **columns) -> list[float]:
-  """1.0 when the completion states its final answer in the task's format ('#### x' or
-  '\\boxed{x}', `extract_answer`) and it matches `answer`, else 0.0: a response that skips
-  the format earns nothing, even when its last number is right."""
-  del prompts, columns
-  _check_lengths(completions, answer=answer)
-  return [float(answers_match(extract_answer(c), a)) for c, a in zip(completions, answer)]
+def make_answer_reward(fallback: bool = False) -> RewardFn:
+  """The answer reward: 1.0 when the completion's final answer matches `answer`, else 0.0.
+
+  The answer is the one stated in the task's format ('#### x' or '\\boxed{x}',
+  `extract_answer`): a response that skips the format earns nothing, even when its last number
+  is right. fallback=True also takes a format-less response's last number (for a model that
+  was never taught the format, e.g. a pretrained instruct model on the built-in task)."""
+
+  def answer_reward(prompts: Sequence[str], completions: Sequence[str], *,
+                    answer: Sequence[str], **columns) -> list[float]:
+    del prompts, columns
+    _check_lengths(completions, answer=answer)
+    return [float(answers_match(extract_answer(c, fallback=fallback), a))
+            for c, a in zip(completions, answer)]
+
+  answer_reward.__name__ = "answer_reward_or_last_number" if fallback else "answer_reward"
+  return answer_reward
+
+
+answer_reward = make_answer_reward()
 
 
 def make_format_reward(bonus: float = 0.1) -> RewardFn:
@@ -78,13 +90,15 @@ def combine_rewards(*fns: RewardFn, weights: Sequence[float] | None = None) -> R
 REWARDS = ("answer", "answer+format")
 
 
-def make_reward(name: str, format_bonus: float = 0.1) -> RewardFn:
-  """A reward by name: 'answer' (1 for a correct final answer) or 'answer+format' (plus
-  format_bonus for a well-formed final line)."""
+def make_reward(name: str, format_bonus: float = 0.1, answer_fallback: bool = False) -> RewardFn:
+  """A reward by name: 'answer' (1 for a correct final answer; answer_fallback: a response
+  without the format is judged by its last number, `make_answer_reward`) or 'answer+format'
+  (plus format_bonus for a well-formed final line)."""
   if name not in REWARDS:
     raise ValueError(f"rl.reward={name!r} is not allowed; allowed values: {REWARDS}")
   if format_bonus < 0:
     raise ValueError(f"rl.format_bonus={format_bonus} must be >= 0")
+  answer = make_answer_reward(answer_fallback)
   if name == "answer":
-    return answer_reward
-  return combine_rewards(answer_reward, make_format_reward(format_bonus))
+    return answer
+  return combine_rewards(answer, make_format_reward(format_bonus))

@@ -58,6 +58,8 @@ class ArithmeticTask:
     max_value: every value (start, intermediate, answer) is in [0, max_value].
     max_operand: add/subtract operands are in [1, max_operand].
     max_multiplier: multiply operands are in [2, max_multiplier].
+    instruction: a sentence appended to every prompt ('' = none), e.g. how to state the answer
+      for a model that was not fine-tuned on the task.
   """
   seed: int = 0
   min_steps: int = 1
@@ -68,6 +70,7 @@ class ArithmeticTask:
   max_value: int = 99
   max_operand: int = 9
   max_multiplier: int = 5
+  instruction: str = ""
 
   def __post_init__(self):
     if not 1 <= self.min_steps <= self.max_steps:
@@ -116,6 +119,8 @@ class ArithmeticTask:
       lines.append(f"{value}{_SYMBOL[op]}{k}={new}")
       value = new
     words.append("What is the result?")
+    if self.instruction:
+      words.append(self.instruction)
     solution = "\n".join(lines + [f"#### {value}"])
     return Example(prompt=" ".join(words), answer=str(value), solution=solution,
                    metadata={"task": "arithmetic", "seed": self.seed, "index": index,
@@ -131,7 +136,8 @@ class ArithmeticTask:
               "multiply": self.max_multiplier}
     return [" ".join([f"Start with {self.max_value}."]
                      + [_WORDS[op].format(k=widest[op])] * self.max_steps
-                     + ["What is the result?"]) for op in OPS]
+                     + ["What is the result?"] + [self.instruction] * bool(self.instruction))
+            for op in OPS]
 
   def examples(self, count: int, start: int = 0) -> list[Example]:
     """Problems start, start + 1, ..., start + count - 1."""
