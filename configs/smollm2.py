@@ -18,7 +18,8 @@ Variants:
   (none)    CPU: float32 (bfloat16 matmuls are slower on CPU), 2 emulated devices as two
             rollout slices, scanned layers (a 30-layer loop compiles for minutes).
   baseline  the same run without SD and without spot training
-  gpu       one GPU: bfloat16, one slice of 128 rows, decoding loops over the layers
+  gpu       one GPU: bfloat16, one slice of 128 rows, decoding loops over the layers (not yet
+            run on a GPU)
   runlocal  the smallest settings, for smoke tests (CPU)
 """
 
@@ -55,9 +56,12 @@ def get_config(arg: str | None = None):
   c.rollout.max_batch = 32
   c.rollout.max_prompt_len = 64       # SmolLM's template adds a system prompt: ~50 tokens
   c.rollout.max_new_tokens = 128
-  c.rollout.sd_threshold = 8
+  # On 2 CPU cores a decode step stops being flat past ~8 tokens (README: "A real model on
+  # CPU"), so a verify of 2 rows x 8 tree tokens already costs more than a plain step: SD runs
+  # for the last 2 rows of a slice only.
+  c.rollout.sd_threshold = 2
   c.rollout.temperature = 0.7
-  c.rollout.speculative.bucket_thresholds = (1, 3, 6)
+  c.rollout.speculative.bucket_thresholds = (1, 2)
   c.rollout.speculative.arms = ("4,2,8", "3,2,6", "6,2,12")
 
   c.drafter.num_layers = 1
@@ -75,14 +79,16 @@ def get_config(arg: str | None = None):
   c.drafter.spot.batch_rows = 4
 
   # On 2 CPU cores the update dominates a step (a forward and backward pass of 135M
-  # parameters over every response): 6 steps of 4 prompts x 8 samples keep a run of both
-  # variants within about half an hour.
-  c.rl.steps = 6
+  # parameters over every response): 10 steps of 4 prompts x 8 samples keep a run of both
+  # variants within about half an hour. The paired control shows what the updates gained on
+  # each step's own prompts, which the reward of 32 responses is too noisy to show.
+  c.rl.steps = 10
+  c.rl.paired_control = True
   c.rl.prompts_per_step = 4
   c.rl.num_samples = 8
   c.rl.learning_rate = 1e-5
   c.rl.micro_batch_rows = 8
-  c.rl.checkpoint_every = 3
+  c.rl.checkpoint_every = 5
   c.rl.num_eval_examples = 32
   c.rl.eval_samples = 1
 
@@ -99,6 +105,7 @@ def get_config(arg: str | None = None):
     c.rollout.max_batch = 128
     c.rollout.max_new_tokens = 512
     c.rollout.sd_threshold = 16
+    c.rollout.speculative.bucket_thresholds = (1, 3, 6, 11)
     c.rl.steps = 20
     c.rl.prompts_per_step = 16
     c.rl.micro_batch_rows = 32

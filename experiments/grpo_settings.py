@@ -3,8 +3,10 @@ policy, measured.
 
 Runs the main job (tlt_jax.train) on the baseline variant of a config (no SD, no spot
 training: the update is the same with TLT, whose outputs are identical) once per setting and
-seed, each from the same policy, and records held-out greedy and sampled accuracy at the first
-and the last step, the reward per step, and the run-to-run spread over seeds.
+seed, each from the same policy, with the paired control on (rl.paired_control), and records
+the reward gained over the initial policy on each step's own prompts and sampling keys
+(`paired`: the mean over steps 2..N), held-out greedy and sampled accuracy at the first and
+the last step, the reward per step, and the run-to-run spread over seeds.
 
   python experiments/grpo_settings.py --out results/grpo_settings
   python experiments/grpo_settings.py --out /tmp/gs --quick    # configs/default.py:runlocal
@@ -13,8 +15,8 @@ and the last step, the reward per step, and the run-to-run spread over seeds.
 
 A setting is NAME=KEY=VALUE[,KEY=VALUE...] (config overrides); `default` (no overrides) is
 always run first. Writes OUT/runs/<setting>-seed<k>/ (each run's workdir),
-OUT/grpo_settings.json and OUT/grpo_settings.png (the change of held-out greedy and sampled
-accuracy per setting, one point per seed).
+OUT/grpo_settings.json and OUT/grpo_settings.png (the paired reward gain and the change of
+held-out greedy and sampled accuracy per setting, one point per seed).
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ from tlt_jax.train import train  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # What was tried on the tiny default (README: "What GRPO does to the tiny policy").
+# Each costs what the default costs (128 responses per step), so any of them fits the quick
+# start's time; 32 x 4 trades samples per prompt for prompts.
 DEFAULT_SETTINGS = {
     "lr3e-5": "rl.learning_rate=3e-5",
     "kl0.1+warmup": "rl.kl_coef=0.1,rl.lr_warmup_steps=4",
-    "32 prompts, lr3e-5": "rl.prompts_per_step=32,rl.learning_rate=3e-5",
-    "64 prompts, lr3e-5": "rl.prompts_per_step=64,rl.learning_rate=3e-5",
+    "32x4": "rl.prompts_per_step=32,rl.num_samples=4",
+    "32x4, lr3e-5": "rl.prompts_per_step=32,rl.num_samples=4,rl.learning_rate=3e-5",
 }
 
 

@@ -191,6 +191,7 @@ def collect(out: pathlib.Path, stages: dict) -> dict:
   for name, r in rl.get("runs", {}).items():
     metrics = r.get("metrics", [])
     runs[name] = {"reward_by_step": [m["reward_mean"] for m in metrics],
+                  "reward_vs_initial": [m.get("reward_vs_initial") for m in metrics],
                   "step_s": [m["step_s"] for m in metrics],
                   "rollout_s": [m["rollout_s"] for m in metrics],
                   "update_s": [m["update_s"] for m in metrics],
@@ -243,6 +244,9 @@ def plot(out: pathlib.Path, summary: dict) -> None:
       continue
     steps = range(1, len(r["reward_by_step"]) + 1)
     ax_rl.plot(steps, r["reward_by_step"], "o-", color=color, label=f"{name} reward")
+    if None not in r["reward_vs_initial"]:
+      ax_rl.plot(steps, r["reward_vs_initial"], "^--", color=color,
+                 label=f"{name} reward - initial policy's (paired)")
     ax_t.plot(steps, r["step_s"], "s:", color=color, alpha=0.6, label=f"{name} step s")
   ax_rl.set_xlabel("RL step")
   ax_rl.set_ylabel("reward (mean)")
