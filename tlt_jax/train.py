@@ -36,11 +36,11 @@ from tqdm import tqdm
 from tlt_jax import cli
 from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer
 from tlt_jax.compile_cache import COMPILES
-from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, grpo_config,
-                                load_drafter_for, load_policy, load_tokenizer_for, make_engine,
-                                answer_check, policy_adamw, reward_from_config, sampling_params,
-                                spot_config,
-                                task_examples, training_model_config, training_set)
+from tlt_jax.components import (answer_check, check_prompt_lengths, drafter_opt_config,
+                                grpo_config, load_drafter_for, load_policy, load_tokenizer_for,
+                                make_engine, policy_adamw, reward_from_config, sampling_params,
+                                spot_config, task_examples, training_model_config,
+                                training_set)
 from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer

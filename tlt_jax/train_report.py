@@ -50,11 +50,12 @@ def write_summary(workdir: str, history: list[dict], config: ml_collections.Conf
         sd_accept_len_mean=_mean([m["sd_accept_len_mean"] for m in history]),
         reclaimed_slice_s_total=float(sum(m["reclaimed_slice_s"] for m in history)),
         idle_slice_s_total=float(sum(m["idle_slice_s"] for m in history)))
-    paired = [m["reward_vs_initial"] for m in history[1:] if "reward_vs_initial" in m]
-    if paired:  # rl.paired_control; step 1 is 0 by construction
-      summary.update(reward_vs_initial_mean=float(np.mean(paired)),
-                     accuracy_vs_initial_mean=float(np.mean(
-                         [m["accuracy_vs_initial"] for m in history[1:]])))
+    # rl.paired_control (step 1 is 0 by construction; a resumed run may have switched it on)
+    paired = [m for m in history[1:] if "reward_vs_initial" in m]
+    if paired:
+      summary.update(
+          reward_vs_initial_mean=float(np.mean([m["reward_vs_initial"] for m in paired])),
+          accuracy_vs_initial_mean=float(np.mean([m["accuracy_vs_initial"] for m in paired])))
     if write:
       _plot(history, evals, os.path.join(workdir, "summary.png"))
       _print_table(summary)
