@@ -72,14 +72,13 @@ def decode_stage(out: pathlib.Path, quick: bool, sets: list[str], batches: list[
   import jax.numpy as jnp
   import numpy as np
 
-  from tlt_jax.components import load_policy, model_config
+  from tlt_jax.components import load_policy
   from tlt_jax.mesh import make_mesh
   from tlt_jax.models import decode, init_cache, prefill
 
   config = _config(quick, sets)
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   cfg, params = load_policy(config, mesh)
-  cfg = model_config(config)
   prompt_len = config.rollout.max_prompt_len
   slots = prompt_len + config.rollout.max_new_tokens
   pre = jax.jit(functools.partial(prefill, cfg=cfg, fresh=True))
