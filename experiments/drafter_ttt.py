@@ -155,7 +155,8 @@ def main(argv=None):
       first = trained[args.steps_ahead[0]]
       engine = make_engine(vc, vcfg, params, mesh, eos, pad, drafter=(dcfg, first),
                            speculative=True, tuner=FixedTuner(strategy), sd_threshold=1,
-                           max_batch=1, max_new_tokens=args.max_new_tokens)
+                           max_batch=1, max_new_tokens=args.max_new_tokens,
+                           compile_ahead=False)  # every call SD: what is measured
       for k in args.steps_ahead:
         engine.update_params(drafter_params=trained[k])
         key = jax.random.key(args.seed)

@@ -8,6 +8,10 @@ prompts and seed:
   frozen     SD with the warmed drafter, never trained (drafter.spot_training=False)
   no_warmup  SD with a randomly initialised drafter, spot-trained (drafter.path='')
 
+and, when asked for (--variants ...), TLT with and without compiling ahead (tlt_ahead,
+tlt_on_demand: rollout.compile_ahead True / False, whatever the config says), to measure
+what compiling the tail's programs in the background saves.
+
   python experiments/rl_runs.py --out results/rl_runs
   python experiments/rl_runs.py --out /tmp/rl --quick          # configs/default.py:runlocal
   python experiments/rl_runs.py --out results/rl --config configs/qwen2_5_gpu.py:8gpu \
@@ -17,13 +21,15 @@ With --resume a rerun keeps OUT's runs: a variant that finished is read back (OU
 run.json), one cut off (a kill, a timeout) resumes from its own checkpoints.
 
 Writes OUT/runs/<variant>/ (each run's workdir: metrics.jsonl, rollouts.jsonl, summary.json),
-OUT/rl_runs.json (per-step series and the ratios below) and three figures:
+OUT/rl_runs.json (per-step series and the ratios below) and four figures:
   long_tail.png           response-length percentiles per RL step (baseline), and the
                           baseline's step time split into rollout (busy / idle slice time)
                           and update;
   drafter_adaptation.png  SD accept length per RL step for the three drafters;
   end_to_end.png          step time and cumulative wall time of TLT vs baseline, with their
-                          reward curves overlaid.
+                          reward curves overlaid;
+  compiles.png            per variant, compile seconds where the host waited (inside and
+                          outside the steps) and in the background, and cumulative step time.
 """
 
 from __future__ import annotations
@@ -54,7 +60,10 @@ VARIANTS = {
     "tlt": {},
     "frozen": {"drafter.spot_training": False},
     "no_warmup": {"drafter.path": ""},
+    "tlt_ahead": {"rollout.compile_ahead": True},
+    "tlt_on_demand": {"rollout.compile_ahead": False},
 }
+DEFAULT_VARIANTS = ["baseline", "tlt", "frozen", "no_warmup"]
 
 
 def run_variants(base, variants: list[str], out: pathlib.Path,
@@ -194,6 +203,37 @@ def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def plot_compiles(runs: dict, path: pathlib.Path) -> None:
+  """Per variant: compile seconds on the critical path (inside the steps, and outside them:
+  start-up and evaluations) and in the background, and cumulative step time."""
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), dpi=100)
+  names = list(runs)
+  in_steps = np.asarray([sum(m["compile_s"] for m in runs[n]["metrics"]) for n in names])
+  bills = [runs[n]["summary"].get("compile_bill", {}) for n in names]
+  waited = np.asarray([sum(v["seconds"] for v in bill.values()) for bill in bills])
+  ahead = np.asarray([sum(v.get("ahead_seconds", 0) for v in bill.values()) for bill in bills])
+  x = np.arange(len(names))
+  a.bar(x, in_steps, color="#c0392b", label="host waited, inside the steps")
+  a.bar(x, np.maximum(waited - in_steps, 0), bottom=in_steps, color="#e6a09a",
+        label="host waited, outside the steps")
+  a.bar(x, ahead, bottom=np.maximum(waited, in_steps), color="#3b6ea5",
+        label="in the background")
+  a.set_xticks(x, names, fontsize=8)
+  a.set_ylabel("compile seconds")
+  a.set_title("what each run compiled", fontsize=9)
+  a.legend(fontsize=8, loc="upper left")
+  for n in names:
+    ms = runs[n]["metrics"]
+    b.plot([m["step"] for m in ms], np.cumsum([m["step_s"] for m in ms]), "o-", ms=3, label=n)
+  b.set_xlabel("RL step")
+  b.set_title("cumulative step time (s), compiles included", fontsize=9)
+  b.legend(fontsize=8)
+  _integer_steps(b)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
 def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
   fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6), dpi=100)
   for name, color in (("baseline", "#7f8c8d"), ("tlt", "#c0392b")):
@@ -220,7 +260,7 @@ def main():
                       help="config file[:variant] (default: the tiny CPU default)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="config override, e.g. --set rl.steps=8 (repeatable)")
-  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
   parser.add_argument("--resume", action="store_true",
                       help="keep OUT's runs: finished variants are read back, a cut-off one "
                            "resumes from its checkpoints (default: every variant from scratch)")
@@ -259,6 +299,8 @@ def main():
       "drafter_adaptation": {name: [m["sd_accept_len_mean"] for m in runs[name]["metrics"]]
                              for name in ("tlt", "frozen", "no_warmup") if name in runs},
       "end_to_end": end_to_end(runs["tlt"]["metrics"], base["metrics"]),
+      **{f"end_to_end_{name}": end_to_end(runs[name]["metrics"], base["metrics"])
+         for name in ("tlt_ahead", "tlt_on_demand") if name in runs},
       # What each variant compiled, per program kind (programs and seconds), side by side.
       "compile_bill": {name: r["summary"].get("compile_bill", {}) for name, r in runs.items()},
       "runs": {name: {"wall_s": r["wall_s"],
@@ -270,15 +312,18 @@ def main():
   plot_long_tail(lengths, breakdown, args.out / "long_tail.png")
   plot_adaptation(runs, args.out / "drafter_adaptation.png")
   plot_end_to_end(runs, args.out / "end_to_end.png")
+  plot_compiles(runs, args.out / "compiles.png")
   e2e = result["end_to_end"]
   print(f"TLT vs baseline over {e2e['steps']} steps: step-time speedup "
         f"{e2e['speedup_step_time']:.2f}x, rollout speedup {e2e['speedup_rollout']:.2f}x; "
         f"mean reward {e2e['reward_mean_tlt']:.3f} vs {e2e['reward_mean_baseline']:.3f}")
   for name, bill in result["compile_bill"].items():
-    programs = sum(line["programs"] for line in bill.values())
-    seconds = sum(line["seconds"] for line in bill.values())
-    print(f"{name}: compiled {programs} programs in {seconds:.1f} s")
-  print(f"wrote {args.out}/rl_runs.json, long_tail.png, drafter_adaptation.png, end_to_end.png")
+    line = {k: sum(v.get(k, 0) for v in bill.values())
+            for k in ("programs", "seconds", "ahead_programs", "ahead_seconds")}
+    print(f"{name}: compiled {line['programs']} programs in {line['seconds']:.1f} s on the "
+          f"critical path, {line['ahead_programs']} in {line['ahead_seconds']:.1f} s ahead")
+  print(f"wrote {args.out}/rl_runs.json, long_tail.png, drafter_adaptation.png, end_to_end.png, "
+        f"compiles.png")
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def rollout_stage(out: pathlib.Path, quick: bool, sets: list[str], num_prompts: 
   rows, plain_tokens = {}, None
   for name, kw in modes.items():
     engine = make_engine(config, cfg, params, mesh, eos, pad,
-                         drafter=drafter if kw["speculative"] else None, **kw)
+                         drafter=drafter if kw["speculative"] else None, compile_ahead=False,
+                         **kw)
     first = engine.generate(prompts, config.rl.num_samples, sp, key)
     result = engine.generate(prompts, config.rl.num_samples, sp, key)
     result.timed_compiles = result.pool["compiles"] - first.pool["compiles"]

@@ -199,11 +199,13 @@ def test_bench_vs_revision_quick(tmp_path):
 
 @pytest.mark.slow
 def test_rl_runs_quick(tmp_path):
-  _run_script("rl_runs.py", "--quick", "--out", str(tmp_path), timeout=900)
+  variants = ("baseline", "tlt", "frozen", "tlt_ahead")
+  _run_script("rl_runs.py", "--quick", "--out", str(tmp_path), "--variants", *variants,
+              timeout=900)
   data = json.loads((tmp_path / "rl_runs.json").read_text())
   for name in ("long_tail.png", "drafter_adaptation.png", "end_to_end.png"):
     assert (tmp_path / name).exists(), name
-  assert set(data["runs"]) == {"baseline", "tlt", "frozen", "no_warmup"}
+  assert set(data["runs"]) == set(variants)
   for run in data["runs"].values():
     assert [m["step"] for m in run["metrics"]] == [1, 2]
   # The baseline's per-step lengths and time split come from its own rollouts and metrics.
@@ -214,11 +216,20 @@ def test_rl_runs_quick(tmp_path):
     assert 0.0 <= row["idle_share"] <= 1.0 and row["rollout_busy_s"] > 0
   # SD runs report an accept length for the steps that ran SD (the tuner may decode plainly
   # in a step where no strategy pays, e.g. with the random drafter); the baseline has none.
-  for name in ("tlt", "frozen", "no_warmup"):
+  for name in ("tlt", "frozen"):
     accepts = [a for a in data["drafter_adaptation"][name] if a is not None]
     assert all(a >= 1.0 for a in accepts)
   assert data["drafter_adaptation"]["frozen"][0] > 1.5  # the warmed drafter, SD in step 1
   assert data["runs"]["frozen"]["summary"]["drafter_steps_total"] == 0
+  # Compiling ahead (rollout.compile_ahead; the smoke config compiles on demand): no SD
+  # program is compiled where the host waits (an arm is chosen only once its program is
+  # ready), the responses are the same (checked below), and the job ends without waiting for
+  # the compiles still queued.
+  bills = data["compile_bill"]
+  assert bills["tlt"]["rollout_decode_sd"]["programs"] > 0
+  assert bills["tlt_ahead"]["rollout_decode_sd"]["programs"] == 0
+  assert bills["tlt_ahead"]["rollout_decode_sd"]["ahead_programs"] > 0
+  assert "end_to_end_tlt_ahead" in data
   e2e = data["end_to_end"]
   assert e2e["steps"] == 2 and e2e["speedup_step_time"] > 0
   assert "speedup_without_compiles_after_first" in e2e

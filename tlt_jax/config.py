@@ -151,6 +151,9 @@ def base_config() -> ml_collections.ConfigDict:
   # has something to decide (a row finished while requests wait, a smaller batch bucket, the
   # switch to SD), so this only bounds how long the host goes unheard.
   c.rollout.steps_per_call = 32
+  # Compile the tail's SD programs in a background thread while the batch decodes plainly;
+  # the tuner uses a strategy once its program is ready (see EngineConfig.compile_ahead).
+  c.rollout.compile_ahead = True
   c.rollout.temperature = 1.0
   c.rollout.top_k = 0
   c.rollout.top_p = 1.0
@@ -308,7 +311,7 @@ def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
 def smoke_run_settings(c: ml_collections.ConfigDict) -> None:
   """The `:runlocal` sizes of a config's jobs, for smoke tests: 2 RL steps of 2 prompts x 4
   samples, 48-token responses, an 8-prompt, 6-step drafter warm-up and a 4-problem
-  evaluation; the model and task stay the config's."""
+  evaluation, programs compiled when first needed; the model and task stay the config's."""
   c.rollout.max_batch = 8
   c.rollout.max_new_tokens = 48
   c.generate.num_prompts = 4
@@ -326,6 +329,9 @@ def smoke_run_settings(c: ml_collections.ConfigDict) -> None:
   c.rl.micro_batch_rows = 4
   c.rl.checkpoint_every = 1
   c.rl.num_eval_examples = 4
+  # Two short steps: programs compiled ahead would not be ready before the run ends, and a
+  # smoke run should show SD working (compiling ahead is tested on its own).
+  c.rollout.compile_ahead = False
 
 
 def toy_settings(c: ml_collections.ConfigDict) -> None:

@@ -19,6 +19,7 @@ process 0 alone writes the files (orbax coordinates the checkpoints).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -185,8 +186,8 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   if set_aside:
     ckpt = checkpointer()
   log = RunLog(workdir, resume_step=step, write=main)
-  if spot is not None:  # compile the drafter update for every slice before the first rollout
-    spot.precompile(engine.slices, engine.policy_on)
+  if spot is not None:  # the drafter update for every slice, before a slice goes idle
+    spot.precompile(engine.slices, engine.policy_on, ahead=config.rollout.compile_ahead)
   n_params = sum(x.size for x in jax.tree.leaves(run.params))
   say(f"mesh {dict(mesh.shape)} over {jax.process_count()} process(es): "
       f"{len(engine.slices)} rollout slices; policy {n_params / 1e6:.2f}M params; SD "
@@ -209,7 +210,9 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   base_key = jax.random.key(config.seed)
   bar = tqdm(total=rl.steps, initial=step, desc="rl", unit="step",
              disable=not (progress and main))
-  with log:
+  with log, contextlib.ExitStack() as on_exit:
+    for pool in pools:  # compiles still queued ahead would only delay the end, or a crash
+      on_exit.callback(pool.close)
     while step < rl.steps and not stop.requested:
       t_step = time.perf_counter()
       compile_before = sum(pool.compile_seconds for pool in pools)

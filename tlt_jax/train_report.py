@@ -87,13 +87,16 @@ def _print_table(s: dict) -> None:
           ("step time, mean (after step 1)",
            f"{s['step_s_mean']:.1f} s ({s['step_s_mean_after_first'] or 0:.1f} s)"),
           ("rollout share of step time", f"{s['rollout_share']:.0%}"),
-          ("compile time", f"{s['compile_s_total']:.1f} s"),
+          ("compile time (steps, host waiting)", f"{s['compile_s_total']:.1f} s"),
           ("compiled, by program kind", ", ".join(
-              f"{kind} {line['programs']} ({line['seconds']:.1f} s)"
+              f"{kind} {line['programs']} ({line['seconds']:.1f} s)" + (
+                  f" + {line['ahead_programs']} ahead ({line['ahead_seconds']:.1f} s)"
+                  if line.get("ahead_programs") else "")
               for kind, line in s.get("compile_bill", {}).items()) or "-"),
           ("XLA programs compiled / from the cache",
            f"{s['xla_compiles']} / {s['xla_cache_hits']}" if "xla_compiles" in s else "-"),
-          ("SD accept length, mean", f"{s['sd_accept_len_mean'] or 0:.2f}"),
+          ("SD accept length, mean", f"{s['sd_accept_len_mean']:.2f}"
+           if s["sd_accept_len_mean"] is not None else "- (no SD call)"),
           ("drafter steps (spot)", f"{s['drafter_steps_total']}"),
           ("slice time reclaimed / idle",
            f"{s['reclaimed_slice_s_total']:.1f} s / {s['idle_slice_s_total']:.1f} s"),

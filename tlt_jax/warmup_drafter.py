@@ -131,7 +131,8 @@ def main(argv):
     sd_engine = make_engine(config, cfg, params, mesh, eos, pad, drafter=(dcfg, d),
                             speculative=True, tuner=FixedTuner(strategy),
                             sd_threshold=config.rollout.max_batch,
-                            max_new_tokens=w.max_new_tokens)
+                            max_new_tokens=w.max_new_tokens,
+                            compile_ahead=False)  # every call SD: what is measured
     res = sd_engine.generate(eval_prompts, 1, SamplingParams(0.0), jax.random.key(0))
     accept[name] = accept_length(res)
   print(f"greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "

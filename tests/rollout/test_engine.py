@@ -1,6 +1,7 @@
 """The rollout engine: lossless SD switch, continuous batching, compaction, slices, compiles."""
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -97,6 +98,43 @@ def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
   assert second.pool["compiles"] == first.pool["compiles"]
   assert second.pool["bill"] == bill
   assert second.tokens == first.tokens == ref.tokens
+
+
+def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
+    tiny_cfg, tiny_params, plain_reference):
+  """With compile_ahead, the tail's SD programs compile in the background from the first
+  prefill; the tail decodes plainly until one is ready, and no call compiles an SD program."""
+  ec, ref = plain_reference
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
+                    eos_id=ec.eos_id, compile_ahead=True)
+  tuner = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6)], [(2, 2, 4), (3, 2, 6)]],
+                      plain_arm=True)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
+                         drafter=random_drafter(tiny_cfg, seed=2), tuner=tuner)
+  # Most running rows first, each bucket's plain program and then its arms in order, one
+  # entry per program.
+  narrow, wide = tuner.arms[1][:2]
+  plan = engine.tail_plan()
+  assert plan == [(2, None), (2, narrow), (2, wide), (1, None), (1, wide)]
+  first = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert first.tokens == ref.tokens and first.finish_reasons == ref.finish_reasons
+  while engine.pool.pending():  # the rest of the plan finishes in the background
+    time.sleep(0.05)
+  bill = engine.pool.report()["bill"]
+  sd = bill["rollout_decode_sd"]
+  assert sd["programs"] == 0 and sd["seconds"] == 0  # no SD call waited for a compile
+  assert sd["ahead_programs"] == 3 and sd["ahead_seconds"] > 0
+  # The tail's plain programs (batches 2 and 1) too, unless the tail needed one first.
+  plain = bill["rollout_decode"]
+  assert plain["ahead_programs"] >= 1 and plain["ahead_programs"] + plain["programs"] == 4
+  second = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert second.tokens == ref.tokens
+  assert any(r.mode == "sd" for r in second.timeline)  # every program ready: SD in the tail
+  assert engine.pool.report()["bill"] == bill  # nothing compiled twice
+  # The tuner heard only from calls of its arms, never from a program's first run.
+  sd_calls = [r for res in (first, second) for r in res.timeline
+              if r.mode == "sd" or (r.mode == "plain" and r.active <= 2)]
+  assert sum(row["pulls"] for row in tuner.summary()) <= sum(not r.compiled for r in sd_calls)
 
 
 def test_beg_mab_tuner_drives_strategies(tiny_cfg, tiny_params, plain_reference):

@@ -341,3 +341,29 @@ def test_plain_arm_wins_where_no_strategy_pays():
   assert again.choose(4) is PLAIN
   with pytest.raises(ValueError, match="'plain' is an arm of BEG-MAB only"):
     TableTuner(thresholds=(1,), strategies=["plain"])
+
+
+def test_only_ready_arms_are_chosen_and_plain_when_none_is():
+  """Compiling ahead, the engine passes which strategies' programs are ready: the others are
+  not chosen (not even untried), PLAIN stands in when none is, and with every arm ready the
+  choices and the random stream are those of a tuner asked without the predicate."""
+  arms = [tuple(Strategy(*a) for a in THREE_ARMS[0])]
+  ready = {arms[0][2]}
+  tuner = BegMabTuner([1], THREE_ARMS, epsilon=1.0, seed=0)
+  assert tuner.choose(1, lambda s: False) is PLAIN
+  for _ in range(50):
+    assert tuner.choose(1, lambda s: s in ready) == arms[0][2]
+  tuner.update(1, arms[0][2], 2.0, 0.1)
+  ready.add(arms[0][0])
+  assert tuner.choose(1, lambda s: s in ready) == arms[0][0]  # untried and ready: first
+  assert not tuner.knows(1, PLAIN) and tuner.knows(1, arms[0][1])
+  assert BegMabTuner([1], THREE_ARMS, plain_arm=True).knows(1, PLAIN)
+  best = (1,)
+  a, b = (BegMabTuner([1], THREE_ARMS, epsilon=0.3, seed=4) for _ in range(2))
+  env = lambda t, bucket, arm: fake_iteration(t, bucket, arm, best)  # noqa: E731
+  b_choose = b.choose
+  b.choose = lambda bs: b_choose(bs, lambda s: True)
+  assert run(a, [1] * 200, env) == run(b, [1] * 200, env)
+  for tuner in (TableTuner(), FixedTuner()):
+    assert tuner.choose(3, lambda s: False) is PLAIN
+    assert tuner.choose(3, lambda s: True) == tuner.choose(3)

@@ -175,14 +175,16 @@ class SpotTrainer:
     """Seconds spent compiling the update (once per slice)."""
     return self.pool.compile_seconds
 
-  def _executable(self, mesh: Mesh, args):
-    return self.pool.get(mesh, self._step, args, donate_argnums=(0,), mesh=mesh,
-                         kind="drafter_update")
+  def _executable(self, mesh: Mesh, args, ahead: bool = False):
+    how = self.pool.compile_ahead if ahead else self.pool.get
+    return how(mesh, self._step, args, donate_argnums=(0,), mesh=mesh, kind="drafter_update")
 
-  def precompile(self, meshes: list[Mesh], policy_on: Callable[[int], dict]) -> float:
+  def precompile(self, meshes: list[Mesh], policy_on: Callable[[int], dict],
+                 ahead: bool = False) -> float:
     """Compiles the update for each slice mesh ahead of the first rollout (otherwise a slice
     spends its first idle seconds compiling); slices of other processes (policy_on(s) is None)
-    are skipped. Returns the seconds it took."""
+    are skipped. ahead: in the background (`ExecutablePool.compile_ahead`; a slice that goes
+    idle first waits for its compile). Returns the seconds it took."""
     t0 = time.perf_counter()
     sp = self.spot
     f = self.cfg.feature_size
@@ -202,7 +204,7 @@ class SpotTrainer:
                            self.state, self._state_shardings(mesh))
       rows = jax.ShapeDtypeStruct((sp.batch_rows,), jnp.int32,
                                   sharding=NamedSharding(mesh, P()))
-      self._executable(mesh, (state, policy_on(s), windows, rows))
+      self._executable(mesh, (state, policy_on(s), windows, rows), ahead=ahead)
     return time.perf_counter() - t0
 
   # ---------------------------------------------------------------- one rollout

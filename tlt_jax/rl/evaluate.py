@@ -33,7 +33,8 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
     raise ValueError("evaluate needs at least one example")
   key = jax.random.key(0) if key is None else key
   ids = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
-  result = engine.generate(ids, samples, sampling, key, log_requests=())
+  # Compiling ahead, an evaluation's programs queue behind the rollout's: it runs rarely.
+  result = engine.generate(ids, samples, sampling, key, log_requests=(), compile_priority=1)
   texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(samples)]
   correct = [bool(ok) for ok in answer_fn([ex.prompt for ex in repeated], texts,

@@ -57,7 +57,10 @@ class EngineConfig:
   max_prompt_len / max_new_tokens: fix the cache capacity and the output width.
   sd_threshold: switch to SD when running rows <= this (0 = never).
   steps_per_call: decode iterations per compiled call, at most.
-  eos_id: end-of-sequence token (-1 = none); pad_id: prompt padding."""
+  eos_id: end-of-sequence token (-1 = none); pad_id: prompt padding.
+  compile_ahead: compile the tail's decode programs in the background from a slice's first
+  prefill on; until a strategy's program is ready the tuner does not choose it (the tail
+  decodes plainly meanwhile), so no call waits for a compile. Tokens do not change."""
   max_batch: int = 32
   max_prompt_len: int = 128
   max_new_tokens: int = 256
@@ -65,6 +68,7 @@ class EngineConfig:
   steps_per_call: int = DEFAULT_STEPS_PER_CALL
   eos_id: int = -1
   pad_id: int = 0
+  compile_ahead: bool = False
 
   def __post_init__(self):
     if self.max_batch < 1 or self.max_batch & (self.max_batch - 1):
@@ -97,7 +101,7 @@ class StepRecord:
   iterations: int = 0       # decode iterations the call ran
   row_steps: int = 0        # iterations summed over the rows running in them
   host_s: float = 0.0       # host time of the call: choosing, dispatching, bookkeeping
-  compiled: bool = False    # the call compiled its program first (the tuner skips its time)
+  compiled: bool = False    # the program's first run (compiled now or ahead; tuner skips it)
 
 
 @dataclasses.dataclass
@@ -184,8 +188,23 @@ class RolloutEngine:
   def speculative(self) -> bool:
     return self.dcfg is not None and self.econf.sd_threshold > 0
 
+  def tail_plan(self) -> list[tuple[int, object]]:
+    """(batch bucket, strategy) of every decode program the tail may run, in the order the
+    tail reaches them: most running rows first, each bucket's plain program (what the tail
+    runs until an SD program is ready) before the tuner's arms."""
+    ec, plan = self.econf, {}
+    for running in range(min(ec.sd_threshold, ec.max_batch), 0, -1):
+      for strategy in (None, *self.tuner.strategies_for(running)):
+        plan[(bucket(running, ec.max_batch), strategy)] = None
+    return list(plan)
+
+  def close(self) -> None:
+    """Drops the compiles still queued ahead (at the end of a job: nothing will use them)."""
+    self.pool.close()
+
   def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingParams,
-               key: jax.Array, on_slice_idle=None, log_requests=None) -> RolloutResult:
+               key: jax.Array, on_slice_idle=None, log_requests=None,
+               compile_priority: int = 0) -> RolloutResult:
     """Generates `num_samples` completions for each prompt (token-id lists).
 
     key: the rollout's key. Request i (prompt i // num_samples, sample i % num_samples) draws
@@ -196,6 +215,8 @@ class RolloutEngine:
     training starts there). feature_block is the slice's FeatureBlock (None without feature
     logging). It must return quickly: the loop waits for it.
     log_requests: with log_features, the request ids whose features are kept; None = all.
+    compile_priority: compiling ahead, where this call's tail programs queue (lower first;
+    `ExecutablePool.compile_ahead`): e.g. 1 for a held-out evaluation, behind the rollout's.
     """
     self._check_requests(prompts, num_samples)
     requests = [p for p in prompts for _ in range(num_samples)]
@@ -205,7 +226,7 @@ class RolloutEngine:
       logged = set(range(n)) if log_requests is None else {int(r) for r in log_requests}
     # Slice s serves requests s, s + S, ...: the same split on every process.
     runs = [_SliceRun(self, s, list(range(s, n, len(self.slices))), requests, sampling, key,
-                      logged) for s in self.local]
+                      logged, compile_priority) for s in self.local]
     t0 = time.perf_counter()
     results: dict[int, tuple[list[int], str]] = {}
     timeline: list[StepRecord] = []
@@ -282,22 +303,23 @@ class _Call:
   stats: object = None
   iterations: object = None
   tail: bool = False
-  cold: bool = False  # the call compiled its program: its first run carries one-time costs
+  cold: bool = False  # the call's program ran for the first time: it carries one-time costs
 
 
 class _SliceRun:
   """One slice during one generate(): its scheduler, its GenState and what it has finished."""
 
   def __init__(self, engine: RolloutEngine, s: int, request_ids: list[int],
-               requests: list[list[int]], sp: SamplingParams, key, logged: set[int]):
+               requests: list[list[int]], sp: SamplingParams, key, logged: set[int],
+               compile_priority: int):
     ec = engine.econf
     self.engine, self.slice, self.sampling, self.key = engine, s, sp, key
+    self.compile_priority = compile_priority
     self.prog = engine.programs[s]
     self.requests = requests
     self.logged = logged
-    choose = engine.tuner.choose if engine.speculative else None
     self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.steps_per_call,
-                                choose)
+                                self._choose if engine.speculative else None)
     n_logged = sum(r in logged for r in request_ids)
     # The feature store: logged rows land here as they finish, in finishing order.
     self.store = self.prog.empty_store(bucket(n_logged, 1 << 30)) if n_logged else None
@@ -321,6 +343,14 @@ class _SliceRun:
     out, self._finished = self._finished, {}
     return out
 
+  def _choose(self, running: int):
+    """The tuner's strategy for `running` rows; compiling ahead, among the ready ones."""
+    tuner = self.engine.tuner
+    if not self.engine.econf.compile_ahead:
+      return tuner.choose(running)
+    batch = bucket(running, self.engine.econf.max_batch)
+    return tuner.choose(running, lambda s: self.prog.decode_ready(batch, s, self.sampling))
+
   # ---------------------------------------------------------------- one call
 
   def dispatch(self) -> _Call:
@@ -334,11 +364,14 @@ class _SliceRun:
       action = self.sched.next_action()
     t_start = time.perf_counter()
     pool = self.engine.pool
-    compiles, compile_s = pool.compiles, pool.compile_seconds
+    first_uses, compile_s = pool.first_uses, pool.compile_seconds
     if compacted is not None:
       self.state = self.prog.take_rows(self.state, compacted)
     if isinstance(action, Start):
       self.state = self._prefill(action.requests, action.batch)
+      if self.engine.speculative and self.engine.econf.compile_ahead:
+        self.prog.decode_ahead(*self._params(), self.state, self.key, self.sampling,
+                               self.engine.tail_plan(), self.compile_priority)
       call = _Call("prefill", len(action.requests), action.batch, None, 0.0, 0.0)
     elif isinstance(action, Refill):
       fresh = self._prefill(action.requests, action.group)
@@ -355,7 +388,7 @@ class _SliceRun:
                    self.sched.batch, action.strategy, 0.0, 0.0, stats, iterations, action.tail)
     call.host_s = t_start - t_host
     call.t_start = t_start + (pool.compile_seconds - compile_s)
-    call.cold = pool.compiles != compiles
+    call.cold = pool.first_uses != first_uses
     return call
 
   def _prefill(self, request_ids, batch: int) -> GenState:
@@ -387,8 +420,10 @@ class _SliceRun:
       emitted = int(stats.emitted.sum())
       steps = int(stats.steps.sum())
       accept = float(stats.accepted.sum()) / steps if steps else 0.0
-      if call.tail and iters and not call.cold:  # a program's first run would mislead it
-        self.engine.tuner.update(call.active, call.strategy, accept, wall / iters)
+      tuner = self.engine.tuner
+      if (call.tail and iters and not call.cold  # a program's first run would mislead it
+          and tuner.knows(call.active, call.strategy)):  # not PLAIN for want of a ready arm
+        tuner.update(call.active, call.strategy, accept, wall / iters)
     rows = self.sched.rows
     finished = [i for i, r in enumerate(rows) if r >= 0 and done[i]]
     if finished:

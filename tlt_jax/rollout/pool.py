@@ -6,10 +6,19 @@ too, since parameters are arguments, not constants. The policy update (one per b
 and the spot drafter update (one per slice) compile through pools of their own. A pool counts
 compilations and their seconds per program kind (`bill`), so tests can assert that a rollout
 compiles nothing new and runs can report what compiling cost (`merge_bills`).
+
+A program can also be compiled ahead (`compile_ahead`): one background thread per process
+compiles it while the host loop goes on (XLA compiles outside the GIL), and `ready(key)` says when it can be
+used without waiting. The bill keeps the two apart: `programs`/`seconds` were on the critical
+path (the caller waited), `ahead_programs`/`ahead_seconds` were not.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import heapq
+import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -26,10 +35,16 @@ class ExecutablePool:
   def __init__(self, max_size: int = 512):
     self.max_size = max_size
     self._exes: dict[Hashable, object] = {}
-    self.compiles = 0
+    self.compiles = 0             # on the critical path: the caller waited
     self.compile_seconds = 0.0
-    self.bill: dict[str, dict[str, float]] = {}  # kind -> {"programs", "seconds"}
+    self.ahead_compiles = 0       # in the background (`compile_ahead`)
+    self.ahead_seconds = 0.0
+    self.first_uses = 0           # keys served for the first time, however compiled
+    self.bill: dict[str, dict[str, float]] = {}  # kind -> {"programs", "seconds", "ahead_..."}
     self._lock = threading.Lock()  # the books, when threads compile (spot training's slices)
+    self._used: set[Hashable] = set()
+    self._ahead: dict[Hashable, concurrent.futures.Future] = {}
+    self._failed: dict[Hashable, BaseException] = {}
 
   def get(self, key: Hashable, fn: Callable, args: Sequence, donate_argnums=(),
           out_shardings: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
@@ -38,26 +53,103 @@ class ExecutablePool:
     shardings) on first use. `out_shardings(output_shapes)` pins the outputs' layout, so that
     a program's results can feed any other program of the pool. `mesh`: traced under
     `jax.set_mesh(mesh)`, so that the attention kernel runs per shard (kernels.per_shard).
-    `kind`: the line of the bill its compile goes on."""
-    exe = self._exes.get(key)
+    `kind`: the line of the bill its compile goes on. A key whose compile ahead is running
+    is waited for (the wait is billed to the critical path); one still queued is compiled
+    here instead."""
+    with self._lock:  # both at once: a compile ahead moves its key from one to the other
+      exe, future = self._exes.get(key), self._ahead.get(key)
     if exe is None:
-      if len(self._exes) >= self.max_size:
-        raise RuntimeError(f"executable pool is full ({self.max_size}); new key {key!r}. "
-                           f"Fewer batch buckets or strategies, or a larger pool")
-      t0 = time.perf_counter()
-      if out_shardings is not None:
-        fn = with_output_layout(fn, out_shardings)
-      with on_mesh(mesh):
-        exe = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
-      seconds = time.perf_counter() - t0
+      self._raise_failed(key)
+      if future is not None and future.cancel():  # queued, not started: compile it now
+        with self._lock:
+          del self._ahead[key]
+        future = None
+      if future is not None:
+        t0 = time.perf_counter()
+        concurrent.futures.wait([future])
+        self._raise_failed(key)
+        self._book(kind, time.perf_counter() - t0, programs=0)
+        exe = self._exes[key]
+      else:
+        self._check_room(key)
+        exe, seconds = _compile(fn, args, donate_argnums, out_shardings, mesh)
+        with self._lock:
+          self._exes[key] = exe
+        self._book(kind, seconds)
+    if key not in self._used:
       with self._lock:
-        self.compile_seconds += seconds
-        self.compiles += 1
-        line = self.bill.setdefault(kind, {"programs": 0, "seconds": 0.0})
-        line["programs"] += 1
-        line["seconds"] += seconds
-        self._exes[key] = exe
+        self._used.add(key)
+        self.first_uses += 1
     return exe
+
+  def compile_ahead(self, key: Hashable, fn: Callable, args: Sequence, donate_argnums=(),
+                    out_shardings: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
+                    kind: str = "program", priority: int = 0) -> None:
+    """Queues `key`'s compile (arguments as in `get`) on the process's background compile
+    thread, unless it is compiled or queued already. Queued compiles run one at a time, the
+    lowest `priority` first, then in the order asked."""
+    with self._lock:
+      if key in self._exes or key in self._ahead or key in self._failed:
+        return
+      self._check_room(key, queued=len(self._ahead))
+      self._ahead[key] = _BACKGROUND.submit(priority, functools.partial(
+          self._compile_ahead, key, fn, args, donate_argnums, out_shardings, mesh, kind))
+
+  def _compile_ahead(self, key, fn, args, donate_argnums, out_shardings, mesh, kind) -> None:
+    try:
+      exe, seconds = _compile(fn, args, donate_argnums, out_shardings, mesh)
+    except BaseException as e:  # noqa: BLE001 -- kept, and raised where the key is asked for
+      with self._lock:
+        self._failed[key] = e
+        del self._ahead[key]
+      return
+    self._book(kind, seconds, ahead=True)
+    with self._lock:
+      self._exes[key] = exe
+      del self._ahead[key]
+
+  def ready(self, key: Hashable) -> bool:
+    """Whether `key` is compiled (a call would not wait); raises if its compile ahead
+    failed."""
+    self._raise_failed(key)
+    return key in self._exes
+
+  def pending(self) -> int:
+    """Compiles queued or running in the background."""
+    return len(self._ahead)
+
+  def close(self) -> None:
+    """Drops this pool's queued compiles ahead (one already running finishes); the pool
+    stays usable and compiles on demand."""
+    with self._lock:
+      for key, future in list(self._ahead.items()):
+        if future.cancel():
+          del self._ahead[key]
+
+  def _check_room(self, key, queued: int = 0) -> None:
+    if len(self._exes) + queued >= self.max_size:
+      raise RuntimeError(f"executable pool is full ({self.max_size}); new key {key!r}. "
+                         f"Fewer batch buckets or strategies, or a larger pool")
+
+  def _raise_failed(self, key) -> None:
+    error = self._failed.get(key)
+    if error is not None:
+      raise RuntimeError(f"compiling {key!r} ahead failed: {error}") from error
+
+  def _book(self, kind: str, seconds: float, programs: int = 1, ahead: bool = False) -> None:
+    with self._lock:
+      line = self.bill.setdefault(kind, {"programs": 0, "seconds": 0.0,
+                                         "ahead_programs": 0, "ahead_seconds": 0.0})
+      if ahead:
+        self.ahead_compiles += programs
+        self.ahead_seconds += seconds
+        line["ahead_programs"] += programs
+        line["ahead_seconds"] += seconds
+      else:
+        self.compiles += programs
+        self.compile_seconds += seconds
+        line["programs"] += programs
+        line["seconds"] += seconds
 
   def __contains__(self, key: Hashable) -> bool:
     return key in self._exes
@@ -66,22 +158,73 @@ class ExecutablePool:
     return len(self._exes)
 
   def report(self) -> dict:
-    """{'executables', 'compiles', 'compile_s', 'bill', 'keys'} for logs and benchmarks."""
+    """{'executables', 'compiles', 'compile_s', 'ahead_compiles', 'ahead_s', 'bill', 'keys'}
+    for logs and benchmarks (compiles / compile_s: on the critical path)."""
     return {"executables": len(self._exes), "compiles": self.compiles,
-            "compile_s": self.compile_seconds, "bill": merge_bills([self]),
+            "compile_s": self.compile_seconds, "ahead_compiles": self.ahead_compiles,
+            "ahead_s": self.ahead_seconds, "bill": merge_bills([self]),
             "keys": [repr(k) for k in self._exes]}
 
 
 def merge_bills(pools: Sequence[ExecutablePool]) -> dict[str, dict[str, float]]:
-  """The pools' compiles per program kind, summed: kind -> {"programs", "seconds"}, kinds in
-  alphabetical order. Every compile is on the critical path (the host waits for it)."""
+  """The pools' compiles per program kind, summed: kind -> {"programs", "seconds" (on the
+  critical path: the host waited), "ahead_programs", "ahead_seconds" (in the background)},
+  kinds in alphabetical order."""
   out: dict[str, dict[str, float]] = {}
   for pool in pools:
     for kind, line in pool.bill.items():
-      total = out.setdefault(kind, {"programs": 0, "seconds": 0.0})
-      total["programs"] += line["programs"]
-      total["seconds"] += line["seconds"]
+      total = out.setdefault(kind, dict.fromkeys(line, 0))
+      for name, value in line.items():
+        total[name] += value
   return dict(sorted(out.items()))
+
+
+class _Background:
+  """The one thread that compiles ahead for every pool of the process: one compile at a
+  time beside the host loop (more would take cores from the programs that run), the most
+  urgent (lowest priority number, then first asked) first."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._heap: list = []
+    self._order = itertools.count()
+    self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+  def submit(self, priority: int, fn: Callable[[], None]) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    with self._lock:
+      heapq.heappush(self._heap, (priority, next(self._order), future, fn))
+      if self._executor is None:
+        # Its thread is joined at exit: a compile in flight then finishes, cancelled ones don't run.
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="compile-ahead")
+      self._executor.submit(self._run_next)  # one run per entry
+    return future
+
+  def _run_next(self) -> None:
+    with self._lock:
+      if not self._heap:
+        return
+      _, _, future, fn = heapq.heappop(self._heap)
+    if not future.set_running_or_notify_cancel():
+      return  # cancelled while queued
+    try:
+      future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 -- handed to whoever holds the future
+      future.set_exception(e)
+
+
+_BACKGROUND = _Background()
+
+
+def _compile(fn, args, donate_argnums, out_shardings, mesh) -> tuple[object, float]:
+  """(executable, seconds): fn lowered for args and compiled."""
+  t0 = time.perf_counter()
+  if out_shardings is not None:
+    fn = with_output_layout(fn, out_shardings)
+  with on_mesh(mesh):
+    exe = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
+  return exe, time.perf_counter() - t0
 
 
 def with_output_layout(fn: Callable, out_shardings: Callable) -> Callable:

@@ -56,9 +56,8 @@ class SlicePrograms:
   def _get(self, key, fn, args, donate=()):
     """The pool's program for key = (kind, shape and setting ...) on this slice; its compile
     is billed as `rollout_<kind>` (SD decode calls as `rollout_decode_sd`)."""
-    kind = "rollout_" + key[0] + ("_sd" if key[0] == "decode" and key[2] is not None else "")
     return self.pool.get((self.s, *key), fn, args, donate_argnums=donate,
-                         out_shardings=self._layout, mesh=self.mesh, kind=kind)
+                         out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key))
 
   # ---------------------------------------------------------------- programs
 
@@ -91,16 +90,41 @@ class SlicePrograms:
              strategy: Strategy | None, min_running: int, max_steps: int):
     """Up to max_steps plain steps or SD iterations (`decode_loop`) -> (state, stats,
     iterations); the state is donated."""
+    args = (params, dparams, state, key, self.put(np.int32(min_running)),
+            self.put(np.int32(max_steps)))
+    b = state.root.shape[0]
+    return self._get(("decode", b, strategy, sp), self._decode_fn(sp, strategy), args,
+                     donate=(2,))(*args)
+
+  def decode_ahead(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
+                   plan, priority: int = 0) -> None:
+    """Queues the decode programs of `plan` [(batch, strategy)] for compiling in the
+    background (`ExecutablePool.compile_ahead`, at `priority`); state: any state of this slice
+    (its rows are taken abstractly to each batch size)."""
+    scalar = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(self.mesh, P()))
+    for b, strategy in plan:
+      key_b = ("decode", b, strategy, sp)
+      if (self.s, *key_b) in self.pool:
+        continue
+      shapes = jax.eval_shape(take_rows, state, jax.ShapeDtypeStruct((b,), np.int32))
+      abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                              shapes, self._layout(shapes))
+      self.pool.compile_ahead((self.s, *key_b), self._decode_fn(sp, strategy),
+                              (params, dparams, abstract, key, scalar, scalar),
+                              donate_argnums=(2,), out_shardings=self._layout, mesh=self.mesh,
+                              kind=_bill_kind(key_b), priority=priority)
+
+  def decode_ready(self, batch: int, strategy: Strategy | None, sp: SamplingParams) -> bool:
+    """Whether the decode program for (batch, strategy, sp) is compiled."""
+    return self.pool.ready((self.s, "decode", batch, strategy, sp))
+
+  def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None):
     cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
 
     def fn(params, dparams, state, key, min_running, max_steps):
       return decode_loop(params, dparams, state, key, min_running, max_steps, sp, eos, cfg,
                          dcfg=dcfg, strategy=strategy)
-
-    args = (params, dparams, state, key, self.put(np.int32(min_running)),
-            self.put(np.int32(max_steps)))
-    b = state.root.shape[0]
-    return self._get(("decode", b, strategy, sp), fn, args, donate=(2,))(*args)
+    return fn
 
   def put_rows(self, state: GenState, fresh: GenState, rows: np.ndarray) -> GenState:
     """state with rows `rows` replaced by fresh's rows (out-of-range indices dropped)."""
@@ -124,3 +148,8 @@ class SlicePrograms:
     args = (store, log, self.put(src), self.put(dst))
     key = ("harvest", store.shape[0], log.shape[0], len(src))
     return self._get(key, store_rows, args, donate=(0,))(*args)
+
+
+def _bill_kind(key: tuple) -> str:
+  """`rollout_<program>`, SD decode calls as `rollout_decode_sd`."""
+  return "rollout_" + key[0] + ("_sd" if key[0] == "decode" and key[2] is not None else "")

@@ -16,7 +16,9 @@ the batch grows (verification stops being free once decode is compute-bound).
 
 `strategies()` lists every strategy a tuner may return and `strategies_for(batch_size)` those of
 one bucket. The engine compiles a strategy's program the first time it is chosen (a pool keyed
-by strategy and batch bucket), so an arm never chosen costs no compile.
+by strategy and batch bucket), so an arm never chosen costs no compile; or, compiling ahead, it
+passes `choose(batch_size, ready)` a predicate and only arms whose program is ready are
+eligible (PLAIN when none is): nothing waits for a compile.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import math
 import numbers
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -52,6 +54,8 @@ DEFAULT_WINDOW = 300
 # The arm that decodes without speculation; spelled "plain" in configs and checkpoints.
 PLAIN = None
 PLAIN_NAME = "plain"
+# choose()'s readiness predicate: whether a strategy's program can run now (None: all can).
+Ready = Callable[[Strategy], bool] | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +160,10 @@ def _tuples(strategies: Sequence) -> list:
   return [arm_name(s) for s in strategies]
 
 
+def _is_ready(arm: Strategy | None, ready: Ready) -> bool:
+  return arm is PLAIN or ready is None or ready(arm)
+
+
 def _unique(strategies) -> list[Strategy]:
   """First occurrence order, duplicates and PLAIN dropped: one executable per strategy."""
   return [s for s in dict.fromkeys(strategies) if s is not PLAIN]
@@ -173,8 +181,15 @@ class Tuner(abc.ABC):
   arms: tuple[tuple[Strategy, ...], ...]
 
   @abc.abstractmethod
-  def choose(self, batch_size: int) -> Strategy | None:
-    """The strategy for the next SD call at this batch size (PLAIN: decode plainly)."""
+  def choose(self, batch_size: int, ready: Ready = None) -> Strategy | None:
+    """The strategy for the next SD call at this batch size (PLAIN: decode plainly).
+    ready(strategy) -> bool, if given: only strategies it accepts are eligible (PLAIN, which
+    needs no program of its own, always is); PLAIN when none is."""
+
+  def knows(self, batch_size: int, strategy) -> bool:
+    """Whether `strategy` is an arm of the bucket of batch_size (an update may report it);
+    PLAIN chosen because nothing was ready is not, unless it is an arm itself."""
+    return parse_arm(strategy) in self.arms[self.bucket_of(batch_size)]
 
   def update(self, batch_size: int, strategy, accepted_tokens: float,
              iteration_seconds: float) -> float:
@@ -287,16 +302,19 @@ class BegMabTuner(Tuner):
     self._medians = [[None] * len(a) for a in self.arms]  # cached: choose() runs every iteration
     self._pulls = [[0] * len(a) for a in self.arms]
 
-  def choose(self, batch_size: int) -> Strategy:
+  def choose(self, batch_size: int, ready: Ready = None) -> Strategy | None:
     bucket = self.bucket_of(batch_size)
     arms, pulls = self.arms[bucket], self._pulls[bucket]
-    for i, n in enumerate(pulls):
-      if n == 0:  # no randomness spent here, so the untried phase is the same for every seed
+    eligible = [i for i, a in enumerate(arms) if _is_ready(a, ready)]
+    if not eligible:
+      return PLAIN
+    for i in eligible:
+      if pulls[i] == 0:  # no randomness spent here, so the untried phase is the same for every seed
         return arms[i]
     if self._rng.random() < self.epsilon:
-      return arms[int(self._rng.integers(len(arms)))]
+      return arms[eligible[int(self._rng.integers(len(eligible)))]]
     medians = self._medians[bucket]
-    return arms[max(range(len(arms)), key=lambda i: (medians[i], -i))]  # ties: earliest arm
+    return arms[max(eligible, key=lambda i: (medians[i], -i))]  # ties: earliest arm
 
   def update(self, batch_size: int, strategy, accepted_tokens: float,
              iteration_seconds: float) -> float:
@@ -364,8 +382,9 @@ class TableTuner(Tuner):
                        f"(thresholds {list(self.thresholds)}); pass one strategy per threshold")
     self.arms = tuple((s,) for s in strategies)
 
-  def choose(self, batch_size: int) -> Strategy:
-    return self.arms[self.bucket_of(batch_size)][0]
+  def choose(self, batch_size: int, ready: Ready = None) -> Strategy | None:
+    strategy = self.arms[self.bucket_of(batch_size)][0]
+    return strategy if _is_ready(strategy, ready) else PLAIN
 
   def state_dict(self) -> dict:
     return dict(kind=self.kind, thresholds=list(self.thresholds),
@@ -389,9 +408,9 @@ class FixedTuner(Tuner):
   def strategy(self) -> Strategy:
     return self.arms[0][0]
 
-  def choose(self, batch_size: int) -> Strategy:
+  def choose(self, batch_size: int, ready: Ready = None) -> Strategy | None:
     check_batch_size(batch_size)
-    return self.strategy
+    return self.strategy if _is_ready(self.strategy, ready) else PLAIN
 
   def state_dict(self) -> dict:
     return dict(kind=self.kind, strategy=list(self.strategy.as_tuple()))

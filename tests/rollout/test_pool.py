@@ -1,0 +1,110 @@
+"""The executable pool: compiles on demand and ahead, the bill, queue order, failures."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax.rollout.pool import ExecutablePool, merge_bills
+
+X = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+
+def _wait(pool, timeout=60):
+  deadline = time.time() + timeout
+  while pool.pending() and time.time() < deadline:
+    time.sleep(0.01)
+  assert not pool.pending()
+
+
+def _blocker(gate: threading.Event, traced: list, name: str):
+  """A program whose tracing waits for `gate`: it holds the background thread."""
+  def fn(x):
+    traced.append(name)
+    assert gate.wait(60)
+    return x + 1
+  return fn
+
+
+def _program(traced: list, name: str, scale: float = 2.0):
+  def fn(x):
+    traced.append(name)
+    return x * scale
+  return fn
+
+
+def test_compiled_ahead_is_ready_and_served_without_compiling_again():
+  pool = ExecutablePool()
+  traced = []
+  pool.compile_ahead("double", _program(traced, "double"), (X,), kind="decode")
+  pool.compile_ahead("double", _program(traced, "double"), (X,), kind="decode")  # once only
+  _wait(pool)
+  assert pool.ready("double") and traced == ["double"]
+  exe = pool.get("double", _program(traced, "unused"), (X,), kind="decode")
+  np.testing.assert_allclose(exe(jnp.ones(4)), 2 * np.ones(4))
+  assert traced == ["double"] and pool.compiles == 0 and pool.ahead_compiles == 1
+  pool.get("half", _program(traced, "half", 0.5), (X,), kind="decode")  # on demand
+  line = pool.bill["decode"]
+  assert (line["programs"], line["ahead_programs"]) == (1, 1)
+  assert line["seconds"] > 0 and line["ahead_seconds"] > 0
+  assert pool.first_uses == 2
+  other = ExecutablePool()
+  other.get("one", _program([], "one"), (X,), kind="decode")
+  other.get("two", _program([], "two"), (X,), kind="prefill")
+  merged = merge_bills([pool, other])
+  assert list(merged) == ["decode", "prefill"]
+  assert merged["decode"]["programs"] == 2 and merged["decode"]["ahead_programs"] == 1
+  assert merged["prefill"]["programs"] == 1
+
+
+def test_queue_runs_by_priority_and_a_queued_key_asked_for_compiles_at_once():
+  pool = ExecutablePool()
+  gate, traced = threading.Event(), []
+  pool.compile_ahead("hold", _blocker(gate, traced, "hold"), (X,))
+  while traced != ["hold"]:  # the background thread is busy with it
+    time.sleep(0.01)
+  pool.compile_ahead("late", _program(traced, "late"), (X,), priority=1)
+  pool.compile_ahead("first", _program(traced, "first"), (X,))
+  pool.compile_ahead("second", _program(traced, "second"), (X,))
+  pool.compile_ahead("now", _program(traced, "now"), (X,))
+  assert not pool.ready("now") and pool.pending() == 5
+  pool.get("now", _program(traced, "now"), (X,))  # queued, not started: compiled here
+  assert traced == ["hold", "now"] and pool.compiles == 1
+  pool.close()  # drops what is queued; the running compile finishes
+  gate.set()
+  _wait(pool)
+  assert traced == ["hold", "now"] and pool.ready("hold") and not pool.ready("first")
+  gate.clear()
+  pool.compile_ahead("hold2", _blocker(gate, traced, "hold2"), (X,))
+  while traced[-1] != "hold2":
+    time.sleep(0.01)
+  pool.compile_ahead("late", _program(traced, "late"), (X,), priority=1)
+  pool.compile_ahead("first", _program(traced, "first"), (X,))
+  pool.compile_ahead("second", _program(traced, "second"), (X,))
+  gate.set()
+  _wait(pool)
+  # The lowest priority number first, then the order asked.
+  assert traced[2:] == ["hold2", "first", "second", "late"]
+
+
+def test_a_failed_compile_ahead_is_raised_where_the_key_is_used():
+  pool = ExecutablePool()
+
+  def broken(x):
+    raise ValueError("shapes do not fit")
+  pool.compile_ahead("broken", broken, (X,))
+  _wait(pool)
+  with pytest.raises(RuntimeError, match="compiling 'broken' ahead failed: shapes do not fit"):
+    pool.ready("broken")
+  with pytest.raises(RuntimeError, match="ahead failed"):
+    pool.get("broken", broken, (X,))
+
+
+def test_a_full_pool_is_an_error_that_names_the_key():
+  pool = ExecutablePool(max_size=1)
+  pool.get("a", _program([], "a"), (X,))
+  with pytest.raises(RuntimeError, match="pool is full \\(1\\); new key 'b'"):
+    pool.compile_ahead("b", _program([], "b"), (X,))
