@@ -98,13 +98,6 @@ def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
   assert second.pool["compiles"] == first.pool["compiles"]
   assert second.pool["bill"] == bill
   assert second.tokens == first.tokens == ref.tokens
-  # speculative=False (what an evaluation asks for): plain decoding to the last row, on
-  # programs of their own without the drafter; the same tokens, no SD program.
-  plain = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0), speculative=False)
-  assert plain.tokens == ref.tokens and {r.mode for r in plain.timeline} == {"prefill", "plain"}
-  new = plain.pool["compiles"] - second.pool["compiles"]
-  assert new > 0 and plain.pool["bill"]["rollout_decode_sd"] == bill["rollout_decode_sd"]
-  assert sum("'plain'" in k for k in plain.pool["keys"]) == new
 
 
 def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(

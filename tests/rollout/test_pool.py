@@ -1,7 +1,5 @@
 """The executable pool: compiles on demand and ahead, the bill, queue order, failures."""
 
-import os
-import sys
 import threading
 import time
 
@@ -40,17 +38,11 @@ def _program(traced: list, name: str, scale: float = 2.0):
 
 def test_compiled_ahead_is_ready_and_served_without_compiling_again():
   pool = ExecutablePool()
-  traced, nice = [], []
-
-  def double(x):  # traced on the background thread: at the lowest priority there
-    nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-    return _program(traced, "double")(x)
-  pool.compile_ahead("double", double, (X,), kind="decode")
+  traced = []
+  pool.compile_ahead("double", _program(traced, "double"), (X,), kind="decode")
   pool.compile_ahead("double", _program(traced, "double"), (X,), kind="decode")  # once only
   _wait(pool)
   assert pool.ready("double") and traced == ["double"]
-  if sys.platform == "linux":
-    assert nice == [19]
   exe = pool.get("double", _program(traced, "unused"), (X,), kind="decode")
   np.testing.assert_allclose(exe(jnp.ones(4)), 2 * np.ones(4))
   assert traced == ["double"] and pool.compiles == 0 and pool.ahead_compiles == 1

@@ -20,9 +20,8 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
              answer_fn: RewardFn = answer_reward) -> dict:
   """Samples `samples` completions per example with the engine's current policy and scores
   their final answers with `answer_fn` (the answer reward: stated as '#### x' or
-  '\\boxed{x}', see `rewards.make_answer_reward`) (temperature 0 = greedy). It decodes
-  plainly, on the engine's programs without the drafter: SD would give the same tokens, and
-  an evaluation is too rare to pay for its programs.
+  '\\boxed{x}', see `rewards.make_answer_reward`) (temperature 0 = greedy; SD, when the
+  engine runs it, is exact).
 
   Returns a dict over the N = len(examples) * samples completions (example i's are
   i * samples .. i * samples + samples - 1): accuracy (float), num_examples, samples,
@@ -34,8 +33,8 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
     raise ValueError("evaluate needs at least one example")
   key = jax.random.key(0) if key is None else key
   ids = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
-  # Plain programs, without the drafter: the tokens SD would give, none of its compiles.
-  result = engine.generate(ids, samples, sampling, key, log_requests=(), speculative=False)
+  # Compiling ahead, an evaluation's programs queue behind the rollout's: it runs rarely.
+  result = engine.generate(ids, samples, sampling, key, log_requests=(), compile_priority=1)
   texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(samples)]
   correct = [bool(ok) for ok in answer_fn([ex.prompt for ex in repeated], texts,
@@ -57,7 +56,7 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
 def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
                      sampling: SamplingParams, samples: int,
                      answer_fn: RewardFn = answer_reward) -> dict:
-  """Held-out accuracy with the rollout engine: greedy, and
+  """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged), and
   with `samples` samples per problem at the rollout temperature (what the reward measures,
   without the noise of each step's prompt mix). One eval.jsonl row, without the step."""
   row = {}

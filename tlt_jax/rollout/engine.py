@@ -157,28 +157,13 @@ class RolloutEngine:
     self.mesh, self.slices = mesh, replica_slices(mesh)
     self.local = local_slices(self.slices)  # the slices this process drives (all, with one)
     self.pool = ExecutablePool()
-    self.programs = {s: self._slice_programs(s, self.dcfg, log_features) for s in self.local}
-    # Without the drafter and its cache, for generate(speculative=False); built when first used.
-    self._plain_programs: dict[int, SlicePrograms] = {}
+    self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg,
+                                      econf.capacity, econf.max_new_tokens, econf.eos_id,
+                                      self.rules, log_features) for s in self.local}
     self._policy_axes = param_logical_axes(cfg)
     self._drafter_axes = drafter_logical_axes(cfg, self.dcfg) if drafter else None
     self._drafter = [None] * len(self.slices)
     self.update_params(policy_params, drafter[1] if drafter else None)
-
-  def _slice_programs(self, s: int, dcfg: DrafterConfig | None, log_features: bool,
-                      tag: str = "") -> SlicePrograms:
-    ec = self.econf
-    return SlicePrograms(s, self.slices[s], self.pool, self.cfg, dcfg, ec.capacity,
-                         ec.max_new_tokens, ec.eos_id, self.rules, log_features, tag)
-
-  def programs_for(self, s: int, speculative: bool) -> SlicePrograms:
-    """Slice s's programs: the engine's own, or (speculative=False on an engine with a
-    drafter) a set without the drafter, as a plain engine's."""
-    if speculative or self.dcfg is None:
-      return self.programs[s]
-    if s not in self._plain_programs:
-      self._plain_programs[s] = self._slice_programs(s, None, False, tag="plain")
-    return self._plain_programs[s]
 
   def update_params(self, policy_params: dict | None = None, drafter_params: dict | None = None):
     """Places new weights on this process's slices in the rollout layout (one reshard from
@@ -219,7 +204,7 @@ class RolloutEngine:
 
   def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingParams,
                key: jax.Array, on_slice_idle=None, log_requests=None,
-               speculative: bool = True) -> RolloutResult:
+               compile_priority: int = 0) -> RolloutResult:
     """Generates `num_samples` completions for each prompt (token-id lists).
 
     key: the rollout's key. Request i (prompt i // num_samples, sample i % num_samples) draws
@@ -230,19 +215,18 @@ class RolloutEngine:
     training starts there). feature_block is the slice's FeatureBlock (None without feature
     logging). It must return quickly: the loop waits for it.
     log_requests: with log_features, the request ids whose features are kept; None = all.
-    speculative=False: decode plainly to the end, with programs that carry no drafter (those
-    of a plain engine: the same tokens, none of the SD programs to compile), e.g. for a
-    held-out evaluation; no features are logged.
+    compile_priority: compiling ahead, where this call's tail programs queue (lower first;
+    `ExecutablePool.compile_ahead`): e.g. 1 for a held-out evaluation, behind the rollout's.
     """
     self._check_requests(prompts, num_samples)
     requests = [p for p in prompts for _ in range(num_samples)]
     n = len(requests)
     logged = set()
-    if self.log_features and speculative:
+    if self.log_features:
       logged = set(range(n)) if log_requests is None else {int(r) for r in log_requests}
     # Slice s serves requests s, s + S, ...: the same split on every process.
     runs = [_SliceRun(self, s, list(range(s, n, len(self.slices))), requests, sampling, key,
-                      logged, speculative) for s in self.local]
+                      logged, compile_priority) for s in self.local]
     t0 = time.perf_counter()
     results: dict[int, tuple[list[int], str]] = {}
     timeline: list[StepRecord] = []
@@ -327,15 +311,15 @@ class _SliceRun:
 
   def __init__(self, engine: RolloutEngine, s: int, request_ids: list[int],
                requests: list[list[int]], sp: SamplingParams, key, logged: set[int],
-               speculative: bool):
+               compile_priority: int):
     ec = engine.econf
     self.engine, self.slice, self.sampling, self.key = engine, s, sp, key
-    self.speculative = speculative and engine.speculative
-    self.prog = engine.programs_for(s, speculative)
+    self.compile_priority = compile_priority
+    self.prog = engine.programs[s]
     self.requests = requests
     self.logged = logged
     self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.steps_per_call,
-                                self._choose if self.speculative else None)
+                                self._choose if engine.speculative else None)
     n_logged = sum(r in logged for r in request_ids)
     # The feature store: logged rows land here as they finish, in finishing order.
     self.store = self.prog.empty_store(bucket(n_logged, 1 << 30)) if n_logged else None
@@ -385,9 +369,9 @@ class _SliceRun:
       self.state = self.prog.take_rows(self.state, compacted)
     if isinstance(action, Start):
       self.state = self._prefill(action.requests, action.batch)
-      if self.speculative and self.engine.econf.compile_ahead:
-        plan = [(b, s) for b, s in self.engine.tail_plan() if b <= action.batch]  # no larger batch
-        self.prog.decode_ahead(*self._params(), self.state, self.key, self.sampling, plan)
+      if self.engine.speculative and self.engine.econf.compile_ahead:
+        self.prog.decode_ahead(*self._params(), self.state, self.key, self.sampling,
+                               self.engine.tail_plan(), self.compile_priority)
       call = _Call("prefill", len(action.requests), action.batch, None, 0.0, 0.0)
     elif isinstance(action, Refill):
       fresh = self._prefill(action.requests, action.group)
@@ -420,10 +404,8 @@ class _SliceRun:
     return self.prog.start(*self._params(), prompts, lengths, ids, self.key, self.sampling)
 
   def _params(self) -> tuple[dict, dict | None]:
-    """(policy, drafter) as placed on this slice; the drafter is None without one (or when
-    this call's programs carry none)."""
-    drafter = self.engine._drafter[self.slice] if self.prog.dcfg is not None else None
-    return self.engine.policy_on(self.slice), drafter
+    """(policy, drafter) as placed on this slice; the drafter is None without one."""
+    return self.engine.policy_on(self.slice), self.engine._drafter[self.slice]
 
   def complete(self, call: _Call, t0: float) -> StepRecord:
     """Waits for the call's results (the one host sync), harvests finished rows and tells

@@ -19,7 +19,6 @@ import concurrent.futures
 import functools
 import heapq
 import itertools
-import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -198,7 +197,7 @@ class _Background:
       if self._executor is None:
         # Its thread is joined at exit: a compile in flight then finishes, cancelled ones don't run.
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="compile-ahead", initializer=_yield_the_cpu)
+            max_workers=1, thread_name_prefix="compile-ahead")
       self._executor.submit(self._run_next)  # one run per entry
     return future
 
@@ -216,16 +215,6 @@ class _Background:
 
 
 _BACKGROUND = _Background()
-
-
-def _yield_the_cpu() -> None:
-  """Lowest scheduling priority for the calling thread (Linux: a thread is a task with its own
-  nice value), so that a compile ahead takes only cores the host loop, the programs it runs
-  and the compiles it waits for leave idle. Elsewhere nothing changes."""
-  try:
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-  except (AttributeError, OSError):
-    pass
 
 
 def _compile(fn, args, donate_argnums, out_shardings, mesh) -> tuple[object, float]:

@@ -30,15 +30,12 @@ class SlicePrograms:
   """Programs of slice `s` (its sub-mesh `mesh`), compiled into the shared `pool`.
 
   capacity: cache slots per row; max_new_tokens: the output width; eos_id: end token.
-  tag: what tells this set's keys in the pool from another set's of the same slice (the
-  engine's plain set, without the drafter, beside its SD set).
   """
 
   def __init__(self, s: int, mesh: Mesh, pool: ExecutablePool, cfg: ModelConfig,
                dcfg: DrafterConfig | None, capacity: int, max_new_tokens: int, eos_id: int,
-               rules, log_features: bool, tag: str = ""):
+               rules, log_features: bool):
     self.s, self.mesh, self.pool = s, mesh, pool
-    self._prefix = (s, tag) if tag else (s,)
     self.cfg, self.dcfg, self.rules = cfg, dcfg, rules
     self.capacity, self.max_new_tokens, self.eos_id = capacity, max_new_tokens, eos_id
     self.log_features = log_features
@@ -59,7 +56,7 @@ class SlicePrograms:
   def _get(self, key, fn, args, donate=()):
     """The pool's program for key = (kind, shape and setting ...) on this slice; its compile
     is billed as `rollout_<kind>` (SD decode calls as `rollout_decode_sd`)."""
-    return self.pool.get((*self._prefix, *key), fn, args, donate_argnums=donate,
+    return self.pool.get((self.s, *key), fn, args, donate_argnums=donate,
                          out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key))
 
   # ---------------------------------------------------------------- programs
@@ -100,26 +97,26 @@ class SlicePrograms:
                      donate=(2,))(*args)
 
   def decode_ahead(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
-                   plan) -> None:
+                   plan, priority: int = 0) -> None:
     """Queues the decode programs of `plan` [(batch, strategy)] for compiling in the
-    background (`ExecutablePool.compile_ahead`); state: any state of this slice (its rows are
-    taken abstractly to each batch size)."""
+    background (`ExecutablePool.compile_ahead`, at `priority`); state: any state of this slice
+    (its rows are taken abstractly to each batch size)."""
     scalar = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(self.mesh, P()))
     for b, strategy in plan:
       key_b = ("decode", b, strategy, sp)
-      if (*self._prefix, *key_b) in self.pool:
+      if (self.s, *key_b) in self.pool:
         continue
       shapes = jax.eval_shape(take_rows, state, jax.ShapeDtypeStruct((b,), np.int32))
       abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                               shapes, self._layout(shapes))
-      self.pool.compile_ahead((*self._prefix, *key_b), self._decode_fn(sp, strategy),
+      self.pool.compile_ahead((self.s, *key_b), self._decode_fn(sp, strategy),
                               (params, dparams, abstract, key, scalar, scalar),
                               donate_argnums=(2,), out_shardings=self._layout, mesh=self.mesh,
-                              kind=_bill_kind(key_b))
+                              kind=_bill_kind(key_b), priority=priority)
 
   def decode_ready(self, batch: int, strategy: Strategy | None, sp: SamplingParams) -> bool:
     """Whether the decode program for (batch, strategy, sp) is compiled."""
-    return self.pool.ready((*self._prefix, "decode", batch, strategy, sp))
+    return self.pool.ready((self.s, "decode", batch, strategy, sp))
 
   def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None):
     cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
