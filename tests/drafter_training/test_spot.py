@@ -38,15 +38,15 @@ def test_slice_copies_average_by_their_step_counts():
 
 
 def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, tiny_params):
-  mesh = make_mesh({"replica": 4, "fsdp": 2, "tensor": 1})
-  # One row per slice and no EOS: slice 0 serves two requests back to back, the others one,
-  # so slices 1-3 sit idle for the second half of the rollout.
+  mesh = make_mesh({"replica": 2, "fsdp": 2, "tensor": 1}, jax.devices()[:4])
+  # One row per slice and no EOS: slice 0 serves two requests back to back, slice 1 one, so
+  # slice 1 sits idle for the second half of the rollout.
   ec = EngineConfig(max_batch=1, max_prompt_len=8, max_new_tokens=64, sd_threshold=0)
   # A reduced draft vocabulary (EAGLE-3): its int32 map rides along untrained.
   dcfg, dparams = random_drafter(tiny_cfg, seed=4, draft_vocab_size=32)
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec, drafter=(dcfg, dparams),
                          tuner=FixedTuner((2, 2, 4)), log_features=True)
-  prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9], [10, 11]]
+  prompts = [[1, 2, 3], [4, 5], [6]]
   spot = SpotTrainer(tiny_cfg, dcfg, DrafterOptConfig(learning_rate=1e-3, warmup_steps=1),
                      dparams, mesh, SpotConfig(window=32, windows=4, batch_rows=2))
   spot.precompile(engine.slices, engine.policy_on)
@@ -60,7 +60,7 @@ def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, 
 
   recs = spot.records
   assert metrics["drafter_steps"] == len(recs) >= 1
-  assert {r.slice for r in recs} <= {1, 2, 3}  # slice 0 decodes until the end
+  assert {r.slice for r in recs} == {1}  # slice 0 decodes until the end
   t_stop = metrics["rollout_end"]
   assert t_stop <= res.t_end  # the last slice's idle moment stopped the trainer
   for s in {r.slice for r in recs}:
