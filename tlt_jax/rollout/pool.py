@@ -8,9 +8,9 @@ compilations and their seconds per program kind (`bill`), so tests can assert th
 compiles nothing new and runs can report what compiling cost (`merge_bills`).
 
 A program can also be compiled ahead (`compile_ahead`): one background thread per process
-compiles it while the host loop goes on (XLA compiles outside the GIL), and `ready(key)` says when it can be
-used without waiting. The bill keeps the two apart: `programs`/`seconds` were on the critical
-path (the caller waited), `ahead_programs`/`ahead_seconds` were not.
+compiles it while the host loop goes on (XLA compiles outside the GIL), and `ready(key)` says
+when it can be used without waiting. The bill keeps the two apart: `programs`/`seconds` were
+on the critical path (the caller waited), `ahead_programs`/`ahead_seconds` were not.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class _Background:
     with self._lock:
       heapq.heappush(self._heap, (priority, next(self._order), future, fn))
       if self._executor is None:
-        # Its thread is joined at exit: a compile in flight then finishes, cancelled ones don't run.
+        # Its thread is joined at exit: a compile in flight finishes, queued ones are dropped.
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="compile-ahead")
       self._executor.submit(self._run_next)  # one run per entry
@@ -206,6 +206,8 @@ class _Background:
       if not self._heap:
         return
       _, _, future, fn = heapq.heappop(self._heap)
+    if not threading.main_thread().is_alive():
+      future.cancel()  # the interpreter is exiting: nobody will use the program
     if not future.set_running_or_notify_cancel():
       return  # cancelled while queued
     try:
