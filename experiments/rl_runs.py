@@ -154,6 +154,12 @@ def _integer_steps(*axes) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _save(fig, path: pathlib.Path) -> None:
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
 def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Path) -> None:
   fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
   steps = [r["step"] for r in lengths]
@@ -179,9 +185,7 @@ def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Pat
   b.set_title("baseline step time", fontsize=9)
   b.legend(fontsize=8)
   _integer_steps(a, b)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
@@ -198,9 +202,7 @@ def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
   ax.set_title("drafter: adaptive vs frozen", fontsize=9)
   ax.legend(fontsize=8)
   _integer_steps(ax)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def plot_compiles(runs: dict, path: pathlib.Path) -> None:
@@ -229,9 +231,7 @@ def plot_compiles(runs: dict, path: pathlib.Path) -> None:
   b.set_title("cumulative step time (s), compiles included", fontsize=9)
   b.legend(fontsize=8)
   _integer_steps(b)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
@@ -248,9 +248,7 @@ def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
   _integer_steps(a, b, c)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def main():

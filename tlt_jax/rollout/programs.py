@@ -53,10 +53,14 @@ class SlicePrograms:
                         shapes, is_leaf=declared)
     return logical_shardings(axes, self.mesh, self.rules, shapes)
 
+  def _key(self, key: tuple) -> tuple:
+    """The pool's key of this slice's program `key` = (kind, shape and setting ...)."""
+    return (self.s, *key)
+
   def _get(self, key, fn, args, donate=()):
     """The pool's program for key = (kind, shape and setting ...) on this slice; its compile
     is billed as `rollout_<kind>` (SD decode calls as `rollout_decode_sd`)."""
-    return self.pool.get((self.s, *key), fn, args, donate_argnums=donate,
+    return self.pool.get(self._key(key), fn, args, donate_argnums=donate,
                          out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key))
 
   # ---------------------------------------------------------------- programs
@@ -104,19 +108,19 @@ class SlicePrograms:
     scalar = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(self.mesh, P()))
     for b, strategy in plan:
       key_b = ("decode", b, strategy, sp)
-      if (self.s, *key_b) in self.pool:
+      if self._key(key_b) in self.pool:
         continue
       shapes = jax.eval_shape(take_rows, state, jax.ShapeDtypeStruct((b,), np.int32))
       abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                               shapes, self._layout(shapes))
-      self.pool.compile_ahead((self.s, *key_b), self._decode_fn(sp, strategy),
+      self.pool.compile_ahead(self._key(key_b), self._decode_fn(sp, strategy),
                               (params, dparams, abstract, key, scalar, scalar),
                               donate_argnums=(2,), out_shardings=self._layout, mesh=self.mesh,
                               kind=_bill_kind(key_b), priority=priority)
 
   def decode_ready(self, batch: int, strategy: Strategy | None, sp: SamplingParams) -> bool:
     """Whether the decode program for (batch, strategy, sp) is compiled."""
-    return self.pool.ready((self.s, "decode", batch, strategy, sp))
+    return self.pool.ready(self._key(("decode", batch, strategy, sp)))
 
   def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None):
     cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
