@@ -8,6 +8,10 @@ step, and the resulting decode speedup (tokens/s ratio). Writes JSON and a PNG.
   python experiments/bench_sd_step.py --out results/sd_step.json
   python experiments/bench_sd_step.py --policy assets/tiny-policy --out results/sd_step.json
 
+With --shared-shape S,K,T each strategy of top-k K also runs inside the program shaped for
+(S, K, T) (`rollout.speculative.shared_max_batch`: one program per batch bucket serves every
+arm), side by side with its own program: `padding_cost` is what sharing costs per iteration.
+
 Drafters: `oracle` (an exact copy of the policy: the accept-length upper bound, at the
 policy's cost) and `random` (an untrained 1-layer EAGLE drafter: the lower bound).
 Without --policy the model is the random tiny default of configs/default.py.
@@ -73,11 +77,12 @@ def _timed_loop(step, state, max_iters):
   return state, times, accepted
 
 
-def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed=0):
+def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed=0,
+          shared: Strategy | None = None):
   rng = np.random.default_rng(seed)
   prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
   lengths = jnp.full((batch,), prompt_len, jnp.int32)
-  cap = prompt_len + new_tokens + max(s.steps for s in strategies) + 2
+  cap = prompt_len + new_tokens + max(s.steps for s in [*strategies, shared] if s) + 2
   rows = []
 
   def begin(dcfg=None, dparams=None):
@@ -94,25 +99,41 @@ def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed
   reference = np.asarray(plain_state.out)
   for name, (dcfg, dparams) in drafters.items():
     for strategy in strategies:
-      sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy,
-                                     cfg=cfg, dcfg=dcfg))
-      state, times, accepted = _timed_loop(
-          lambda s: sd(params, dparams, s, jax.random.key(1)), begin(dcfg, dparams),
-          new_tokens)
-      sd_iter_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
-      accept_len = float(np.mean(accepted))
-      rows.append(dict(
-          batch=batch, drafter=name, strategy=strategy.as_tuple(), accept_len=accept_len,
-          iterations=len(times), plain_step_s=plain_step_s, sd_iter_s=sd_iter_s,
-          iter_cost_ratio=sd_iter_s / plain_step_s,
-          decode_speedup=accept_len * plain_step_s / sd_iter_s,
-          outputs_match_plain=bool(np.array_equal(np.asarray(state.out), reference))))
+      shapes = [strategy]
+      if shared is not None and shared.topk == strategy.topk:
+        shapes.append(shared)
+      own = None
+      for shape in shapes:
+        limits = (None if shape == strategy else
+                  jnp.asarray([strategy.steps, strategy.verify_tokens], jnp.int32))
+        sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=shape,
+                                       cfg=cfg, dcfg=dcfg))
+        state, times, accepted = _timed_loop(
+            lambda s: sd(params, dparams, s, jax.random.key(1), limits=limits),
+            begin(dcfg, dparams), new_tokens)
+        sd_iter_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
+        accept_len = float(np.mean(accepted))
+        row = dict(
+            batch=batch, drafter=name, strategy=strategy.as_tuple(),
+            program=shape.as_tuple(), accept_len=accept_len,
+            iterations=len(times), plain_step_s=plain_step_s, sd_iter_s=sd_iter_s,
+            iter_cost_ratio=sd_iter_s / plain_step_s,
+            decode_speedup=accept_len * plain_step_s / sd_iter_s,
+            outputs_match_plain=bool(np.array_equal(np.asarray(state.out), reference)))
+        if own is None:
+          own = row
+        else:  # the same tree, so the same tokens and accept length: only the time differs
+          row["padding_cost"] = sd_iter_s / own["sd_iter_s"]
+          row["accept_len_matches_own"] = accept_len == own["accept_len"]
+        rows.append(row)
   return rows
 
 
 def plot(rows, path):
   fig, ax = plt.subplots(figsize=(8, 4))
-  labels = [f"b{r['batch']} {r['drafter']}\n{tuple(r['strategy'])}" for r in rows]
+  labels = [f"b{r['batch']} {r['drafter']}\n{tuple(r['strategy'])}"
+            + ("" if r["program"] == r["strategy"] else f"\nin {tuple(r['program'])}")
+            for r in rows]
   ax.bar(range(len(rows)), [r["decode_speedup"] for r in rows],
          color=["tab:green" if r["drafter"] == "oracle" else "tab:gray" for r in rows])
   ax.axhline(1.0, color="k", lw=0.8)
@@ -132,11 +153,15 @@ def main():
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
   parser.add_argument("--prompt-len", type=int, default=16)
   parser.add_argument("--new-tokens", type=int, default=64)
+  parser.add_argument("--shared-shape", default=None, metavar="S,K,T",
+                      help="also run each strategy of top-k K in the program shaped for "
+                           "(S, K, T), as shared programs do")
   parser.add_argument("--quick", action="store_true", help="small run for smoke tests")
   args = parser.parse_args()
   enable_compilation_cache()
   if args.quick:
     args.strategies, args.batches, args.new_tokens = ["3,2,6"], [2], 12
+  shared = Strategy.parse(args.shared_shape) if args.shared_shape else None
 
   cfg, params = load_policy(args.policy)
   strategies = [Strategy.parse(s) for s in args.strategies]
@@ -145,7 +170,8 @@ def main():
                                                               jax.random.key(1)))}
   rows = []
   for batch in tqdm(args.batches, desc="batch sizes"):
-    rows += bench(cfg, params, drafters, strategies, batch, args.prompt_len, args.new_tokens)
+    rows += bench(cfg, params, drafters, strategies, batch, args.prompt_len, args.new_tokens,
+                  shared=shared)
   result = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 policy=args.policy or "random tiny default", layers=cfg.num_layers,
                 hidden=cfg.hidden_size, vocab=cfg.vocab_size, new_tokens=args.new_tokens,
@@ -154,7 +180,9 @@ def main():
   args.out.write_text(json.dumps(result, indent=2))
   plot(rows, args.out.with_suffix(".png"))
   for r in rows:
-    print(f"batch {r['batch']:3d} {r['drafter']:7s} {tuple(r['strategy'])}: accept "
+    padded = (f" in {tuple(r['program'])} ({r['padding_cost']:.2f}x its own program)"
+              if "padding_cost" in r else "")
+    print(f"batch {r['batch']:3d} {r['drafter']:7s} {tuple(r['strategy'])}{padded}: accept "
           f"{r['accept_len']:.2f}, iteration {r['iter_cost_ratio']:.2f}x a plain step, "
           f"speedup {r['decode_speedup']:.2f}x, outputs match plain: "
           f"{r['outputs_match_plain']}")

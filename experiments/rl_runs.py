@@ -10,7 +10,9 @@ prompts and seed:
 
 and, when asked for (--variants ...), TLT with and without compiling ahead (tlt_ahead,
 tlt_on_demand: rollout.compile_ahead True / False, whatever the config says), to measure
-what compiling the tail's programs in the background saves.
+what compiling the tail's programs in the background saves, and with and without shared SD
+programs (tlt_shared, tlt_own_programs: rollout.speculative.shared_max_batch every bucket /
+none), to measure what one program per bucket saves against what its padding costs.
 
   python experiments/rl_runs.py --out results/rl_runs
   python experiments/rl_runs.py --out /tmp/rl --quick          # configs/default.py:runlocal
@@ -62,6 +64,9 @@ VARIANTS = {
     "no_warmup": {"drafter.path": ""},
     "tlt_ahead": {"rollout.compile_ahead": True},
     "tlt_on_demand": {"rollout.compile_ahead": False},
+    # Every SD batch bucket (any size at or above the SD threshold's) shares its programs.
+    "tlt_shared": {"rollout.speculative.shared_max_batch": 1024},
+    "tlt_own_programs": {"rollout.speculative.shared_max_batch": 0},
 }
 DEFAULT_VARIANTS = ["baseline", "tlt", "frozen", "no_warmup"]
 
@@ -298,7 +303,7 @@ def main():
                              for name in ("tlt", "frozen", "no_warmup") if name in runs},
       "end_to_end": end_to_end(runs["tlt"]["metrics"], base["metrics"]),
       **{f"end_to_end_{name}": end_to_end(runs[name]["metrics"], base["metrics"])
-         for name in ("tlt_ahead", "tlt_on_demand") if name in runs},
+         for name in VARIANTS if name.startswith("tlt_") and name in runs},
       # What each variant compiled, per program kind (programs and seconds), side by side.
       "compile_bill": {name: r["summary"].get("compile_bill", {}) for name, r in runs.items()},
       "runs": {name: {"wall_s": r["wall_s"],

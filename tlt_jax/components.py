@@ -112,7 +112,8 @@ def engine_config(config: ml_collections.ConfigDict) -> EngineConfig:
   return EngineConfig(max_batch=r.max_batch, max_prompt_len=r.max_prompt_len,
                       max_new_tokens=r.max_new_tokens, steps_per_call=r.steps_per_call,
                       sd_threshold=r.sd_threshold if r.speculative.enable else 0,
-                      compile_ahead=r.compile_ahead)
+                      compile_ahead=r.compile_ahead,
+                      shared_sd_max_batch=r.speculative.shared_max_batch)
 
 
 def sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:

@@ -170,6 +170,11 @@ def base_config() -> ml_collections.ConfigDict:
   # BEG-MAB also tries plain decoding in every bucket, so adaptive SD never runs slower than
   # plain decoding where no strategy pays (it learns that from the same goodput).
   c.rollout.speculative.plain_arm = True
+  # Program batch sizes up to this (0: none) run the arms of one top-k in one SD program
+  # shaped for their largest (steps, verify_tokens), each drawing its own tree in it: a third
+  # of the SD compiles for the default arms, for a padded iteration (same tokens; see
+  # EngineConfig.shared_sd_max_batch and `bench_sd_step.py --shared-shape`).
+  c.rollout.speculative.shared_max_batch = 0
 
   # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
   # num_samples responses each, advantages normalised within each prompt's group.

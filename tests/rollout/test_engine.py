@@ -100,13 +100,15 @@ def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
   assert second.tokens == first.tokens == ref.tokens
 
 
+@pytest.mark.parametrize("shared", [0, 2], ids=["own-programs", "shared-programs"])
 def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
-    tiny_cfg, tiny_params, plain_reference):
+    tiny_cfg, tiny_params, plain_reference, shared):
   """With compile_ahead, the tail's SD programs compile in the background from the first
-  prefill; the tail decodes plainly until one is ready, and no call compiles an SD program."""
+  prefill; the tail decodes plainly until one is ready, and no call compiles an SD program.
+  With shared programs the two arms of batch 2 run in one program shaped for (3, 2, 6)."""
   ec, ref = plain_reference
   ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
-                    eos_id=ec.eos_id, compile_ahead=True)
+                    eos_id=ec.eos_id, compile_ahead=True, shared_sd_max_batch=shared)
   tuner = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6)], [(2, 2, 4), (3, 2, 6)]],
                       plain_arm=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
@@ -116,6 +118,8 @@ def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
   narrow, wide = tuner.arms[1][:2]
   plan = engine.tail_plan()
   assert plan == [(2, None), (2, narrow), (2, wide), (1, None), (1, wide)]
+  assert engine.shared_shape(2, narrow) == (wide if shared else None)
+  assert engine.shared_shape(1, wide) is None  # the only arm of its batch
   first = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
   assert first.tokens == ref.tokens and first.finish_reasons == ref.finish_reasons
   while engine.pool.pending():  # the rest of the plan finishes in the background
@@ -123,7 +127,7 @@ def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
   bill = engine.pool.report()["bill"]
   sd = bill["rollout_decode_sd"]
   assert sd["programs"] == 0 and sd["seconds"] == 0  # no SD call waited for a compile
-  assert sd["ahead_programs"] == 3 and sd["ahead_seconds"] > 0
+  assert sd["ahead_programs"] == (2 if shared else 3) and sd["ahead_seconds"] > 0
   # The tail's plain programs (batches 2 and 1) too, unless the tail needed one first.
   plain = bill["rollout_decode"]
   assert plain["ahead_programs"] >= 1 and plain["ahead_programs"] + plain["programs"] == 4

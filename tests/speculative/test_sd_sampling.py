@@ -57,7 +57,9 @@ def _exact_joint(cfg, params, sp):
   return q2[:, None] * q3
 
 
-def _sample_pairs(cfg, params, sp, use_sd, seed=0):
+def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None):
+  """(t2, t3, accepted [2, N]) of N rows; shape: run STRATEGY in that larger strategy's
+  program (`sd_step`'s limits)."""
   prompts = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (N, 1))
   lengths = jnp.full((N,), len(PROMPT), jnp.int32)
   cap = len(PROMPT) + 8
@@ -69,8 +71,10 @@ def _sample_pairs(cfg, params, sp, use_sd, seed=0):
                         out=state.out.at[:, 0].set(FIRST))
   accepted = []
   if use_sd:
-    step = jax.jit(functools.partial(sd_step, sp=sp, eos_id=-1, strategy=STRATEGY, cfg=cfg,
-                                     dcfg=dcfg))
+    limits = None if shape is None else jnp.asarray(
+        [STRATEGY.steps, STRATEGY.verify_tokens], jnp.int32)
+    step = jax.jit(functools.partial(sd_step, sp=sp, eos_id=-1, strategy=shape or STRATEGY,
+                                     cfg=cfg, dcfg=dcfg, limits=limits))
   else:
     step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1, cfg=cfg))
   key = jax.random.key(seed + 1)  # the rollout's key: the same for every step
@@ -117,6 +121,16 @@ def test_sd_emits_the_tokens_plain_decoding_emits(policy, sp):
   plain = _sample_pairs(cfg, params, sp, use_sd=False)
   np.testing.assert_array_equal(sd[0], plain[0])
   np.testing.assert_array_equal(sd[1], plain[1])
+
+
+def test_a_strategy_run_in_a_larger_programs_shapes_emits_and_accepts_the_same(policy):
+  """A shared program (`sd_step`'s limits): STRATEGY's own tree, padded to (4, 2, 10), so the
+  same tokens and the same accepted counts as its own program."""
+  cfg, params = policy
+  own = _sample_pairs(cfg, params, SAMPLING[1], use_sd=True)
+  shared = _sample_pairs(cfg, params, SAMPLING[1], use_sd=True, shape=Strategy(4, 2, 10))
+  for a, b in zip(own, shared):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_a_fresh_sample_on_rejection_is_detected(policy, monkeypatch):

@@ -41,6 +41,37 @@ def test_draft_tree_structure(tiny_cfg, tiny_params, strategy):
       assert len(set(kids.tolist())) == len(kids) <= strategy.topk
 
 
+@pytest.mark.parametrize("small", [(3, 2, 6), (4, 2, 8), (1, 2, 2), (6, 2, 12)])
+def test_a_smaller_strategy_in_a_larger_programs_shapes_draws_its_own_tree(
+    tiny_cfg, tiny_params, small):
+  """One program shaped for (6, 2, 12) with limits (steps, verify_tokens): the smaller
+  strategy's own tree in its first nodes, padding after them, and the same drafter cache."""
+  small, shape = Strategy(*small), Strategy(6, 2, 12)
+  dcfg, dparams = random_drafter(tiny_cfg, seed=5)
+  b = 3
+  cache = init_drafter_cache(tiny_cfg, dcfg, b, 24).replace(
+      lengths=jnp.asarray([0, 4, 9], jnp.int32))
+  roots = jnp.asarray([1, 2, 3], jnp.int32)
+  feats = jax.random.normal(jax.random.key(0), (b, tiny_cfg.hidden_size))
+  active = jnp.asarray([True, True, False])
+  build = jax.jit(build_draft_tree, static_argnums=(6, 7, 8))
+  own, own_cache = build(dparams, tiny_params, roots, feats, cache, active, small, tiny_cfg,
+                         dcfg)
+  limits = jnp.asarray([small.steps, small.verify_tokens], jnp.int32)
+  padded, padded_cache = build(dparams, tiny_params, roots, feats, cache, active, shape,
+                               tiny_cfg, dcfg, limits)
+  t = small.verify_tokens
+  assert padded.tokens.shape == (b, 12)
+  for field in ("tokens", "parents", "depths"):
+    np.testing.assert_array_equal(getattr(padded, field)[:, :t], getattr(own, field), field)
+  np.testing.assert_array_equal(padded.mask[:, :t, :t], own.mask)
+  np.testing.assert_array_equal(padded.parents[:, t:], -1)
+  np.testing.assert_array_equal(padded.depths[:, t:], -1)
+  assert not np.asarray(padded.mask[:, t:]).any() and not np.asarray(padded.mask[:, :, t:]).any()
+  for a, c in zip(jax.tree.leaves(padded_cache), jax.tree.leaves(own_cache)):
+    np.testing.assert_array_equal(a, c)
+
+
 def _chain_tree(tokens):
   tokens = jnp.asarray([tokens], jnp.int32)
   t = tokens.shape[1]

@@ -45,6 +45,7 @@ from tlt_jax.rollout.programs import SlicePrograms
 from tlt_jax.rollout.scheduler import Compact, Decode, Refill, SliceScheduler, Start, bucket
 from tlt_jax.speculative.decoding import GenState
 from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import Tuner
 
 # Decode iterations per compiled call, at most (a call also ends when the scheduler must act).
@@ -60,7 +61,11 @@ class EngineConfig:
   eos_id: end-of-sequence token (-1 = none); pad_id: prompt padding.
   compile_ahead: compile the tail's decode programs in the background from a slice's first
   prefill on; until a strategy's program is ready the tuner does not choose it (the tail
-  decodes plainly meanwhile), so no call waits for a compile. Tokens do not change."""
+  decodes plainly meanwhile), so no call waits for a compile. Tokens do not change.
+  shared_sd_max_batch: at program batch sizes up to this (0: none), the tuner's arms of one
+  top-k share one SD program, shaped for their largest steps and verify_tokens, in which each
+  draws its own tree (padded): fewer compiles for a costlier iteration (bench_sd_step.py
+  --shared-shape measures it). Tokens and accept lengths do not change."""
   max_batch: int = 32
   max_prompt_len: int = 128
   max_new_tokens: int = 256
@@ -69,6 +74,7 @@ class EngineConfig:
   eos_id: int = -1
   pad_id: int = 0
   compile_ahead: bool = False
+  shared_sd_max_batch: int = 0
 
   def __post_init__(self):
     if self.max_batch < 1 or self.max_batch & (self.max_batch - 1):
@@ -78,6 +84,9 @@ class EngineConfig:
         raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
     if self.sd_threshold < 0:
       raise ValueError(f"rollout.sd_threshold must be >= 0, got {self.sd_threshold}")
+    if self.shared_sd_max_batch < 0:
+      raise ValueError(f"rollout.speculative.shared_max_batch must be >= 0, got "
+                       f"{self.shared_sd_max_batch}")
 
   @property
   def capacity(self) -> int:
@@ -159,7 +168,8 @@ class RolloutEngine:
     self.pool = ExecutablePool()
     self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg,
                                       econf.capacity, econf.max_new_tokens, econf.eos_id,
-                                      self.rules, log_features) for s in self.local}
+                                      self.rules, log_features, self.shared_shape)
+                     for s in self.local}
     self._policy_axes = param_logical_axes(cfg)
     self._drafter_axes = drafter_logical_axes(cfg, self.dcfg) if drafter else None
     self._drafter = [None] * len(self.slices)
@@ -197,6 +207,22 @@ class RolloutEngine:
       for strategy in (None, *self.tuner.strategies_for(running)):
         plan[(bucket(running, ec.max_batch), strategy)] = None
     return list(plan)
+
+  def shared_shape(self, batch: int, strategy: Strategy) -> Strategy | None:
+    """The strategy whose program runs `strategy` at program batch `batch`: with shared SD
+    programs at this batch (EngineConfig.shared_sd_max_batch), the largest steps and
+    verify_tokens among the tuner's arms of the same top-k that this batch may run; None
+    (its own program) otherwise, or when no other arm shares its top-k."""
+    ec = self.econf
+    if batch > ec.shared_sd_max_batch:
+      return None
+    runs = range(batch // 2 + 1, min(batch, ec.sd_threshold) + 1)  # the rows bucket() maps here
+    group = {strategy} | {s for running in runs for s in self.tuner.strategies_for(running)
+                          if s.topk == strategy.topk}
+    if len(group) < 2:
+      return None
+    return Strategy(max(s.steps for s in group), strategy.topk,
+                    max(s.verify_tokens for s in group))
 
   def close(self) -> None:
     """Drops the compiles still queued ahead (at the end of a job: nothing will use them)."""

@@ -9,6 +9,8 @@ waits for results only when it needs them on the host.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,15 +32,20 @@ class SlicePrograms:
   """Programs of slice `s` (its sub-mesh `mesh`), compiled into the shared `pool`.
 
   capacity: cache slots per row; max_new_tokens: the output width; eos_id: end token.
+  shared_shape(batch, strategy) -> Strategy | None: the larger strategy whose program runs
+  `strategy` at this batch size (one program serves several strategies, each drawing its own
+  tree within the larger one's shapes; see `build_draft_tree`), or None for its own program.
   """
 
   def __init__(self, s: int, mesh: Mesh, pool: ExecutablePool, cfg: ModelConfig,
                dcfg: DrafterConfig | None, capacity: int, max_new_tokens: int, eos_id: int,
-               rules, log_features: bool):
+               rules, log_features: bool,
+               shared_shape: Callable[[int, Strategy], Strategy | None] | None = None):
     self.s, self.mesh, self.pool = s, mesh, pool
     self.cfg, self.dcfg, self.rules = cfg, dcfg, rules
     self.capacity, self.max_new_tokens, self.eos_id = capacity, max_new_tokens, eos_id
     self.log_features = log_features
+    self.shared_shape = shared_shape or (lambda batch, strategy: None)
 
   def put(self, x: np.ndarray) -> jax.Array:
     """A host array onto the slice, replicated."""
@@ -90,44 +97,58 @@ class SlicePrograms:
             caches)
     return self._get(("prefill", b, prompts.shape[1], sp), fn, args, donate=(6,))(*args)
 
+  def _decode_program(self, batch: int, strategy: Strategy | None, sp: SamplingParams):
+    """(program key, the strategy that shapes the program, whether it takes `limits`)."""
+    shape = None if strategy is None else self.shared_shape(batch, strategy)
+    if shape is None:
+      return ("decode", batch, strategy, sp), strategy, False
+    return ("decode", batch, ("shared", shape), sp), shape, True
+
   def decode(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
              strategy: Strategy | None, min_running: int, max_steps: int):
     """Up to max_steps plain steps or SD iterations (`decode_loop`) -> (state, stats,
     iterations); the state is donated."""
+    b = state.root.shape[0]
+    key_b, shape, shared = self._decode_program(b, strategy, sp)
     args = (params, dparams, state, key, self.put(np.int32(min_running)),
             self.put(np.int32(max_steps)))
-    b = state.root.shape[0]
-    return self._get(("decode", b, strategy, sp), self._decode_fn(sp, strategy), args,
-                     donate=(2,))(*args)
+    if shared:
+      args += (self.put(np.asarray([strategy.steps, strategy.verify_tokens], np.int32)),)
+    return self._get(key_b, self._decode_fn(sp, shape), args, donate=(2,))(*args)
 
   def decode_ahead(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
                    plan, priority: int = 0) -> None:
     """Queues the decode programs of `plan` [(batch, strategy)] for compiling in the
     background (`ExecutablePool.compile_ahead`, at `priority`); state: any state of this slice
     (its rows are taken abstractly to each batch size)."""
-    scalar = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(self.mesh, P()))
+    replicated = NamedSharding(self.mesh, P())
+    scalar = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
     for b, strategy in plan:
-      key_b = ("decode", b, strategy, sp)
+      key_b, shape, shared = self._decode_program(b, strategy, sp)
       if self._key(key_b) in self.pool:
         continue
       shapes = jax.eval_shape(take_rows, state, jax.ShapeDtypeStruct((b,), np.int32))
       abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                               shapes, self._layout(shapes))
-      self.pool.compile_ahead(self._key(key_b), self._decode_fn(sp, strategy),
-                              (params, dparams, abstract, key, scalar, scalar),
+      args = (params, dparams, abstract, key, scalar, scalar)
+      if shared:
+        args += (jax.ShapeDtypeStruct((2,), np.int32, sharding=replicated),)
+      self.pool.compile_ahead(self._key(key_b), self._decode_fn(sp, shape), args,
                               donate_argnums=(2,), out_shardings=self._layout, mesh=self.mesh,
                               kind=_bill_kind(key_b), priority=priority)
 
   def decode_ready(self, batch: int, strategy: Strategy | None, sp: SamplingParams) -> bool:
-    """Whether the decode program for (batch, strategy, sp) is compiled."""
-    return self.pool.ready(self._key(("decode", batch, strategy, sp)))
+    """Whether the decode program that runs (batch, strategy, sp) is compiled."""
+    return self.pool.ready(self._key(self._decode_program(batch, strategy, sp)[0]))
 
   def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None):
+    """The decode program's function; a shared program takes the strategy it runs as a last
+    argument, limits = int32 [2] (steps, verify_tokens)."""
     cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
 
-    def fn(params, dparams, state, key, min_running, max_steps):
+    def fn(params, dparams, state, key, min_running, max_steps, limits=None):
       return decode_loop(params, dparams, state, key, min_running, max_steps, sp, eos, cfg,
-                         dcfg=dcfg, strategy=strategy)
+                         dcfg=dcfg, strategy=strategy, limits=limits)
     return fn
 
   def put_rows(self, state: GenState, fresh: GenState, rows: np.ndarray) -> GenState:

@@ -181,15 +181,20 @@ def plain_step(policy_params: dict, state: GenState, key: jax.Array, sp: Samplin
 
 def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax.Array,
             sp: SamplingParams, eos_id: int, strategy: Strategy, cfg: ModelConfig,
-            dcfg: DrafterConfig) -> tuple[GenState, StepStats]:
+            dcfg: DrafterConfig, limits: jax.Array | None = None
+            ) -> tuple[GenState, StepStats]:
   """One speculative iteration: draft a tree, verify it in one policy pass, accept exactly,
   commit the accepted path to both caches, emit the accepted tokens and the one after them.
-  The tokens are those plain steps would emit with the same key (see `verify`)."""
+  The tokens are those plain steps would emit with the same key (see `verify`).
+
+  limits: optional int32 [2], (steps, verify_tokens) of a smaller strategy run in
+  `strategy`'s shapes (`build_draft_tree`): the same tree, padded, so the same tokens and
+  accept lengths as the smaller strategy's own program."""
   active = ~state.done
   act = active.astype(jnp.int32)
   tree, draft_cache = build_draft_tree(drafter_params, policy_params, state.root,
                                        state.features, state.draft_cache, active, strategy,
-                                       cfg, dcfg)
+                                       cfg, dcfg, limits)
   logits, hidden, tree_kv = verify(policy_params, tree.tokens, tree.depths, tree.mask,
                                    state.cache, cfg)
   d = strategy.steps
@@ -225,11 +230,12 @@ def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax
 def decode_loop(policy_params: dict, drafter_params: dict | None, state: GenState,
                 key: jax.Array, min_running: jax.Array, max_steps: jax.Array,
                 sp: SamplingParams, eos_id: int, cfg: ModelConfig,
-                dcfg: DrafterConfig | None = None, strategy: Strategy | None = None
-                ) -> tuple[GenState, StepStats, jax.Array]:
+                dcfg: DrafterConfig | None = None, strategy: Strategy | None = None,
+                limits: jax.Array | None = None) -> tuple[GenState, StepStats, jax.Array]:
   """Up to max_steps plain steps (strategy None; with a drafter its cache is kept in step)
-  or SD iterations with `strategy`, in one `lax.while_loop`, stopping as soon as fewer than
-  min_running rows are running: the host only hears from the device when it has to act.
+  or SD iterations with `strategy` (within it, `limits`: see `sd_step`), in one
+  `lax.while_loop`, stopping as soon as fewer than min_running rows are running: the host only
+  hears from the device when it has to act.
 
   min_running, max_steps: int32 scalars (traced: changing them compiles nothing).
   Returns (state, StepStats summed over the iterations, iterations run [] int32).
@@ -241,7 +247,8 @@ def decode_loop(policy_params: dict, drafter_params: dict | None, state: GenStat
     if strategy is None:
       return plain_step(policy_params, state, key, sp, eos_id, cfg,
                         drafter_params=drafter_params, dcfg=dcfg)
-    return sd_step(policy_params, drafter_params, state, key, sp, eos_id, strategy, cfg, dcfg)
+    return sd_step(policy_params, drafter_params, state, key, sp, eos_id, strategy, cfg, dcfg,
+                   limits)
 
   def cond(carry):
     state, _, i = carry
