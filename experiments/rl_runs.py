@@ -37,6 +37,7 @@ OUT/rl_runs.json (per-step series and the ratios below) and four figures:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import shutil
@@ -52,7 +53,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+
 from tlt_jax.cli import config_from_file, set_config_value, setup_devices  # noqa: E402
+from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.config import ConfigError  # noqa: E402
 from tlt_jax.train import train  # noqa: E402
 
@@ -71,11 +75,13 @@ VARIANTS = {
 DEFAULT_VARIANTS = ["baseline", "tlt", "frozen", "no_warmup"]
 
 
-def run_variants(base, variants: list[str], out: pathlib.Path,
-                 resume: bool = False) -> dict[str, dict]:
+def run_variants(base, variants: list[str], out: pathlib.Path, resume: bool = False,
+                 fresh_cache: bool = False) -> dict[str, dict]:
   """Runs the job once per variant; returns each run's metrics and summary. Fresh workdirs,
   unless `resume`: then a variant that finished (its run.json) is read back, and one that was
-  cut off resumes from its own checkpoints (its compiles and wall time count again)."""
+  cut off resumes from its own checkpoints (its compiles and wall time count again).
+  fresh_cache: each run gets an empty persistent compilation cache of its own, as on a new
+  machine: its slices share programs through it, and no run loads another's."""
   runs = {}
   for name in variants:
     config = base.copy_and_resolve_references()
@@ -93,9 +99,10 @@ def run_variants(base, variants: list[str], out: pathlib.Path,
       if workdir.exists() and not resume:
         shutil.rmtree(workdir)
       print(f"=== {name}", flush=True)
-      t0 = time.perf_counter()
-      summary = train(config, str(workdir))
-      done = {"wall_s": time.perf_counter() - t0, "summary": summary}
+      with _own_cache(out / "xla-cache" / name, fresh_cache):
+        t0 = time.perf_counter()
+        summary = train(config, str(workdir))
+        done = {"wall_s": time.perf_counter() - t0, "summary": summary}
       if summary.get("stopped_early"):  # a signal: the checkpoint holds the rest
         sys.exit(f"run {name!r} stopped early; run the same command with --resume to go on")
       record.write_text(json.dumps(done, indent=2))
@@ -103,6 +110,21 @@ def run_variants(base, variants: list[str], out: pathlib.Path,
                   "rollouts": _jsonl(workdir / "rollouts.jsonl"),
                   "slices": int(config.mesh.axes.get("replica", 1))}
   return runs
+
+
+@contextlib.contextmanager
+def _own_cache(path: pathlib.Path, fresh: bool):
+  """With `fresh`, an empty compilation cache at `path` while the block runs, removed after."""
+  if not fresh:
+    yield
+    return
+  shutil.rmtree(path, ignore_errors=True)
+  enable_compilation_cache(str(path))
+  compilation_cache.reset_cache()  # the next compile opens the new folder
+  try:
+    yield
+  finally:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _jsonl(path: pathlib.Path) -> list[dict]:
@@ -285,12 +307,14 @@ def main():
     if needed not in args.variants:
       sys.exit(f"--variants must include {needed!r} (the figures compare against it)")
 
-  # No persistent compilation cache: the runs are compared with their compile times, so no
-  # run may load the programs an earlier one compiled. A quick run is a smoke test of the
-  # pipeline, not a comparison: it takes what the cache holds.
+  # The runs are compared with their compile times, so each starts from an empty compilation
+  # cache of its own (its slices share programs through it) and none loads the programs an
+  # earlier one compiled. A quick run is a smoke test of the pipeline, not a comparison: it
+  # takes what the user's cache holds.
   setup_devices(config, compilation_cache=args.quick)
   args.out.mkdir(parents=True, exist_ok=True)
-  runs = run_variants(config, args.variants, args.out, resume=args.resume)
+  runs = run_variants(config, args.variants, args.out, resume=args.resume,
+                      fresh_cache=not args.quick)
 
   base = runs["baseline"]
   lengths = length_percentiles(base["rollouts"])

@@ -199,11 +199,13 @@ def test_bench_vs_revision_quick(tmp_path):
 
 @pytest.mark.slow
 def test_rl_runs_quick(tmp_path):
-  variants = ("baseline", "tlt", "tlt_ahead")  # frozen, no_warmup: the same job, other drafters
+  # frozen, no_warmup: the same job with other drafters. TLT compiles ahead here (the smoke
+  # config compiles on demand, as the main job's test checks).
+  variants = ("baseline", "tlt")
   _run_script("rl_runs.py", "--quick", "--out", str(tmp_path), "--variants", *variants,
-              timeout=900)
+              "--set", "rollout.compile_ahead=True", timeout=900)
   data = json.loads((tmp_path / "rl_runs.json").read_text())
-  for name in ("long_tail.png", "drafter_adaptation.png", "end_to_end.png"):
+  for name in ("long_tail.png", "drafter_adaptation.png", "end_to_end.png", "compiles.png"):
     assert (tmp_path / name).exists(), name
   assert set(data["runs"]) == set(variants)
   for run in data["runs"].values():
@@ -217,18 +219,13 @@ def test_rl_runs_quick(tmp_path):
   # SD runs report an accept length for the steps that ran SD (the tuner may decode plainly
   # in a step where no strategy pays, e.g. with the random drafter); the baseline has none.
   accepts = [a for a in data["drafter_adaptation"]["tlt"] if a is not None]
-  assert all(a >= 1.0 for a in accepts)
-  assert data["drafter_adaptation"]["tlt"][0] > 1.5  # the warmed drafter, SD in step 1
+  assert accepts and all(a >= 1.0 for a in accepts)
   assert data["runs"]["baseline"]["summary"]["drafter_steps_total"] == 0
-  # Compiling ahead (rollout.compile_ahead; the smoke config compiles on demand): no SD
-  # program is compiled where the host waits (an arm is chosen only once its program is
-  # ready), the responses are the same (checked below), and the job ends without waiting for
-  # the compiles still queued.
-  bills = data["compile_bill"]
-  assert bills["tlt"]["rollout_decode_sd"]["programs"] > 0
-  assert bills["tlt_ahead"]["rollout_decode_sd"]["programs"] == 0
-  assert bills["tlt_ahead"]["rollout_decode_sd"]["ahead_programs"] > 0
-  assert "end_to_end_tlt_ahead" in data
+  # Compiling ahead: no SD program is compiled where the host waits (an arm is chosen only
+  # once its program is ready), the responses are the same (checked below), and the job ends
+  # without waiting for the compiles still queued.
+  sd_bill = data["compile_bill"]["tlt"]["rollout_decode_sd"]
+  assert sd_bill["programs"] == 0 and sd_bill["ahead_programs"] > 0
   e2e = data["end_to_end"]
   assert e2e["steps"] == 2 and e2e["speedup_step_time"] > 0
   assert "speedup_without_compiles_after_first" in e2e

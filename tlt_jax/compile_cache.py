@@ -6,10 +6,17 @@ rerun loads them from disk instead. XLA's GPU autotuning results are cached with
 
 The folder: `JAX_COMPILATION_CACHE_DIR` if set, else `$XDG_CACHE_HOME/tlt_jax/jax` (by
 default `~/.cache/tlt_jax/jax`). `TLT_JAX_NO_COMPILATION_CACHE=1` turns it off.
+
+The cache also lets rollout slices share programs: the same program on another slice's
+devices is a hit (`share_across_devices`), so each is compiled once per run, not once per
+slice.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import os
 import threading
 
@@ -39,8 +46,41 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_enable_xla_caches",
                     "xla_gpu_per_fusion_autotune_cache_dir")
+  share_across_devices()
   COMPILES.start()
   return path
+
+
+def share_across_devices() -> bool:
+  """Keys cached programs without the devices they run on, on every backend, so a program
+  compiled for one rollout slice is loaded for the others (JAX loads a cached executable for
+  the devices of the call that asks for it). JAX keys programs this way on GPU already (for
+  multi-process jobs); on CPU it keys in the device ids, so each emulated slice compiled its
+  own copy. Returns False, changing nothing, on a JAX whose cache key has no such switch."""
+  try:
+    from jax._src import cache_key
+    hash_options = cache_key._hash_serialized_compile_options
+  except (ImportError, AttributeError):
+    return _no_sharing("jax._src.cache_key._hash_serialized_compile_options is gone")
+  if getattr(hash_options, "_tlt_shares_devices", False):
+    return True
+  if "strip_device_assignment" not in inspect.signature(hash_options).parameters:
+    return _no_sharing("its strip_device_assignment argument is gone")
+
+  @functools.wraps(hash_options)
+  def without_devices(hash_obj, compile_options, strip_device_assignment=False):
+    del strip_device_assignment
+    return hash_options(hash_obj, compile_options, strip_device_assignment=True)
+  without_devices._tlt_shares_devices = True
+  cache_key._hash_serialized_compile_options = without_devices
+  return True
+
+
+def _no_sharing(why: str) -> bool:
+  logging.getLogger(__name__).warning(
+      "slices do not share compiled programs on jax %s (%s): each compiles its own",
+      jax.__version__, why)
+  return False
 
 
 class CompileCounter:
