@@ -10,7 +10,9 @@ step, and the resulting decode speedup (tokens/s ratio). Writes JSON and a PNG.
 
 With --shared-shape S,K,T each strategy of top-k K also runs inside the program shaped for
 (S, K, T) (`rollout.speculative.shared_max_batch`: one program per batch bucket serves every
-arm), side by side with its own program: `padding_cost` is what sharing costs per iteration.
+arm), side by side with its own program: `padding_cost` is what sharing costs per iteration,
+timed as the engine runs them (many iterations in one `decode_loop` call, the two programs
+alternating).
 
 Drafters: `oracle` (an exact copy of the policy: the accept-length upper bound, at the
 policy's cost) and `random` (an untrained 1-layer EAGLE drafter: the lower bound).
@@ -45,7 +47,7 @@ from tlt_jax.models import ModelConfig, init_cache, init_params  # noqa: E402
 from tlt_jax.models.drafter import (DrafterConfig, drafter_from_policy,  # noqa: E402
                                     init_drafter_cache, init_drafter_params)
 from tlt_jax.models.hf import load_hf_config, load_hf_params  # noqa: E402
-from tlt_jax.speculative.decoding import plain_step, sd_step, start  # noqa: E402
+from tlt_jax.speculative.decoding import decode_loop, plain_step, sd_step, start  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
 
@@ -123,23 +125,69 @@ def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed
         if own is None:
           own = row
         else:  # the same tree, so the same tokens and accept length: only the time differs
-          row["padding_cost"] = sd_iter_s / own["sd_iter_s"]
           row["accept_len_matches_own"] = accept_len == own["accept_len"]
+          own["loop_iter_s"], row["loop_iter_s"] = _loop_iteration_seconds(
+              cfg, params, dcfg, dparams, begin(dcfg, dparams), strategy, shape, new_tokens)
+          row["padding_cost"] = row["loop_iter_s"] / own["loop_iter_s"]
         rows.append(row)
   return rows
 
 
+def _loop_iteration_seconds(cfg, params, dcfg, dparams, state, strategy, shape, iterations,
+                            repeats=7):
+  """Seconds per SD iteration of `strategy` in its own program and in `shape`'s, as the
+  engine runs them: `iterations` in one `decode_loop` call, the two programs alternating from
+  the same state, the median of `repeats` calls each (per-call timings of a tiny model are
+  mostly dispatch noise)."""
+  limits = jnp.asarray([strategy.steps, strategy.verify_tokens], jnp.int32)
+  loops = [(jax.jit(functools.partial(decode_loop, sp=GREEDY, eos_id=-1, cfg=cfg, dcfg=dcfg,
+                                      strategy=s)), lim)
+           for s, lim in ((strategy, None), (shape, limits))]
+  key, one, most = jax.random.key(1), jnp.int32(1), jnp.int32(iterations)
+  per_iter = [[], []]
+  for r in range(repeats + 1):  # the first round compiles
+    for i, (loop, lim) in enumerate(loops):
+      t0 = time.perf_counter()
+      _, _, done = loop(params, dparams, state, key, one, most, limits=lim)
+      done = int(done)
+      if r:
+        per_iter[i].append((time.perf_counter() - t0) / max(done, 1))
+  return statistics.median(per_iter[0]), statistics.median(per_iter[1])
+
+
 def plot(rows, path):
-  fig, ax = plt.subplots(figsize=(8, 4))
-  labels = [f"b{r['batch']} {r['drafter']}\n{tuple(r['strategy'])}"
-            + ("" if r["program"] == r["strategy"] else f"\nin {tuple(r['program'])}")
-            for r in rows]
-  ax.bar(range(len(rows)), [r["decode_speedup"] for r in rows],
-         color=["tab:green" if r["drafter"] == "oracle" else "tab:gray" for r in rows])
+  """Decode speedup per (batch, drafter, strategy) in its own program; with shared-shape rows,
+  a second panel with their padding cost per batch size."""
+  own = [r for r in rows if "padding_cost" not in r]
+  padded = [r for r in rows if "padding_cost" in r]
+  fig, axes = plt.subplots(1, 2 if padded else 1, figsize=(13 if padded else 8, 4.2),
+                           squeeze=False)
+  ax = axes[0, 0]
+  labels = [f"b{r['batch']} {r['drafter']} {tuple(r['strategy'])}" for r in own]
+  ax.bar(range(len(own)), [r["decode_speedup"] for r in own],
+         color=["tab:green" if r["drafter"] == "oracle" else "tab:gray" for r in own])
   ax.axhline(1.0, color="k", lw=0.8)
-  ax.set_xticks(range(len(rows)), labels, fontsize=7)
+  ax.set_xticks(range(len(own)), labels, fontsize=7, rotation=90)
   ax.set_ylabel("decode speedup vs plain (x)")
-  ax.set_title("SD iteration: accept length / relative iteration cost")
+  ax.set_title("SD iteration: accept length / relative iteration cost", fontsize=10)
+  if padded:
+    ax = axes[0, 1]
+    batches = sorted({r["batch"] for r in padded})
+    series = list(dict.fromkeys((r["drafter"], tuple(r["strategy"])) for r in padded))
+    width = 0.8 / len(series)
+    for i, (drafter, strategy) in enumerate(series):
+      cost = {r["batch"]: r["padding_cost"] for r in padded
+              if (r["drafter"], tuple(r["strategy"])) == (drafter, strategy)}
+      ax.bar([b + (i - (len(series) - 1) / 2) * width for b in range(len(batches))],
+             [cost.get(b, np.nan) for b in batches], width,
+             label=f"{drafter} {strategy}", hatch="" if drafter == "oracle" else "//")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("iteration time, shared / own program (x)")
+    ax.set_ylim(0, 1.3 * max(r["padding_cost"] for r in padded))
+    ax.set_title(f"padding cost in the program shaped for {tuple(padded[0]['program'])}",
+                 fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

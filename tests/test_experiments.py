@@ -111,15 +111,18 @@ def test_bench_decode_and_tree_attention_stop_at_time_budget(tmp_path, script, r
 @pytest.mark.slow
 def test_bench_sd_step_quick(tmp_path):
   out = tmp_path / "sd.json"
-  _run_script("bench_sd_step.py", "--quick", "--out", str(out))
+  _run_script("bench_sd_step.py", "--quick", "--shared-shape", "4,2,8", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert {r["drafter"] for r in data["rows"]} == {"oracle", "random"}
   for row in data["rows"]:
-    assert row["outputs_match_plain"]  # greedy SD is lossless
+    assert row["outputs_match_plain"]  # greedy SD is lossless, in a shared program too
     assert 1.0 <= row["accept_len"] <= 4.0  # strategy (3, 2, 6): at most steps + 1
   oracle = next(r for r in data["rows"] if r["drafter"] == "oracle")
   assert oracle["accept_len"] > 1.5
+  shared = [r for r in data["rows"] if r["program"] == [4, 2, 8]]
+  assert len(shared) == 2  # (3, 2, 6) in the program shaped for (4, 2, 8), per drafter
+  assert all(r["accept_len_matches_own"] and r["padding_cost"] > 0 for r in shared)
 
 
 def _check_bench_rollout(out):
