@@ -194,6 +194,11 @@ class RolloutEngine:
     None for a slice of another process."""
     return self._policy[s]
 
+  def drafter_on(self, s: int) -> dict | None:
+    """The drafter params as placed on slice s; None without a drafter or for a slice of
+    another process."""
+    return self._drafter[s]
+
   @property
   def speculative(self) -> bool:
     return self.dcfg is not None and self.econf.sd_threshold > 0
@@ -431,7 +436,7 @@ class _SliceRun:
 
   def _params(self) -> tuple[dict, dict | None]:
     """(policy, drafter) as placed on this slice; the drafter is None without one."""
-    return self.engine.policy_on(self.slice), self.engine._drafter[self.slice]
+    return self.engine.policy_on(self.slice), self.engine.drafter_on(self.slice)
 
   def complete(self, call: _Call, t0: float) -> StepRecord:
     """Waits for the call's results (the one host sync), harvests finished rows and tells
