@@ -221,7 +221,7 @@ class RolloutEngine:
     ec = self.econf
     if batch > ec.shared_sd_max_batch:
       return None
-    runs = range(batch // 2 + 1, min(batch, ec.sd_threshold) + 1)  # the rows bucket() maps here
+    runs = [r for r in range(1, ec.sd_threshold + 1) if bucket(r, ec.max_batch) == batch]
     group = {strategy} | {s for running in runs for s in self.tuner.strategies_for(running)
                           if s.topk == strategy.topk}
     if len(group) < 2:
