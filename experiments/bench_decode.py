@@ -86,6 +86,8 @@ from tlt_jax.models import ModelConfig, init_cache, init_params, prefill  # noqa
 from tlt_jax.models.drafter import (DrafterConfig, init_drafter_cache,  # noqa: E402
                                     init_drafter_params)
 from tlt_jax.models.shapes import MODEL_SHAPES  # noqa: E402
+from tlt_jax.drafters import EagleDrafter  # noqa: E402
+from tlt_jax.models.policy import Policy  # noqa: E402
 from tlt_jax.speculative.decoding import plain_step, sd_step, start  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
@@ -245,22 +247,29 @@ def build_programs(cfg, drafters, strategies, max_new, cap) -> dict:
 
   def filled(params, dparams, prompts, lengths):
     b = prompts.shape[0]
-    return start(params, prompts, lengths, init_cache(scan_cfg, b, cap), jax.random.key(0),
-                 GREEDY, max_new, -1, scan_cfg, drafter_params=dparams,
-                 draft_cache=init_drafter_cache(scan_cfg, dcfg, b, cap), dcfg=dcfg)
+    return start(Policy(params, scan_cfg), prompts, lengths, init_cache(scan_cfg, b, cap),
+                 jax.random.key(0), GREEDY, max_new, -1,
+                 drafters={"eagle": EagleDrafter(dparams, dcfg)},
+                 draft_states={"eagle": init_drafter_cache(scan_cfg, dcfg, b, cap)})
+
+  def sd_fn(strategy, d):
+    return lambda params, dparams, state, key: sd_step(
+        Policy(params, cfg), {"eagle": EagleDrafter(dparams, d)}, state, key, GREEDY, -1,
+        strategy)
+
+  def synced(params, state, key, drafter_params):
+    return plain_step(Policy(params, cfg), state, key, GREEDY, -1,
+                      drafters={"eagle": EagleDrafter(drafter_params, dcfg)})
 
   sd = {}
   for strategy in strategies:
     for vocab, (d, _) in drafters.items():
-      sd[strategy_name(strategy, vocab)] = jax.jit(
-          functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy, cfg=cfg, dcfg=d),
-          donate_argnums=(2,))
+      sd[strategy_name(strategy, vocab)] = jax.jit(sd_fn(strategy, d), donate_argnums=(2,))
   return {
       "start": jax.jit(filled),
-      "plain": jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1, cfg=cfg),
-                       donate_argnums=(1,)),
-      "synced": jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1, cfg=cfg,
-                                          dcfg=dcfg), donate_argnums=(1,)),
+      "plain": jax.jit(lambda params, state, key: plain_step(Policy(params, cfg), state, key,
+                                                             GREEDY, -1), donate_argnums=(1,)),
+      "synced": jax.jit(synced, donate_argnums=(1,)),
       "sd": sd,
       "floor": floor_decoder(cfg),
   }
@@ -284,7 +293,7 @@ def bench_batch(programs, cfg, params, drafters, batch, prompt_len, strategies, 
 
   def fresh(with_drafter: bool):
     state = programs["start"](params, dparams, prompts, lengths)
-    return state if with_drafter else state.replace(draft_cache=None)
+    return state if with_drafter else state.replace(drafts={})
 
   def timed_steps(step, state):
     box = [state]
@@ -330,19 +339,17 @@ def compile_seconds(cfg, params, dcfg, dparams, batch, prompt_len, strategy) -> 
   for name, scan in (("loop", False), ("scan", True)):
     c = cfg.replace(scan_layers=scan)
     cache = init_cache(c, batch, cap)
-    state = jax.eval_shape(functools.partial(start, sp=GREEDY, max_new_tokens=32, eos_id=-1,
-                                             cfg=c, dcfg=dcfg),
-                           params, prompts, lengths, cache, jax.random.key(0),
-                           drafter_params=dparams,
-                           draft_cache=init_drafter_cache(c, dcfg, batch, cap))
+    eagle = {"eagle": EagleDrafter(dparams, dcfg)}
+    state = jax.eval_shape(functools.partial(start, sp=GREEDY, max_new_tokens=32, eos_id=-1),
+                           Policy(params, c), prompts, lengths, cache, jax.random.key(0),
+                           drafters=eagle,
+                           draft_states={"eagle": init_drafter_cache(c, dcfg, batch, cap)})
     programs = {
         "prefill": (functools.partial(prefill, cfg=c), (params, prompts, lengths, cache)),
-        "plain_step": (lambda p, st, k, d, c=c: plain_step(p, st, k, GREEDY, -1, c,
-                                                           drafter_params=d, dcfg=dcfg),
-                       (params, state, jax.random.key(1), dparams)),
-        "sd_step": (functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy,
-                                      cfg=c, dcfg=dcfg),
-                    (params, dparams, state, jax.random.key(1))),
+        "plain_step": (lambda pol, st, k, ds: plain_step(pol, st, k, GREEDY, -1, drafters=ds),
+                       (Policy(params, c), state, jax.random.key(1), eagle)),
+        "sd_step": (functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=strategy),
+                    (Policy(params, c), eagle, state, jax.random.key(1))),
     }
     for prog, (fn, args) in programs.items():
       t0 = time.perf_counter()

@@ -43,9 +43,10 @@ from tqdm import tqdm  # noqa: E402
 from configs.default import get_config  # noqa: E402
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.components import model_config  # noqa: E402
-from tlt_jax.models import ModelConfig, init_cache, init_params  # noqa: E402
+from tlt_jax.drafters import build_drafters  # noqa: E402
+from tlt_jax.models import ModelConfig, Policy, init_cache, init_params  # noqa: E402
 from tlt_jax.models.drafter import (DrafterConfig, drafter_from_policy,  # noqa: E402
-                                    init_drafter_cache, init_drafter_params)
+                                    init_drafter_params)
 from tlt_jax.models.hf import load_hf_config, load_hf_params  # noqa: E402
 from tlt_jax.speculative.decoding import decode_loop, plain_step, sd_step, start  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
@@ -87,19 +88,21 @@ def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed
   cap = prompt_len + new_tokens + max(s.steps for s in [*strategies, shared] if s) + 2
   rows = []
 
-  def begin(dcfg=None, dparams=None):
-    return jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=new_tokens, eos_id=-1,
-                                     cfg=cfg, dcfg=dcfg))(
-        params, prompts, lengths, init_cache(cfg, batch, cap), jax.random.key(seed),
-        drafter_params=dparams,
-        draft_cache=init_drafter_cache(cfg, dcfg, batch, cap) if dcfg else None)
+  policy = Policy(params, cfg)
 
-  plain = jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1, cfg=cfg))
-  plain_state, plain_times, _ = _timed_loop(lambda s: plain(params, s, jax.random.key(1)),
+  def begin(drafters=None):
+    states = {n: d.init_state(cfg, batch, cap) for n, d in (drafters or {}).items()}
+    return jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=new_tokens, eos_id=-1))(
+        policy, prompts, lengths, init_cache(cfg, batch, cap), jax.random.key(seed),
+        drafters=drafters, draft_states={n: st for n, st in states.items() if st is not None})
+
+  plain = jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=-1))
+  plain_state, plain_times, _ = _timed_loop(lambda s: plain(policy, s, jax.random.key(1)),
                                             begin(), new_tokens)
   plain_step_s = statistics.median(plain_times[1:])  # the first call compiles
   reference = np.asarray(plain_state.out)
   for name, (dcfg, dparams) in drafters.items():
+    both = build_drafters(dcfg, dparams)
     for strategy in strategies:
       shapes = [strategy]
       if shared is not None and shared.topk == strategy.topk:
@@ -108,11 +111,10 @@ def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed
       for shape in shapes:
         limits = (None if shape == strategy else
                   jnp.asarray([strategy.steps, strategy.verify_tokens], jnp.int32))
-        sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=shape,
-                                       cfg=cfg, dcfg=dcfg))
+        sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=shape))
         state, times, accepted = _timed_loop(
-            lambda s: sd(params, dparams, s, jax.random.key(1), limits=limits),
-            begin(dcfg, dparams), new_tokens)
+            lambda s: sd(policy, both, s, jax.random.key(1), limits=limits),
+            begin(both), new_tokens)
         sd_iter_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
         accept_len = float(np.mean(accepted))
         row = dict(
@@ -127,28 +129,26 @@ def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed
         else:  # the same tree, so the same tokens and accept length: only the time differs
           row["accept_len_matches_own"] = accept_len == own["accept_len"]
           own["loop_iter_s"], row["loop_iter_s"] = _loop_iteration_seconds(
-              cfg, params, dcfg, dparams, begin(dcfg, dparams), strategy, shape, new_tokens)
+              policy, both, begin(both), strategy, shape, new_tokens)
           row["padding_cost"] = row["loop_iter_s"] / own["loop_iter_s"]
         rows.append(row)
   return rows
 
 
-def _loop_iteration_seconds(cfg, params, dcfg, dparams, state, strategy, shape, iterations,
-                            repeats=7):
+def _loop_iteration_seconds(policy, drafters, state, strategy, shape, iterations, repeats=7):
   """Seconds per SD iteration of `strategy` in its own program and in `shape`'s, as the
   engine runs them: `iterations` in one `decode_loop` call, the two programs alternating from
   the same state, the median of `repeats` calls each (per-call timings of a tiny model are
   mostly dispatch noise)."""
   limits = jnp.asarray([strategy.steps, strategy.verify_tokens], jnp.int32)
-  loops = [(jax.jit(functools.partial(decode_loop, sp=GREEDY, eos_id=-1, cfg=cfg, dcfg=dcfg,
-                                      strategy=s)), lim)
+  loops = [(jax.jit(functools.partial(decode_loop, sp=GREEDY, eos_id=-1, strategy=s)), lim)
            for s, lim in ((strategy, None), (shape, limits))]
   key, one, most = jax.random.key(1), jnp.int32(1), jnp.int32(iterations)
   per_iter = [[], []]
   for r in range(repeats + 1):  # the first round compiles
     for i, (loop, lim) in enumerate(loops):
       t0 = time.perf_counter()
-      _, _, done = loop(params, dparams, state, key, one, most, limits=lim)
+      _, _, done = loop(policy, drafters, state, key, one, most, limits=lim)
       done = int(done)
       if r:
         per_iter[i].append((time.perf_counter() - t0) / max(done, 1))

@@ -40,6 +40,8 @@ from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.models.drafter import init_drafter_cache  # noqa: E402
 from tlt_jax.models.kv_cache import init_cache  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig  # noqa: E402
+from tlt_jax.drafters import build_drafters  # noqa: E402
+from tlt_jax.models.policy import Policy  # noqa: E402
 from tlt_jax.speculative.decoding import decode_loop, start  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
@@ -65,15 +67,16 @@ def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens:
   sp = SamplingParams(1.0)
   key = jax.random.key(0)
   states = {}
+  policy, drafters = Policy(params, cfg), build_drafters(dcfg, dparams)
 
   def state_shape(b):
     if b not in states:
       def make():
         prompts = jnp.ones((b, 8), jnp.int32)
-        return start(params, prompts, jnp.full((b,), 8, jnp.int32),
-                     init_cache(cfg, b, capacity), key, sp, max_new_tokens, eos, cfg,
-                     drafter_params=dparams, draft_cache=init_drafter_cache(cfg, dcfg, b, capacity),
-                     dcfg=dcfg)
+        return start(policy, prompts, jnp.full((b,), 8, jnp.int32),
+                     init_cache(cfg, b, capacity), key, sp, max_new_tokens, eos,
+                     drafters=drafters,
+                     draft_states={"eagle": init_drafter_cache(cfg, dcfg, b, capacity)})
       states[b] = jax.eval_shape(make)
     return states[b]
 
@@ -81,10 +84,10 @@ def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens:
   limits = (jnp.int32(1), jnp.int32(32))  # min_running, max_steps: traced, as the engine has
   for mode, b, strategy in keys:
     # The engine's decode program: a loop of plain steps or SD iterations (see decode_loop).
-    fn = functools.partial(decode_loop, sp=sp, eos_id=eos, cfg=cfg, dcfg=dcfg,
+    fn = functools.partial(decode_loop, sp=sp, eos_id=eos,
                            strategy=strategy if mode == "sd" else None)
     t0 = time.perf_counter()
-    exe = jax.jit(fn, donate_argnums=(2,)).lower(params, dparams, state_shape(b), key,
+    exe = jax.jit(fn, donate_argnums=(2,)).lower(policy, drafters, state_shape(b), key,
                                                  *limits).compile()
     seconds += time.perf_counter() - t0
     mem = exe.memory_analysis()

@@ -113,7 +113,8 @@ def engine_config(config: ml_collections.ConfigDict) -> EngineConfig:
                       max_new_tokens=r.max_new_tokens, steps_per_call=r.steps_per_call,
                       sd_threshold=r.sd_threshold if r.speculative.enable else 0,
                       compile_ahead=r.compile_ahead,
-                      shared_sd_max_batch=r.speculative.shared_max_batch)
+                      shared_sd_max_batch=r.speculative.shared_max_batch,
+                      corpus_rows=r.speculative.corpus_rows)
 
 
 def sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:

@@ -160,7 +160,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.speculative = ml_collections.ConfigDict()
   c.rollout.speculative.enable = True
   c.rollout.speculative.tuner = "beg_mab"   # or "table" (one arm per bucket) or "fixed"
-  c.rollout.speculative.strategy = "4,2,8"  # the "fixed" tuner's (steps, topk, verify_tokens)
+  c.rollout.speculative.strategy = "4,2,8"  # the "fixed" tuner's (steps, topk, verify[, drafts])
   # Batch-size buckets (first batch size of each) and the arms every bucket explores
   # ("table": one arm per bucket, in bucket order).
   c.rollout.speculative.bucket_thresholds = (1, 2, 5)
@@ -175,6 +175,11 @@ def base_config() -> ml_collections.ConfigDict:
   # of the SD compiles for the default arms, for a padded iteration (same tokens; see
   # EngineConfig.shared_sd_max_batch and `bench_sd_step.py --shared-shape`).
   c.rollout.speculative.shared_max_batch = 0
+  # Arms may name their drafters: "6,2,12" is EAGLE's tree, "6,1,7,suffix" a chain copied
+  # from the group's finished responses (no training), "6,2,12,eagle+suffix" both merged in
+  # one tree (tlt_jax.drafters). A row copies from up to corpus_rows of its group's finished
+  # responses.
+  c.rollout.speculative.corpus_rows = 8
 
   # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
   # num_samples responses each, advantages normalised within each prompt's group.

@@ -26,6 +26,7 @@ from tlt_jax import cli
 from tlt_jax.components import load_policy
 from tlt_jax.mesh import logical_shardings, make_mesh, to_mesh
 from tlt_jax.models import init_cache, param_logical_axes
+from tlt_jax.models.policy import Policy
 from tlt_jax.speculative.decoding import plain_step, start
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.workdir import claim_workdir
@@ -65,20 +66,21 @@ def main(argv):
   # per step (what this job reports); no EOS (random prompts), every row decodes the whole
   # budget.
   sp = SamplingParams(g.temperature)
-  begin = jax.jit(functools.partial(start, sp=sp, max_new_tokens=g.max_new_tokens, eos_id=-1,
-                                    cfg=cfg), donate_argnums=(3,))
-  step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1, cfg=cfg), donate_argnums=(1,))
+  begin = jax.jit(functools.partial(start, sp=sp, max_new_tokens=g.max_new_tokens, eos_id=-1),
+                  donate_argnums=(3,))
+  step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1), donate_argnums=(1,))
 
   key = jax.random.key(config.seed)
   t0 = time.perf_counter()
-  state = begin(params, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
+  policy = Policy(params, cfg)
+  state = begin(policy, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
   state.root.block_until_ready()
   prefill_s = time.perf_counter() - t0
 
   # ---------------------------------------------------------------- decode loop
   t1 = time.perf_counter()
   for _ in tqdm(range(g.max_new_tokens - 1), desc="decode", unit="step"):
-    state, _ = step(params, state, key)
+    state, _ = step(policy, state, key)
   generated = np.asarray(state.out)
   decode_s = time.perf_counter() - t1
 

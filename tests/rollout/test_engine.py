@@ -249,3 +249,46 @@ def test_sampled_engine_is_exact():
   exp = np.append(expected[keep], expected[~keep].sum())
   p = stats.chisquare(obs, exp).pvalue
   assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16):
+  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=max_new, sd_threshold=2)
+  return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec, drafter=drafter,
+                       tuner=FixedTuner(strategy))
+
+
+@pytest.mark.parametrize("strategy,drafter", [("4,1,5,suffix", None),
+                                              ("4,2,8,eagle+suffix", "random")])
+def test_suffix_and_hybrid_rollouts_return_plain_tokens(tiny_cfg, tiny_params, strategy,
+                                                        drafter):
+  """Sampled GRPO-shaped groups (4 samples per prompt) decoded by SD from the first token:
+  suffix-only (no trained drafter at all) and hybrid trees return plain decoding's tokens."""
+  sp = SamplingParams(1.0)
+  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=16)
+  plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec).generate(
+      PROMPTS[:3], 4, sp, jax.random.key(3))
+  engine = _tail_engine(tiny_cfg, tiny_params, strategy,
+                        random_drafter(tiny_cfg, seed=2) if drafter else None)
+  res = engine.generate(PROMPTS[:3], 4, sp, jax.random.key(3))
+  assert res.tokens == plain.tokens
+  assert sum(r.mode == "sd" for r in res.timeline) > 3
+
+
+def test_suffix_drafts_copy_the_groups_finished_responses(tiny_cfg, tiny_params):
+  """Greedy samples of one prompt are identical: the pair decoded after the first pair has
+  finished copies its responses (accepting whole chains), the first pair has nothing to copy
+  from but its own text. Without a trained drafter, EAGLE arms are refused by name."""
+  engine = _tail_engine(tiny_cfg, tiny_params, "4,1,5,suffix")
+  res = engine.generate(PROMPTS[:1], 4, GREEDY, jax.random.key(0))
+  assert len(set(map(tuple, res.tokens))) == 1
+  starts = [i for i, r in enumerate(res.timeline) if r.mode == "prefill"]
+  assert len(starts) == 2  # the first pair, then the second into the freed rows
+  first = [r for r in res.timeline[:starts[1]] if r.mode == "sd"]
+  second = [r for r in res.timeline[starts[1]:] if r.mode == "sd"]
+  mean = lambda calls: sum(r.emitted for r in calls) / sum(r.row_steps for r in calls)  # noqa
+  assert mean(second) > 2 * mean(first)
+  # 15 tokens after the first in 4 iterations: one with too short a suffix to match, then
+  # three whole chains of 4 drafts + the bonus token.
+  assert sum(r.iterations for r in second) == 4
+  with pytest.raises(ValueError, match=r"draft with EAGLE, but no trained drafter"):
+    _tail_engine(tiny_cfg, tiny_params, "4,2,8,eagle+suffix")

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.speculative.drafters import oracle_drafter, random_drafter
-from tlt_jax.models import init_cache
+from tlt_jax.drafters import build_drafters
+from tlt_jax.models import Policy, init_cache
 from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.speculative.decoding import plain_step, sd_step, start
 from tlt_jax.speculative.sampling import SamplingParams
@@ -22,27 +23,29 @@ PROMPTS = np.array([[5, 9, 2, 7, 1, 3, 8], [4, 4, 6, 0, 0, 0, 0], [1, 2, 3, 4, 5
 LENGTHS = np.array([7, 3, 5], np.int32)
 
 
-def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None):
-  """Generates to completion; returns (final state, accepted counts per SD iteration)."""
+def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None, corpus=None):
+  """Generates to completion; returns (final state, accepted counts per SD iteration).
+  drafter: (dcfg, params) of the EAGLE drafter or None (the suffix drafter is always there);
+  corpus: [3, S, L] responses the suffix drafter may copy from."""
   b = len(LENGTHS)
   margin = strategy.steps + 1 if strategy else 1
   cap = PROMPTS.shape[1] + max_new + margin
-  dcfg, dparams = drafter if drafter else (None, None)
-  state = jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=eos_id,
-                                    cfg=cfg, dcfg=dcfg))(
-      params, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), init_cache(cfg, b, cap),
-      jax.random.key(0), drafter_params=dparams,
-      draft_cache=init_drafter_cache(cfg, dcfg, b, cap) if dcfg else None)
+  policy = Policy(params, cfg)
+  drafters = build_drafters(*(drafter or (None, None)))
+  states = {name: d.init_state(cfg, b, cap) for name, d in drafters.items()}
+  state = jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=eos_id))(
+      policy, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), init_cache(cfg, b, cap),
+      jax.random.key(0), drafters=drafters,
+      draft_states={k: v for k, v in states.items() if v is not None})
   accepted = []
   if strategy is None:
-    step = jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=eos_id, cfg=cfg))
+    step = jax.jit(functools.partial(plain_step, sp=GREEDY, eos_id=eos_id))
     while not bool(state.done.all()):
-      state, _ = step(params, state, jax.random.key(1))
+      state, _ = step(policy, state, jax.random.key(1), drafters=drafters)
   else:
-    step = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=eos_id, strategy=strategy,
-                                     cfg=cfg, dcfg=dcfg))
+    step = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=eos_id, strategy=strategy))
     while not bool(state.done.all()):
-      state, stats = step(params, dparams, state, jax.random.key(1))
+      state, stats = step(policy, drafters, state, jax.random.key(1), corpus=corpus)
       accepted.append(np.asarray(stats.accepted))
   return state, np.stack(accepted) if accepted else None
 
@@ -72,6 +75,44 @@ def test_greedy_sd_equals_plain(tiny_cfg, tiny_params, plain_outputs, kind, stra
   np.testing.assert_array_equal(np.asarray(state.num_out), [14] * 3)
   if kind == "oracle":
     assert accepted.max() > 2  # the oracle's drafts are accepted past the first level
+
+
+def _siblings(outputs):
+  """Each row's corpus: the other rows' outputs (as a group's finished siblings would be)."""
+  b = len(outputs)
+  return jnp.asarray(np.stack([outputs[[j for j in range(b) if j != i]] for i in range(b)]),
+                     jnp.int32)
+
+
+@pytest.mark.parametrize("strategy,corpus", [
+    ("4,1,5,suffix", "none"), ("4,1,5,suffix", "siblings"), ("4,1,5,suffix", "own"),
+    ("4,2,8,eagle+suffix", "siblings"), ("3,3,10,eagle+suffix", "own")])
+def test_greedy_suffix_and_hybrid_equal_plain(tiny_cfg, tiny_params, plain_outputs, strategy,
+                                              corpus):
+  """Suffix drafts and hybrid trees emit plain decoding's tokens whatever the corpus, and
+  a corpus holding the answer itself makes the suffix drafter accept more than none."""
+  corpora = {"none": None, "siblings": _siblings(plain_outputs),
+             "own": jnp.asarray(plain_outputs[:, None], jnp.int32)}
+  strategy = Strategy.parse(strategy)
+  state, accepted = _run(tiny_cfg, tiny_params, 14, -1, strategy,
+                         random_drafter(tiny_cfg, seed=3), corpora[corpus])
+  np.testing.assert_array_equal(np.asarray(state.out), plain_outputs)
+  np.testing.assert_array_equal(np.asarray(state.num_out), [14] * 3)
+  if corpus == "own":
+    # Copying from the answer: after the first min_match tokens every draft is right.
+    _, alone = _run(tiny_cfg, tiny_params, 14, -1, strategy, random_drafter(tiny_cfg, seed=3))
+    assert accepted.mean() > alone.mean() and accepted.max() == strategy.steps + 1
+
+
+def test_suffix_drafts_need_no_trained_drafter(tiny_cfg, tiny_params, plain_outputs):
+  """Without an EAGLE drafter the suffix drafter alone runs SD (no drafter state at all);
+  asking for EAGLE then names what is missing."""
+  state, _ = _run(tiny_cfg, tiny_params, 14, -1, Strategy.parse("4,1,5,suffix"),
+                  corpus=jnp.asarray(plain_outputs[:, None], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(state.out), plain_outputs)
+  assert state.drafts == {}
+  with pytest.raises(ValueError, match="drafts with \\['eagle'\\], which this decoder"):
+    _run(tiny_cfg, tiny_params, 14, -1, Strategy.parse("4,2,8,eagle+suffix"))
 
 
 @pytest.mark.parametrize("kind", ["oracle", "random"])
@@ -120,7 +161,7 @@ def test_policy_cache_after_sd_equals_plain(tiny_cfg, tiny_params):
     np.testing.assert_allclose(np.asarray(sd.cache.v[:, b, :, :n]),
                                np.asarray(plain.cache.v[:, b, :, :n]), atol=1e-5)
   # The drafter cache stays as long as the policy cache.
-  np.testing.assert_array_equal(np.asarray(sd.draft_cache.lengths), sd_len)
+  np.testing.assert_array_equal(np.asarray(sd.drafts["eagle"].lengths), sd_len)
 
 
 def test_fused_feature_drafter_is_lossless(tiny_cfg, tiny_params, plain_outputs):

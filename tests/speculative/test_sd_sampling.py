@@ -19,7 +19,8 @@ import pytest
 from scipy import stats
 
 from tests.speculative.drafters import random_drafter
-from tlt_jax.models import ModelConfig, init_cache, init_params, prefill
+from tlt_jax.drafters import EagleDrafter, SuffixDrafter
+from tlt_jax.models import ModelConfig, Policy, init_cache, init_params, prefill
 from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.speculative import verify as verify_mod
 from tlt_jax.speculative.decoding import plain_step, sd_step, start
@@ -57,29 +58,34 @@ def _exact_joint(cfg, params, sp):
   return q2[:, None] * q3
 
 
-def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None):
-  """(t2, t3, accepted [2, N]) of N rows; shape: run STRATEGY in that larger strategy's
-  program (`sd_step`'s limits)."""
+def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None, strategy=STRATEGY):
+  """(t2, t3, accepted [2, N]) of N rows; shape: run `strategy` in that larger strategy's
+  program (`sd_step`'s limits). A strategy with the suffix drafter copies from a random
+  corpus per row (matches of one token count, so its drafts are often wrong too)."""
   prompts = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (N, 1))
   lengths = jnp.full((N,), len(PROMPT), jnp.int32)
   cap = len(PROMPT) + 8
   dcfg, dparams = random_drafter(cfg, seed=11)
-  state = start(params, prompts, lengths, init_cache(cfg, N, cap), jax.random.key(seed), sp,
-                max_new_tokens=4, eos_id=-1, cfg=cfg, drafter_params=dparams,
-                draft_cache=init_drafter_cache(cfg, dcfg, N, cap), dcfg=dcfg)
+  policy = Policy(params, cfg)
+  drafters = {"eagle": EagleDrafter(dparams, dcfg), "suffix": SuffixDrafter(min_match=1)}
+  state = start(policy, prompts, lengths, init_cache(cfg, N, cap), jax.random.key(seed), sp,
+                max_new_tokens=4, eos_id=-1, drafters=drafters,
+                draft_states={"eagle": init_drafter_cache(cfg, dcfg, N, cap)})
   state = state.replace(root=jnp.full((N,), FIRST, jnp.int32),
                         out=state.out.at[:, 0].set(FIRST))
+  corpus = jax.random.randint(jax.random.key(5), (N, 2, 6), 0, VOCAB)
   accepted = []
   if use_sd:
     limits = None if shape is None else jnp.asarray(
-        [STRATEGY.steps, STRATEGY.verify_tokens], jnp.int32)
-    step = jax.jit(functools.partial(sd_step, sp=sp, eos_id=-1, strategy=shape or STRATEGY,
-                                     cfg=cfg, dcfg=dcfg, limits=limits))
+        [strategy.steps, strategy.verify_tokens], jnp.int32)
+    step = jax.jit(functools.partial(sd_step, sp=sp, eos_id=-1, strategy=shape or strategy,
+                                     limits=limits, corpus=corpus))
   else:
-    step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1, cfg=cfg))
+    step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1))
   key = jax.random.key(seed + 1)  # the rollout's key: the same for every step
   for _ in range(2):  # every step emits >= 1 token, so two give t2 and t3
-    state, st = step(params, dparams, state, key) if use_sd else step(params, state, key)
+    state, st = step(policy, drafters, state, key) if use_sd else step(policy, state, key,
+                                                                       drafters=drafters)
     accepted.append(np.asarray(st.accepted))
   out = np.asarray(state.out)
   return out[:, 1], out[:, 2], np.stack(accepted)
@@ -131,6 +137,23 @@ def test_a_strategy_run_in_a_larger_programs_shapes_emits_and_accepts_the_same(p
   shared = _sample_pairs(cfg, params, SAMPLING[1], use_sd=True, shape=Strategy(4, 2, 10))
   for a, b in zip(own, shared):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("strategy", ["2,1,3,suffix", "2,2,5,eagle+suffix"])
+def test_suffix_and_hybrid_trees_sample_exactly(policy, strategy):
+  """Suffix-only and hybrid trees: the policy's distribution (chi-square) and plain
+  decoding's tokens, with drafts both accepted and rejected."""
+  cfg, params = policy
+  sp = SAMPLING[1]
+  strategy = Strategy.parse(strategy)
+  t2, t3, accepted = _sample_pairs(cfg, params, sp, use_sd=True, strategy=strategy)
+  p = _gof_pvalue(t2, t3, _exact_joint(cfg, params, sp))
+  assert p > ALPHA, f"p-value {p:.2e}: samples do not follow the policy's distribution"
+  # Both outcomes (a random corpus's copies are right about 7% of the time).
+  assert (accepted[0] == 1).mean() > 0.1 and (accepted[0] > 1).mean() > 0.03
+  plain = _sample_pairs(cfg, params, sp, use_sd=False)
+  np.testing.assert_array_equal(t2, plain[0])
+  np.testing.assert_array_equal(t3, plain[1])
 
 
 def test_a_fresh_sample_on_rejection_is_detected(policy, monkeypatch):

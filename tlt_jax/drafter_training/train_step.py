@@ -12,7 +12,9 @@ import optax
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterConfig, fixed_part, trainable_part
-from tlt_jax.drafter_training.loss import Windows, drafter_loss
+from tlt_jax.drafter_training.loss import Windows
+from tlt_jax.drafters.eagle import EagleDrafter
+from tlt_jax.models.policy import Policy
 from tlt_jax.optim import AdamWConfig, make_adamw
 
 
@@ -72,9 +74,10 @@ def train_step(state: DrafterTrainState, policy_params: dict, batch: Windows, cf
   """One AdamW update of the drafter on a batch of windows -> (new state, metrics). The
   fixed vocabulary map (if any) gets no gradient and no update."""
   fixed, trainable = fixed_part(state.params), trainable_part(state.params)
-  grads, metrics = jax.grad(lambda p: drafter_loss(
-      {**p, **fixed}, policy_params, batch, cfg, dcfg, oc.ce_weight, oc.steps_ahead,
-      oc.step_decay), has_aux=True)(trainable)
+  policy = Policy(policy_params, cfg)
+  grads, metrics = jax.grad(lambda p: EagleDrafter({**p, **fixed}, dcfg).loss(
+      policy, batch, ce_weight=oc.ce_weight, steps_ahead=oc.steps_ahead,
+      step_decay=oc.step_decay), has_aux=True)(trainable)
   updates, opt_state = make_optimizer(oc).update(grads, state.opt_state, trainable)
   params = {**optax.apply_updates(trainable, updates), **fixed}
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads))

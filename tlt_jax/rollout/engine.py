@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from tlt_jax.drafters import reads_corpus
 from tlt_jax.mesh import ROLLOUT_RULES, local_slices, replica_slices, to_slices
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import param_logical_axes
@@ -65,7 +66,9 @@ class EngineConfig:
   shared_sd_max_batch: at program batch sizes up to this (0: none), the tuner's arms of one
   top-k share one SD program, shaped for their largest steps and verify_tokens, in which each
   draws its own tree (padded): fewer compiles for a costlier iteration (bench_sd_step.py
-  --shared-shape measures it). Tokens and accept lengths do not change."""
+  --shared-shape measures it). Tokens and accept lengths do not change.
+  corpus_rows: for strategies that draft with the suffix drafter, how many of a row's group's
+  finished responses (the G - 1 siblings in GRPO; the most recent first) it may copy from."""
   max_batch: int = 32
   max_prompt_len: int = 128
   max_new_tokens: int = 256
@@ -75,6 +78,7 @@ class EngineConfig:
   pad_id: int = 0
   compile_ahead: bool = False
   shared_sd_max_batch: int = 0
+  corpus_rows: int = 8
 
   def __post_init__(self):
     if self.max_batch < 1 or self.max_batch & (self.max_batch - 1):
@@ -84,6 +88,8 @@ class EngineConfig:
         raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
     if self.sd_threshold < 0:
       raise ValueError(f"rollout.sd_threshold must be >= 0, got {self.sd_threshold}")
+    if self.corpus_rows < 1:
+      raise ValueError(f"rollout.speculative.corpus_rows must be >= 1, got {self.corpus_rows}")
     if self.shared_sd_max_batch < 0:
       raise ValueError(f"rollout.speculative.shared_max_batch must be >= 0, got "
                        f"{self.shared_sd_max_batch}")
@@ -160,6 +166,13 @@ class RolloutEngine:
     generate's `log_requests`); costs a [rows, capacity, F] array per slice."""
     if drafter is not None and tuner is None:
       raise ValueError("speculative decoding needs a tuner (e.g. FixedTuner((4, 2, 8)))")
+    if tuner is not None and drafter is None and econf.sd_threshold > 0:
+      needs = sorted({s.as_tuple() for s in tuner.strategies()
+                      if s is not None and "eagle" in s.drafts})
+      if needs:
+        raise ValueError(f"the tuner's strategies {needs} draft with EAGLE, but no trained "
+                         f"drafter was given: pass drafter=(dcfg, params), or use strategies "
+                         f"that need none (e.g. '4,1,5,suffix')")
     self.cfg, self.econf, self.rules, self.tuner = cfg, econf, tuple(rules), tuner
     self.log_features = log_features
     self.dcfg = drafter[0] if drafter else None
@@ -168,7 +181,8 @@ class RolloutEngine:
     self.pool = ExecutablePool()
     self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg,
                                       econf.capacity, econf.max_new_tokens, econf.eos_id,
-                                      self.rules, log_features, self.shared_shape)
+                                      self.rules, log_features, self.shared_shape,
+                                      econf.corpus_rows)
                      for s in self.local}
     self._policy_axes = param_logical_axes(cfg)
     self._drafter_axes = drafter_logical_axes(cfg, self.dcfg) if drafter else None
@@ -201,7 +215,7 @@ class RolloutEngine:
 
   @property
   def speculative(self) -> bool:
-    return self.dcfg is not None and self.econf.sd_threshold > 0
+    return self.tuner is not None and self.econf.sd_threshold > 0
 
   def tail_plan(self) -> list[tuple[int, object]]:
     """(batch bucket, strategy) of every decode program the tail may run, in the order the
@@ -223,11 +237,11 @@ class RolloutEngine:
       return None
     runs = [r for r in range(1, ec.sd_threshold + 1) if bucket(r, ec.max_batch) == batch]
     group = {strategy} | {s for running in runs for s in self.tuner.strategies_for(running)
-                          if s.topk == strategy.topk}
+                          if (s.topk, s.drafts) == (strategy.topk, strategy.drafts)}
     if len(group) < 2:
       return None
     return Strategy(max(s.steps for s in group), strategy.topk,
-                    max(s.verify_tokens for s in group))
+                    max(s.verify_tokens for s in group), strategy.drafts)
 
   def close(self) -> None:
     """Drops the compiles still queued ahead (at the end of a job: nothing will use them)."""
@@ -256,10 +270,11 @@ class RolloutEngine:
     if self.log_features:
       logged = set(range(n)) if log_requests is None else {int(r) for r in log_requests}
     # Slice s serves requests s, s + S, ...: the same split on every process.
-    runs = [_SliceRun(self, s, list(range(s, n, len(self.slices))), requests, sampling, key,
-                      logged, compile_priority) for s in self.local]
-    t0 = time.perf_counter()
+    # Every finished request so far, on this process: the slices' corpus for suffix drafting.
     results: dict[int, tuple[list[int], str]] = {}
+    runs = [_SliceRun(self, s, list(range(s, n, len(self.slices))), requests, sampling, key,
+                      logged, compile_priority, num_samples, results) for s in self.local]
+    t0 = time.perf_counter()
     timeline: list[StepRecord] = []
     slice_done = [0.0] * len(self.slices)
     blocks: list[FeatureBlock | None] = [None] * len(self.slices)
@@ -342,12 +357,17 @@ class _SliceRun:
 
   def __init__(self, engine: RolloutEngine, s: int, request_ids: list[int],
                requests: list[list[int]], sp: SamplingParams, key, logged: set[int],
-               compile_priority: int):
+               compile_priority: int, num_samples: int = 1,
+               finished_all: dict | None = None):
+    """finished_all: every request finished so far on this process (request id -> (tokens,
+    reason)), shared by the slices and read for the corpus of suffix drafting."""
     ec = engine.econf
     self.engine, self.slice, self.sampling, self.key = engine, s, sp, key
     self.compile_priority = compile_priority
     self.prog = engine.programs[s]
     self.requests = requests
+    self.num_samples = num_samples
+    self.finished_all = {} if finished_all is None else finished_all
     self.logged = logged
     self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.steps_per_call,
                                 self._choose if engine.speculative else None)
@@ -414,13 +434,31 @@ class _SliceRun:
       assert isinstance(action, Decode), action
       self.state, stats, iterations = self.prog.decode(
           *self._params(), self.state, self.key, self.sampling, action.strategy,
-          action.min_running, action.max_steps)
+          action.min_running, action.max_steps, self._corpus(action.strategy))
       call = _Call("sd" if action.strategy is not None else "plain", action.running,
                    self.sched.batch, action.strategy, 0.0, 0.0, stats, iterations, action.tail)
     call.host_s = t_start - t_host
     call.t_start = t_start + (pool.compile_seconds - compile_s)
     call.cold = pool.first_uses != first_uses
     return call
+
+  def _corpus(self, strategy) -> np.ndarray | None:
+    """For a strategy whose drafters read one: [batch, corpus_rows, max_new_tokens] int32, per
+    row its group's finished responses (the same prompt's other samples, most recent
+    first), -1 padding; None otherwise."""
+    if strategy is None or not reads_corpus(strategy.drafts):
+      return None
+    ec, ns = self.engine.econf, self.num_samples
+    corpus = np.full((self.sched.batch, ec.corpus_rows, ec.max_new_tokens), -1, np.int32)
+    for i, r in enumerate(self.sched.rows):
+      if r < 0:
+        continue
+      group = range(r // ns * ns, (r // ns + 1) * ns)
+      done = [q for q in group if q != r and q in self.finished_all]
+      for j, q in enumerate(reversed(done[-ec.corpus_rows:])):
+        toks = self.finished_all[q][0][:ec.max_new_tokens]
+        corpus[i, j, :len(toks)] = toks
+    return corpus
 
   def _prefill(self, request_ids, batch: int) -> GenState:
     ec = self.engine.econf

@@ -18,8 +18,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.mesh import logical_shardings
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig, init_drafter_cache
+from tlt_jax.drafters import build_drafters, reads_corpus
+from tlt_jax.models.drafter import DrafterConfig
 from tlt_jax.models.kv_cache import KVCache, init_cache
+from tlt_jax.models.policy import Policy
 from tlt_jax.rollout.feature_log import store_rows
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.state_ops import put_rows, take_rows
@@ -32,6 +34,8 @@ class SlicePrograms:
   """Programs of slice `s` (its sub-mesh `mesh`), compiled into the shared `pool`.
 
   capacity: cache slots per row; max_new_tokens: the output width; eos_id: end token.
+  corpus_rows: responses per row that an SD program with the suffix drafter takes to copy
+  from (its `corpus` argument, [batch, corpus_rows, max_new_tokens]).
   shared_shape(batch, strategy) -> Strategy | None: the larger strategy whose program runs
   `strategy` at this batch size (one program serves several strategies, each drawing its own
   tree within the larger one's shapes; see `build_draft_tree`), or None for its own program.
@@ -40,12 +44,14 @@ class SlicePrograms:
   def __init__(self, s: int, mesh: Mesh, pool: ExecutablePool, cfg: ModelConfig,
                dcfg: DrafterConfig | None, capacity: int, max_new_tokens: int, eos_id: int,
                rules, log_features: bool,
-               shared_shape: Callable[[int, Strategy], Strategy | None] | None = None):
+               shared_shape: Callable[[int, Strategy], Strategy | None] | None = None,
+               corpus_rows: int = 8):
     self.s, self.mesh, self.pool = s, mesh, pool
     self.cfg, self.dcfg, self.rules = cfg, dcfg, rules
     self.capacity, self.max_new_tokens, self.eos_id = capacity, max_new_tokens, eos_id
     self.log_features = log_features
     self.shared_shape = shared_shape or (lambda batch, strategy: None)
+    self.corpus_rows = corpus_rows
 
   def put(self, x: np.ndarray) -> jax.Array:
     """A host array onto the slice, replicated."""
@@ -80,13 +86,15 @@ class SlicePrograms:
     b = prompts.shape[0]
 
     def empty_caches():
+      drafters = build_drafters(dcfg)
+      states = {name: d.init_state(cfg, b, self.capacity) for name, d in drafters.items()}
       return (init_cache(cfg, b, self.capacity),
-              init_drafter_cache(cfg, dcfg, b, self.capacity) if dcfg else None)
+              {name: st for name, st in states.items() if st is not None})
 
     def fn(params, dparams, prompts, lengths, requests, key, caches):
-      state = start(params, prompts, lengths, caches[0], key, sp, self.max_new_tokens,
-                    self.eos_id, cfg, drafter_params=dparams, draft_cache=caches[1], dcfg=dcfg,
-                    log_features=self.log_features, requests=requests)
+      state = start(Policy(params, cfg), prompts, lengths, caches[0], key, sp,
+                    self.max_new_tokens, self.eos_id, drafters=build_drafters(dcfg, dparams),
+                    draft_states=caches[1], log_features=self.log_features, requests=requests)
       return state.replace(done=state.done | (requests < 0))
 
     # The empty caches are made by their own program and passed in (donated): built inside
@@ -105,16 +113,26 @@ class SlicePrograms:
     return ("decode", batch, ("shared", shape), sp), shape, True
 
   def decode(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
-             strategy: Strategy | None, min_running: int, max_steps: int):
+             strategy: Strategy | None, min_running: int, max_steps: int,
+             corpus: np.ndarray | None = None):
     """Up to max_steps plain steps or SD iterations (`decode_loop`) -> (state, stats,
-    iterations); the state is donated."""
+    iterations); the state is donated. corpus: with a strategy whose drafters read one
+    (the suffix drafter), [B, corpus_rows, max_new_tokens] int32 responses to copy from, -1 padding
+    (None: none)."""
     b = state.root.shape[0]
     key_b, shape, shared = self._decode_program(b, strategy, sp)
     args = (params, dparams, state, key, self.put(np.int32(min_running)),
             self.put(np.int32(max_steps)))
     if shared:
       args += (self.put(np.asarray([strategy.steps, strategy.verify_tokens], np.int32)),)
-    return self._get(key_b, self._decode_fn(sp, shape), args, donate=(2,))(*args)
+    if _copies(shape):
+      if corpus is None:
+        corpus = np.full(self._corpus_shape(b), -1, np.int32)
+      args += (self.put(np.asarray(corpus, np.int32)),)
+    return self._get(key_b, self._decode_fn(sp, shape, shared), args, donate=(2,))(*args)
+
+  def _corpus_shape(self, batch: int) -> tuple[int, int, int]:
+    return (batch, self.corpus_rows, self.max_new_tokens)
 
   def decode_ahead(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
                    plan, priority: int = 0) -> None:
@@ -133,7 +151,9 @@ class SlicePrograms:
       args = (params, dparams, abstract, key, scalar, scalar)
       if shared:
         args += (jax.ShapeDtypeStruct((2,), np.int32, sharding=replicated),)
-      self.pool.compile_ahead(self._key(key_b), self._decode_fn(sp, shape), args,
+      if _copies(shape):
+        args += (jax.ShapeDtypeStruct(self._corpus_shape(b), np.int32, sharding=replicated),)
+      self.pool.compile_ahead(self._key(key_b), self._decode_fn(sp, shape, shared), args,
                               donate_argnums=(2,), out_shardings=self._layout, mesh=self.mesh,
                               kind=_bill_kind(key_b), priority=priority)
 
@@ -141,14 +161,18 @@ class SlicePrograms:
     """Whether the decode program that runs (batch, strategy, sp) is compiled."""
     return self.pool.ready(self._key(self._decode_program(batch, strategy, sp)[0]))
 
-  def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None):
-    """The decode program's function; a shared program takes the strategy it runs as a last
-    argument, limits = int32 [2] (steps, verify_tokens)."""
+  def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None, shared: bool):
+    """The decode program's function. After (params, dparams, state, key, min_running,
+    max_steps) come: for a shared program, the strategy it runs, limits = int32 [2] (steps,
+    verify_tokens); with the suffix drafter, its corpus."""
     cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
 
-    def fn(params, dparams, state, key, min_running, max_steps, limits=None):
-      return decode_loop(params, dparams, state, key, min_running, max_steps, sp, eos, cfg,
-                         dcfg=dcfg, strategy=strategy, limits=limits)
+    def fn(params, dparams, state, key, min_running, max_steps, *extra):
+      limits = extra[0] if shared else None
+      corpus = extra[-1] if _copies(strategy) else None
+      return decode_loop(Policy(params, cfg), build_drafters(dcfg, dparams), state, key,
+                         min_running, max_steps, sp, eos, strategy=strategy, limits=limits,
+                         corpus=corpus)
     return fn
 
   def put_rows(self, state: GenState, fresh: GenState, rows: np.ndarray) -> GenState:
@@ -173,6 +197,12 @@ class SlicePrograms:
     args = (store, log, self.put(src), self.put(dst))
     key = ("harvest", store.shape[0], log.shape[0], len(src))
     return self._get(key, store_rows, args, donate=(0,))(*args)
+
+
+def _copies(strategy: Strategy | None) -> bool:
+  """Whether the strategy's program drafts with a drafter that reads a corpus (and so takes
+  one)."""
+  return strategy is not None and reads_corpus(strategy.drafts)
 
 
 def _bill_kind(key: tuple) -> str:

@@ -8,7 +8,8 @@ steps produced them.
 
 Invariant between steps, per row with n committed tokens (prompt + generated so far):
   cache         policy KV of tokens x_0 .. x_{n-1}              (lengths n)
-  draft_cache   drafter KV of pairs (x_s, f_{s-1}), s < n       (lengths n; SD only)
+  drafts        each stateful drafter's state, e.g. EAGLE's KV of pairs (x_s, f_{s-1}),
+                s < n (lengths n)
   root          x_n: sampled and emitted, not yet in either cache
   features      f_{n-1}: the policy's final-norm hidden state of x_{n-1}
   out/num_out   generated tokens so far (root included); done: EOS emitted or budget reached
@@ -26,11 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from tlt_jax.models.attention_inputs import decode_inputs, prefill_inputs
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.drafters.base import DraftContext
 from tlt_jax.models.decoder import commit, decode, prefill, verify
-from tlt_jax.models.drafter import DrafterConfig, drafter_forward
-from tlt_jax.models.kv_cache import KVCache, append_kv
+from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.policy import Policy
 from tlt_jax.speculative.sampling import (SamplingParams, sample_tokens, target_probs,
                                           token_noise)
 from tlt_jax.speculative.strategy import Strategy
@@ -51,7 +51,7 @@ class GenState:
   """The rows of a batch being generated (see the module docstring). Every array but the
   caches' K/V is batch-first; `row_axes` and `logical_axes` say so for every leaf."""
   cache: KVCache
-  draft_cache: KVCache | None
+  drafts: dict           # name -> state of each stateful drafter (`tlt_jax.drafters`)
   root: jax.Array        # [B] int32
   features: jax.Array    # [B, E]
   out: jax.Array         # [B, max_new_tokens] int32 (0 past num_out)
@@ -64,14 +64,14 @@ class GenState:
     """The batch-row axis of every array (a GenState of ints)."""
     return jax.tree.map(lambda _: 0, self).replace(
         cache=self.cache.row_axes(),
-        draft_cache=None if self.draft_cache is None else self.draft_cache.row_axes())
+        drafts={name: st.row_axes() for name, st in self.drafts.items()})
 
   def logical_axes(self) -> "GenState":
     """The logical axis names of every array (a GenState of PartitionSpecs): the caches'
     own, batch-first for the rest."""
     return jax.tree.map(batch_first, self).replace(
         cache=self.cache.logical_axes(),
-        draft_cache=None if self.draft_cache is None else self.draft_cache.logical_axes())
+        drafts={name: st.logical_axes() for name, st in self.drafts.items()})
 
 
 @flax.struct.dataclass
@@ -113,40 +113,37 @@ def _log_features(log: jax.Array | None, feats: jax.Array, first: jax.Array,
   return log.at[jnp.arange(b)[:, None], slots].set(feats.astype(log.dtype), mode="drop")
 
 
-def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KVCache,
+def start(policy: Policy, prompts: jax.Array, lengths: jax.Array, cache: KVCache,
           key: jax.Array, sp: SamplingParams, max_new_tokens: int, eos_id: int,
-          cfg: ModelConfig, drafter_params: dict | None = None,
-          draft_cache: KVCache | None = None, dcfg: DrafterConfig | None = None,
+          drafters: dict | None = None, draft_states: dict | None = None,
           log_features: bool = False, requests: jax.Array | None = None) -> GenState:
-  """Prefills right-padded prompts [B, P] (lengths [B] >= 1) into empty caches (`cache`,
-  `draft_cache`: fresh from init_cache) and samples the first token.
+  """Prefills right-padded prompts [B, P] (lengths [B] >= 1) into an empty policy cache
+  (fresh from init_cache) and samples the first token.
 
   key: the rollout's key; requests: [B] int32 request ids (default 0 .. B-1, -1 = padding):
     together they fix every token's noise.
-  With a drafter, also fills its cache with the prompt pairs (x_s, f_{s-1}), f_{-1} = 0.
+  drafters: name -> drafter (`tlt_jax.drafters`); draft_states: name -> the empty state of
+    each stateful one (its `init_state`), which reads the prompts here.
   log_features: keep a feature_log [B, C, F] (C = the cache capacity), starting with the
   prompt's features.
   """
+  cfg = policy.cfg
   b = prompts.shape[0]
   if requests is None:
     requests = jnp.arange(b, dtype=jnp.int32)
-  logits, hidden, cache = prefill(policy_params, prompts, lengths, cache, cfg, fresh=True)
+  logits, hidden, cache = prefill(policy.params, prompts, lengths, cache, cfg, fresh=True)
   last = lengths - 1
   take_last = lambda x: jnp.take_along_axis(  # noqa: E731
       x, last.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
   root = sample_tokens(target_probs(take_last(logits), sp), key, requests,
                        jnp.zeros((b,), jnp.int32), sp)
-  if drafter_params is not None:
-    prev_features = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
-    _, _, k_new, v_new = drafter_forward(
-        drafter_params, policy_params, prompts, prev_features,
-        prefill_inputs(draft_cache.lengths, prompts.shape[1], lengths), cfg, dcfg)
-    draft_cache = append_kv(draft_cache, k_new, v_new, lengths)
+  drafts = {name: drafters[name].prefill(policy, st, prompts, lengths, hidden)
+            for name, st in (draft_states or {}).items()}
   log = None
   if log_features:
     log = jnp.zeros((b, cache.k.shape[3], hidden.shape[-1]), hidden.dtype)
     log = _log_features(log, hidden, jnp.zeros_like(lengths), lengths)
-  state = GenState(cache=cache, draft_cache=draft_cache, root=root,
+  state = GenState(cache=cache, drafts=drafts, root=root,
                    features=take_last(hidden), out=jnp.zeros((b, max_new_tokens), jnp.int32),
                    num_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
                    request=requests.astype(jnp.int32), feature_log=log)
@@ -154,63 +151,75 @@ def start(policy_params: dict, prompts: jax.Array, lengths: jax.Array, cache: KV
   return state.replace(out=out, num_out=num_out, done=done)
 
 
-def plain_step(policy_params: dict, state: GenState, key: jax.Array, sp: SamplingParams,
-               eos_id: int, cfg: ModelConfig, drafter_params: dict | None = None,
-               dcfg: DrafterConfig | None = None) -> tuple[GenState, StepStats]:
+def _catch_up(policy: Policy, drafters: dict, states: dict, tokens: jax.Array,
+              prev_features: jax.Array, count: jax.Array, proposed=()) -> dict:
+  """Every stateful drafter's state with the committed pairs (tokens [B, A], prev_features
+  [B, A, F]; the first count[b] are real) appended; a drafter in `proposed` already holds
+  the first pair (the root's), so it gets the rest."""
+  new = {}
+  for name, st in states.items():
+    skip = 1 if name in proposed else 0
+    new[name] = drafters[name].catch_up(policy, st, tokens[:, skip:], prev_features[:, skip:],
+                                        jnp.maximum(count - skip, 0))
+  return new
+
+
+def plain_step(policy: Policy, state: GenState, key: jax.Array, sp: SamplingParams,
+               eos_id: int, drafters: dict | None = None) -> tuple[GenState, StepStats]:
   """Commits the root, samples the token of the next position (key: the rollout's key).
-  With a drafter, the drafter's cache is kept in step too."""
+  The stateful drafters' states are kept in step too (`drafters`: name -> drafter)."""
   active = ~state.done
-  logits, hidden, cache = decode(policy_params, state.root, state.cache, cfg, active=active)
-  draft_cache = state.draft_cache
-  if drafter_params is not None:
-    _, _, k_new, v_new = drafter_forward(
-        drafter_params, policy_params, state.root[:, None], state.features[:, None],
-        decode_inputs(draft_cache.lengths), cfg, dcfg, cache=draft_cache)
-    draft_cache = append_kv(draft_cache, k_new, v_new, active.astype(jnp.int32))
+  act = active.astype(jnp.int32)
+  logits, hidden, cache = decode(policy.params, state.root, state.cache, policy.cfg,
+                                 active=active)
+  drafts = _catch_up(policy, drafters or {}, state.drafts, state.root[:, None],
+                     state.features[:, None], act)
   nxt = sample_tokens(target_probs(logits, sp), key, state.request, state.num_out, sp)
-  log = _log_features(state.feature_log, hidden[:, None], state.cache.lengths,
-                      active.astype(jnp.int32))
-  state = state.replace(cache=cache, draft_cache=draft_cache, feature_log=log,
+  log = _log_features(state.feature_log, hidden[:, None], state.cache.lengths, act)
+  state = state.replace(cache=cache, drafts=drafts, feature_log=log,
                         root=jnp.where(active, nxt, state.root),
                         features=jnp.where(active[:, None], hidden, state.features))
-  out, num_out, done, emitted = _emit(state, nxt[:, None], active.astype(jnp.int32), eos_id)
-  stats = StepStats(emitted=emitted, accepted=active.astype(jnp.int32),
-                    steps=active.astype(jnp.int32))
+  out, num_out, done, emitted = _emit(state, nxt[:, None], act, eos_id)
+  stats = StepStats(emitted=emitted, accepted=act, steps=act)
   return state.replace(out=out, num_out=num_out, done=done), stats
 
 
-def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax.Array,
-            sp: SamplingParams, eos_id: int, strategy: Strategy, cfg: ModelConfig,
-            dcfg: DrafterConfig, limits: jax.Array | None = None
+def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
+            sp: SamplingParams, eos_id: int, strategy: Strategy,
+            limits: jax.Array | None = None, corpus: jax.Array | None = None
             ) -> tuple[GenState, StepStats]:
-  """One speculative iteration: draft a tree, verify it in one policy pass, accept exactly,
-  commit the accepted path to both caches, emit the accepted tokens and the one after them.
-  The tokens are those plain steps would emit with the same key (see `verify`).
+  """One speculative iteration: draft a tree with the drafters `strategy.drafts` names, verify
+  it in one policy pass, accept exactly, commit the accepted path to the policy's cache and
+  every drafter's state, emit the accepted tokens and the one after them. The tokens are
+  those plain steps would emit with the same key (see `verify`), whatever was drafted.
 
+  drafters: name -> drafter (`tlt_jax.drafters.build_drafters`).
   limits: optional int32 [2], (steps, verify_tokens) of a smaller strategy run in
-  `strategy`'s shapes (`build_draft_tree`): the same tree, padded, so the same tokens and
-  accept lengths as the smaller strategy's own program."""
+    `strategy`'s shapes (`build_draft_tree`): the same tree, padded, so the same tokens and
+    accept lengths as the smaller strategy's own program.
+  corpus: optional [B, S, L] int32 responses the suffix drafter may copy from (-1 padding).
+  """
   active = ~state.done
   act = active.astype(jnp.int32)
-  tree, draft_cache = build_draft_tree(drafter_params, policy_params, state.root,
-                                       state.features, state.draft_cache, active, strategy,
-                                       cfg, dcfg, limits)
-  logits, hidden, tree_kv = verify(policy_params, tree.tokens, tree.depths, tree.mask,
-                                   state.cache, cfg)
+  ctx = DraftContext(root=state.root, features=state.features, active=active, out=state.out,
+                     num_out=state.num_out, corpus=corpus)
+  tree, drafts = build_draft_tree(policy, drafters, state.drafts, ctx, strategy, limits)
+  logits, hidden, tree_kv = verify(policy.params, tree.tokens, tree.depths, tree.mask,
+                                   state.cache, policy.cfg)
   d = strategy.steps
   noise = None if sp.greedy else token_noise(
       key, state.request, state.num_out[:, None] + jnp.arange(d + 1)[None], logits.shape[-1])
   acc = accept_tree(tree, target_probs(logits, sp), noise, d)
   cache = commit(state.cache, tree_kv, acc.path, acc.num_nodes * act)
 
-  # Drafter catch-up: pairs (a_i, f of the node before a_i) for the accepted nodes below the
-  # root (the root pair joined its cache while drafting), with the policy's true features.
+  # Drafter catch-up: the pairs (a_i, f of the node before a_i) of the accepted path, with the
+  # policy's true features (a drafter that proposed holds the root pair already).
   path_tokens = jnp.take_along_axis(tree.tokens, acc.path, axis=1)  # [B, D+1]
   path_feats = jnp.take_along_axis(hidden, acc.path[:, :, None], axis=1)  # [B, D+1, E]
-  _, _, k_new, v_new = drafter_forward(
-      drafter_params, policy_params, path_tokens[:, 1:], path_feats[:, :-1],
-      prefill_inputs(draft_cache.lengths, d), cfg, dcfg, cache=draft_cache)
-  draft_cache = append_kv(draft_cache, k_new, v_new, (acc.num_nodes - 1) * act)
+  prev_feats = jnp.concatenate([state.features[:, None].astype(path_feats.dtype),
+                                path_feats[:, :-1]], axis=1)
+  drafts = _catch_up(policy, drafters, drafts, path_tokens, prev_feats, acc.num_nodes * act,
+                     proposed=strategy.drafts)
 
   last = acc.num_nodes - 1
   emitted_tokens = jnp.concatenate([path_tokens[:, 1:], acc.next_token[:, None]], axis=1)
@@ -219,7 +228,7 @@ def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax
                              acc.next_token[:, None], emitted_tokens)
   new_features = jnp.take_along_axis(path_feats, last[:, None, None], axis=1)[:, 0]
   log = _log_features(state.feature_log, path_feats, state.cache.lengths, acc.num_nodes * act)
-  state = state.replace(cache=cache, draft_cache=draft_cache, feature_log=log,
+  state = state.replace(cache=cache, drafts=drafts, feature_log=log,
                         root=jnp.where(active, acc.next_token, state.root),
                         features=jnp.where(active[:, None], new_features, state.features))
   out, num_out, done, emitted = _emit(state, emitted_tokens, acc.num_nodes * act, eos_id)
@@ -227,13 +236,12 @@ def sd_step(policy_params: dict, drafter_params: dict, state: GenState, key: jax
   return state.replace(out=out, num_out=num_out, done=done), stats
 
 
-def decode_loop(policy_params: dict, drafter_params: dict | None, state: GenState,
-                key: jax.Array, min_running: jax.Array, max_steps: jax.Array,
-                sp: SamplingParams, eos_id: int, cfg: ModelConfig,
-                dcfg: DrafterConfig | None = None, strategy: Strategy | None = None,
-                limits: jax.Array | None = None) -> tuple[GenState, StepStats, jax.Array]:
-  """Up to max_steps plain steps (strategy None; with a drafter its cache is kept in step)
-  or SD iterations with `strategy` (within it, `limits`: see `sd_step`), in one
+def decode_loop(policy: Policy, drafters: dict | None, state: GenState, key: jax.Array,
+                min_running: jax.Array, max_steps: jax.Array, sp: SamplingParams, eos_id: int,
+                strategy: Strategy | None = None, limits: jax.Array | None = None,
+                corpus: jax.Array | None = None) -> tuple[GenState, StepStats, jax.Array]:
+  """Up to max_steps plain steps (strategy None; the drafters' states are kept in step) or SD
+  iterations with `strategy` (within it, `limits`; `corpus`: see `sd_step`), in one
   `lax.while_loop`, stopping as soon as fewer than min_running rows are running: the host only
   hears from the device when it has to act.
 
@@ -245,10 +253,8 @@ def decode_loop(policy_params: dict, drafter_params: dict | None, state: GenStat
 
   def step(state):
     if strategy is None:
-      return plain_step(policy_params, state, key, sp, eos_id, cfg,
-                        drafter_params=drafter_params, dcfg=dcfg)
-    return sd_step(policy_params, drafter_params, state, key, sp, eos_id, strategy, cfg, dcfg,
-                   limits)
+      return plain_step(policy, state, key, sp, eos_id, drafters)
+    return sd_step(policy, drafters, state, key, sp, eos_id, strategy, limits, corpus)
 
   def cond(carry):
     state, _, i = carry

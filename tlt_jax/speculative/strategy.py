@@ -1,49 +1,78 @@
-"""An SD strategy: how deep to draft, how wide to branch, and how many tokens to verify."""
+"""An SD strategy: which drafters propose, how deep to draft, how wide to branch, and how many
+tokens to verify."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from tlt_jax.drafters import candidate_count
+
+# The drafters a strategy names when it names none: the trained EAGLE drafter alone.
+DEFAULT_DRAFTS = ("eagle",)
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Strategy:
-  """(steps, topk, verify_tokens), as in EAGLE-2.
+  """(steps, topk, verify_tokens), as in EAGLE-2, and the drafters whose candidates fill the
+  tree (`tlt_jax.drafters`).
 
-  steps: drafter passes; the tree is at most `steps` deep, so at most steps + 1 tokens are
+  steps: drafting depth; the tree is at most `steps` deep, so at most steps + 1 tokens are
     emitted per iteration (accepted path plus the bonus token).
-  topk: branches kept per expansion (children per beam and beams per level).
+  topk: branches kept per expansion of a tree-search drafter (children per beam and beams per
+    level); a chain drafter (suffix) ignores it.
   verify_tokens: tree size T verified by the policy, root included.
+  drafts: the proposing drafters' names, in merge order (e.g. ('eagle',), ('suffix',),
+    ('eagle', 'suffix') = hybrid: one tree, their candidates ranked by score).
   """
   steps: int
   topk: int
   verify_tokens: int
+  drafts: tuple[str, ...] = DEFAULT_DRAFTS
 
   def __post_init__(self):
+    object.__setattr__(self, "drafts", tuple(self.drafts))
     if self.steps < 1 or self.topk < 1 or self.verify_tokens < 2:
       raise ValueError(f"strategy {self.as_tuple()}: need steps >= 1, topk >= 1, "
                        f"verify_tokens >= 2")
-    if self.verify_tokens - 1 > self.num_candidates:
+    if not self.drafts or len(set(self.drafts)) != len(self.drafts):
+      raise ValueError(f"strategy {self.as_tuple()}: name each proposing drafter once, e.g. "
+                       f"'4,2,8,eagle+suffix'")
+    if self.verify_tokens - 1 > self.num_candidates:  # also checks the drafters' names
       raise ValueError(f"strategy {self.as_tuple()}: verify_tokens - 1 = "
                        f"{self.verify_tokens - 1} exceeds the {self.num_candidates} draft "
-                       f"candidates that steps={self.steps}, topk={self.topk} produce")
+                       f"candidates that {self.drafts_name} drafts at steps={self.steps}, "
+                       f"topk={self.topk}")
 
   @property
   def num_candidates(self) -> int:
-    """topk children of the root, then topk^2 per further step."""
-    return self.topk + (self.steps - 1) * self.topk * self.topk
+    """Candidates the proposing drafters produce together (see each drafter's count)."""
+    return sum(candidate_count(name, self.steps, self.topk) for name in self.drafts)
 
-  def as_tuple(self) -> tuple[int, int, int]:
-    return (self.steps, self.topk, self.verify_tokens)
+  @property
+  def drafts_name(self) -> str:
+    """'eagle', 'suffix', 'eagle+suffix', ...: the drafts as written in a strategy string."""
+    return "+".join(self.drafts)
+
+  def as_tuple(self) -> tuple:
+    """(steps, topk, verify_tokens), with the drafts' name appended unless they are the
+    default (so EAGLE-only strategies read as they always have)."""
+    base = (self.steps, self.topk, self.verify_tokens)
+    return base if self.drafts == DEFAULT_DRAFTS else (*base, self.drafts_name)
 
   @classmethod
   def parse(cls, value) -> "Strategy":
-    """From a Strategy, a (steps, topk, verify_tokens) sequence, or a 'steps,topk,verify' str."""
+    """From a Strategy, a (steps, topk, verify_tokens[, drafts]) sequence, or a
+    'steps,topk,verify[,drafts]' str, drafts as 'eagle', 'suffix' or 'eagle+suffix'."""
     if isinstance(value, Strategy):
       return value
     if isinstance(value, str):
-      parts = [p for p in value.replace("(", "").replace(")", "").split(",") if p.strip()]
-      value = [int(p) for p in parts]
+      value = [p.strip() for p in value.replace("(", "").replace(")", "").split(",")
+               if p.strip()]
     value = tuple(value)
-    if len(value) != 3:
-      raise ValueError(f"a strategy is (steps, topk, verify_tokens), got {value!r}")
-    return cls(*map(int, value))
+    if len(value) not in (3, 4):
+      raise ValueError(f"a strategy is (steps, topk, verify_tokens[, drafts]), got {value!r}")
+    drafts = DEFAULT_DRAFTS
+    if len(value) == 4:
+      d = value[3]
+      drafts = tuple(str(d).strip("'\" ").split("+")) if isinstance(d, str) else tuple(d)
+    return cls(*map(int, value[:3]), drafts)

@@ -1,4 +1,5 @@
-"""Draft trees: the DraftTree topology and the EAGLE-2 dynamic tree the drafter builds."""
+"""Draft trees: the DraftTree topology, and the tree of one SD iteration built from the
+candidates of one or several drafters (`tlt_jax.drafters`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models.attention_inputs import (ancestor_mask, decode_inputs, expansion_inputs,
-                                             tree_depths)
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig, drafter_forward, policy_token_ids
-from tlt_jax.models.kv_cache import KVCache, append_kv
+from tlt_jax.drafters.base import Candidates, DraftContext
+from tlt_jax.models.attention_inputs import ancestor_mask, tree_depths
+from tlt_jax.models.policy import Policy
 from tlt_jax.speculative.strategy import Strategy
 
 
@@ -36,102 +35,83 @@ def tree_from_parents(tokens: jax.Array, parents: jax.Array,
   return DraftTree(tokens=tokens, parents=parents, mask=mask, depths=tree_depths(mask))
 
 
-def build_draft_tree(drafter_params: dict, policy_params: dict, root_tokens: jax.Array,
-                     root_features: jax.Array, drafter_cache: KVCache, active: jax.Array,
-                     strategy: Strategy, cfg: ModelConfig, dcfg: DrafterConfig,
-                     limits: jax.Array | None = None):
-  """EAGLE-2 dynamic tree: expand the best `topk` beams by cumulative log-probability for
-  `steps` drafter passes, then keep the best `verify_tokens - 1` candidates plus the root.
+def build_draft_tree(policy: Policy, drafters: dict, states: dict, ctx: DraftContext,
+                     strategy: Strategy, limits: jax.Array | None = None
+                     ) -> tuple[DraftTree, dict]:
+  """The draft tree of one SD iteration: the candidates of the drafters `strategy.drafts`
+  names (`tlt_jax.drafters`), merged in that order (`merge_candidates`), and the best
+  `verify_tokens - 1` of them under the root.
 
   Args:
-    root_tokens: [B] int32, the newest token (sampled, not yet in either cache).
-    root_features: [B, E] policy features of the token before it (f_{n-1}).
-    drafter_cache: the drafter's cache, same length n as the policy's.
-    active: [B] bool; inactive rows are drafted but their cache is not extended.
-    limits: optional int32 [2], (steps, verify_tokens) of a smaller strategy of the same topk
-      drawn inside `strategy`'s shapes (one program serves several strategies): passes past
-      `steps` are skipped, and the nodes past `verify_tokens` are padding.
+    policy: the Policy; drafters: name -> drafter; states: name -> drafter state (stateful
+      drafters only); ctx: what the drafters read (root [B], its features, ...).
+    limits: optional int32 [2], (steps, verify_tokens) of a smaller strategy with the same
+      drafts and topk, drawn inside `strategy`'s shapes (one program serves several
+      strategies): deeper candidates score -inf, and the nodes past `verify_tokens` are
+      padding.
   Returns:
-    (DraftTree with T = verify_tokens, drafter cache extended by the root pair). Under
-    `limits` the tree's first limits[1] nodes are the smaller strategy's tree, node for node,
-    and the rest are padding: parent -1, depth -1, no one's ancestor, never accepted.
-
-  A candidate's score is its parent's score plus a log-probability (<= 0), so a parent always
-  outranks its children, and `top_k` breaks ties toward the lower (earlier) index, which the
-  parent has: every kept node's parent is kept too.
+    (DraftTree with T = verify_tokens, the states: a proposing stateful drafter holds the root
+    pair). Under `limits` the tree's first limits[1] nodes are the smaller strategy's tree,
+    node for node, and the rest are padding: parent -1, depth -1, no one's ancestor, never
+    accepted.
   """
-  k, steps = strategy.topk, strategy.steps
-  b = root_tokens.shape[0]
-  n = drafter_cache.lengths
-
-  # Pass 0: the root pair (x_n, f_{n-1}) at slot n; it is real, so it joins the cache.
-  feats, logits, k_root, v_root = drafter_forward(
-      drafter_params, policy_params, root_tokens[:, None], root_features[:, None],
-      decode_inputs(n), cfg, dcfg, cache=drafter_cache)
-  drafter_cache = append_kv(drafter_cache, k_root, v_root, active.astype(jnp.int32))
-  logp, tok = jax.lax.top_k(jax.nn.log_softmax(logits[:, 0]), k)  # [B, K]
-  tok = policy_token_ids(drafter_params, tok)  # a reduced draft vocabulary's ids -> policy's
-
-  cand_tokens, cand_scores, cand_parents = [tok], [logp], [jnp.full((b, k), -1, jnp.int32)]
-  beam_ids = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index
-  beam_scores, beam_tokens = logp, tok
-  beam_feats = jnp.repeat(feats, k, axis=1)  # [B, K, E]: the parent's predicted feature
-  buf_size = max(steps - 1, 1) * k
-  buf_shape = (dcfg.num_layers, b, buf_size, cfg.num_kv_heads, cfg.head_dim)
-  buf_k = jnp.zeros(buf_shape, drafter_cache.k.dtype)
-  buf_v = jnp.zeros(buf_shape, drafter_cache.k.dtype)
-  beam_anc = jnp.zeros((b, k, buf_size), bool)  # ancestors among earlier beams (buffer slots)
-  next_id = k
-
-  for depth in range(1, steps):
-    def expand(beam_tokens, beam_feats, beam_anc, buf_k, buf_v, depth=depth):
-      return drafter_forward(drafter_params, policy_params, beam_tokens, beam_feats,
-                             expansion_inputs(n + depth, beam_anc), cfg, dcfg,
-                             cache=drafter_cache, earlier_kv=(buf_k, buf_v))
-    operands = (beam_tokens, beam_feats, beam_anc, buf_k, buf_v)
-    if limits is None:
-      feats, logits, k_new, v_new = expand(*operands)
-    else:  # a pass past the smaller strategy's depth is not run: its candidates score -inf
-      skip = lambda *ops, expand=expand: jax.tree.map(  # noqa: E731
-          jnp.zeros_like, jax.eval_shape(expand, *ops))
-      feats, logits, k_new, v_new = jax.lax.cond(depth < limits[0], expand, skip, *operands)
-    slot0 = (depth - 1) * k
-    buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, k_new.astype(buf_k.dtype), slot0, 2)
-    buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, v_new.astype(buf_v.dtype), slot0, 2)
-
-    child_logp, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits), k)  # [B, K, K]
-    child_tok = policy_token_ids(drafter_params, child_tok)
-    scores = (beam_scores[:, :, None] + child_logp).reshape(b, k * k)
-    if limits is not None:
-      scores = jnp.where(depth < limits[0], scores, -jnp.inf)
-    child_tok = child_tok.reshape(b, k * k)
-    cand_tokens.append(child_tok)
-    cand_scores.append(scores)
-    cand_parents.append(jnp.repeat(beam_ids, k, axis=1))
-    if depth == steps - 1:
-      break
-    beam_scores, pick = jax.lax.top_k(scores, k)  # [B, K] among the K*K children
-    parent_beam = pick // k
-    beam_ids = next_id + pick
-    beam_tokens = jnp.take_along_axis(child_tok, pick, axis=1)
-    beam_feats = jnp.take_along_axis(feats, parent_beam[:, :, None], axis=1)
-    own_slot = jax.nn.one_hot(slot0 + parent_beam, buf_size, dtype=bool)
-    beam_anc = jnp.take_along_axis(beam_anc, parent_beam[:, :, None], axis=1) | own_slot
-    next_id += k * k
-
+  missing = [name for name in strategy.drafts if name not in drafters]
+  if missing:
+    raise ValueError(f"strategy {strategy.as_tuple()} drafts with {missing}, which this "
+                     f"decoder was not given (it has {sorted(drafters)}); a trained drafter "
+                     f"must be passed in to be used")
+  states, merged = dict(states), None
+  for name in strategy.drafts:
+    cands, state = drafters[name].propose(policy, states.get(name), ctx, strategy, limits)
+    if name in states:
+      states[name] = state
+    merged = cands if merged is None else merge_candidates(merged, cands)
   size = strategy.verify_tokens if limits is None else limits[1]
-  return _select_tree(root_tokens, jnp.concatenate(cand_tokens, 1),
-                      jnp.concatenate(cand_scores, 1), jnp.concatenate(cand_parents, 1),
-                      strategy.verify_tokens, size), drafter_cache
+  return select_tree(ctx.root, merged, strategy.verify_tokens, size), states
 
 
-def _select_tree(root_tokens, cand_tokens, cand_scores, cand_parents, width: int,
-                 size) -> DraftTree:
+def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
+  """second's candidates grafted onto first's: a candidate of second whose path from the root
+  (its tokens) is already a candidate of first is that candidate, which takes the higher of the
+  two scores; the rest join after first's, under their grafted parent, scoring at most their
+  parent. So the merged candidates are topological, a parent never scores below its children,
+  and no path is drafted twice. [B, C1 + C2] each."""
+  b, c1 = first.tokens.shape
+  scores1 = first.scores
+  node = jnp.zeros((b, 0), jnp.int32)       # merged index of each of second's candidates so far
+  parents2, scores2 = [], []
+  for j in range(second.tokens.shape[1]):
+    p = second.parents[:, j]
+    parent = -jnp.ones_like(p) if j == 0 else jnp.where(
+        p < 0, -1, jnp.take_along_axis(node, jnp.maximum(p, 0)[:, None], 1)[:, 0])
+    same = ((first.parents == parent[:, None]) & (first.tokens == second.tokens[:, j, None])
+            & (scores1 > -jnp.inf))                                            # [B, C1]
+    found = jnp.any(same, axis=1) & (second.scores[:, j] > -jnp.inf)
+    dup = jnp.argmax(same, axis=1)
+    scores1 = jnp.where(same & found[:, None],
+                        jnp.maximum(scores1, second.scores[:, j, None]), scores1)
+    earlier = jnp.concatenate([scores1] + [s[:, None] for s in scores2], axis=1)
+    parent_score = jnp.where(parent < 0, jnp.inf,
+                             jnp.take_along_axis(earlier, jnp.maximum(parent, 0)[:, None], 1)[:, 0])
+    scores2.append(jnp.where(found, -jnp.inf, jnp.minimum(second.scores[:, j], parent_score)))
+    parents2.append(parent)
+    node = jnp.concatenate([node, jnp.where(found, dup, c1 + j)[:, None].astype(jnp.int32)], 1)
+  return Candidates(tokens=jnp.concatenate([first.tokens, second.tokens], 1),
+                    parents=jnp.concatenate([first.parents, jnp.stack(parents2, 1)], 1),
+                    scores=jnp.concatenate([scores1, jnp.stack(scores2, 1)], 1))
+
+
+def select_tree(root_tokens: jax.Array, cands: Candidates, width: int, size) -> DraftTree:
   """Keeps the best size - 1 candidates (in candidate order) under the root, in a tree of
-  `width` nodes whose nodes past `size` (an int32 scalar, traced or not) are padding."""
+  `width` nodes whose nodes past `size` (an int32 scalar, traced or not) are padding, as are
+  the -inf candidates a too-small draft leaves. root_tokens: [B] int32.
+
+  A parent never scores below its children, and `top_k` breaks ties toward the lower
+  (earlier) index, which the parent has: every kept node's parent is kept too."""
+  cand_tokens, cand_scores, cand_parents = cands.tokens, cands.scores, cands.parents
   c = cand_tokens.shape[1]
-  _, keep = jax.lax.top_k(cand_scores, width - 1)  # best first
-  real = jnp.arange(1, width)[None] < size
+  best, keep = jax.lax.top_k(cand_scores, width - 1)  # best first
+  real = (jnp.arange(1, width)[None] < size) & (best > -jnp.inf)
   # Candidate order is topological; the padding sorts after every candidate.
   keep = jnp.sort(jnp.where(real, keep, c + jnp.arange(width - 1)[None]), axis=1)
   node_of_cand = jax.vmap(lambda kp: jnp.full((c,), -1, jnp.int32).at[kp].set(
