@@ -9,7 +9,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "drafter_ablation.ipynb")
-VARIANTS = {"untrained", "eagle-1L", "eagle-2L", "tokens-only", "fused", "mlp-64", "mlp-1024"}
+VARIANTS = {"untrained", "eagle-1L", "eagle-2L", "tokens-only", "fused", "mlp-64", "mlp-1024",
+            "suffix", "eagle-1L+suffix"}
 
 
 @pytest.mark.slow
@@ -31,7 +32,7 @@ def test_drafter_ablation_notebook_quick(tmp_path, monkeypatch):
   max_accept = data["settings"]["strategy"][0] + 1  # accepted path + bonus <= steps + 1
   for r in rows:
     assert 1.0 <= r["accept_len"] <= max_accept, r
-    assert r["params"] > 0 and r["sd_tokens_per_s"] > 0
+    assert (r["params"] > 0) == (r["variant"] != "suffix") and r["sd_tokens_per_s"] > 0
     if r["steps"]:
       assert r["loss_last"] < r["loss_first"], r
       assert r["train_s"] > 0 and len(data["loss_curves"][r["variant"]]) == r["steps"]

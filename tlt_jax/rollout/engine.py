@@ -269,9 +269,10 @@ class RolloutEngine:
     logged = set()
     if self.log_features:
       logged = set(range(n)) if log_requests is None else {int(r) for r in log_requests}
-    # Slice s serves requests s, s + S, ...: the same split on every process.
-    # Every finished request so far, on this process: the slices' corpus for suffix drafting.
+    # Every finished request so far on this process, in finishing order: also the corpus the
+    # slices' suffix drafting copies from.
     results: dict[int, tuple[list[int], str]] = {}
+    # Slice s serves requests s, s + S, ...: the same split on every process.
     runs = [_SliceRun(self, s, list(range(s, n, len(self.slices))), requests, sampling, key,
                       logged, compile_priority, num_samples, results) for s in self.local]
     t0 = time.perf_counter()
@@ -453,8 +454,7 @@ class _SliceRun:
     for i, r in enumerate(self.sched.rows):
       if r < 0:
         continue
-      group = range(r // ns * ns, (r // ns + 1) * ns)
-      done = [q for q in group if q != r and q in self.finished_all]
+      done = [q for q in self.finished_all if q // ns == r // ns and q != r]  # finishing order
       for j, q in enumerate(reversed(done[-ec.corpus_rows:])):
         toks = self.finished_all[q][0][:ec.max_new_tokens]
         corpus[i, j, :len(toks)] = toks

@@ -116,9 +116,9 @@ class SlicePrograms:
              strategy: Strategy | None, min_running: int, max_steps: int,
              corpus: np.ndarray | None = None):
     """Up to max_steps plain steps or SD iterations (`decode_loop`) -> (state, stats,
-    iterations); the state is donated. corpus: with a strategy whose drafters read one
-    (the suffix drafter), [B, corpus_rows, max_new_tokens] int32 responses to copy from, -1 padding
-    (None: none)."""
+    iterations); the state is donated. corpus: with a strategy whose drafters read one (the
+    suffix drafter), [B, corpus_rows, max_new_tokens] int32 responses to copy from, -1
+    padding (None: none)."""
     b = state.root.shape[0]
     key_b, shape, shared = self._decode_program(b, strategy, sp)
     args = (params, dparams, state, key, self.put(np.int32(min_running)),
