@@ -18,7 +18,7 @@ from tlt_jax.models.kv_cache import append_kv
 
 
 def _chain(dparams, policy, tokens, feats, root, depth, cfg, dcfg):
-  """Drafting as `build_draft_tree` does it with one beam whose drafts are the true tokens:
+  """Drafting as `EagleDrafter.propose` does it with one beam whose drafts are the true tokens:
   the true pairs before `root` in the drafter's cache, the root pair, then `depth` draft
   nodes, each fed the previous node's predicted feature. Returns [depth + 1, E] predictions."""
   n = tokens.shape[0]

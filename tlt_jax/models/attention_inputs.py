@@ -71,8 +71,8 @@ def unrolled_inputs(segment_ids: jax.Array, positions: jax.Array, step: int) -> 
   Query t of step k stands for the draft node at slot t of a chain rooted at slot t - k: it
   attends the step-0 keys at slots <= t - k of its segment (what the drafter's cache holds at
   that root) and, for i = 1 .. k, the step-i key at slot t - k + i (its draft ancestors, then
-  itself), exactly as `build_draft_tree` does at inference. Keys are ordered step 0, 1, .., k:
-  the earlier steps come in as `earlier_kv`. Step 0 is `packed_inputs`.
+  itself), exactly as `EagleDrafter.propose` does at inference. Keys are ordered step 0, 1,
+  .., k: the earlier steps come in as `earlier_kv`. Step 0 is `packed_inputs`.
 
   segment_ids, positions: [B, W] as in `packed_inputs`.
   Returns positions [B, W] and mask [B, W, (step + 1) * W] bool.
