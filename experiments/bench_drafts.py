@@ -14,9 +14,9 @@ mode runs once to compile and once timed.
       --set drafter.path=runs/smollm2_cpu/warmup/export \
       --out results/drafts_smollm2/drafts.json
 
-JSON: settings; per mode (plain and each strategy) wall and tail seconds, tail tokens/s,
-accept length, SD iterations and seconds per SD iteration in the tail, and whether the tokens
-are plain decoding's; `iteration`: seconds per SD iteration of each strategy in one decode
+JSON: settings; per mode (plain and each strategy) bench_rollout.py's summary of the timed
+rollout (wall and tail seconds, tail tokens/s, accept length, SD iterations and seconds per SD
+iteration, ...), and whether the tokens are plain decoding's; `iteration`: seconds per SD iteration of each strategy in one decode
 call at each --iteration-batches size, timed from the same state and alternating (medians);
 `hybrid_vs_eagle`: per (steps, topk, verify) with both, the hybrid's accept length and
 iteration time over EAGLE's. The PNG shows accept length and tail time per strategy.
@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench_rollout import summarize  # noqa: E402
 from tlt_jax.cli import config_from_file  # noqa: E402
 from tlt_jax.config import ConfigError  # noqa: E402
 from tlt_jax.components import (load_drafter_for, load_policy, load_tokenizer_for,  # noqa: E402
@@ -49,7 +50,6 @@ from tlt_jax.components import (load_drafter_for, load_policy, load_tokenizer_fo
 from tlt_jax.drafters import build_drafters  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.models import Policy, init_cache  # noqa: E402
-from tlt_jax.rollout.engine import accept_length  # noqa: E402
 from tlt_jax.speculative.decoding import decode_loop, start  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
@@ -91,21 +91,6 @@ def parse_args(argv=None):
     except ValueError as e:
       p.error(f"--strategies {s!r}: {e}")
   return args
-
-
-def tail_summary(result, threshold: int) -> dict:
-  """The rollout's numbers, the tail being the calls that started with <= threshold rows."""
-  steps = [r for r in result.timeline if r.mode != "prefill"]
-  tail = [r for r in steps if r.active <= threshold]
-  sd = [r for r in tail if r.mode == "sd"]
-  tail_s = sum(r.wall_s for r in tail)
-  tail_tokens = sum(r.emitted for r in tail)
-  sd_iters = sum(r.iterations for r in sd)
-  return dict(wall_s=result.wall_s, tail_s=tail_s, tail_tokens=tail_tokens,
-              tail_tokens_per_s=tail_tokens / tail_s if tail_s else None,
-              accept_len=accept_length(result), sd_iterations=sd_iters,
-              sd_iteration_s=sum(r.wall_s for r in sd) / sd_iters if sd_iters else None,
-              tokens=int(sum(len(t) for t in result.tokens)))
 
 
 def iteration_seconds(cfg, params, drafter, strategies, prompts, corpus_rows, batch: int,
@@ -170,7 +155,8 @@ def main(argv=None):
                          compile_ahead=False)  # every tail call SD: what is measured
     engine.generate(prompts, samples, sp, key)  # compiles
     runs[label(strategy)] = result = engine.generate(prompts, samples, sp, key)
-    modes[label(strategy)] = tail_summary(result, threshold)
+    modes[label(strategy)] = summarize(result, threshold, result.pool["compile_s"],
+                                       result.pool["executables"])
     m = modes[label(strategy)]
     print(f"{label(strategy):22s} tail {m['tail_s']:6.2f} s  accept {m['accept_len'] or 1:.2f}"
           f"  wall {m['wall_s']:6.2f} s", flush=True)

@@ -81,6 +81,7 @@ def summarize(result, threshold: int, compile_s: float, executables: int) -> dic
   tokens = int(sum(len(t) for t in result.tokens))
   tail_tokens = sum(r.emitted for r in tail)
   tail_s = sum(r.wall_s for r in tail)
+  sd_iters, sd_s = int(sum(r.iterations for r in sd)), sum(r.wall_s for r in sd)
   by_active = {}
   for r in steps:
     b = 1 << max(0, (r.active - 1).bit_length())
@@ -93,7 +94,8 @@ def summarize(result, threshold: int, compile_s: float, executables: int) -> dic
               tail_s_per_call=tail_s / len(tail) if tail else None,
               tail_tokens_per_s=tail_tokens / tail_s if tail_s else None,
               accept_len=accept_length(result), sd_calls=len(sd),
-              sd_iterations=int(sum(r.iterations for r in sd)), decode_calls=len(steps),
+              sd_iterations=sd_iters, sd_iteration_s=sd_s / sd_iters if sd_iters else None,
+              decode_calls=len(steps),
               decode_iterations=int(sum(r.iterations for r in steps)),
               call_s=result.call_s, host_s=result.host_s,
               # Host overhead: the share of the wall time the devices had work in flight.
