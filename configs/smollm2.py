@@ -21,6 +21,12 @@ Variants:
   gpu       one GPU: bfloat16, one slice of 128 rows, decoding loops over the layers (not yet
             run on a GPU)
   runlocal  the smallest settings, for smoke tests (CPU)
+  gym       reasoning_gym's problems instead of the arithmetic task (pip install -e
+            ".[reasoning]"): chain sums and leg counts, whose prompts ask for a final
+            '#### <answer>' line, trained with DAPO (groups the model always or never gets
+            right are replaced by fresh ones; responses near the token limit are penalised).
+            Warm its drafter with the same variant: its draft vocabulary comes from the
+            model's answers to these problems.
 """
 
 from tlt_jax.config import ConfigError, base_config, smoke_run_settings
@@ -28,7 +34,7 @@ from tlt_jax.import_model import ImportModelError, smollm2_folder
 
 
 def get_config(arg: str | None = None):
-  variants = ("baseline", "gpu", "runlocal")
+  variants = ("baseline", "gpu", "runlocal", "gym")
   if arg and arg not in variants:
     raise ValueError(f"configs/smollm2.py: unknown variant {arg!r}; allowed: {variants}")
   c = base_config()
@@ -114,6 +120,13 @@ def get_config(arg: str | None = None):
     c.drafter.warmup.num_prompts = 512
     c.drafter.warmup.max_new_tokens = 512
     c.drafter.warmup.steps = 400
+  elif arg == "gym":
+    c.task.name = "reasoning_gym"
+    c.task.instruction = ""            # the task's own: "End your response with '#### x'"
+    c.rollout.max_prompt_len = 192     # its prompts reach ~160 tokens with the template
+    c.rollout.max_new_tokens = 256
+    c.drafter.warmup.max_new_tokens = 256
+    c.rl.algorithm = "dapo"
   elif arg == "runlocal":
     smoke_run_settings(c)
     c.rollout.max_new_tokens = 24

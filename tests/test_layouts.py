@@ -17,7 +17,7 @@ from tlt_jax.mesh import (DEFAULT_RULES, logical_shardings, logical_to_mesh_spec
                           shard_pytree)
 from tlt_jax.models import ModelConfig, RopeConfig, init_params, param_logical_axes
 from tlt_jax.optim import init_optimizer
-from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.algorithms import Grpo
 from tlt_jax.rl.policy_update import PolicyUpdater
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
@@ -102,7 +102,7 @@ def test_the_grpo_update_is_the_same_on_every_layout(model):
   for layout in LAYOUTS:  # training: FSDP over replica x fsdp, tensor-parallel over tensor
     mesh = _mesh(*layout)
     start = _training_params(cfg, jax.tree.map(jnp.copy, params), mesh)
-    updater = PolicyUpdater(cfg, GrpoConfig(), optax.sgd(0.5), start, mesh, DEFAULT_RULES,
+    updater = PolicyUpdater(cfg, Grpo(), optax.sgd(0.5), start, mesh, DEFAULT_RULES,
                             ppo_epochs=1, mini_batches=1, micro_batch_rows=8)
     new, metrics, _ = updater(start, prompts, completions, advantages, 0, max_width=16)
     assert metrics["nonfinite"] == 0.0

@@ -36,8 +36,8 @@ import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tlt_jax.components import (drafter_config, drafter_opt_config, engine_config, grpo_config,
-                                model_config, policy_adamw, sampling_params,
+from tlt_jax.components import (algorithm_from_config, drafter_config, drafter_opt_config,
+                                engine_config, model_config, policy_adamw, sampling_params,
                                 training_model_config)
 from tlt_jax.drafter_training.loss import Windows
 from tlt_jax.drafter_training.spot import train_state_shardings
@@ -314,7 +314,7 @@ def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int =
     shapes = jax.eval_shape(lambda k: init_drafter_params(cfg, dcfg, k), jax.random.key(0))
     dparams = _placed(shapes, logical_shardings(drafter_logical_axes(cfg, dcfg),
                                                 meshes.rollout, meshes.rollout_rules, shapes))
-  tcfg, gc = training_model_config(config, cfg), grpo_config(config)
+  tcfg, algorithm = training_model_config(config, cfg), algorithm_from_config(config)
   params = resident["policy params"]
   programs = _rollout_programs(config, cfg, rollout_params, dcfg if use_sd else None,
                                dparams if use_sd else None, config.drafter.spot_training,
@@ -336,10 +336,11 @@ def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int =
     mini["ref_logp"] = jax.ShapeDtypeStruct(shape, jnp.float32)
   mini = {k: on_mesh_rows(v) for k, v in mini.items()}
   if rl.ppo_epochs * rl.mini_batches > 1 or rl.kl_coef > 0:
-    programs.append(Program("log_probs", make_log_probs(tcfg, gc.sampling).__wrapped__,
+    programs.append(Program("log_probs", make_log_probs(tcfg, algorithm.loss.sampling).__wrapped__,
                             (params, {k: mini[k] for k in ("tokens", "targets", "loss_mask")}),
                             (), (0,), meshes.train))
-  update = make_policy_update(tcfg, gc, _policy_optimizer(config, job), None, None).__wrapped__
+  update = make_policy_update(tcfg, algorithm.loss_fn, _policy_optimizer(config, job), None,
+                              None).__wrapped__
   programs.append(Program("rl_update", update, (params, resident["policy optimizer"], mini),
                           (0, 1), (0, 1), meshes.train))
   if config.drafter.spot_training:

@@ -25,11 +25,12 @@ from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
 from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
+from tlt_jax.rl.algorithms import Grpo, make_algorithm
 from tlt_jax.rl.data import load_numbered_examples
 from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.phases import rl_prompts
-from tlt_jax.rl.rewards import RewardFn, make_answer_reward, make_reward
-from tlt_jax.rl.tasks import Example, TaskSlice, make_task
+from tlt_jax.rl.rewards import RewardFn, make_reward
+from tlt_jax.rl.tasks import Example, Task, TaskSlice, make_task
 from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
@@ -49,13 +50,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   """
   check_config(config, num_devices)
   builders = (model_config, engine_config, sampling_params, drafter_config, spot_config,
-              make_tuner_from_config, grpo_config, reward_from_config, policy_adamw,
+              make_tuner_from_config, algorithm_from_config, reward_from_config, policy_adamw,
               sft_adamw, drafter_opt_config, functools.partial(drafter_opt_config, warmup=True),
               task_from_config)
   for build in builders:
     try:
       build(config)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # ImportError: a task's optional package
       raise ConfigError(str(e)) from None
   sd = config.rollout.speculative
   if config.drafter.draft_vocab_size:
@@ -172,16 +173,35 @@ def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
                     entropy_coef=r.entropy_coef, sampling=sampling_params(config))
 
 
+def algorithm_from_config(config: ml_collections.ConfigDict) -> Grpo:
+  """The RL algorithm rl.algorithm names, with the loss of config.rl and its knobs
+  (rl.<name>)."""
+  name = config.rl.algorithm
+  settings = config.rl[name].to_dict() if name in config.rl else {}
+  return make_algorithm(name, grpo_config(config), config.rollout.max_new_tokens, settings)
+
+
 def reward_from_config(config: ml_collections.ConfigDict) -> RewardFn:
-  """The reward rl.reward names: `fn(prompts, completions, **columns) -> list[float]`."""
+  """The reward rl.reward names, with the task's answer check and format:
+  `fn(prompts, completions, **columns) -> list[float]`."""
   return make_reward(config.rl.reward, format_bonus=config.rl.format_bonus,
-                     answer_fallback=config.rl.answer_fallback)
+                     answer_fallback=config.rl.answer_fallback, task=scoring_task(config))
 
 
 def answer_check(config: ml_collections.ConfigDict) -> RewardFn:
   """What counts as a right answer (accuracy in the metrics and the held-out evaluation):
-  the answer reward, with rl.answer_fallback."""
-  return make_answer_reward(config.rl.answer_fallback)
+  the task's answer reward (with rl.answer_fallback) at its full score, 1.0."""
+  reward = scoring_task(config).answer_reward(config.rl.answer_fallback)
+
+  def right_answer(prompts, completions, **columns) -> list[float]:
+    return [float(v >= 1.0) for v in reward(prompts, completions, **columns)]
+  return right_answer
+
+
+def scoring_task(config: ml_collections.ConfigDict) -> Task:
+  """The task whose answer check, format and evaluation breakdown the job uses: the
+  configured task, or for task.data_path's problems the '####' / '\\boxed' defaults."""
+  return Task() if config.task.data_path else task_from_config(config)
 
 
 def policy_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
@@ -199,14 +219,10 @@ def sft_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
                      weight_decay=s.weight_decay, grad_clip=s.grad_clip, section="sft")
 
 
-def task_from_config(config: ml_collections.ConfigDict, eval_split: bool = False):
-  """The built-in task that `config.task` describes (held-out problems with eval_split)."""
+def task_from_config(config: ml_collections.ConfigDict, eval_split: bool = False) -> Task:
+  """The task `config.task` names and describes (its held-out problems with eval_split)."""
   t = config.task
-  return make_task(t.name, seed=t.eval_seed if eval_split else t.seed, min_steps=t.min_steps,
-                   max_steps=t.max_steps, body_p=t.body_p, tail_prob=t.tail_prob,
-                   tail_alpha=t.tail_alpha, max_value=t.max_value,
-                   max_operand=t.max_operand, max_multiplier=t.max_multiplier,
-                   instruction=t.instruction)
+  return make_task(t, t.eval_seed if eval_split else t.seed)
 
 
 # ---------------------------------------------------------------- loaded and built objects
@@ -309,8 +325,8 @@ def check_prompt_lengths(config: ml_collections.ConfigDict, tokenizer,
   """Once, at a job's start, before anything compiles: ConfigError when a problem the job may
   draw has more prompt tokens (chat template included) than rollout.max_prompt_len. Every
   record of task.data_path and task.eval_data_path is measured, and the error names the file,
-  the line and the length; the built-in task is measured by its longest possible prompt
-  (`ArithmeticTask.longest_prompts`). data_files=False: the built-in task only (SFT)."""
+  the line and the length; a task is measured by `Task.longest_prompts` (the arithmetic
+  task's longest possible prompt). data_files=False: the task only (SFT)."""
   limit = config.rollout.max_prompt_len
   if data_files and config.task.data_path:
     for key in ("data_path", "eval_data_path"):
@@ -325,14 +341,16 @@ def check_prompt_lengths(config: ml_collections.ConfigDict, tokenizer,
     return
   n = max(len(prompt_ids(tokenizer, p)) for p in task_from_config(config).longest_prompts())
   if n > limit:
-    raise ConfigError(f"rollout.max_prompt_len={limit} is below the built-in task's longest "
-                      f"prompt, {n} tokens (task.max_steps={config.task.max_steps}); set "
-                      f"rollout.max_prompt_len={n} or more, or lower task.max_steps")
+    hint = (f" (task.max_steps={config.task.max_steps})" if config.task.name == "arithmetic"
+            else "")
+    raise ConfigError(f"rollout.max_prompt_len={limit} is below the {config.task.name} "
+                      f"task's longest prompt, {n} tokens{hint}; set "
+                      f"rollout.max_prompt_len={n} or more")
 
 
 def training_set(config: ml_collections.ConfigDict, size: int) -> Sequence[Example]:
   """The training problems: task.data_path's records, else the first `size` problems of
-  the built-in task (generated on demand)."""
+  the task (generated on demand)."""
   if config.task.data_path:
     return _data_file(config, eval_split=False)
   return TaskSlice(task_from_config(config), size)
@@ -341,7 +359,7 @@ def training_set(config: ml_collections.ConfigDict, size: int) -> Sequence[Examp
 def task_examples(config: ml_collections.ConfigDict, count: int, start: int = 0,
                   eval_split: bool = False) -> list[Example]:
   """Problems start .. start+count of the training or held-out set (a file's records, or
-  the built-in task's); a file may hold fewer."""
+  the task's); a file may hold fewer."""
   if config.task.data_path:
     return _data_file(config, eval_split)[start:start + count]
   return task_from_config(config, eval_split).examples(count, start=start)

@@ -20,6 +20,8 @@ from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
 from tlt_jax.models.config import DTYPES, MODEL_TYPES
 from tlt_jax.models.drafter_io import read_drafter_config
 from tlt_jax.models.hf import check_model_folder, check_safetensors
+from tlt_jax.rl.algorithms import ALGORITHMS, settings_defaults
+from tlt_jax.rl.tasks import TASKS, task_settings_defaults
 
 # Which forward passes run the layers as a lax.scan (see model.scan_layers below).
 SCAN_LAYERS = ("none", "train", "all")
@@ -92,9 +94,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.generate.max_new_tokens = 64
   c.generate.temperature = 0.0
 
-  # The built-in task (tlt_jax.rl.tasks.arithmetic); problem i depends only on (seed, i).
+  # The task (tlt_jax.rl.tasks): "arithmetic" (built in; its knobs are the keys below) or
+  # "reasoning_gym" (pip install -e ".[reasoning]"; its knobs are task.reasoning_gym). Problem
+  # i depends only on (seed, i).
   c.task = ml_collections.ConfigDict()
   c.task.name = "arithmetic"
+  for name in TASKS:
+    if task_settings_defaults(name):
+      c.task[name] = ml_collections.ConfigDict(task_settings_defaults(name))
   c.task.seed = 0           # training problems
   c.task.eval_seed = 1      # held-out problems (a different stream)
   c.task.min_steps = 1
@@ -105,8 +112,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.max_value = 99
   c.task.max_operand = 9
   c.task.max_multiplier = 5
-  # A sentence appended to every built-in prompt, e.g. how to state the answer for a model
-  # that was not fine-tuned on the task ('' = the bare problem, as the tiny policy learned it).
+  # A sentence appended to every prompt, e.g. how to state the answer for a model that was
+  # not fine-tuned on the task ('' = the bare problem, as the tiny policy learned it; the
+  # reasoning_gym task asks for a '#### <answer>' line).
   c.task.instruction = ""
   # Your own problems instead of the built-in task: JSON lines of GSM8K / MATH / verl-style
   # records (tlt_jax.rl.data.load_jsonl); eval_data_path holds the held-out problems.
@@ -184,6 +192,13 @@ def base_config() -> ml_collections.ConfigDict:
   # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
   # num_samples responses each, advantages normalised within each prompt's group.
   c.rl = ml_collections.ConfigDict()
+  # The algorithm (tlt_jax.rl.algorithms): "grpo" or "dapo" (dynamic sampling and overlong
+  # shaping on top of GRPO's loss); its own knobs are the section rl.<name> (e.g. rl.dapo),
+  # made from its Settings dataclass.
+  c.rl.algorithm = "grpo"
+  for name in ALGORITHMS:
+    if settings_defaults(name):
+      c.rl[name] = ml_collections.ConfigDict(settings_defaults(name))
   c.rl.steps = 20
   c.rl.prompts_per_step = 16
   c.rl.num_samples = 8

@@ -71,7 +71,7 @@ def _encoder(tokenizer):
 
 
 def _print_eval(step: int, result: dict) -> None:
-  by = result["accuracy_by_steps"]
+  by = result["accuracy_by"]
   short = sum(c for n, (c, _) in by.items() if n <= 3) / max(
       sum(t for n, (_, t) in by.items() if n <= 3), 1)
   long_ = sum(c for n, (c, _) in by.items() if n > 3) / max(
@@ -93,6 +93,11 @@ def main(argv):
   lock = claim_workdir(workdir)  # noqa: F841 -- held until the job ends
   s = config.sft
   started = time.perf_counter()
+  task = task_from_config(config)
+  if task.example(0).solution is None:
+    raise ConfigError(f"SFT trains on worked solutions, which task.name={config.task.name!r} "
+                      f"does not have; fine-tune on the arithmetic task, or train with RL "
+                      f"(python -m tlt_jax.train)")
 
   # ---------------------------------------------------------------- mesh and data
   mesh = make_mesh(dict(config.mesh.axes))
@@ -105,8 +110,7 @@ def main(argv):
                                                             (s.rows, s.seq_len), mesh, rules))
   tokenizer = get_tokenizer(config, workdir)
   check_prompt_lengths(config, tokenizer, data_files=False)  # the held-out evaluation decodes
-  iterator = PromptIterator(TaskSlice(task_from_config(config), s.num_train_examples),
-                            seed=config.seed)
+  iterator = PromptIterator(TaskSlice(task, s.num_train_examples), seed=config.seed)
   eval_set = task_from_config(config, eval_split=True).examples(s.num_eval_examples)
   encode = _encoder(tokenizer)
 
@@ -146,7 +150,8 @@ def main(argv):
 
   def run_eval(step):
     engine.update_params(policy_params=params)  # the update donates the previous params
-    result = evaluate(engine, tokenizer, eval_set, SamplingParams(0.0))
+    result = evaluate(engine, tokenizer, eval_set, SamplingParams(0.0),
+                      breakdown=task.breakdown)
     _print_eval(step, result)
     return result
 
@@ -186,7 +191,7 @@ def main(argv):
              "heldout_greedy_accuracy": result["accuracy"],
              "heldout_examples": result["num_examples"],
              "heldout_accuracy_by_steps": {str(k): v for k, v in
-                                           result["accuracy_by_steps"].items()},
+                                           result["accuracy_by"].items()},
              "heldout_mean_completion_tokens": result["response_len_mean"],
              "wall_s": time.perf_counter() - started, "train_s_incl_compile": train_s,
              "num_params": int(num_params), "devices": num_devices,

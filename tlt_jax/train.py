@@ -1,12 +1,14 @@
-"""The main job: GRPO with TLT rollouts (adaptive SD) and spot training of the drafter.
+"""The main job: RL (GRPO, or rl.algorithm) with TLT rollouts (adaptive SD) and spot training
+of the drafter.
 
   python -m tlt_jax.train --config configs/default.py --workdir runs/default
   python -m tlt_jax.train --config configs/default.py:baseline --workdir runs/baseline
 
 Each step: take prompts; roll out `rl.num_samples` responses per prompt on every replica
 slice (plain decoding, then SD with the drafter once few sequences run); meanwhile slices that
-are done train the drafter on the policy's features; score the responses; GRPO-update the
-policy on the whole mesh; reshard the new policy and drafter onto the rollout slices.
+are done train the drafter on the policy's features; score the responses (DAPO: more rounds
+until enough groups have a spread); update the policy on the whole mesh; reshard the new
+policy and drafter onto the rollout slices.
 
 WORKDIR gets metrics.jsonl (one object per step), checkpoints/ (every rl.checkpoint_every steps
 and on SIGINT/SIGTERM; a rerun resumes from the latest), summary.json, summary.png and, at the
@@ -37,9 +39,10 @@ from tqdm import tqdm
 from tlt_jax import cli
 from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer
 from tlt_jax.compile_cache import COMPILES
-from tlt_jax.components import (answer_check, check_prompt_lengths, drafter_opt_config,
-                                grpo_config, load_drafter_for, load_policy, load_tokenizer_for,
-                                make_engine, policy_adamw, reward_from_config, sampling_params,
+from tlt_jax.components import (algorithm_from_config, answer_check, check_prompt_lengths,
+                                drafter_opt_config, load_drafter_for, load_policy,
+                                load_tokenizer_for, make_engine, policy_adamw,
+                                reward_from_config, sampling_params, scoring_task,
                                 spot_config, task_examples, training_model_config,
                                 training_set)
 from tlt_jax.config import ConfigError, RunStopped, flat_settings
@@ -51,9 +54,8 @@ from tlt_jax.models.hf import save_hf_checkpoint
 from tlt_jax.optim import make_adamw
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import heldout_accuracy
-from tlt_jax.rl.grpo import group_advantages
-from tlt_jax.rl.phases import (paired_control, rl_prompts, rollout, rollout_rows, score,
-                               step_metrics)
+from tlt_jax.rl.phases import (paired_control, rollout_rows, sample_step, step_metrics,
+                               update_policy)
 from tlt_jax.rl.policy_update import PolicyUpdater
 from tlt_jax.rollout.pool import merge_bills
 from tlt_jax.run_log import RunLog, read_jsonl
@@ -150,7 +152,8 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
     spot = SpotTrainer(cfg, dcfg, drafter_opt_config(config), dparams, mesh,
                        spot_config(config), FeatureBuffer(config.drafter.buffer.keep_steps),
                        rules=tuple(config.mesh.rollout_rules), seed=config.seed)
-  updater = PolicyUpdater(training_model_config(config, cfg), grpo_config(config),
+  algorithm = algorithm_from_config(config)
+  updater = PolicyUpdater(training_model_config(config, cfg), algorithm,
                           make_adamw(policy_adamw(config)), params, mesh, rules,
                           rl.ppo_epochs, rl.mini_batches, rl.micro_batch_rows,
                           ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None)
@@ -196,7 +199,7 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
 
   def evaluate_and_log(at_step: int) -> None:
     row = heldout_accuracy(engine, tokenizer, eval_examples, sampling, rl.eval_samples,
-                           answer_fn)
+                           answer_fn, breakdown=scoring_task(config).breakdown)
     log.write("eval", [{"step": at_step, **row}])
     sampled = (f", sampled {row['sampled_accuracy']:.3f} ({rl.eval_samples} per problem)"
                if rl.eval_samples else "")
@@ -217,32 +220,27 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
       t_step = time.perf_counter()
       compile_before = sum(pool.compile_seconds for pool in pools)
       key = jax.random.fold_in(base_key, step)
-      examples = prompts_iter.take(rl.prompts_per_step)
-      prompts = rl_prompts(tokenizer, examples, config)
-      rolled = rollout(engine, spot, prompts, sampling, key, step, config)
-      scored = score(examples, rolled.result, tokenizer, reward_fn, rl.num_samples, answer_fn)
+      samples = sample_step(engine, spot, prompts_iter, tokenizer, algorithm, reward_fn,
+                            answer_fn, sampling, key, step, config)
       paired = {} if control is None else paired_control(
-          control, examples, prompts, scored, tokenizer, sampling, key, config, reward_fn,
-          answer_fn)
+          control, samples, tokenizer, sampling, key, config, reward_fn, answer_fn)
       t_update = time.perf_counter()
-      run.params, update_metrics, _ = updater(
-          run.params, [p for p in prompts for _ in range(rl.num_samples)],
-          rolled.result.tokens, group_advantages(scored.rewards, rl.num_samples,
-                                                  updater.gc.scale_by_std),
-          pad, max_width=engine.econf.capacity)
+      run.params, update_metrics = update_policy(updater, algorithm, run.params, samples, pad,
+                                                 engine.capacity, config)
       if update_metrics["nonfinite"] and rl.on_nonfinite == "stop":
         raise RunStopped(_nonfinite_message(step + 1, update_metrics, ckpt.latest_step))
       engine.update_params(policy_params=run.params)  # a reshard onto the rollout slices
       step += 1
       compile_s = sum(pool.compile_seconds for pool in pools) - compile_before
-      metrics = step_metrics(step, scored, rolled, update_metrics, engine.speculative,
+      metrics = step_metrics(step, samples, update_metrics, algorithm, engine.speculative,
                              update_s=time.perf_counter() - t_update,
                              step_s=time.perf_counter() - t_step - paired.get("control_s", 0),
                              compile_s=compile_s)
       metrics.update(paired)
       log.write("metrics", [metrics])
       if rl.save_rollouts:
-        log.write("rollouts", rollout_rows(step, scored, rolled.result, rl.num_samples))
+        log.write("rollouts", rollout_rows(step, samples.scored, samples.rolled.result,
+                                           rl.num_samples))
       if eval_examples and (step == rl.steps or (rl.eval_every and step % rl.eval_every == 0)):
         evaluate_and_log(step)
       if step == rl.steps or stop.requested or (rl.checkpoint_every and

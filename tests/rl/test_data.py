@@ -1,12 +1,11 @@
-"""JSONL loading (GSM8K / MATH / DAPO records), reasoning_gym adapter, resumable iterator."""
+"""JSONL loading (GSM8K / MATH / DAPO records), the prompt-length check, the resumable
+iterator."""
 
-import importlib.util
 import json
 
 import pytest
 
-from tlt_jax.rl.data import (PromptIterator, example_from_record, load_examples, load_jsonl,
-                             load_reasoning_gym)
+from tlt_jax.rl.data import PromptIterator, example_from_record, load_examples, load_jsonl
 from tlt_jax.rl.tasks import ArithmeticTask
 
 RECORDS = [
@@ -94,7 +93,7 @@ def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
 
 
 def test_prompt_lengths_are_checked_at_the_start(tmp_path):
-  """Every record of the data files, and the built-in task's longest prompt, against
+  """Every record of the data files, and the arithmetic task's longest prompt, against
   rollout.max_prompt_len, before anything is compiled."""
   from tests.conftest import repo_config
   from tlt_jax.components import check_prompt_lengths, load_tokenizer_for
@@ -110,7 +109,7 @@ def test_prompt_lengths_are_checked_at_the_start(tmp_path):
   assert max(len(prompt_ids(tokenizer, e.prompt)) for e in drawn) <= longest
   config.rollout.max_prompt_len = longest - 1
   with pytest.raises(ConfigError, match=rf"rollout.max_prompt_len={longest - 1} is below the "
-                                        rf"built-in task's longest prompt, {longest} tokens"):
+                                        rf"arithmetic task's longest prompt, {longest} tokens"):
     check_prompt_lengths(config, tokenizer)
 
   config.rollout.max_prompt_len = 64
@@ -125,7 +124,7 @@ def test_prompt_lengths_are_checked_at_the_start(tmp_path):
   with pytest.raises(ConfigError, match=rf"task.eval_data_path: .*heldout.jsonl:3: the prompt "
                                         rf"has {n} tokens, more than rollout.max_prompt_len=64"):
     check_prompt_lengths(config, tokenizer)
-  with pytest.raises(ConfigError, match="built-in task's longest prompt"):
+  with pytest.raises(ConfigError, match="arithmetic task's longest prompt"):
     check_prompt_lengths(config, tokenizer, data_files=False)  # the built-in task at 20 steps
   config.task.max_steps = 6
   check_prompt_lengths(config, tokenizer, data_files=False)  # ... and at 6
@@ -135,21 +134,6 @@ def _task_args(config):
   t = config.task
   return dict(max_steps=t.max_steps, max_value=t.max_value, max_operand=t.max_operand,
               max_multiplier=t.max_multiplier)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is not None,
-                    reason="reasoning_gym is installed")
-def test_reasoning_gym_missing_says_how_to_install():
-  with pytest.raises(ImportError, match=r"pip install -e \"\.\[reasoning\]\""):
-    load_reasoning_gym("basic_arithmetic", size=2)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
-                    reason="reasoning_gym is not installed")
-def test_reasoning_gym_examples():
-  examples = load_reasoning_gym("basic_arithmetic", size=3, seed=1)
-  assert len(examples) == 3 and all(e.prompt and e.answer for e in examples)
-  assert examples[0].metadata["source"] == "reasoning_gym/basic_arithmetic"
 
 
 def test_iterator_shuffles_per_epoch_and_visits_everything():

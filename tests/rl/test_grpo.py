@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from tlt_jax.rl.algorithms import Grpo
 from tlt_jax.rl.grpo import GrpoConfig, group_advantages, grpo_loss, loss_weights, token_log_probs
 from tlt_jax.rl.policy_update import build_rows, make_policy_update, split_minibatches
 
@@ -115,7 +116,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_cfg, tiny_params, batch
     mb = split_minibatches(host, 1, micro_rows, gc.loss_agg)
     mini = {k: jnp.asarray(v[0]) for k, v in mb.items()}
     params = jax.tree.map(jnp.copy, tiny_params)
-    update = make_policy_update(tiny_cfg, gc, tx, None, None)
+    update = make_policy_update(tiny_cfg, Grpo(gc).loss_fn, tx, None, None)
     params, _, metrics = update(params, tx.init(params), mini)
     results.append((params, float(metrics["loss"])))
   for params, loss in results[1:]:
@@ -135,7 +136,7 @@ def test_updates_raise_the_likelihood_of_good_responses_and_lower_bad_ones(tiny_
   rows = build_rows([prompt, prompt], [good, bad], adv, 2, 0)
   mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(rows, 1, 2, "token_mean").items()}
   tx = optax.adam(1e-3)
-  update = make_policy_update(tiny_cfg, GrpoConfig(), tx, None, None)
+  update = make_policy_update(tiny_cfg, Grpo().loss_fn, tx, None, None)
   params = jax.tree.map(jnp.copy, tiny_params)
   opt_state = tx.init(params)
   rows_only = {k: v[0] for k, v in mini.items()}  # the one micro-batch
@@ -154,7 +155,7 @@ def test_a_nonfinite_update_is_not_applied_and_is_reported(tiny_cfg, tiny_params
   host["advantages"] = np.where(np.arange(4) == 1, np.nan, host["advantages"]).astype(np.float32)
   mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(host, 1, 4, "token_mean").items()}
   tx = optax.adam(1e-3)
-  update = make_policy_update(tiny_cfg, GrpoConfig(), tx, None, None)
+  update = make_policy_update(tiny_cfg, Grpo().loss_fn, tx, None, None)
   params = jax.tree.map(jnp.copy, tiny_params)
   opt_state = tx.init(params)
   new_params, new_opt, metrics = update(params, opt_state, mini)

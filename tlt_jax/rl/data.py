@@ -3,8 +3,6 @@
   load_examples(path)              a training or held-out data file (JSON lines; see load_jsonl)
   load_numbered_examples(path)     the same as (line number, Example) pairs
   load_jsonl(path)                 GSM8K / MATH / DAPO-style JSON lines
-  load_reasoning_gym(name, ...)    a reasoning_gym procedural data set (optional dependency:
-                                   pip install -e ".[reasoning]")
   PromptIterator(examples, seed)   shuffled per epoch from the seed; `state_dict()` ->
                                    {"epoch", "index"} goes into checkpoints
 """
@@ -19,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from tlt_jax.rl.answers import extract_boxed, extract_hash_answer
-from tlt_jax.rl.tasks.example import Example
+from tlt_jax.rl.tasks.example import Example, json_safe
 
 T = TypeVar("T")
 
@@ -75,17 +73,9 @@ def example_from_record(record: dict, where: str = "record") -> Example:
   if solution is None and extract_hash_answer(raw) is not None:
     solution = raw  # GSM8K puts the worked solution in the answer field
   metadata = {k: v for k, v in record.items()
-              if k not in (key, "answer", "solution") and _is_json(v)}
+              if k not in (key, "answer", "solution") and json_safe(v)}
   return Example(prompt=prompt, answer=_final_answer(raw),
                  solution=solution if isinstance(solution, str) else None, metadata=metadata)
-
-
-def _is_json(value) -> bool:
-  try:
-    json.dumps(value)
-    return True
-  except (TypeError, ValueError):
-    return False
 
 
 def load_examples(path: str, limit: int | None = None) -> list[Example]:
@@ -142,26 +132,6 @@ def _jsonl_records(path: str, limit: int | None) -> Iterator[tuple[int, Example]
       count += 1
       if limit is not None and count >= limit:
         return
-
-
-def load_reasoning_gym(name: str, size: int, seed: int = 0, **task_kwargs) -> list[Example]:
-  """`size` problems of the reasoning_gym data set `name` (e.g. 'basic_arithmetic', 'chain_sum').
-
-  reasoning_gym scores some tasks with its own checker; `answers_match` covers the numeric and
-  exact-string ones.
-  """
-  try:
-    import reasoning_gym
-  except ImportError:
-    raise ImportError("load_reasoning_gym needs the optional 'reasoning-gym' package: "
-                      "pip install -e \".[reasoning]\" (or pip install reasoning-gym)") from None
-  dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **task_kwargs)
-  out = []
-  for i, entry in enumerate(dataset):
-    meta = {k: v for k, v in dict(entry.get("metadata") or {}).items() if _is_json(v)}
-    meta.update(source=f"reasoning_gym/{name}", index=i)
-    out.append(Example(prompt=entry["question"], answer=str(entry["answer"]), metadata=meta))
-  return out
 
 
 class PromptIterator(Generic[T], Iterator[T]):

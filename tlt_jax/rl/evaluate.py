@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -17,7 +17,8 @@ from tlt_jax.speculative.sampling import SamplingParams
 
 def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
              sampling: SamplingParams, samples: int = 1, key: jax.Array | None = None,
-             answer_fn: RewardFn = answer_reward) -> dict:
+             answer_fn: RewardFn = answer_reward,
+             breakdown: Callable[[Example], object] | None = None) -> dict:
   """Samples `samples` completions per example with the engine's current policy and scores
   their final answers with `answer_fn` (the answer reward: stated as '#### x' or
   '\\boxed{x}', see `rewards.make_answer_reward`) (temperature 0 = greedy; SD, when the
@@ -27,7 +28,8 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
   i * samples .. i * samples + samples - 1): accuracy (float), num_examples, samples,
   correct (N bools), texts (decoded, special tokens dropped), lengths (N generated tokens,
   EOS included), finished (N bools: EOS before the token budget), response_len_mean, and
-  accuracy_by_steps ({num_steps: [correct, total]}) for examples whose metadata has one.
+  accuracy_by ({group: [correct, total]}) over the groups `breakdown(example)` names (a
+  task's `Task.breakdown`; examples it gives None are left out; {} without one).
   """
   if not examples:
     raise ValueError("evaluate needs at least one example")
@@ -38,11 +40,13 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
   texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(samples)]
   correct = [bool(ok) for ok in answer_fn([ex.prompt for ex in repeated], texts,
-                                             answer=[ex.answer for ex in repeated])]
-  by_steps: dict[int, list[int]] = {}
+                                             answer=[ex.answer for ex in repeated],
+                                             metadata=[ex.metadata for ex in repeated])]
+  by: dict = {}
   for ex, ok in zip(repeated, correct):
-    if "num_steps" in ex.metadata:
-      cell = by_steps.setdefault(int(ex.metadata["num_steps"]), [0, 0])
+    group = breakdown(ex) if breakdown is not None else None
+    if group is not None:
+      cell = by.setdefault(group, [0, 0])
       cell[0] += int(ok)
       cell[1] += 1
   lengths = [int(n) for n in result.lengths]
@@ -50,22 +54,27 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
           "samples": samples, "correct": correct, "texts": texts, "lengths": lengths,
           "finished": [f == "eos" for f in result.finish_reasons],
           "response_len_mean": float(np.mean(lengths)),
-          "accuracy_by_steps": dict(sorted(by_steps.items()))}
+          "accuracy_by": dict(sorted(by.items()))}
 
 
 def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
                      sampling: SamplingParams, samples: int,
-                     answer_fn: RewardFn = answer_reward) -> dict:
+                     answer_fn: RewardFn = answer_reward,
+                     breakdown: Callable[[Example], object] | None = None) -> dict:
   """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged), and
   with `samples` samples per problem at the rollout temperature (what the reward measures,
-  without the noise of each step's prompt mix). One eval.jsonl row, without the step."""
+  without the noise of each step's prompt mix). One eval.jsonl row, without the step; with
+  a breakdown (`evaluate`), the greedy accuracy per group too (greedy_accuracy_by)."""
   row = {}
   key = jax.random.key(1)
   for name, sp, n in (("greedy", dataclasses.replace(sampling, temperature=0.0), 1),
                       ("sampled", sampling, samples)):
     if n:
-      res = evaluate(engine, tokenizer, examples, sp, samples=n, key=key, answer_fn=answer_fn)
+      res = evaluate(engine, tokenizer, examples, sp, samples=n, key=key, answer_fn=answer_fn,
+                     breakdown=breakdown)
       row[f"{name}_accuracy"] = res["accuracy"]
+      if name == "greedy" and res["accuracy_by"]:
+        row["greedy_accuracy_by"] = {str(k): v for k, v in res["accuracy_by"].items()}
       row[f"{name}_response_len_mean"] = res["response_len_mean"]
   row["accuracy"] = row["greedy_accuracy"]
   return row

@@ -1,6 +1,6 @@
-"""The GRPO policy update: batches built on the host, log-probs and the update jitted over the
+"""The policy update: batches built on the host, log-probs and the update jitted over the
 whole mesh, with gradient accumulation over micro-batches; `PolicyUpdater` runs one RL step's
-epochs of it.
+epochs of it with an algorithm's loss (tlt_jax.rl.algorithms).
 
 Shapes: a step's B = prompts x samples rows are padded to mini_batches x micro_batches x
 micro_rows (padding rows have an empty loss mask and weight 0) and laid out
@@ -11,7 +11,7 @@ micro_rows (padding rows have an empty loss mask and weight 0) and laid out
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,8 @@ from tlt_jax.config import ConfigError
 from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
-from tlt_jax.rl.grpo import GrpoConfig, grpo_loss, loss_weights, token_log_probs
+from tlt_jax.rl.algorithms import Grpo
+from tlt_jax.rl.grpo import loss_weights, token_log_probs
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.speculative.sampling import SamplingParams
 
@@ -83,10 +84,11 @@ def make_log_probs(cfg: ModelConfig, sp: SamplingParams):
   return log_probs
 
 
-def make_policy_update(cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTransformation,
+def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTransformation,
                        param_sharding, opt_sharding):
   """jitted (params, opt_state, mini_batch [M, b, T] dict) -> (params, opt_state, metrics):
-  gradients summed over the M micro-batches (each already weighted by its share of the
+  gradients of loss_fn(params, micro_batch, cfg) -> (loss, metrics) (an algorithm's
+  `loss_fn`) summed over the M micro-batches (each already weighted by its share of the
   mini-batch), then one optimizer step. params and opt_state are donated.
 
   An update whose loss, gradient norm or new parameters are not finite is not applied (the
@@ -96,10 +98,10 @@ def make_policy_update(cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTrans
   @functools.partial(jax.jit, donate_argnums=(0, 1),
                      out_shardings=(param_sharding, opt_sharding, None))
   def update(params, opt_state, mini_batch):
-    grad_fn = jax.value_and_grad(grpo_loss, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def body(acc, mb):
-      (loss, metrics), grads = grad_fn(params, mb, cfg, gc)
+      (loss, metrics), grads = grad_fn(params, mb, cfg)
       return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -133,21 +135,21 @@ class PolicyUpdater:
   the seconds spent compiling are reported apart from the update's.
   """
 
-  def __init__(self, cfg: ModelConfig, gc: GrpoConfig, tx: optax.GradientTransformation,
+  def __init__(self, cfg: ModelConfig, algorithm: Grpo, tx: optax.GradientTransformation,
                params: dict, mesh: Mesh, rules, ppo_epochs: int, mini_batches: int,
                micro_batch_rows: int, ref_params: dict | None = None):
     data_ways = data_parallel_size(mesh)
     if micro_batch_rows % data_ways:
       raise ConfigError(f"rl.micro_batch_rows={micro_batch_rows} must be a multiple of the "
                         f"data-parallel devices (replica x fsdp = {data_ways})")
-    self.gc, self.mesh, self.rules = gc, mesh, rules
+    self.loss_agg, self.mesh, self.rules = algorithm.loss.loss_agg, mesh, rules
     self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
     self.micro_rows = micro_batch_rows
     self.ref_params = ref_params
     self.opt_state, opt_sharding = init_optimizer(tx, params, mesh)
     param_sharding = jax.tree.map(lambda x: x.sharding, params)
-    self._update = make_policy_update(cfg, gc, tx, param_sharding, opt_sharding)
-    self._log_probs = make_log_probs(cfg, gc.sampling)
+    self._update = make_policy_update(cfg, algorithm.loss_fn, tx, param_sharding, opt_sharding)
+    self._log_probs = make_log_probs(cfg, algorithm.loss.sampling)
     self.pool = ExecutablePool()  # one update and one log-prob program per batch shape
 
   def rows_for(self, sequences: int) -> int:
@@ -157,14 +159,16 @@ class PolicyUpdater:
 
   def __call__(self, params: dict, prompts: Sequence[Sequence[int]],
                completions: Sequence[Sequence[int]], advantages: np.ndarray, pad_id: int,
-               max_width: int) -> tuple[dict, dict, float]:
+               max_width: int, min_rows: int = 0) -> tuple[dict, dict, float]:
     """Updates `params` (donated) and the optimizer state on one step's responses
     (prompts[i] + completions[i], advantage advantages[i]); returns (params, the updates'
-    mean metrics, seconds spent compiling)."""
-    rows = build_rows(prompts, completions, advantages, self.rows_for(len(prompts)), pad_id,
-                      max_width=max_width)
+    mean metrics, seconds spent compiling). min_rows: pad the batch to at least the rows of
+    this many sequences (a step that trains on fewer responses than usual keeps the usual
+    batch shape, so it compiles nothing new)."""
+    rows = build_rows(prompts, completions, advantages,
+                      self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width)
     batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
-                                          self.gc.loss_agg))
+                                          self.loss_agg))
     compile_before = self.pool.compile_seconds
     if self.ppo_epochs * self.mini_batches > 1:  # with one update the ratio is 1: not needed
       batch["old_logp"] = self._batch_log_probs(params, batch)

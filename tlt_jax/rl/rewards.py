@@ -90,15 +90,20 @@ def combine_rewards(*fns: RewardFn, weights: Sequence[float] | None = None) -> R
 REWARDS = ("answer", "answer+format")
 
 
-def make_reward(name: str, format_bonus: float = 0.1, answer_fallback: bool = False) -> RewardFn:
+def make_reward(name: str, format_bonus: float = 0.1, answer_fallback: bool = False,
+                task=None) -> RewardFn:
   """A reward by name: 'answer' (1 for a correct final answer; answer_fallback: a response
   without the format is judged by its last number, `make_answer_reward`) or 'answer+format'
-  (plus format_bonus for a well-formed final line)."""
+  (plus format_bonus for a well-formed final line). task: a `tlt_jax.rl.tasks.Task` whose
+  `answer_reward` and `format_reward` judge instead ('####' answers when None)."""
   if name not in REWARDS:
     raise ValueError(f"rl.reward={name!r} is not allowed; allowed values: {REWARDS}")
   if format_bonus < 0:
     raise ValueError(f"rl.format_bonus={format_bonus} must be >= 0")
-  answer = make_answer_reward(answer_fallback)
+  answer = (task.answer_reward(answer_fallback) if task is not None else
+            make_answer_reward(answer_fallback))
   if name == "answer":
     return answer
-  return combine_rewards(answer, make_format_reward(format_bonus))
+  fmt = task.format_reward(format_bonus) if task is not None else make_format_reward(
+      format_bonus)
+  return combine_rewards(answer, fmt)

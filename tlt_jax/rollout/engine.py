@@ -144,6 +144,23 @@ class RolloutResult:
     """Summed host time around the calls (scheduling, dispatch, harvesting)."""
     return float(sum(r.host_s for r in self.timeline))
 
+  @staticmethod
+  def concat(results: list[RolloutResult]) -> RolloutResult:
+    """Several rollouts as one, requests in order (an RL step's rounds): their times add up,
+    and each slice's end counts from the start of the first."""
+    if len(results) == 1:
+      return results[0]
+    offsets = np.cumsum([0.0] + [r.wall_s for r in results[:-1]])
+    return RolloutResult(
+        tokens=[t for r in results for t in r.tokens],
+        lengths=np.concatenate([r.lengths for r in results]),
+        finish_reasons=[f for r in results for f in r.finish_reasons],
+        timeline=[rec for r in results for rec in r.timeline],
+        slice_done_s=[o + t for o, r in zip(offsets, results) for t in r.slice_done_s],
+        wall_s=float(sum(r.wall_s for r in results)), pool=results[-1].pool,
+        feature_blocks=[b for r in results for b in r.feature_blocks],
+        t_start=results[0].t_start, t_end=results[-1].t_end)
+
 
 def accept_length(result) -> float | None:
   """Mean tokens per running row per SD iteration of a RolloutResult (None without SD)."""
@@ -212,6 +229,11 @@ class RolloutEngine:
     """The drafter params as placed on slice s; None without a drafter or for a slice of
     another process."""
     return self._drafter[s]
+
+  @property
+  def capacity(self) -> int:
+    """Tokens a sequence may hold (prompt + response; `EngineConfig.capacity`)."""
+    return self.econf.capacity
 
   @property
   def speculative(self) -> bool:

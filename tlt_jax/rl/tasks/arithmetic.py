@@ -18,9 +18,11 @@ range of indices: resumable, shardable, and the same on every machine.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 
+from tlt_jax.rl.tasks.base import Task
 from tlt_jax.rl.tasks.example import Example
 
 OPS = ("add", "subtract", "multiply")
@@ -48,8 +50,8 @@ def sample_num_steps(rng: np.random.Generator, min_steps: int, max_steps: int, b
 
 
 @dataclasses.dataclass(frozen=True)
-class ArithmeticTask:
-  """Generator of arithmetic chains.
+class ArithmeticTask(Task):
+  """Generator of arithmetic chains; held-out accuracy is broken down by number of steps.
 
   Attributes:
     seed: the data set's seed; problem i depends only on (seed, i).
@@ -71,6 +73,7 @@ class ArithmeticTask:
   max_operand: int = 9
   max_multiplier: int = 5
   instruction: str = ""
+  breakdown_name: ClassVar[str] = "steps"
 
   def __post_init__(self):
     if not 1 <= self.min_steps <= self.max_steps:
@@ -88,6 +91,17 @@ class ArithmeticTask:
     if self.max_value < max(self.max_operand, 2 * self.max_multiplier):
       raise ValueError(f"task.max_value={self.max_value} is too small for the operands; use at "
                        f"least {max(self.max_operand, 2 * self.max_multiplier)}")
+
+  @classmethod
+  def from_config(cls, task, seed: int) -> ArithmeticTask:
+    """From the config's task section (its top-level keys are this task's)."""
+    return cls(seed=seed, min_steps=task.min_steps, max_steps=task.max_steps,
+               body_p=task.body_p, tail_prob=task.tail_prob, tail_alpha=task.tail_alpha,
+               max_value=task.max_value, max_operand=task.max_operand,
+               max_multiplier=task.max_multiplier, instruction=task.instruction)
+
+  def breakdown(self, example: Example):
+    return example.metadata.get("num_steps")
 
   def _allowed(self, value: int) -> list[tuple[str, int]]:
     """Every (op, operand) whose result stays in [0, max_value]."""
@@ -139,10 +153,6 @@ class ArithmeticTask:
                      + ["What is the result?"] + [self.instruction] * bool(self.instruction))
             for op in OPS]
 
-  def examples(self, count: int, start: int = 0) -> list[Example]:
-    """Problems start, start + 1, ..., start + count - 1."""
-    return [self.example(i) for i in range(start, start + count)]
-
 
 def apply_op(value: int, op: str, operand: int) -> int:
   """The result of one step; raises ValueError for an unknown op."""
@@ -159,7 +169,7 @@ def apply_op(value: int, op: str, operand: int) -> int:
 class TaskSlice:
   """Problems [start, start + size) of a task as a lazy sequence (generated on access), so a
   data set of millions of problems costs nothing until it is read."""
-  task: ArithmeticTask
+  task: Task
   size: int
   start: int = 0
 

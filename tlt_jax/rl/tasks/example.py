@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 
@@ -22,3 +23,12 @@ class Example:
   answer: str
   solution: str | None = None
   metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def json_safe(value: Any) -> bool:
+  """Whether `value` can go into an Example's metadata (JSON-serialisable)."""
+  try:
+    json.dumps(value)
+    return True
+  except (TypeError, ValueError):
+    return False

@@ -1,0 +1,196 @@
+"""RL algorithms (tlt_jax.rl.algorithms): GRPO as before, DAPO's group filter, overlong
+shaping and rounds of dynamic sampling, and their config checks."""
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import REPO
+from tlt_jax.cli import set_config_value
+from tlt_jax.components import algorithm_from_config, validate_config
+from tlt_jax.config import ConfigError, base_config
+from tlt_jax.models.hf import load_tokenizer
+from tlt_jax.rl.algorithms import ALGORITHMS, Dapo, DapoSettings, Grpo, make_algorithm
+from tlt_jax.rl.data import PromptIterator
+from tlt_jax.rl.grpo import GrpoConfig, group_advantages
+from tlt_jax.rl.phases import merge_rollouts, sample_step, Rollout
+from tlt_jax.rl.tasks import ArithmeticTask
+from tlt_jax.rollout.engine import RolloutResult
+
+
+def _dapo(**settings) -> Dapo:
+  return make_algorithm("dapo", GrpoConfig(clip_eps_high=0.28), 100, settings)
+
+
+def test_grpo_is_the_group_normalised_advantage_with_one_round():
+  rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1], np.float32)
+  grpo = Grpo()
+  assert grpo.rounds == 1 and grpo.keep_groups(rewards, 4).tolist() == [True, True]
+  np.testing.assert_array_equal(grpo.advantages(rewards, np.full(8, 99), 4),
+                                group_advantages(rewards, 4))
+  assert grpo.step_metrics(rewards, np.full(8, 99)) == {}
+
+
+def test_dapo_keeps_only_groups_with_a_spread():
+  rewards = np.array([1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0.5, 0], np.float32)
+  assert _dapo().keep_groups(rewards, 3).tolist() == [True, False, False, True]
+
+
+def test_dapo_overlong_penalty_ramps_over_the_buffer():
+  dapo = _dapo(overlong_buffer=20, overlong_penalty=0.5)  # budget 100: ramp over 80..100
+  np.testing.assert_allclose(dapo.overlong_penalty(np.array([10, 80, 90, 95, 100])),
+                             [0, 0, -0.25, -0.375, -0.5])
+  np.testing.assert_array_equal(_dapo(overlong_buffer=0).overlong_penalty(np.array([100])),
+                                [0])
+  rewards, lengths = np.array([1, 1, 0, 0], np.float32), np.array([10, 100, 10, 90])
+  np.testing.assert_allclose(dapo.advantages(rewards, lengths, 2),
+                             group_advantages(rewards + [0, -0.5, 0, -0.25], 2), rtol=1e-6)
+  assert dapo.step_metrics(rewards, lengths) == pytest.approx(
+      {"overlong_penalty_mean": -0.1875})
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("rl.algorithm", "ppo", r"rl.algorithm='ppo' is not allowed; allowed values: "
+                            r"\('grpo', 'dapo'\)"),
+    ("rl.dapo.overlong_buffer", 256, r"rl.dapo.overlong_buffer=256 must be in \[0, "
+                                     r"rollout.max_new_tokens=256\)"),
+    ("rl.dapo.max_rounds", 0, "rl.dapo.max_rounds=0 must be >= 1"),
+    ("rl.loss_agg", "sequence_mean", "set rl.loss_agg='token_mean'"),
+])
+def test_dapo_config_errors_name_the_key(key, value, message):
+  config = base_config()
+  config.rl.algorithm = "dapo"
+  set_config_value(config, key, value)
+  with pytest.raises(ConfigError, match=message):
+    validate_config(config)
+
+
+def test_every_algorithm_s_settings_are_a_config_section_with_its_defaults():
+  config = base_config()
+  assert config.rl.dapo.to_dict() == {"max_rounds": 3, "overlong_buffer": 64,
+                                      "overlong_penalty": 1.0}
+  config.rl.algorithm = "dapo"
+  config.rl.dapo.max_rounds = 5
+  algorithm = algorithm_from_config(config)
+  assert isinstance(algorithm, ALGORITHMS["dapo"])
+  assert algorithm.settings == DapoSettings(max_rounds=5)
+  assert algorithm.loss.clip_eps_high == config.rl.clip_eps_high
+
+
+class ScriptedEngine:
+  """Returns, for the n-th generate call, the scripted responses ('1' right, '0' wrong) of
+  its groups; stands in for the rollout engine where only the rounds' logic is tested."""
+
+  def __init__(self, tokenizer, script: list[list[str]]):
+    self.tokenizer, self.script, self.calls = tokenizer, script, []
+
+  def generate(self, prompts, num_samples, sampling, key, on_slice_idle=None,
+               log_requests=None):
+    texts = self.script[len(self.calls)]
+    self.calls.append((len(prompts), key))
+    assert len(texts) == len(prompts) * num_samples
+    tokens = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return RolloutResult(tokens=tokens, lengths=np.array([len(t) for t in tokens]),
+                         finish_reasons=["eos"] * len(tokens), timeline=[],
+                         slice_done_s=[0.5], wall_s=1.0, pool={}, feature_blocks=[None])
+
+
+def _right(prompts, completions, **_):
+  return [float(c.strip() == "1") for c in completions]
+
+
+def _sample(algorithm, script):
+  tokenizer = load_tokenizer(f"{REPO}/assets/tiny-policy")
+  config = base_config()
+  config.rl.prompts_per_step, config.rl.num_samples = 2, 2
+  engine = ScriptedEngine(tokenizer, script)
+  prompts = PromptIterator(ArithmeticTask(seed=0).examples(32), seed=0)
+  samples = sample_step(engine, None, prompts, tokenizer, algorithm, _right, _right, None,
+                        jax.random.key(0), 0, config)
+  return samples, engine, prompts
+
+
+def test_dapo_rolls_out_rounds_until_enough_groups_have_a_spread():
+  # Round 0: groups (1,1) and (1,0) -> one kept; round 1: (0,0), (0,1) -> a second one.
+  samples, engine, prompts = _sample(_dapo(), [["1", "1", "1", "0"], ["0", "0", "0", "1"],
+                                               ["1", "0", "1", "0"]])
+  assert samples.rounds == 2 and len(engine.calls) == 2
+  assert samples.train_groups == [1, 3]
+  assert len(samples.examples) == len(samples.prompts) == 4
+  assert prompts.state_dict()["index"] == 4  # each round takes fresh problems
+  np.testing.assert_array_equal(samples.scored.rewards, [1, 1, 1, 0, 0, 0, 0, 1])
+  assert samples.rolled.seconds >= 0 and samples.rolled.result.wall_s == 2.0
+  assert samples.rolled.spot["idle_slice_s"] == 1.0  # 0.5 slice-seconds per round
+  # Each round samples with its own key; the first round's is GRPO's.
+  assert not np.array_equal(jax.random.key_data(engine.calls[0][1]),
+                            jax.random.key_data(engine.calls[1][1]))
+
+
+def test_dapo_stops_after_max_rounds_and_grpo_after_one():
+  script = [["1", "1", "0", "0"]] * 3
+  samples, engine, _ = _sample(_dapo(max_rounds=2), script)
+  assert (samples.rounds, samples.train_groups) == (2, [])
+  samples, engine, _ = _sample(Grpo(), script)
+  assert (samples.rounds, samples.train_groups, len(engine.calls)) == (1, [0, 1], 1)
+
+
+def test_merged_rounds_average_the_drafter_loss_over_its_steps():
+  def rollout(spot):
+    result = RolloutResult(tokens=[[1]], lengths=np.array([1]), finish_reasons=["eos"],
+                           timeline=[], slice_done_s=[1.0], wall_s=1.0, pool={},
+                           feature_blocks=[None])
+    return Rollout(result, 1.0, spot)
+  merged = merge_rollouts([
+      rollout({"drafter_steps": 3, "drafter_loss": 1.0, "idle_slice_s": 2.0}),
+      rollout({"drafter_steps": 1, "drafter_loss": 5.0, "idle_slice_s": 1.0}),
+      rollout({"drafter_steps": 0, "drafter_loss": None, "idle_slice_s": 0.0})])
+  assert merged.spot == {"drafter_steps": 4, "drafter_loss": 2.0, "idle_slice_s": 3.0}
+  assert merged.seconds == 3.0 and merged.result.tokens == [[1]] * 3
+
+
+def test_a_step_trains_on_its_kept_groups_in_the_usual_batch_shape(tiny_cfg, tiny_params):
+  """update_policy: a partial batch (one group of two kept) is padded to the full batch's
+  shape (no new program), trains only on its own rows, and no kept group updates nothing."""
+  import jax.numpy as jnp
+  import optax
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.rl.phases import Scored, StepSamples, update_policy
+  from tlt_jax.rl.policy_update import PolicyUpdater
+  config = base_config()
+  config.rl.prompts_per_step, config.rl.num_samples = 2, 2
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  updater = PolicyUpdater(tiny_cfg, Grpo(), optax.sgd(0.5), jax.tree.map(jnp.copy, tiny_params),
+                          mesh, DEFAULT_RULES, ppo_epochs=1, mini_batches=1,
+                          micro_batch_rows=4)
+  tokens = [[5, 6, 7], [8, 9], [3, 3, 3, 3], [4]]
+  result = RolloutResult(tokens=tokens, lengths=np.array([3, 2, 4, 1]),
+                         finish_reasons=["eos"] * 4, timeline=[], slice_done_s=[], wall_s=0.0,
+                         pool={}, feature_blocks=[])
+
+  def samples(groups, rewards):
+    return StepSamples(examples=[None, None], prompts=[[1, 2], [3]],
+                       rolled=Rollout(result, 0.0, {}),
+                       scored=Scored(["x"] * 4, np.array(rewards, np.float32), np.zeros(4)),
+                       train_groups=groups, rounds=1)
+
+  def run(groups, rewards):
+    params = jax.tree.map(jnp.copy, tiny_params)
+    new, metrics = update_policy(updater, Grpo(), params, samples(groups, rewards), 0, 64,
+                                 config)
+    return jax.device_get(new), metrics
+
+  kept, metrics = run([1], [1, 1, 1, 0])
+  assert metrics["nonfinite"] == 0.0 and metrics["grad_norm"] > 0
+  # ... is the update of group 1's rows alone (its own token-mean), not of both groups'
+  alone, _, _ = updater(jax.tree.map(jnp.copy, tiny_params), [[3], [3]], tokens[2:],
+                        group_advantages(np.array([1, 0], np.float32), 2), 0, max_width=64)
+  both, _ = run([0, 1], [1, 1, 1, 0])
+  for a, b in zip(jax.tree.leaves(jax.device_get(alone)), jax.tree.leaves(kept)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(both["lm_head"]["kernel"], kept["lm_head"]["kernel"])
+  assert len(updater.pool) == 1  # one update program: the same batch shape each time
+  none, metrics = run([], [1, 1, 0, 0])
+  assert metrics == {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "nonfinite": 0.0,
+                     "params_finite": 1.0}
+  for a, b in zip(jax.tree.leaves(none), jax.tree.leaves(jax.device_get(tiny_params))):
+    np.testing.assert_array_equal(a, b)

@@ -1,0 +1,35 @@
+"""RL algorithms behind one interface (`base.Grpo` documents it): GRPO and DAPO.
+
+A new algorithm is a module here (a frozen dataclass, usually a `Grpo` subclass, with its
+knobs in a `Settings` dataclass) and its line in `ALGORITHMS`; `rl.algorithm` selects it and
+`rl.<name>` holds its knobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tlt_jax.rl.algorithms.base import Grpo, NoSettings
+from tlt_jax.rl.algorithms.dapo import Dapo, DapoSettings
+from tlt_jax.rl.grpo import GrpoConfig
+
+ALGORITHMS = {"grpo": Grpo, "dapo": Dapo}
+
+
+def settings_defaults(name: str) -> dict:
+  """{knob: default} of algorithm `name`'s own settings ({} when it has none)."""
+  return dataclasses.asdict(ALGORITHMS[name].Settings())
+
+
+def make_algorithm(name: str, loss: GrpoConfig, max_new_tokens: int,
+                   settings: dict | None = None) -> Grpo:
+  """The algorithm `name` (rl.algorithm) with the loss settings and its own knobs."""
+  if name not in ALGORITHMS:
+    raise ValueError(f"rl.algorithm={name!r} is not allowed; allowed values: "
+                     f"{tuple(ALGORITHMS)}")
+  cls = ALGORITHMS[name]
+  return cls(loss=loss, max_new_tokens=max_new_tokens, settings=cls.Settings(**(settings or {})))
+
+
+__all__ = ["ALGORITHMS", "Dapo", "DapoSettings", "Grpo", "NoSettings", "make_algorithm",
+           "settings_defaults"]

@@ -1,0 +1,80 @@
+"""DAPO (Yu et al., 2025): GRPO with dynamic sampling, overlong reward shaping, clip-higher
+and a token-level loss.
+
+- Dynamic sampling: a group whose rewards are all equal (every sample right, or every one
+  wrong) has zero advantages and teaches nothing; DAPO drops it and rolls out fresh prompts
+  until `rl.prompts_per_step` groups with a spread are kept, at most `max_rounds` rollouts
+  per step. Short of that, the step trains on the groups it kept (the batch keeps its shape:
+  the missing rows are padding), or on none.
+- Overlong shaping: a response longer than max_new_tokens - overlong_buffer loses
+  overlong_penalty x (how far into the buffer it went) / overlong_buffer from its reward, in
+  the advantages only (`reward_mean` stays the task's reward, so runs compare).
+- Clip-higher and the token-level loss are GRPO's loss with `rl.clip_eps_high` above
+  `rl.clip_eps` and `rl.loss_agg='token_mean'` (the defaults); DAPO requires the latter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from tlt_jax.rl.algorithms.base import Grpo
+from tlt_jax.rl.grpo import group_advantages
+
+
+@dataclasses.dataclass(frozen=True)
+class DapoSettings:
+  """max_rounds: rollouts a step may take to fill its groups (1 = filter only).
+  overlong_buffer: the last tokens of the response budget over which the length penalty
+  ramps up (0 = no shaping). overlong_penalty: the penalty at the budget."""
+  max_rounds: int = 3
+  overlong_buffer: int = 64
+  overlong_penalty: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Dapo(Grpo):
+  """DAPO; see the module docstring."""
+  Settings: ClassVar[type] = DapoSettings
+  settings: DapoSettings = DapoSettings()
+
+  def __post_init__(self):
+    s = self.settings
+    if s.max_rounds < 1:
+      raise ValueError(f"rl.dapo.max_rounds={s.max_rounds} must be >= 1")
+    if not 0 <= s.overlong_buffer < self.max_new_tokens:
+      raise ValueError(f"rl.dapo.overlong_buffer={s.overlong_buffer} must be in [0, "
+                       f"rollout.max_new_tokens={self.max_new_tokens})")
+    if s.overlong_penalty < 0:
+      raise ValueError(f"rl.dapo.overlong_penalty={s.overlong_penalty} must be >= 0")
+    if self.loss.loss_agg != "token_mean":
+      raise ValueError(f"rl.algorithm='dapo' has a token-level loss, but rl.loss_agg="
+                       f"{self.loss.loss_agg!r}; set rl.loss_agg='token_mean'")
+
+  @property
+  def rounds(self) -> int:
+    return self.settings.max_rounds
+
+  def keep_groups(self, rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """Groups whose rewards are not all equal."""
+    g = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    return g.max(axis=1) > g.min(axis=1)
+
+  def overlong_penalty(self, lengths: np.ndarray) -> np.ndarray:
+    """float32 [N] <= 0: the soft overlong punishment of each response length."""
+    s = self.settings
+    if not s.overlong_buffer:
+      return np.zeros(len(lengths), np.float32)
+    over = np.asarray(lengths, np.float64) - (self.max_new_tokens - s.overlong_buffer)
+    return (-s.overlong_penalty * np.clip(over / s.overlong_buffer, 0.0, 1.0)).astype(
+        np.float32)
+
+  def advantages(self, rewards: np.ndarray, lengths: np.ndarray,
+                 group_size: int) -> np.ndarray:
+    shaped = np.asarray(rewards, np.float32) + self.overlong_penalty(lengths)
+    return group_advantages(shaped, group_size, self.loss.scale_by_std)
+
+  def step_metrics(self, rewards: np.ndarray, lengths: np.ndarray) -> dict:
+    return {"overlong_penalty_mean": float(self.overlong_penalty(lengths).mean())}

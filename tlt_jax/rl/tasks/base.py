@@ -1,0 +1,66 @@
+"""What a task is to the jobs: problems by index, the prompt, the answer check, and the
+held-out evaluation's breakdown.
+
+A task is a frozen dataclass with
+
+  example(index)       problem `index` (an `Example`), a pure function of (seed, index)
+  examples(count, start)
+  longest_prompts()    prompts at least as long as any the task makes (or a sample of them),
+                       for the start-of-job prompt-length check
+  answer_reward(fallback)   RewardFn: how right each response's answer is, in [0, 1]
+  format_reward(bonus)      RewardFn: `bonus` for a response that states its answer in the
+                            task's format
+  breakdown_name, breakdown(example)   what the held-out accuracy is broken down by
+
+The defaults below judge '#### x' / '\\boxed{x}' answers by `answers_match` (the built-in
+task's and the data files' format). A task's own knobs are its `Settings` dataclass: the
+config schema's section `task.<name>` is made from its fields and defaults, and
+`from_config(task_section, seed)` builds it; adding a task is its module and a line in
+`tlt_jax.rl.tasks.TASKS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from tlt_jax.rl.rewards import RewardFn, make_answer_reward, make_format_reward
+from tlt_jax.rl.tasks.example import Example
+
+# How many problems a task without a bound on its prompts measures for the length check.
+PROMPTS_MEASURED = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+  """A task without a config section of its own."""
+
+
+class Task:
+  """The interface (see the module docstring), with '####'-answer defaults."""
+  Settings: ClassVar[type] = NoSettings
+  breakdown_name: ClassVar[str] = "source"
+
+  def example(self, index: int) -> Example:
+    raise NotImplementedError
+
+  def examples(self, count: int, start: int = 0) -> list[Example]:
+    """Problems start, start + 1, ..., start + count - 1."""
+    return [self.example(i) for i in range(start, start + count)]
+
+  def longest_prompts(self) -> list[str]:
+    """The prompts of the first PROMPTS_MEASURED problems."""
+    return [ex.prompt for ex in self.examples(PROMPTS_MEASURED)]
+
+  def answer_reward(self, fallback: bool = False) -> RewardFn:
+    """1.0 for a response whose '#### x' / '\\boxed{x}' answer matches (fallback: a response
+    without one is judged by its last number)."""
+    return make_answer_reward(fallback)
+
+  def format_reward(self, bonus: float) -> RewardFn:
+    """`bonus` for a response ending in a '#### <number>' line."""
+    return make_format_reward(bonus)
+
+  def breakdown(self, example: Example):
+    """The held-out accuracy's group of `example` (None: not counted in a group)."""
+    return example.metadata.get("source")
