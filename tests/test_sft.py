@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -183,3 +185,34 @@ def test_length_histogram_quick(tmp_path):
   stats = data["summary"]
   assert stats["min"] <= stats["median"] <= stats["p90"] <= stats["max"]
   assert stats["max"] > 2 * stats["median"]  # the long tail shows even in 64 samples
+
+
+@pytest.mark.slow
+def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes(tmp_path):
+  """SIGTERM mid-run: the job saves a checkpoint at the step it reached, exports nothing and
+  exits 75; the same command resumes from that step."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-m", "tlt_jax.sft", "--config", "configs/tiny_sft.py:runlocal",
+         "--workdir", str(tmp_path), "--config.sft.steps=100000", "--config.sft.log_every=1"]
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  metrics = tmp_path / "metrics.jsonl"
+  while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and \
+      time.time() < deadline:
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 75, err[-3000:]
+  assert "rerun the same command to resume" in err
+  saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+  steps = [json.loads(line)["step"] for line in open(metrics)]
+  assert saved and max(saved) == steps[-1] >= 3
+  assert not (tmp_path / "export").exists() and not (tmp_path / "summary.json").exists()
+  again = subprocess.run(cmd[:-2] + [f"--config.sft.steps={steps[-1] + 1}",
+                                     "--config.sft.log_every=1"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"resumed from step {steps[-1]}" in again.stdout
+  assert json.load(open(tmp_path / "summary.json"))["step"] == steps[-1] + 1

@@ -27,6 +27,7 @@ from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
 from tlt_jax.rl.algorithms import Grpo, make_algorithm
 from tlt_jax.rl.data import load_numbered_examples
+from tlt_jax.knobs import build_from
 from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.phases import rl_prompts
 from tlt_jax.rl.rewards import RewardFn, make_reward
@@ -110,18 +111,14 @@ def training_model_config(config: ml_collections.ConfigDict, cfg: ModelConfig) -
 def engine_config(config: ml_collections.ConfigDict) -> EngineConfig:
   """The rollout EngineConfig; SD is off (threshold 0) unless rollout.speculative.enable."""
   r = config.rollout
-  return EngineConfig(max_batch=r.max_batch, max_prompt_len=r.max_prompt_len,
-                      max_new_tokens=r.max_new_tokens, steps_per_call=r.steps_per_call,
-                      sd_threshold=r.sd_threshold if r.speculative.enable else 0,
-                      compile_ahead=r.compile_ahead,
-                      shared_sd_max_batch=r.speculative.shared_max_batch,
-                      corpus_rows=r.speculative.corpus_rows)
+  return build_from(EngineConfig, r, sd_threshold=r.sd_threshold if r.speculative.enable else 0,
+                    shared_sd_max_batch=r.speculative.shared_max_batch,
+                    corpus_rows=r.speculative.corpus_rows)
 
 
 def sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:
   """Rollout sampling (temperature 0 = greedy)."""
-  r = config.rollout
-  return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+  return build_from(SamplingParams, config.rollout)
 
 
 def drafter_config(config: ml_collections.ConfigDict) -> DrafterConfig:
@@ -147,9 +144,7 @@ def drafter_opt_config(config: ml_collections.ConfigDict,
 
 def spot_config(config: ml_collections.ConfigDict) -> SpotConfig:
   """The SpotConfig of drafter.spot."""
-  s = config.drafter.spot
-  return SpotConfig(window=s.window, windows=s.windows, batch_rows=s.batch_rows,
-                    max_steps=s.max_steps)
+  return build_from(SpotConfig, config.drafter.spot)
 
 
 def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None = None) -> Tuner:
@@ -168,17 +163,15 @@ def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None =
 def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
   """The GrpoConfig of config.rl."""
   r = config.rl
-  return GrpoConfig(clip_eps=r.clip_eps, clip_eps_high=r.clip_eps_high,
-                    scale_by_std=r.scale_by_std, loss_agg=r.loss_agg, kl_coef=r.kl_coef,
-                    entropy_coef=r.entropy_coef, sampling=sampling_params(config))
+  return build_from(GrpoConfig, r, sampling=sampling_params(config))
 
 
 def algorithm_from_config(config: ml_collections.ConfigDict) -> Grpo:
   """The RL algorithm rl.algorithm names, with the loss of config.rl and its knobs
   (rl.<name>)."""
   name = config.rl.algorithm
-  settings = config.rl[name].to_dict() if name in config.rl else {}
-  return make_algorithm(name, grpo_config(config), config.rollout.max_new_tokens, settings)
+  return make_algorithm(name, grpo_config(config), config.rollout.max_new_tokens,
+                        config.rl.get(name))
 
 
 def reward_from_config(config: ml_collections.ConfigDict) -> RewardFn:

@@ -20,8 +20,11 @@ from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
 from tlt_jax.models.config import DTYPES, MODEL_TYPES
 from tlt_jax.models.drafter_io import read_drafter_config
 from tlt_jax.models.hf import check_model_folder, check_safetensors
-from tlt_jax.rl.algorithms import ALGORITHMS, settings_defaults
-from tlt_jax.rl.tasks import TASKS, task_settings_defaults
+from tlt_jax.drafter_training.spot import SpotConfig
+from tlt_jax.knobs import defaults_of
+from tlt_jax.rl.algorithms import ALGORITHMS
+from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.tasks import TASKS
 
 # Which forward passes run the layers as a lax.scan (see model.scan_layers below).
 SCAN_LAYERS = ("none", "train", "all")
@@ -99,9 +102,9 @@ def base_config() -> ml_collections.ConfigDict:
   # i depends only on (seed, i).
   c.task = ml_collections.ConfigDict()
   c.task.name = "arithmetic"
-  for name in TASKS:
-    if task_settings_defaults(name):
-      c.task[name] = ml_collections.ConfigDict(task_settings_defaults(name))
+  for name, task in TASKS.items():
+    if defaults_of(task.Settings):
+      c.task[name] = ml_collections.ConfigDict(defaults_of(task.Settings))
   c.task.seed = 0           # training problems
   c.task.eval_seed = 1      # held-out problems (a different stream)
   c.task.min_steps = 1
@@ -196,9 +199,9 @@ def base_config() -> ml_collections.ConfigDict:
   # shaping on top of GRPO's loss); its own knobs are the section rl.<name> (e.g. rl.dapo),
   # made from its Settings dataclass.
   c.rl.algorithm = "grpo"
-  for name in ALGORITHMS:
-    if settings_defaults(name):
-      c.rl[name] = ml_collections.ConfigDict(settings_defaults(name))
+  for name, algorithm in ALGORITHMS.items():
+    if defaults_of(algorithm.Settings):
+      c.rl[name] = ml_collections.ConfigDict(defaults_of(algorithm.Settings))
   c.rl.steps = 20
   c.rl.prompts_per_step = 16
   c.rl.num_samples = 8
@@ -214,12 +217,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.b1 = 0.9
   c.rl.b2 = 0.999
   c.rl.grad_clip = 1.0
-  c.rl.clip_eps = 0.2
-  c.rl.clip_eps_high = 0.28              # DAPO clip-higher; = clip_eps for plain PPO clipping
-  c.rl.scale_by_std = True
-  c.rl.loss_agg = "token_mean"           # or "sequence_mean"
-  c.rl.kl_coef = 0.0                     # KL to the initial policy (low-variance estimator)
-  c.rl.entropy_coef = 0.0
+  # The loss's knobs, with their defaults, are GrpoConfig's fields (tlt_jax.rl.grpo):
+  # clip_eps, clip_eps_high (clip-higher), scale_by_std, loss_agg, kl_coef, entropy_coef.
+  c.rl.update(defaults_of(GrpoConfig, exclude=("sampling",)))
   c.rl.ppo_epochs = 1
   c.rl.mini_batches = 1                  # optimizer steps per epoch
   c.rl.micro_batch_rows = 32             # rows per gradient-accumulation micro-batch
@@ -274,11 +274,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.drafter.buffer.sequences_per_step = 0
   # Spot updates: packed windows of `window` slots; `windows` rows per snapshot of the buffer,
   # `batch_rows` per update; max_steps per slice and rollout (0 = until the rollout ends).
-  c.drafter.spot = ml_collections.ConfigDict()
-  c.drafter.spot.window = 256
-  c.drafter.spot.windows = 32
-  c.drafter.spot.batch_rows = 8
-  c.drafter.spot.max_steps = 0
+  c.drafter.spot = ml_collections.ConfigDict(defaults_of(SpotConfig))
   # Offline warm-up before RL (python -m tlt_jax.warmup_drafter): the policy generates
   # responses to `num_prompts` training prompts, the drafter trains on its features.
   c.drafter.warmup = ml_collections.ConfigDict()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 
 import jax
@@ -20,16 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from ml_collections import config_flags
-from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.components import load_policy
-from tlt_jax.mesh import logical_shardings, make_mesh, to_mesh
+from tlt_jax.job import Job
+from tlt_jax.mesh import host_copy, logical_shardings, make_mesh, to_mesh
 from tlt_jax.models import init_cache, param_logical_axes
 from tlt_jax.models.policy import Policy
 from tlt_jax.speculative.decoding import plain_step, start
 from tlt_jax.speculative.sampling import SamplingParams
-from tlt_jax.workdir import claim_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/generate", "Output folder.")
@@ -39,16 +37,19 @@ def main(argv):
   del argv
   config = cli.load_config(_CONFIG)
   num_devices = cli.setup_devices(config)
-  workdir = _WORKDIR.value
-  lock = claim_workdir(workdir)  # noqa: F841 -- held until the job ends
+  with Job(_WORKDIR.value) as job:
+    _generate(config, job, num_devices)
+
+
+def _generate(config, job: Job, num_devices: int) -> None:
 
   # ---------------------------------------------------------------- mesh and model
   mesh = make_mesh(dict(config.mesh.axes))
   rules = tuple(config.mesh.rollout_rules)  # decoding: whole weights per device
   cfg, params = load_policy(config, mesh)
   params = to_mesh(params, logical_shardings(param_logical_axes(cfg), mesh, rules, params))
-  print(f"mesh {dict(mesh.shape)} on {num_devices} devices; model {cfg.num_layers} layers, "
-        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+  job.say(f"mesh {dict(mesh.shape)} on {num_devices} devices; model {cfg.num_layers} layers, "
+          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
 
   # ---------------------------------------------------------------- prompts
   g = config.generate
@@ -79,22 +80,23 @@ def main(argv):
 
   # ---------------------------------------------------------------- decode loop
   t1 = time.perf_counter()
-  for _ in tqdm(range(g.max_new_tokens - 1), desc="decode", unit="step"):
+  for _ in job.progress(iterable=range(g.max_new_tokens - 1), desc="decode", unit="step"):
     state, _ = step(policy, state, key)
-  generated = np.asarray(state.out)
+  generated = host_copy(state.out)  # every process takes part in the gather
   decode_s = time.perf_counter() - t1
 
-  with open(os.path.join(workdir, "generations.jsonl"), "w") as f:
-    for b in range(g.num_prompts):
-      f.write(json.dumps({"prompt": tokens[b, :lengths[b]].tolist(),
-                          "completion": generated[b].tolist()}) + "\n")
+  if job.writer:
+    with open(job.path("generations.jsonl"), "w") as f:
+      for b in range(g.num_prompts):
+        f.write(json.dumps({"prompt": tokens[b, :lengths[b]].tolist(),
+                            "completion": generated[b].tolist()}) + "\n")
   summary = {"num_prompts": int(g.num_prompts), "max_new_tokens": int(g.max_new_tokens),
              "devices": num_devices, "mesh": dict(mesh.shape),
              "prefill_s_incl_compile": prefill_s, "decode_s_incl_compile": decode_s,
-             "decode_tokens_per_s": g.num_prompts * (g.max_new_tokens - 1) / decode_s}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  print(json.dumps(summary, indent=2))
+             "decode_tokens_per_s": g.num_prompts * (g.max_new_tokens - 1) / decode_s,
+             **job.compiles()}
+  job.write_json("summary.json", summary)
+  job.say(json.dumps(summary, indent=2))
 
 
 def run():

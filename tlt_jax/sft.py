@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import ml_collections
@@ -22,14 +21,15 @@ from absl import flags, logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
-from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.components import (check_prompt_lengths, load_policy, make_engine,
                                 task_from_config, training_model_config)
 from tlt_jax.config import ConfigError, flat_settings
-from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, make_mesh, on_mesh
+from tlt_jax.job import Job, exit_stopped
+from tlt_jax.mesh import (data_parallel_size, host_copy, logical_to_mesh_spec, make_mesh,
+                          on_mesh)
 from tlt_jax.models.hf import load_tokenizer, save_hf_checkpoint
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.data import PromptIterator
@@ -37,10 +37,8 @@ from tlt_jax.rl.evaluate import evaluate
 from tlt_jax.rl.packing import next_packed_batch
 from tlt_jax.rl.tasks import TaskSlice
 from tlt_jax.rl.tokenizer import prompt_ids, response_ids, train_tokenizer
-from tlt_jax.run_log import RunLog
 from tlt_jax.sft_update import make_optimizer, make_train_step
 from tlt_jax.speculative.sampling import SamplingParams
-from tlt_jax.workdir import claim_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_sft.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sft", "Output folder (resumes from it).")
@@ -49,9 +47,10 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/sft", "Output folder (resumes fr
 # ---------------------------------------------------------------- pieces used by tests too
 
 
-def get_tokenizer(config: ml_collections.ConfigDict, workdir: str):
+def get_tokenizer(config: ml_collections.ConfigDict, workdir: str, write: bool = True):
   """tokenizer.path if set; else the tokenizer saved in WORKDIR/tokenizer by an earlier run
-  (so a resumed run keeps its token ids); else a new BPE trained on training problems."""
+  (so a resumed run keeps its token ids); else a new BPE trained on training problems (the
+  same on every process), saved there when `write`."""
   if config.tokenizer.path:
     return load_tokenizer(config.tokenizer.path)
   saved = os.path.join(workdir, "tokenizer")
@@ -60,7 +59,8 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str):
   examples = task_from_config(config).examples(config.tokenizer.num_train_examples)
   tok = train_tokenizer([e.prompt for e in examples] + [e.solution for e in examples],
                         config.tokenizer.vocab_size)
-  tok.save_pretrained(saved)
+  if write:
+    tok.save_pretrained(saved)
   return tok
 
 
@@ -70,15 +70,15 @@ def _encoder(tokenizer):
   return encode
 
 
-def _print_eval(step: int, result: dict) -> None:
+def _eval_line(step: int, result: dict) -> str:
   by = result["accuracy_by"]
   short = sum(c for n, (c, _) in by.items() if n <= 3) / max(
       sum(t for n, (_, t) in by.items() if n <= 3), 1)
   long_ = sum(c for n, (c, _) in by.items() if n > 3) / max(
       sum(t for n, (_, t) in by.items() if n > 3), 1)
-  tqdm.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on "
-             f"{result['num_examples']} problems (<= 3 steps {short:.3f}, > 3 steps "
-             f"{long_:.3f}); mean completion {np.mean(result['lengths']):.1f} tokens")
+  return (f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on "
+          f"{result['num_examples']} problems (<= 3 steps {short:.3f}, > 3 steps "
+          f"{long_:.3f}); mean completion {np.mean(result['lengths']):.1f} tokens")
 
 
 # ---------------------------------------------------------------- main
@@ -89,10 +89,15 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   config = cli.load_config(_CONFIG)
   num_devices = cli.setup_devices(config)
-  workdir = _WORKDIR.value
-  lock = claim_workdir(workdir)  # noqa: F841 -- held until the job ends
-  s = config.sft
-  started = time.perf_counter()
+  with Job(_WORKDIR.value) as job:
+    stopped = _sft(config, job, num_devices)
+  if stopped:
+    exit_stopped("before the last step")
+
+
+def _sft(config, job: Job, num_devices: int) -> bool:
+  """The job; True when a signal stopped it (after a checkpoint) before sft.steps."""
+  workdir, s = job.workdir, config.sft
   task = task_from_config(config)
   if task.example(0).solution is None:
     raise ConfigError(f"SFT trains on worked solutions, which task.name={config.task.name!r} "
@@ -108,7 +113,7 @@ def main(argv):
                       f"(replica x fsdp = {data_ways})")
   batch_sharding = NamedSharding(mesh, logical_to_mesh_spec(P("batch", None),
                                                             (s.rows, s.seq_len), mesh, rules))
-  tokenizer = get_tokenizer(config, workdir)
+  tokenizer = get_tokenizer(config, workdir, write=job.writer)
   check_prompt_lengths(config, tokenizer, data_files=False)  # the held-out evaluation decodes
   iterator = PromptIterator(TaskSlice(task, s.num_train_examples), seed=config.seed)
   eval_set = task_from_config(config, eval_split=True).examples(s.num_eval_examples)
@@ -128,7 +133,7 @@ def main(argv):
                        tokenizer.pad_token_id or 0, max_batch=s.eval_batch_size,
                        max_new_tokens=s.eval_max_new_tokens)
   num_params = sum(x.size for x in jax.tree.leaves(params))
-  print(f"mesh {dict(mesh.shape)} on {num_devices} devices; policy {cfg.num_layers} layers, "
+  job.say(f"mesh {dict(mesh.shape)} on {num_devices} devices; policy {cfg.num_layers} layers, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size} ({len(tokenizer)} used), "
         f"{num_params / 1e6:.2f}M params")
 
@@ -141,8 +146,8 @@ def main(argv):
     step, tree, meta = restored
     params, opt_state = tree["params"], tree["opt_state"]
     iterator.load_state_dict(meta["iterator"])
-    print(f"resumed from step {step} (data position {iterator.state_dict()})")
-  log = RunLog(workdir, resume_step=step)
+    job.say(f"resumed from step {step} (data position {iterator.state_dict()})")
+  log = job.run_log(resume_step=step)
 
   def save(step):
     ckpt.save(step, {"params": params, "opt_state": opt_state},
@@ -152,14 +157,14 @@ def main(argv):
     engine.update_params(policy_params=params)  # the update donates the previous params
     result = evaluate(engine, tokenizer, eval_set, SamplingParams(0.0),
                       breakdown=task.breakdown)
-    _print_eval(step, result)
+    job.say(_eval_line(step, result))
     return result
 
   # ---------------------------------------------------------------- loop
-  bar = tqdm(total=s.steps, initial=step, desc="sft", unit="step")
+  bar = job.progress(total=s.steps, initial=step, desc="sft", unit="step")
   last = None
   with log:
-    while step < s.steps:
+    while step < s.steps and not job.stop.requested:
       batch, _ = next_packed_batch(iterator, encode, s.rows, s.seq_len,
                                    pad_id=tokenizer.pad_token_id)
       with on_mesh(mesh):  # the attention kernel, where a short row takes it, per shard
@@ -179,29 +184,32 @@ def main(argv):
   if ckpt.latest_step != step:  # a rerun of a finished job has nothing new to save
     save(step)
   ckpt.close()
-  train_s = time.perf_counter() - started
+  if step < s.steps:  # stopped by a signal, after its checkpoint
+    return True
+  train_s = job.wall_s
 
   # ---------------------------------------------------------------- final eval and export
   result = run_eval(step)
   export_dir = os.path.join(workdir, "export")
   export_cfg = cfg.replace(param_dtype=s.export_dtype)
-  export_params = jax.tree.map(lambda x: x.astype(export_cfg.jnp_param_dtype), params)
-  save_hf_checkpoint(export_dir, export_params, export_cfg, tokenizer)
+  export_params = host_copy(jax.tree.map(lambda x: x.astype(export_cfg.jnp_param_dtype),
+                                         params))  # every process takes part in the gather
+  if job.writer:
+    save_hf_checkpoint(export_dir, export_params, export_cfg, tokenizer)
   summary = {"step": step, "final_loss": last["loss"] if last else None,
              "heldout_greedy_accuracy": result["accuracy"],
              "heldout_examples": result["num_examples"],
              "heldout_accuracy_by_steps": {str(k): v for k, v in
                                            result["accuracy_by"].items()},
              "heldout_mean_completion_tokens": result["response_len_mean"],
-             "wall_s": time.perf_counter() - started, "train_s_incl_compile": train_s,
-             "num_params": int(num_params), "devices": num_devices,
+             "wall_s": job.wall_s, "train_s_incl_compile": train_s,
+             "num_params": int(num_params), "devices": num_devices, **job.compiles(),
              "config": json.loads(config.to_json())}
-  for path in (os.path.join(workdir, "summary.json"),
-               os.path.join(export_dir, "sft_summary.json")):
-    with open(path, "w") as f:
-      json.dump(summary, f, indent=2)
-  print(f"exported to {export_dir}; held-out greedy accuracy {result['accuracy']:.3f}; "
-        f"{summary['wall_s']:.0f} s")
+  job.write_json("summary.json", summary)
+  job.write_json("sft_summary.json", summary, folder=export_dir)
+  job.say(f"exported to {export_dir}; held-out greedy accuracy {result['accuracy']:.3f}; "
+          f"{summary['wall_s']:.0f} s")
+  return False
 
 
 def run():

@@ -25,8 +25,6 @@ import contextlib
 import math
 import os
 import shutil
-import signal
-import sys
 import time
 
 import jax
@@ -34,11 +32,9 @@ import jax.numpy as jnp
 import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
-from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer
-from tlt_jax.compile_cache import COMPILES
 from tlt_jax.components import (algorithm_from_config, answer_check, check_prompt_lengths,
                                 drafter_opt_config, load_drafter_for, load_policy,
                                 load_tokenizer_for, make_engine, policy_adamw,
@@ -48,6 +44,7 @@ from tlt_jax.components import (algorithm_from_config, answer_check, check_promp
 from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer
+from tlt_jax.job import Job, exit_stopped
 from tlt_jax.mesh import host_copy, make_mesh
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.models.hf import save_hf_checkpoint
@@ -58,41 +55,14 @@ from tlt_jax.rl.phases import (paired_control, rollout_rows, sample_step, step_m
                                update_policy)
 from tlt_jax.rl.policy_update import PolicyUpdater
 from tlt_jax.rollout.pool import merge_bills
-from tlt_jax.run_log import RunLog, read_jsonl
+from tlt_jax.run_log import read_jsonl
 from tlt_jax.train_report import write_summary
-from tlt_jax.workdir import claim_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/train", "Output folder (resumes from it).")
 _START_OVER = flags.DEFINE_bool(
     "start_over", False, "When no checkpoint in --workdir loads but an earlier run left "
     "results there, move them to WORKDIR/previous-<time>/ and start from step 0.")
-
-
-class _StopFlag:
-  """SIGINT/SIGTERM ask for a clean stop after the current step (a second SIGINT aborts)."""
-
-  def __init__(self):
-    self.requested = False
-    self._old = {}
-
-  def __enter__(self):
-    for sig in (signal.SIGINT, signal.SIGTERM):
-      try:
-        self._old[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread (e.g. run from a notebook's worker)
-        pass
-    return self
-
-  def _handle(self, signum, frame):
-    if self.requested and signum == signal.SIGINT:
-      raise KeyboardInterrupt
-    self.requested = True
-    tqdm.write(f"received {signal.Signals(signum).name}: stopping after this step")
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
@@ -105,21 +75,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
   start_over: when the workdir holds an earlier run's results but no checkpoint loads, move
   those files to WORKDIR/previous-<time>/ and start from step 0 (else: stop and say so).
   """
-  lock = claim_workdir(workdir)
-  try:
-    with _StopFlag() as stop:
-      return _train(config, workdir, reward_fn, progress, stop, start_over)
-  finally:
-    if lock is not None:
-      lock.release()
+  with Job(workdir, show_progress=progress) as job:
+    return _train(config, job, reward_fn, start_over)
 
 
-def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
-  main = jax.process_index() == 0
-  say = tqdm.write if main else (lambda *_: None)
-  rl = config.rl
-  started = time.perf_counter()
-  compiles_before = COMPILES.report()
+def _train(config, job: Job, reward_fn, start_over) -> dict:
+  workdir, say, rl = job.workdir, job.say, config.rl
 
   # ---------------------------------------------------------------- mesh and data
   mesh = make_mesh(dict(config.mesh.axes))
@@ -184,11 +145,11 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
     engine.update_params(policy_params=run.params,
                          drafter_params=spot.params if spot is not None and use_sd else None)
     say(f"resumed from the checkpoint of step {step}")
-  elif main:
+  elif job.writer:
     _start_fresh(workdir, failures, start_over, say, also=set_aside)
   if set_aside:
     ckpt = checkpointer()
-  log = RunLog(workdir, resume_step=step, write=main)
+  log = job.run_log(resume_step=step)
   if spot is not None:  # the drafter update for every slice, before a slice goes idle
     spot.precompile(engine.slices, engine.policy_on, ahead=config.rollout.compile_ahead)
   n_params = sum(x.size for x in jax.tree.leaves(run.params))
@@ -211,12 +172,11 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
 
   # ---------------------------------------------------------------- loop
   base_key = jax.random.key(config.seed)
-  bar = tqdm(total=rl.steps, initial=step, desc="rl", unit="step",
-             disable=not (progress and main))
+  bar = job.progress(total=rl.steps, initial=step, desc="rl", unit="step")
   with log, contextlib.ExitStack() as on_exit:
     for pool in pools:  # compiles still queued ahead would only delay the end, or a crash
       on_exit.callback(pool.close)
-    while step < rl.steps and not stop.requested:
+    while step < rl.steps and not job.stop.requested:
       t_step = time.perf_counter()
       compile_before = sum(pool.compile_seconds for pool in pools)
       key = jax.random.fold_in(base_key, step)
@@ -243,7 +203,7 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
                                            rl.num_samples))
       if eval_examples and (step == rl.steps or (rl.eval_every and step % rl.eval_every == 0)):
         evaluate_and_log(step)
-      if step == rl.steps or stop.requested or (rl.checkpoint_every and
+      if step == rl.steps or job.stop.requested or (rl.checkpoint_every and
                                                 step % rl.checkpoint_every == 0):
         run.save(ckpt, step)
       bar.update(1)
@@ -258,12 +218,11 @@ def _train(config, workdir, reward_fn, progress, stop, start_over) -> dict:
   if step >= rl.steps and rl.export:
     _export(os.path.join(workdir, "export"), run.params, cfg, tokenizer,
             (spot.params if spot is not None else dparams) if use_drafter else None, dcfg,
-            write=main)
-  compiles = {k: v - compiles_before[k] for k, v in COMPILES.report().items()}
-  return write_summary(workdir, log.rows["metrics"], config,
-                       wall_s=time.perf_counter() - started, stopped_early=step < rl.steps,
-                       evals=log.rows["eval"], write=main,
-                       extra={**compiles, "compile_bill": merge_bills(pools),
+            write=job.writer)
+  return write_summary(workdir, log.rows["metrics"], config, wall_s=job.wall_s,
+                       stopped_early=step < rl.steps, evals=log.rows["eval"],
+                       write=job.writer,
+                       extra={**job.compiles(), "compile_bill": merge_bills(pools),
                               **({"compile_bill_control": merge_bills([control.pool])}
                                  if control is not None else {})})
 
@@ -358,11 +317,6 @@ def _start_fresh(workdir: str, failures: list, start_over: bool, say, also=()) -
       f"in {previous}; starting from step 0")
 
 
-# The exit status of a run that a signal stopped after its checkpoint (sysexits' EX_TEMPFAIL:
-# "try again later"), so a scheduler can tell a preempted run from a finished one.
-EXIT_STOPPED = 75
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -370,9 +324,7 @@ def main(argv):
   cli.setup_devices(config)
   summary = train(config, _WORKDIR.value, start_over=_START_OVER.value)
   if summary["stopped_early"]:
-    print(f"stopped after step {summary['steps_done']} of {config.rl.steps} with a checkpoint; "
-          f"rerun the same command to resume (exit status {EXIT_STOPPED})", file=sys.stderr)
-    sys.exit(EXIT_STOPPED)
+    exit_stopped(f"after step {summary['steps_done']} of {config.rl.steps}")
 
 
 def run():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import numpy as np
@@ -32,38 +31,39 @@ from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_drafter_for,
                                 load_policy, load_tokenizer_for, make_engine, task_prompts)
 from tlt_jax.config import flat_settings
+from tlt_jax.job import Job, exit_stopped
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
-from tlt_jax.mesh import make_mesh
+from tlt_jax.mesh import host_copy, make_mesh
 from tlt_jax.models.draft_vocab import frequent_tokens
 from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.engine import accept_length
-from tlt_jax.run_log import RunLog
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
-from tlt_jax.workdir import claim_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/warmup_drafter", "Output folder (resumes).")
 
 
 def generate_responses(engine, prompts, samples: int, temperature: float, seed: int,
-                       path: str) -> list[list[int]]:
-  """The policy's completions, one per (prompt, sample); cached in `path` (JSONL)."""
+                       path: str, job: Job) -> list[list[int]]:
+  """The policy's completions, one per (prompt, sample); cached in `path` (JSONL, written
+  by the job's writing process)."""
   n = len(prompts) * samples
   if os.path.isfile(path):
     with open(path) as f:
       rows = [json.loads(line) for line in f]
     if len(rows) == n:
-      print(f"reusing {n} responses from {path}")
+      job.say(f"reusing {n} responses from {path}")
       return [r["completion"] for r in rows]
   result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed))
-  with open(path + ".tmp", "w") as f:
-    for i, toks in enumerate(result.tokens):
-      f.write(json.dumps({"prompt": prompts[i // samples], "completion": toks}) + "\n")
-  os.replace(path + ".tmp", path)  # never a half-written cache
-  print(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
+  if job.writer:
+    with open(path + ".tmp", "w") as f:
+      for i, toks in enumerate(result.tokens):
+        f.write(json.dumps({"prompt": prompts[i // samples], "completion": toks}) + "\n")
+    os.replace(path + ".tmp", path)  # never a half-written cache
+  job.say(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
         f"{result.wall_s:.1f} s")
   return result.tokens
 
@@ -73,10 +73,15 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = cli.load_config(_CONFIG)
   cli.setup_devices(config)
-  workdir = _WORKDIR.value
-  lock = claim_workdir(workdir)  # noqa: F841 -- held until the job ends
+  with Job(_WORKDIR.value) as job:
+    stopped = _warmup(config, job)
+  if stopped:
+    exit_stopped("before the last step")
+
+
+def _warmup(config, job: Job) -> bool:
+  """The job; True when a signal stopped it (after a checkpoint) before its last step."""
   w = config.drafter.warmup
-  started = time.perf_counter()
 
   # ---------------------------------------------------------------- policy and prompts
   mesh = make_mesh(dict(config.mesh.axes))
@@ -90,7 +95,7 @@ def main(argv):
   # ---------------------------------------------------------------- the policy's responses
   engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
   completions = generate_responses(engine, prompts, w.samples_per_prompt, w.temperature,
-                                   config.seed, os.path.join(workdir, "generations.jsonl"))
+                                   config.seed, job.path("generations.jsonl"), job)
   repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
   samples = collect_samples(params, cfg, repeated, completions)
 
@@ -99,30 +104,36 @@ def main(argv):
   if dcfg.draft_vocab_size:  # the tokens the policy generates most (EAGLE-3, FR-Spec)
     d2t = frequent_tokens(completions, cfg.vocab_size, dcfg.draft_vocab_size)
     init_params = with_draft_vocab(init_params, params, d2t, cfg)
-    print(f"draft vocabulary: the {dcfg.draft_vocab_size} of {cfg.vocab_size} tokens most "
+    job.say(f"draft vocabulary: the {dcfg.draft_vocab_size} of {cfg.vocab_size} tokens most "
           f"frequent in the responses")
   untrained = jax.device_get(init_params)  # host copy: training donates the device arrays
   oc = drafter_opt_config(config, warmup=True)
   state = init_train_state(init_params, oc)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), settings=flat_settings(config))
+  ckpt = Checkpointer(job.path("checkpoints"), settings=flat_settings(config))
   restored = ckpt.restore_latest(state)
   if restored is not None:
     state = restored[1]
-    print(f"resumed the drafter from step {restored[0]}")
-  log = RunLog(workdir, resume_step=restored[0] if restored is not None else 0)
+    job.say(f"resumed the drafter from step {restored[0]}")
+  log = job.run_log(resume_step=restored[0] if restored is not None else 0)
+  first = int(state.step)
 
   def on_step(step, st, metrics):
     log.write("metrics", [{"step": step, **metrics}])
-    if step == w.steps or (w.checkpoint_every and step % w.checkpoint_every == 0):
+    if step == w.steps or job.stop.requested or (w.checkpoint_every and
+                                                 step % w.checkpoint_every == 0):
       ckpt.save(step, st, {"step": step})
 
-  t0 = time.perf_counter()
+  t0 = job.wall_s
   with log:
     dparams, history = train_drafter(init_params, params, samples, cfg, dcfg, oc, w.steps,
                                       window=w.window, batch_rows=w.batch_rows,
-                                      seed=config.seed, state=state, on_step=on_step)
-  train_s = time.perf_counter() - t0
+                                      seed=config.seed, state=state, on_step=on_step,
+                                      progress=job.writer and job.show_progress,
+                                      should_stop=lambda: job.stop.requested)
+  train_s = job.wall_s - t0
   ckpt.close()
+  if first + len(history) < w.steps:  # stopped by a signal, after its checkpoint
+    return True
 
   # ---------------------------------------------------------------- held-out accept length
   strategy = config.rollout.speculative.strategy
@@ -135,25 +146,27 @@ def main(argv):
                             compile_ahead=False)  # every call SD: what is measured
     res = sd_engine.generate(eval_prompts, 1, SamplingParams(0.0), jax.random.key(0))
     accept[name] = accept_length(res)
-  print(f"greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "
+  job.say(f"greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "
         f"{strategy}: untrained {accept['untrained']:.2f}, warmed {accept['warmed']:.2f}")
 
   # ---------------------------------------------------------------- export
   summary = {
-      "steps": w.steps, "train_s": train_s, "wall_s": time.perf_counter() - started,
+      "steps": w.steps, "train_s": train_s, "wall_s": job.wall_s,
       "responses": len(completions), "response_tokens": int(sum(map(len, completions))),
       "loss_first": history[0]["loss"] if history else None,
       "loss_last": float(np.mean([h["loss"] for h in history[-20:]])) if history else None,
       "top1_last": float(np.mean([h["top1"] for h in history[-20:]])) if history else None,
       "accept_len_untrained": accept["untrained"], "accept_len_warmed": accept["warmed"],
-      "strategy": strategy, "config": json.loads(config.to_json())}
-  export = os.path.join(workdir, "export")
-  save_drafter(export, dparams, cfg, dcfg, metadata={"warmup": {
-      k: summary[k] for k in ("steps", "responses", "loss_last", "top1_last",
-                              "accept_len_untrained", "accept_len_warmed", "strategy")}})
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  print(f"exported the drafter to {export}; {summary['wall_s']:.0f} s")
+      "strategy": strategy, **job.compiles(), "config": json.loads(config.to_json())}
+  export = job.path("export")
+  dparams = host_copy(dparams)  # every process takes part in the gather
+  if job.writer:
+    save_drafter(export, dparams, cfg, dcfg, metadata={"warmup": {
+        k: summary[k] for k in ("steps", "responses", "loss_last", "top1_last",
+                                "accept_len_untrained", "accept_len_warmed", "strategy")}})
+  job.write_json("summary.json", summary)
+  job.say(f"exported the drafter to {export}; {summary['wall_s']:.0f} s")
+  return False
 
 
 def run():

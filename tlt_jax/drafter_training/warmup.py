@@ -50,12 +50,13 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
                   cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig, steps: int,
                   window: int = 256, batch_rows: int = 8, seed: int = 0,
                   progress: bool = True, state: DrafterTrainState | None = None,
-                  on_step=None) -> tuple[dict, list[dict]]:
+                  on_step=None, should_stop=None) -> tuple[dict, list[dict]]:
   """Updates on batches of `batch_rows` random windows until the train state has taken
   `steps` steps; returns (params, metrics per step as floats).
 
   state: resume from this train state (its `step` counts the steps already taken).
   on_step: optional `fn(step, state, metrics)` after each update (checkpoints, logs).
+  should_stop: optional `fn() -> bool`, asked after on_step: True ends training there.
   """
   windows = pack_windows(samples, window)
   n_rows = windows.tokens.shape[0]
@@ -75,4 +76,6 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
     bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}")
     if on_step is not None:
       on_step(step + 1, state, metrics)
+    if should_stop is not None and should_stop():
+      break
   return state.params, history

@@ -44,14 +44,16 @@ LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
 
 @dataclasses.dataclass(frozen=True)
 class GrpoConfig:
-  """clip_eps / clip_eps_high: the ratio's clip range [1 - eps, 1 + eps_high].
-  scale_by_std: divide advantages by the group's reward std (False: Dr. GRPO style).
+  """The loss's settings; all but `sampling` are the config's rl.<field> knobs, with these
+  defaults. clip_eps / clip_eps_high: the ratio's clip range [1 - eps, 1 + eps_high]
+  (eps_high > eps: DAPO's clip-higher; equal: plain PPO clipping). scale_by_std: divide
+  advantages by the group's reward std (False: Dr. GRPO style).
   loss_agg: 'token_mean' (every response token weighs the same) or 'sequence_mean' (every
   response weighs the same). kl_coef: weight of the KL to the reference (0 = no reference).
   entropy_coef: weight of the entropy bonus. sampling: the rollout's sampling distribution,
   under which tokens are scored (see the module docstring); it must not be greedy."""
   clip_eps: float = 0.2
-  clip_eps_high: float = 0.2
+  clip_eps_high: float = 0.28
   scale_by_std: bool = True
   loss_agg: str = "token_mean"
   kl_coef: float = 0.0

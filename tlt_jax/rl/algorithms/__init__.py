@@ -7,8 +7,9 @@ knobs in a `Settings` dataclass) and its line in `ALGORITHMS`; `rl.algorithm` se
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 
+from tlt_jax.knobs import build_from
 from tlt_jax.rl.algorithms.base import Grpo, NoSettings
 from tlt_jax.rl.algorithms.dapo import Dapo, DapoSettings
 from tlt_jax.rl.grpo import GrpoConfig
@@ -16,20 +17,16 @@ from tlt_jax.rl.grpo import GrpoConfig
 ALGORITHMS = {"grpo": Grpo, "dapo": Dapo}
 
 
-def settings_defaults(name: str) -> dict:
-  """{knob: default} of algorithm `name`'s own settings ({} when it has none)."""
-  return dataclasses.asdict(ALGORITHMS[name].Settings())
-
-
 def make_algorithm(name: str, loss: GrpoConfig, max_new_tokens: int,
-                   settings: dict | None = None) -> Grpo:
-  """The algorithm `name` (rl.algorithm) with the loss settings and its own knobs."""
+                   settings: Mapping | None = None) -> Grpo:
+  """The algorithm `name` (rl.algorithm) with the loss settings and its own knobs
+  (`settings`: its config section rl.<name>; None = the defaults)."""
   if name not in ALGORITHMS:
     raise ValueError(f"rl.algorithm={name!r} is not allowed; allowed values: "
                      f"{tuple(ALGORITHMS)}")
   cls = ALGORITHMS[name]
-  return cls(loss=loss, max_new_tokens=max_new_tokens, settings=cls.Settings(**(settings or {})))
+  return cls(loss=loss, max_new_tokens=max_new_tokens,
+             settings=cls.Settings() if settings is None else build_from(cls.Settings, settings))
 
 
-__all__ = ["ALGORITHMS", "Dapo", "DapoSettings", "Grpo", "NoSettings", "make_algorithm",
-           "settings_defaults"]
+__all__ = ["ALGORITHMS", "Dapo", "DapoSettings", "Grpo", "NoSettings", "make_algorithm"]

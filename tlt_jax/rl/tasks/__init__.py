@@ -8,19 +8,12 @@ knobs in a `Settings` dataclass) and its line in `TASKS`; `task.name` selects it
 
 from __future__ import annotations
 
-import dataclasses
-
 from tlt_jax.rl.tasks.arithmetic import ArithmeticTask, TaskSlice, sample_num_steps
 from tlt_jax.rl.tasks.base import Task
 from tlt_jax.rl.tasks.example import Example
 from tlt_jax.rl.tasks.reasoning_gym import ReasoningGymSettings, ReasoningGymTask
 
 TASKS = {"arithmetic": ArithmeticTask, "reasoning_gym": ReasoningGymTask}
-
-
-def task_settings_defaults(name: str) -> dict:
-  """{knob: default} of task `name`'s own config section ({} when it has none)."""
-  return dataclasses.asdict(TASKS[name].Settings())
 
 
 def make_task(task, seed: int) -> Task:
@@ -31,4 +24,4 @@ def make_task(task, seed: int) -> Task:
 
 
 __all__ = ["ArithmeticTask", "Example", "ReasoningGymSettings", "ReasoningGymTask", "TASKS",
-           "Task", "TaskSlice", "make_task", "sample_num_steps", "task_settings_defaults"]
+           "Task", "TaskSlice", "make_task", "sample_num_steps"]

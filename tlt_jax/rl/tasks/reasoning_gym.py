@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from tlt_jax.knobs import build_from
 from tlt_jax.rl.answers import extract_hash_answer
 from tlt_jax.rl.rewards import RewardFn
 from tlt_jax.rl.tasks.base import Task
@@ -40,6 +41,10 @@ class ReasoningGymSettings:
   weights: tuple = ()
   options: str = json.dumps({"chain_sum": {"min_terms": 2, "max_terms": 12, "max_digits": 2},
                              "leg_counting": {"min_animals": 2, "max_animals": 15}})
+
+  def __post_init__(self):  # lists from a config file become tuples (the task is hashed)
+    object.__setattr__(self, "datasets", tuple(self.datasets))
+    object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
 
 
 def _import_reasoning_gym():
@@ -86,10 +91,8 @@ class ReasoningGymTask(Task):
   @classmethod
   def from_config(cls, task, seed: int) -> ReasoningGymTask:
     """From the config's task section (task.reasoning_gym and task.instruction)."""
-    g = task.reasoning_gym
     return cls(seed=seed, instruction=task.instruction,
-               settings=ReasoningGymSettings(datasets=tuple(g.datasets),
-                                             weights=tuple(g.weights), options=g.options))
+               settings=build_from(ReasoningGymSettings, task.reasoning_gym))
 
   @functools.cache
   def _datasets(self) -> dict[str, Any]:

@@ -1,0 +1,57 @@
+"""The jobs' skeleton (tlt_jax.job.Job): the lock and the files on the writing process only,
+a clean stop on SIGTERM, JSON written whole, the compile account."""
+
+import json
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tlt_jax.config import ConfigError
+from tlt_jax.job import Job
+
+
+def test_only_the_writing_process_locks_writes_and_speaks(tmp_path, monkeypatch, capsys):
+  workdir = str(tmp_path / "run")
+  with Job(workdir) as writer:
+    assert writer.writer
+    with pytest.raises(ConfigError, match="is in use by another run"):
+      Job(workdir).__enter__()  # a second run on the folder stops
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with Job(workdir) as other:  # another process of the same run: no lock, no files
+      assert not other.writer
+      other.write_json("summary.json", {"a": 1})
+      other.say("from process 1")
+      with other.run_log() as log:
+        log.write("metrics", [{"step": 1}])
+      assert other.progress(total=3).disable
+    assert sorted(os.listdir(workdir)) == [".lock"]
+    assert "from process 1" not in capsys.readouterr().out
+    monkeypatch.undo()
+    writer.write_json("summary.json", {"a": 1})
+    writer.say("from process 0")
+  assert json.load(open(os.path.join(workdir, "summary.json"))) == {"a": 1}
+  assert not os.path.exists(os.path.join(workdir, "summary.json.tmp"))
+  assert "from process 0" in capsys.readouterr().out
+  with Job(workdir):  # released at the end
+    pass
+
+
+def test_sigterm_asks_for_a_stop_and_the_handlers_come_back(tmp_path):
+  before = signal.getsignal(signal.SIGTERM)
+  with Job(str(tmp_path)) as job:
+    assert not job.stop.requested
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert job.stop.requested
+  assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_compile_account_counts_the_job_s_compiles(tmp_path):
+  with Job(str(tmp_path)) as job:
+    assert job.compiles()["xla_compiles"] == 0
+    jax.jit(lambda x: jnp.sin(x) * 3.25 + 0.125)(jnp.arange(7.0)).block_until_ready()
+    counted = job.compiles()
+    assert counted["xla_compiles"] + counted["xla_cache_hits"] >= 1
+    assert job.wall_s > 0

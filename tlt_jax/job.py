@@ -1,0 +1,130 @@
+"""What every job (train, sft, warmup_drafter, generate) does around its own work, in one
+place: the workdir lock, which process writes, a clean stop on SIGINT/SIGTERM, progress and
+messages on the writing process only, the run log, JSON files written whole, and the job's
+compile account.
+
+  with Job(workdir) as job:
+    log = job.run_log(resume_step)            # metrics.jsonl & co., written by process 0
+    bar = job.progress(total=steps, initial=step, desc="sft")
+    while step < steps and not job.stop.requested: ...
+    job.write_json("summary.json", {...,  **job.compiles()})
+
+Multi-host: every process runs the same job on the global mesh and takes part in every
+collective (gathers for exports included); only process 0 (`job.writer`) writes files and
+holds the lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import NoReturn
+
+import jax
+from tqdm import tqdm
+
+from tlt_jax.compile_cache import COMPILES
+from tlt_jax.run_log import RunLog
+from tlt_jax.workdir import claim_workdir
+
+# The exit status of a run that a signal stopped after its checkpoint (sysexits' EX_TEMPFAIL:
+# "try again later"), so a scheduler can tell a preempted run from a finished one.
+EXIT_STOPPED = 75
+
+
+def exit_stopped(where: str) -> NoReturn:
+  """Ends a job that a signal stopped after its checkpoint: says so on stderr and exits with
+  EXIT_STOPPED. where: how far it got, e.g. 'after step 12 of 100'."""
+  print(f"stopped {where} with a checkpoint; rerun the same command to resume (exit status "
+        f"{EXIT_STOPPED})", file=sys.stderr)
+  sys.exit(EXIT_STOPPED)
+
+
+class StopFlag:
+  """SIGINT/SIGTERM ask for a clean stop after the current step (a second SIGINT aborts)."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (e.g. run from a notebook's worker)
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    if self.requested and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.requested = True
+    tqdm.write(f"received {signal.Signals(signum).name}: stopping after this step")
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+    self._old = {}
+
+
+class Job:
+  """A job's skeleton over `workdir`; see the module docstring. show_progress=False hides the
+  progress bars (tests, notebooks)."""
+
+  def __init__(self, workdir: str, show_progress: bool = True):
+    self.workdir, self.show_progress = workdir, show_progress
+    self.writer = jax.process_index() == 0
+    self.stop = StopFlag()
+    self._lock = None
+
+  def __enter__(self) -> Job:
+    self._lock = claim_workdir(self.workdir)
+    self.stop.__enter__()
+    self.started = time.perf_counter()
+    COMPILES.start()
+    self._compiles_before = COMPILES.report()
+    return self
+
+  def __exit__(self, *exc):
+    self.stop.__exit__(*exc)
+    if self._lock is not None:
+      self._lock.release()
+      self._lock = None
+
+  def say(self, text: str) -> None:
+    """A message on the writing process (above any progress bar)."""
+    if self.writer:
+      tqdm.write(text)
+
+  def progress(self, **tqdm_kwargs) -> tqdm:
+    """A progress bar, shown on the writing process only."""
+    return tqdm(disable=not (self.show_progress and self.writer), **tqdm_kwargs)
+
+  def path(self, *parts: str) -> str:
+    return os.path.join(self.workdir, *parts)
+
+  def run_log(self, resume_step: int = 0) -> RunLog:
+    """The job's JSONL files (see RunLog), rows past resume_step dropped; process 0 writes."""
+    return RunLog(self.workdir, resume_step=resume_step, write=self.writer)
+
+  def write_json(self, name: str, obj: dict, folder: str | None = None) -> None:
+    """WORKDIR/name (or folder/name) as indented JSON, written whole (never half a file),
+    by the writing process."""
+    if not self.writer:
+      return
+    path = os.path.join(folder or self.workdir, name)
+    with open(path + ".tmp", "w") as f:
+      json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+  @property
+  def wall_s(self) -> float:
+    """Seconds since the job began."""
+    return time.perf_counter() - self.started
+
+  def compiles(self) -> dict:
+    """The job's XLA compiles so far (`COMPILES.report()` since the job began)."""
+    return {k: v - self._compiles_before[k] for k, v in COMPILES.report().items()}

@@ -1,0 +1,22 @@
+"""A component's knobs defined once: its frozen dataclass owns each knob's default and
+check, and the config schema's section is made from it (`defaults_of`), the component from the
+section (`build_from`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+
+def defaults_of(cls: type, exclude: tuple[str, ...] = ()) -> dict:
+  """{field: default} of dataclass `cls` (built with no arguments), less `exclude`."""
+  defaults = cls()
+  return {f.name: getattr(defaults, f.name) for f in dataclasses.fields(cls)
+          if f.name not in exclude}
+
+
+def build_from(cls: type, section: Mapping, exclude: tuple[str, ...] = (), **given):
+  """cls(**the section's values of its fields (less `exclude`; a field the section lacks
+  keeps its default), **given); the dataclass checks them (ValueError naming the knob)."""
+  values = {k: section[k] for k in defaults_of(cls, exclude) if k in section and k not in given}
+  return cls(**values, **given)
