@@ -90,14 +90,9 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   if m.path:
     return load_hf_config(m.path, **runtime)
   try:
-    return ModelConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-        rope=RopeConfig(theta=m.rope_theta, rope_type=ROPE_TYPES[0]),
-        rms_norm_eps=m.rms_norm_eps, qkv_bias=(m.model_type == "qwen2"),
-        tie_embeddings=m.tie_embeddings, max_position_embeddings=m.max_position_embeddings,
-        model_type=m.model_type, **runtime)
+    return build_from(ModelConfig, m, rope=RopeConfig(theta=m.rope_theta,
+                                                      rope_type=ROPE_TYPES[0]),
+                      qkv_bias=m.model_type == "qwen2", **runtime)
   except ValueError as e:
     raise ConfigError(str(e)) from None
 
@@ -124,10 +119,7 @@ def sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:
 def drafter_config(config: ml_collections.ConfigDict) -> DrafterConfig:
   """The DrafterConfig; fused_layers become the drafter's fused_features count."""
   d = config.drafter
-  return DrafterConfig(num_layers=d.num_layers, use_features=d.use_features,
-                       intermediate_size=d.intermediate_size,
-                       fused_features=len(tuple(d.fused_layers)),
-                       draft_vocab_size=d.draft_vocab_size)
+  return build_from(DrafterConfig, d, fused_features=len(tuple(d.fused_layers)))
 
 
 def drafter_opt_config(config: ml_collections.ConfigDict,
@@ -199,17 +191,13 @@ def scoring_task(config: ml_collections.ConfigDict) -> Task:
 
 def policy_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
   """The GRPO optimizer of config.rl: constant after an optional linear warm-up."""
-  r = config.rl
-  return AdamWConfig(learning_rate=r.learning_rate, warmup_steps=r.lr_warmup_steps, b1=r.b1,
-                     b2=r.b2, weight_decay=r.weight_decay, grad_clip=r.grad_clip, section="rl")
+  return build_from(AdamWConfig, config.rl, warmup_steps=config.rl.lr_warmup_steps,
+                    section="rl")
 
 
 def sft_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
   """The SFT optimizer of config.sft: warm-up, then a cosine decay over sft.steps."""
-  s = config.sft
-  return AdamWConfig(learning_rate=s.learning_rate, warmup_steps=s.warmup_steps,
-                     decay_steps=s.steps, end_lr_fraction=s.end_lr_fraction, b1=s.b1, b2=s.b2,
-                     weight_decay=s.weight_decay, grad_clip=s.grad_clip, section="sft")
+  return build_from(AdamWConfig, config.sft, decay_steps=config.sft.steps, section="sft")
 
 
 def task_from_config(config: ml_collections.ConfigDict, eval_split: bool = False) -> Task:

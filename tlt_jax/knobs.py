@@ -15,8 +15,10 @@ def defaults_of(cls: type, exclude: tuple[str, ...] = ()) -> dict:
           if f.name not in exclude}
 
 
-def build_from(cls: type, section: Mapping, exclude: tuple[str, ...] = (), **given):
-  """cls(**the section's values of its fields (less `exclude`; a field the section lacks
-  keeps its default), **given); the dataclass checks them (ValueError naming the knob)."""
-  values = {k: section[k] for k in defaults_of(cls, exclude) if k in section and k not in given}
+def build_from(cls: type, knobs: Mapping, exclude: tuple[str, ...] = (), **given):
+  """cls(**the values in `knobs` (a config section) of its fields, less `exclude` (a field
+  the section lacks keeps its default), **given); the dataclass checks them (ValueError
+  naming the knob)."""
+  names = [f.name for f in dataclasses.fields(cls) if f.name not in exclude]
+  values = {k: knobs[k] for k in names if k in knobs and k not in given}
   return cls(**values, **given)
