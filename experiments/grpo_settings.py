@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
 import matplotlib  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -158,7 +159,9 @@ def main():
   setup_devices(config)
   args.out.mkdir(parents=True, exist_ok=True)
   result = {"config": spec, "seeds": seeds,
-            "title": f"{spec.split('/')[-1]}: {config.rl.steps} GRPO steps, held-out "
+            "command": " ".join(["python", "experiments/grpo_settings.py", *sys.argv[1:]]),
+            "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
+            "title": f"{spec.split('/')[-1]}: {config.rl.steps} RL steps, held-out "
                      f"{config.rl.num_eval_examples} problems, seeds {seeds}",
             "settings": {}}
   for name, overrides in settings.items():
