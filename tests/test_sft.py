@@ -114,17 +114,6 @@ def test_sft_cli_learns_and_exports(sft_run):
   assert params["embed"]["embedding"].shape == (320, 32)
 
 
-@pytest.mark.slow
-def test_sft_cli_resumes_from_the_latest_checkpoint(sft_run):
-  workdir, _ = sft_run
-  again = _sft_cli(workdir, "--config.sft.steps=14")
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert "resumed from step 12" in again.stdout
-  steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
-  assert steps == list(range(1, 13)) + [13, 14]
-  assert json.load(open(workdir / "summary.json"))["step"] == 14
-
-
 def test_config_errors_are_one_line():
   run = subprocess.run([sys.executable, "-m", "tlt_jax.sft", "--config",
                         "configs/tiny_sft.py:runlocal", "--config.sft.warmup_steps=100"],
@@ -190,7 +179,7 @@ def test_length_histogram_quick(tmp_path):
 @pytest.mark.slow
 def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes(tmp_path):
   """SIGTERM mid-run: the job saves a checkpoint at the step it reached, exports nothing and
-  exits 75; the same command resumes from that step."""
+  exits 75; the same command resumes from that step, one metrics row per step."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "tlt_jax.sft", "--config", "configs/tiny_sft.py:runlocal",
          "--workdir", str(tmp_path), "--config.sft.steps=100000", "--config.sft.log_every=1"]
@@ -215,4 +204,7 @@ def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"resumed from step {steps[-1]}" in again.stdout
+  # one metrics row per step: the rows past the checkpoint (if any) were dropped on resume
+  resumed = [json.loads(line)["step"] for line in open(metrics)]
+  assert resumed == list(range(1, steps[-1] + 2))
   assert json.load(open(tmp_path / "summary.json"))["step"] == steps[-1] + 1

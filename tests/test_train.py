@@ -97,33 +97,6 @@ def test_the_main_job_writes_its_outputs(tmp_path):
                   "rollout_decode": 2, "rollout_prefill": 8, "rollout_store": 2}
 
 
-@pytest.mark.slow
-def test_dapo_on_reasoning_gym_runs_from_the_command_line(tmp_path):
-  """The second algorithm and the second task, selected by config alone: DAPO's rounds (each
-  step's responses are its rounds' groups of 4), its kept groups and length penalty in the
-  metrics, reasoning_gym's scores in the rewards and its data sets in the held-out
-  breakdown."""
-  run = tmp_path / "dapo_gym"
-  _train(run, "--config.rl.algorithm=dapo", "--config.rl.dapo.overlong_buffer=16",
-         "--config.task.name=reasoning_gym", "--config.rollout.max_prompt_len=384",
-         "--config.rl.save_rollouts=True", "--config.rl.export=False",
-         "--config.rl.eval_samples=0")
-  metrics, rollouts = _metrics(run), _rollouts(run)
-  assert [m["step"] for m in metrics] == [1, 2]
-  for m in metrics:
-    assert 1 <= m["rollout_rounds"] <= 3 and 0 <= m["groups_trained"] <= 2
-    assert -1 <= m["overlong_penalty_mean"] <= 0
-    assert sum(r["step"] == m["step"] for r in rollouts) == 8 * m["rollout_rounds"]
-  for r in rollouts:  # reasoning_gym's score in [0, 1] (1: right) + 0.1 for a '#### ' line
-    score = r["reward"] - 0.1 * ("####" in r["completion"])
-    assert -1e-6 <= score <= 1 + 1e-6 and r["correct"] == (score > 1 - 1e-6)
-  evals = [json.loads(line) for line in open(run / "eval.jsonl")]
-  for e in evals:
-    groups = e["greedy_accuracy_by"]
-    assert set(groups) <= {"chain_sum", "leg_counting"}
-    assert sum(total for _, total in groups.values()) == 4
-
-
 def _wait_for_checkpoint(proc, workdir, step, timeout=600):
   """Waits until the run's checkpoint of `step` is committed (orbax renames it into place)."""
   deadline = time.time() + timeout

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from tlt_jax.config import ConfigError, check_config
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
+from tlt_jax.knobs import build_from
 from tlt_jax.mesh import logical_shardings
 from tlt_jax.models.config import ModelConfig, RopeConfig, ROPE_TYPES
 from tlt_jax.models.decoder import init_params, param_logical_axes
@@ -27,7 +28,6 @@ from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
 from tlt_jax.rl.algorithms import Grpo, make_algorithm
 from tlt_jax.rl.data import load_numbered_examples
-from tlt_jax.knobs import build_from
 from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.phases import rl_prompts
 from tlt_jax.rl.rewards import RewardFn, make_reward
@@ -322,11 +322,12 @@ def check_prompt_lengths(config: ml_collections.ConfigDict, tokenizer,
     return
   n = max(len(prompt_ids(tokenizer, p)) for p in task_from_config(config).longest_prompts())
   if n > limit:
-    hint = (f" (task.max_steps={config.task.max_steps})" if config.task.name == "arithmetic"
-            else "")
+    arithmetic = config.task.name == "arithmetic"
     raise ConfigError(f"rollout.max_prompt_len={limit} is below the {config.task.name} "
-                      f"task's longest prompt, {n} tokens{hint}; set "
-                      f"rollout.max_prompt_len={n} or more")
+                      f"task's longest prompt, {n} tokens"
+                      f"{f' (task.max_steps={config.task.max_steps})' if arithmetic else ''}; "
+                      f"set rollout.max_prompt_len={n} or more"
+                      f"{', or lower task.max_steps' if arithmetic else ''}")
 
 
 def training_set(config: ml_collections.ConfigDict, size: int) -> Sequence[Example]:
