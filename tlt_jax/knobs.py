@@ -8,6 +8,12 @@ import dataclasses
 from collections.abc import Mapping
 
 
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+  """The knobs of a component that has none of its own (an algorithm's or a task's
+  `Settings`): no config section."""
+
+
 def defaults_of(cls: type, exclude: tuple[str, ...] = ()) -> dict:
   """{field: default} of dataclass `cls` (built with no arguments), less `exclude`."""
   defaults = cls()

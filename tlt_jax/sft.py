@@ -134,8 +134,8 @@ def _sft(config, job: Job, num_devices: int) -> bool:
                        max_new_tokens=s.eval_max_new_tokens)
   num_params = sum(x.size for x in jax.tree.leaves(params))
   job.say(f"mesh {dict(mesh.shape)} on {num_devices} devices; policy {cfg.num_layers} layers, "
-        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size} ({len(tokenizer)} used), "
-        f"{num_params / 1e6:.2f}M params")
+          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size} ({len(tokenizer)} used), "
+          f"{num_params / 1e6:.2f}M params")
 
   # ---------------------------------------------------------------- checkpoint and log
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=s.keep_checkpoints,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tlt_jax.knobs import build_from
-from tlt_jax.rl.algorithms.base import Grpo, NoSettings
+from tlt_jax.rl.algorithms.base import Grpo
 from tlt_jax.rl.algorithms.dapo import Dapo, DapoSettings
 from tlt_jax.rl.grpo import GrpoConfig
 
@@ -29,4 +29,4 @@ def make_algorithm(name: str, loss: GrpoConfig, max_new_tokens: int,
              settings=cls.Settings() if settings is None else build_from(cls.Settings, settings))
 
 
-__all__ = ["ALGORITHMS", "Dapo", "DapoSettings", "Grpo", "NoSettings", "make_algorithm"]
+__all__ = ["ALGORITHMS", "Dapo", "DapoSettings", "Grpo", "make_algorithm"]

@@ -23,13 +23,9 @@ from typing import ClassVar
 import jax
 import numpy as np
 
+from tlt_jax.knobs import NoSettings
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.grpo import GrpoConfig, group_advantages, grpo_loss
-
-
-@dataclasses.dataclass(frozen=True)
-class NoSettings:
-  """An algorithm without knobs of its own."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,19 +21,14 @@ config schema's section `task.<name>` is made from its fields and defaults, and
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
+from tlt_jax.knobs import NoSettings
 from tlt_jax.rl.rewards import RewardFn, make_answer_reward, make_format_reward
 from tlt_jax.rl.tasks.example import Example
 
 # How many problems a task without a bound on its prompts measures for the length check.
 PROMPTS_MEASURED = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class NoSettings:
-  """A task without a config section of its own."""
 
 
 class Task:
