@@ -48,7 +48,7 @@ def get_config(arg: str | None = None):
     # (tlt_jax.budget); with them ~7 GiB, and the RL job's largest program ~10 GiB.
     c.model.remat = "full"
     c.model.attention_query_chunk = 256
-    c.task.max_steps = 64
+    c.task.max_ops = 64
     c.sft.steps = 600
     c.sft.rows = 32
     c.sft.seq_len = 1536

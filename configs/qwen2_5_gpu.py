@@ -29,7 +29,7 @@ def get_config(arg: str | None = None):
   # 8.7k-token training rows: keep each layer's input only, attend 512 queries at a time.
   c.model.remat = "full"
   c.model.attention_query_chunk = 512
-  c.task.max_steps = 64
+  c.task.max_ops = 64
   c.task.max_value = 999
   c.rollout.max_batch = 64
   c.rollout.max_prompt_len = 512

@@ -50,8 +50,8 @@ def get_config(arg: str | None = None):
   c.model.scan_layers = "all"
   c.model.attention_impl = "reference"
 
-  c.task.min_steps = 1
-  c.task.max_steps = 1
+  c.task.min_ops = 1
+  c.task.max_ops = 1
   c.task.max_value = 20
   c.task.max_operand = 5
   c.task.max_multiplier = 3

@@ -463,7 +463,7 @@ def main(argv=None):
     d = DrafterConfig(draft_vocab_size=vocab)
     drafters[vocab] = (d, jax.jit(functools.partial(init_drafter_params, cfg, d))(
         weight_key(1)))
-  most = max([s.steps for s in strategies] + [0]) + 1
+  most = max([s.depth for s in strategies] + [0]) + 1
   max_new = (args.iters + 4) * most + 2  # EOS is off: no row finishes while being timed
   cap = -(-(prompt_len + max_new + most) // 64) * 64
   programs = build_programs(cfg, drafters, strategies, max_new, cap)

@@ -16,9 +16,10 @@ mode runs once to compile and once timed.
 
 JSON: settings; per mode (plain and each strategy) bench_rollout.py's summary of the timed
 rollout (wall and tail seconds, tail tokens/s, accept length, SD iterations and seconds per SD
-iteration, ...), and whether the tokens are plain decoding's; `iteration`: seconds per SD iteration of each strategy in one decode
-call at each --iteration-batches size, timed from the same state and alternating (medians);
-`hybrid_vs_eagle`: per (steps, topk, verify) with both, the hybrid's accept length and
+iteration, ...), and whether the tokens are plain decoding's; `iteration`: seconds per SD
+iteration of each strategy in one decode call at each --iteration-batches size, timed from
+the same state and alternating (medians);
+`hybrid_vs_eagle`: per (depth, topk, verify) with both, the hybrid's accept length and
 iteration time over EAGLE's. The PNG shows accept length and tail time per strategy.
 """
 
@@ -177,7 +178,7 @@ def main(argv=None):
   for s in strategies:
     if s.drafts != ("eagle", "suffix"):
       continue
-    eagle = label(Strategy(s.steps, s.topk, s.verify_tokens))
+    eagle = label(Strategy(s.depth, s.topk, s.verify_tokens))
     if eagle not in modes:
       continue
     hybrid_vs_eagle[label(s)] = dict(

@@ -21,10 +21,10 @@ tail's share of the plain rollout and carries that phase's run-to-run noise. The
 running rows and tokens/s over time; OUT_by_batch.png shows tokens/s by active batch size per
 mode and the tuner comparison.
 
-`steps_per_call`: plain decoding again with each --sweep-steps-per-call value N (at most N
+`iterations_per_call`: plain decoding again with each --sweep-iterations-per-call value N (at most N
 decode steps per compiled call; N = 1 is one host round trip per token): the median wall time
 of three timed rollouts, calls, device-busy share and whether the outputs are the plain mode's;
-OUT_steps_per_call.png plots the wall time against N. The engine's default N comes from this
+OUT_iterations_per_call.png plots the wall time against N. The engine's default N comes from this
 sweep.
 """
 
@@ -125,14 +125,14 @@ def run_mode(cfg, params, mesh, ec, drafter, tuner, prompts, samples, sp, key,
   return result, result.pool["compile_s"], result.pool["executables"]
 
 
-def steps_per_call_sweep(cfg, params, mesh, ec, prompts, samples, sp, key, values,
+def iterations_per_call_sweep(cfg, params, mesh, ec, prompts, samples, sp, key, values,
                          plain_tokens, repeats: int = 3) -> dict:
   """Plain decoding with at most N steps per compiled call, for each N in values: one warm
   rollout, then the median of `repeats` timed ones (a rollout here is about a second, so one
   alone is noisy)."""
   out = {}
   for n in values:
-    engine = RolloutEngine(cfg, params, mesh, dataclasses.replace(ec, steps_per_call=n))
+    engine = RolloutEngine(cfg, params, mesh, dataclasses.replace(ec, iterations_per_call=n))
     engine.generate(prompts, samples, sp, key)
     runs = sorted((engine.generate(prompts, samples, sp, key) for _ in range(repeats)),
                   key=lambda r: r.wall_s)
@@ -142,7 +142,7 @@ def steps_per_call_sweep(cfg, params, mesh, ec, prompts, samples, sp, key, value
                        decode_calls=sum(r.mode != "prefill" for r in res.timeline),
                        busy_share=res.call_s / res.wall_s,
                        outputs_identical_to_plain=all(r.tokens == plain_tokens for r in runs))
-    print(f"plain, steps_per_call {n:4d}: median wall {res.wall_s:6.2f}s  "
+    print(f"plain, iterations_per_call {n:4d}: median wall {res.wall_s:6.2f}s  "
           f"calls {out[str(n)]['decode_calls']:5d}  busy {out[str(n)]['busy_share']:.0%}")
   first = out[str(values[0])]["wall_s"]
   for row in out.values():
@@ -242,8 +242,10 @@ def main():
   parser.add_argument("--max-new-tokens", type=int, default=256)
   parser.add_argument("--max-batch", type=int, default=64)
   parser.add_argument("--sd-threshold", type=int, default=4)
-  parser.add_argument("--steps-per-call", type=int, default=EngineConfig.steps_per_call)
-  parser.add_argument("--sweep-steps-per-call", type=int, nargs="+",
+  parser.add_argument("--iterations-per-call", "--steps-per-call", type=int,
+                      default=EngineConfig.iterations_per_call)
+  parser.add_argument("--sweep-iterations-per-call", "--sweep-steps-per-call", type=int,
+                      nargs="+",
                       default=[1, 4, 16, 32, 128])
   parser.add_argument("--strategies", nargs="+", default=["4,2,8", "3,2,6", "6,2,12"])
   parser.add_argument("--temperature", type=float, default=0.0)
@@ -254,7 +256,7 @@ def main():
   if args.quick:
     args.num_prompts, args.num_samples, args.max_new_tokens = 4, 2, 48
     args.max_batch, args.strategies, args.drafter_steps, args.drafter_prompts = 8, ["3,2,6"], 20, 8
-    args.sweep_steps_per_call = [1, 32]
+    args.sweep_iterations_per_call = [1, 32]
   if not os.path.isdir(args.policy):
     sys.exit(f"policy folder {args.policy!r} not found; make it with the SFT command in the "
              f"README or pass --policy DIR")
@@ -265,7 +267,7 @@ def main():
   longest = max(len(p) for p in prompts + train_prompts)
   ec = EngineConfig(max_batch=args.max_batch, max_prompt_len=longest,
                     max_new_tokens=args.max_new_tokens, sd_threshold=args.sd_threshold,
-                    steps_per_call=args.steps_per_call, eos_id=eos)
+                    iterations_per_call=args.iterations_per_call, eos_id=eos)
   sp = SamplingParams(args.temperature)
   key = jax.random.key(0)
 
@@ -279,7 +281,7 @@ def main():
     samples = collect_samples(params, cfg, train_prompts, gen.tokens)
     t0 = time.perf_counter()
     dparams, hist = train_drafter(dparams, params, samples, cfg, dcfg,
-                                  DrafterOptConfig(learning_rate=1e-3, warmup_steps=20),
+                                  DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=20),
                                   args.drafter_steps, window=256, batch_rows=8)
     warm = dict(steps=args.drafter_steps, seconds=time.perf_counter() - t0,
                 loss_first=hist[0]["loss"], loss_last=hist[-1]["loss"],
@@ -306,8 +308,8 @@ def main():
           f"{rows[name]['tail_tokens_per_s'] or 0:8.1f}  accept {rows[name]['accept_len']}  "
           f"device busy {rows[name]['busy_share']:.0%} of the wall time")
   plain_tokens = runs["plain"].tokens
-  sweep = steps_per_call_sweep(cfg, params, mesh, ec, prompts, args.num_samples, sp, key,
-                               args.sweep_steps_per_call, plain_tokens)
+  sweep = iterations_per_call_sweep(cfg, params, mesh, ec, prompts, args.num_samples, sp, key,
+                               args.sweep_iterations_per_call, plain_tokens)
   lossless = {n: r.tokens == plain_tokens for n, r in runs.items()}
   plain = rows["plain"]
   # The best SD mode is the fastest in the tail, where the modes differ (see tuner_comparison),
@@ -319,7 +321,7 @@ def main():
       device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
       policy=args.policy, layers=cfg.num_layers, hidden=cfg.hidden_size,
       prompts=args.num_prompts, samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-      sd_threshold=args.sd_threshold, steps_per_call=args.steps_per_call,
+      sd_threshold=args.sd_threshold, iterations_per_call=args.iterations_per_call,
       temperature=args.temperature, drafter_warmup=warm,
       response_len=dict(mean=float(np.mean(runs["plain"].lengths)),
                         max=int(np.max(runs["plain"].lengths))),
@@ -327,14 +329,14 @@ def main():
       speedup_wall=plain["wall_s"] / rows[best]["wall_s"],
       speedup_tail=(rows[best]["tail_tokens_per_s"] / plain["tail_tokens_per_s"]
                     if plain["tail_tokens_per_s"] and rows[best]["tail_tokens_per_s"] else None),
-      tuner_comparison=tuner_comparison(rows), steps_per_call_sweep=sweep)
+      tuner_comparison=tuner_comparison(rows), iterations_per_call_sweep=sweep)
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(result, indent=2))
   plot({"plain": runs["plain"], best: runs[best]}, args.out.with_suffix(".png"),
        args.sd_threshold)
   plot_by_batch(rows, result["tuner_comparison"],
                 args.out.with_name(args.out.stem + "_by_batch.png"))
-  plot_sweep(sweep, args.out.with_name(args.out.stem + "_steps_per_call.png"))
+  plot_sweep(sweep, args.out.with_name(args.out.stem + "_iterations_per_call.png"))
   print(json.dumps({k: result[k] for k in ("best_sd_mode", "speedup_wall", "speedup_tail")}))
 
 

@@ -85,7 +85,7 @@ def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed
   rng = np.random.default_rng(seed)
   prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
   lengths = jnp.full((batch,), prompt_len, jnp.int32)
-  cap = prompt_len + new_tokens + max(s.steps for s in [*strategies, shared] if s) + 2
+  cap = prompt_len + new_tokens + max(s.depth for s in [*strategies, shared] if s) + 2
   rows = []
 
   policy = Policy(params, cfg)
@@ -110,7 +110,7 @@ def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed
       own = None
       for shape in shapes:
         limits = (None if shape == strategy else
-                  jnp.asarray([strategy.steps, strategy.verify_tokens], jnp.int32))
+                  jnp.asarray([strategy.depth, strategy.verify_tokens], jnp.int32))
         sd = jax.jit(functools.partial(sd_step, sp=GREEDY, eos_id=-1, strategy=shape))
         state, times, accepted = _timed_loop(
             lambda s: sd(policy, both, s, jax.random.key(1), limits=limits),
@@ -140,7 +140,7 @@ def _loop_iteration_seconds(policy, drafters, state, strategy, shape, iterations
   engine runs them: `iterations` in one `decode_loop` call, the two programs alternating from
   the same state, the median of `repeats` calls each (per-call timings of a tiny model are
   mostly dispatch noise)."""
-  limits = jnp.asarray([strategy.steps, strategy.verify_tokens], jnp.int32)
+  limits = jnp.asarray([strategy.depth, strategy.verify_tokens], jnp.int32)
   loops = [(jax.jit(functools.partial(decode_loop, sp=GREEDY, eos_id=-1, strategy=s)), lim)
            for s, lim in ((strategy, None), (shape, limits))]
   key, one, most = jax.random.key(1), jnp.int32(1), jnp.int32(iterations)

@@ -1,5 +1,5 @@
 """Training-time test: greedy accept length per SD strategy for drafters trained with K unrolled
-draft steps (`drafter.train_steps_ahead`), without and with fused policy features, and with
+draft steps (`drafter.train_depth`), without and with fused policy features, and with
 the full or a reduced draft vocabulary (`drafter.draft_vocab_size`).
 
 Every variant trains from the same random initialisation on the same samples of the policy's
@@ -8,7 +8,7 @@ for the same number of updates, then drafts greedily for held-out prompts at eac
 the accept length is the mean tokens per running row per SD iteration.
 
   python experiments/drafter_ttt.py --out results/drafter_ttt/drafter_ttt.json [--quick]
-  python experiments/drafter_ttt.py --steps-ahead 1 --fused-layers '' \
+  python experiments/drafter_ttt.py --train-depth 1 --feature-layers '' \
       --draft-vocab-sizes 0 69 --out results/draft_vocab/accept.json
 
 A reduced draft vocabulary holds the tokens most frequent in the training responses. JSON:
@@ -63,8 +63,8 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, help="JSON path; the PNG goes next to it")
   p.add_argument("--config", default=str(REPO / "configs" / "default.py"))
-  p.add_argument("--steps-ahead", type=int, nargs="+", default=[1, 3, 5])
-  p.add_argument("--fused-layers", default="1,3",
+  p.add_argument("--train-depth", "--steps-ahead", type=int, nargs="+", default=[1, 3, 5])
+  p.add_argument("--feature-layers", "--fused-layers", default="1,3",
                  help="policy layers fused into the fused variants' features ('' = none)")
   p.add_argument("--draft-vocab-sizes", type=int, nargs="+", default=[0],
                  help="draft vocabulary sizes to compare (0 = the policy's whole vocabulary)")
@@ -80,10 +80,10 @@ def parse_args(argv=None):
   p.add_argument("--quick", action="store_true", help="smoke setting (about a minute)")
   args = p.parse_args(argv)
   if args.quick:
-    args.steps_ahead, args.train_prompts, args.eval_prompts = [1, 2], 8, 2
+    args.train_depth, args.train_prompts, args.eval_prompts = [1, 2], 8, 2
     args.max_new_tokens, args.train_steps, args.batch_rows, args.window = 32, 6, 2, 64
-  if min(args.steps_ahead) < 1:
-    p.error(f"--steps-ahead {args.steps_ahead}: every K must be >= 1")
+  if min(args.train_depth) < 1:
+    p.error(f"--train-depth {args.train_depth}: every K must be >= 1")
   if min(args.draft_vocab_sizes) < 0:
     p.error(f"--draft-vocab-sizes {args.draft_vocab_sizes}: sizes must be >= 0")
   return args
@@ -94,7 +94,7 @@ def main(argv=None):
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   config = config_from_file(args.config)
-  fused_layers = tuple(int(x) for x in args.fused_layers.split(",") if x.strip())
+  feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
   strategies = [Strategy.parse(s) for s in (args.strategies or config.rollout.speculative.arms)]
   if args.quick:
     strategies = strategies[:1]
@@ -109,11 +109,11 @@ def main(argv=None):
   sampler = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=args.max_new_tokens,
                         max_batch=min(64, 1 << (len(train_prompts) - 1).bit_length()))
   generated = sampler.generate(train_prompts, 1, SamplingParams(1.0), jax.random.key(args.seed))
-  feature_sets = {"unfused": ()} | ({"fused": fused_layers} if fused_layers else {})
+  feature_sets = {"unfused": ()} | ({"fused": feature_layers} if feature_layers else {})
   samples = {}
   for name, layers in feature_sets.items():
     c = copy.deepcopy(config)
-    c.drafter.fused_layers = layers
+    c.drafter.feature_layers = layers
     samples[name] = collect_samples(params, model_config(c), train_prompts, generated.tokens)
   samples_s = time.perf_counter() - t0
   print(f"{len(train_prompts)} samples, {int(generated.lengths.sum())} response tokens; "
@@ -124,7 +124,7 @@ def main(argv=None):
   for feat_name, vocab in variants:
     layers = feature_sets[feat_name]
     vc = copy.deepcopy(config)
-    vc.drafter.fused_layers = layers
+    vc.drafter.feature_layers = layers
     vc.drafter.draft_vocab_size = vocab
     vcfg = model_config(vc)
     dcfg, init = load_drafter_for(vc, vcfg, fresh=True)
@@ -134,8 +134,8 @@ def main(argv=None):
     init = jax.device_get(init)
     name = feat_name + (f" r={vocab}" if vocab else "")
     trained = {}
-    for k in args.steps_ahead:
-      oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), steps_ahead=k)
+    for k in args.train_depth:
+      oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), train_depth=k)
       state = jax.device_put(init_train_state(jax.device_put(init), oc), jax.devices()[0])
       t1 = time.perf_counter()
       trained[k], history = train_drafter(
@@ -144,7 +144,7 @@ def main(argv=None):
           state=state)
       tail = history[-max(1, len(history) // 10):]
       rows.append({"variant": f"{name} K={k}", "features": feat_name,
-                   "fused_layers": list(layers), "draft_vocab_size": vocab, "steps_ahead": k,
+                   "feature_layers": list(layers), "draft_vocab_size": vocab, "train_depth": k,
                    "train_s": time.perf_counter() - t1,
                    "loss_last": float(np.mean([h["loss"] for h in tail])),
                    "top1_last": float(np.mean([h["top1"] for h in tail])),
@@ -152,12 +152,12 @@ def main(argv=None):
                    "accept_len": {}, "sd_tokens_per_s": {}})
     # One engine per strategy and architecture; the K variants only swap weights.
     for strategy in strategies:
-      first = trained[args.steps_ahead[0]]
+      first = trained[args.train_depth[0]]
       engine = make_engine(vc, vcfg, params, mesh, eos, pad, drafter=(dcfg, first),
                            speculative=True, tuner=FixedTuner(strategy), sd_threshold=1,
                            max_batch=1, max_new_tokens=args.max_new_tokens,
                            compile_ahead=False)  # every call SD: what is measured
-      for k in args.steps_ahead:
+      for k in args.train_depth:
         engine.update_params(drafter_params=trained[k])
         key = jax.random.key(args.seed)
         engine.generate(eval_prompts[:1], 1, SamplingParams(0.0), key)  # compiles
@@ -168,16 +168,16 @@ def main(argv=None):
         accept = row["accept_len"][label(strategy)]
         print(f"{row['variant']:16s} {label(strategy)}: accept {accept:.2f}", flush=True)
 
-  deepest = label(max(strategies, key=lambda s: (s.steps, s.verify_tokens)))
+  deepest = label(max(strategies, key=lambda s: (s.depth, s.verify_tokens)))
   gains, vocab_ratios = {}, {}
   for feat_name in feature_sets:
-    full = {r["steps_ahead"]: r["accept_len"][deepest] for r in rows
+    full = {r["train_depth"]: r["accept_len"][deepest] for r in rows
             if r["features"] == feat_name and not r["draft_vocab_size"]}
     if full:
       gains[feat_name] = full[max(full)] / full[min(full)]
     for r in rows:
       if r["features"] == feat_name and r["draft_vocab_size"] and full:
-        vocab_ratios[r["variant"]] = r["accept_len"][deepest] / full[r["steps_ahead"]]
+        vocab_ratios[r["variant"]] = r["accept_len"][deepest] / full[r["train_depth"]]
   settings = {k: v for k, v in vars(args).items() if k != "out"}
   settings.update(strategies=[label(s) for s in strategies], deepest=deepest,
                   samples_s=samples_s, device=jax.devices()[0].device_kind,
@@ -196,21 +196,21 @@ def main(argv=None):
 def plot(rows, strategies, path):
   """Accept length against K per strategy and drafter; with a single K, bars per strategy."""
   fig, ax = plt.subplots(figsize=(6.5, 4))
-  if len({r["steps_ahead"] for r in rows}) == 1:
+  if len({r["train_depth"] for r in rows}) == 1:
     width = 0.8 / len(rows)
     x = np.arange(len(strategies))
     for j, r in enumerate(rows):
       ax.bar(x + j * width, [r["accept_len"][label(s)] for s in strategies], width,
              label=r["variant"])
     ax.set_xticks(x + 0.4 - width / 2, [f"({label(s)})" for s in strategies])
-    ax.set_xlabel("strategy (steps, topk, verify tokens)")
+    ax.set_xlabel("strategy (depth, topk, verify tokens)")
     ax.set_title("accept length per strategy and drafter")
   else:
     vocabs = sorted({r["draft_vocab_size"] for r in rows})
     for i, s in enumerate(strategies):
       for feat, style in (("unfused", "-"), ("fused", "--")):
         for vocab, marker in zip(vocabs, "osd^v"):
-          pts = sorted((r["steps_ahead"], r["accept_len"][label(s)]) for r in rows
+          pts = sorted((r["train_depth"], r["accept_len"][label(s)]) for r in rows
                        if r["features"] == feat and r["draft_vocab_size"] == vocab)
           if pts:
             tag = f" r={vocab}" if vocab else ""

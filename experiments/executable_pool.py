@@ -81,7 +81,7 @@ def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens:
     return states[b]
 
   seconds, code, temp = 0.0, 0, 0
-  limits = (jnp.int32(1), jnp.int32(32))  # min_running, max_steps: traced, as the engine has
+  limits = (jnp.int32(1), jnp.int32(32))  # min_running, max_iterations: traced, as the engine has
   for mode, b, strategy in keys:
     # The engine's decode program: a loop of plain steps or SD iterations (see decode_loop).
     fn = functools.partial(decode_loop, sp=sp, eos_id=eos,

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.components import (load_policy, load_tokenizer_for, make_engine,  # noqa: E402
                                 task_examples)
-from tlt_jax.config import base_config  # noqa: E402
+from tlt_jax.config import base_config, with_current_keys  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.rl.evaluate import evaluate  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
@@ -52,7 +52,7 @@ def policy_config(policy: str, batch_size: int, max_new_tokens: int):
   summary = os.path.join(policy, "sft_summary.json")
   if os.path.isfile(summary):
     with open(summary) as f:
-      config.task.update(json.load(f)["config"]["task"])
+      config.task.update(with_current_keys("task", json.load(f)["config"]["task"]))
   return config
 
 
@@ -114,7 +114,7 @@ def main():
             "accuracy": result["accuracy"],
             "finished_fraction": float(np.mean(result["finished"])),
             "sampling_s_incl_compile": seconds, "lengths": lengths,
-            "num_steps": [e.metadata["num_steps"] for e in examples],
+            "num_ops": [e.metadata["num_ops"] for e in examples],
             "correct": result["correct"]}
   with open(os.path.join(args.out, "lengths.json"), "w") as f:
     json.dump(record, f)

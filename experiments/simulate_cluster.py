@@ -261,15 +261,15 @@ def sample_lengths(rng: np.random.Generator, n: int, dist: str, max_new_tokens: 
 
 def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
                      sd_threshold: int = 0, schedule: str = "parallel",
-                     steps_per_call: int = 1) -> dict:
+                     iterations_per_call: int = 1) -> dict:
   """One rollout: every slice driven by the engine's own scheduler
   (`tlt_jax.rollout.scheduler.SliceScheduler`), with iteration times from the cost model.
 
   lengths: tokens per response, request order (request i goes to slice i % num_slices). The
   prefill emits a response's first token, so a response of L tokens needs L - 1 decode
   tokens. sd_threshold: SD when a slice's running rows <= it (0: plain decode only).
-  steps_per_call: decode iterations per compiled call, at most (the engine's
-  rollout.steps_per_call); only "interleaved" depends on it.
+  iterations_per_call: decode iterations per compiled call, at most (the engine's
+  rollout.iterations_per_call); only "interleaved" depends on it.
   schedule: "parallel", slices advance concurrently (one host per slice, a cluster);
   "interleaved", one host loop makes one call per busy slice in turn and waits for each
   (slices whose calls never overlap).
@@ -292,7 +292,7 @@ def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
   if work.size and work.min() < 0:
     raise ValueError("response lengths must be >= 1 token (the prefill emits the first)")
   runs = [_simulate_slice(work, range(s, work.size, num_slices), max_batch, costs, sd_threshold,
-                          steps_per_call) for s in range(num_slices)]
+                          iterations_per_call) for s in range(num_slices)]
   finish = np.asarray([r["trace"][-1][1] if r["trace"][-1][0] else 0.0 for r in runs])
   if schedule == "interleaved":
     finish = _interleave([np.asarray(r["trace"]) for r in runs])
@@ -307,10 +307,10 @@ _SD = Strategy(1, 1, 2)
 
 
 def _simulate_slice(work: np.ndarray, requests, max_batch: int, costs: CostModel,
-                    sd_threshold: int, steps_per_call: int) -> dict:
+                    sd_threshold: int, iterations_per_call: int) -> dict:
   """One slice's rollout. trace: (calls, seconds) breakpoints of its own clock, linear in
   between (the calls of one decode decision all cost the same)."""
-  sched = SliceScheduler(list(requests), max_batch, sd_threshold, steps_per_call,
+  sched = SliceScheduler(list(requests), max_batch, sd_threshold, iterations_per_call,
                          (lambda running: _SD) if sd_threshold else None)
   rem: dict[int, float] = {}  # decode tokens left, by row
   t, calls, sd_iterations, prefill_calls = 0.0, 0, 0.0, 0
@@ -329,7 +329,7 @@ def _simulate_slice(work: np.ndarray, requests, max_batch: int, costs: CostModel
       sched.finished([i for i in rows if rem[i] <= _EPS])  # the prefill emitted them whole
     elif isinstance(action, Compact):
       rem = {new: rem[old] for new, old in enumerate(action.order) if old in rem}
-    else:  # Decode, until fewer than min_running rows run (calls of steps_per_call each)
+    else:  # Decode, until fewer than min_running rows run (calls of iterations_per_call each)
       batch = float(sched.batch)
       sd = action.strategy is not None
       per_iter = float(costs.accept_at(batch)) if sd else 1.0
@@ -345,7 +345,7 @@ def _simulate_slice(work: np.ndarray, requests, max_batch: int, costs: CostModel
       for i in running:
         rem[i] = running[i]
       t += iterations * cost
-      calls += int(np.ceil(iterations / steps_per_call))
+      calls += int(np.ceil(iterations / iterations_per_call))
       sd_iterations += iterations * sd
       sched.finished(done)
     trace.append((calls, t))
@@ -381,7 +381,7 @@ class StepConfig:
   updates per second on one idle slice; spot_startup_s: seconds an idle slice spends before
   its first drafter step (freeing the KV cache, placing the drafter); update_s +
   update_s_per_token * tokens / devices: the policy update, data-parallel over all devices;
-  schedule, steps_per_call: see simulate_rollout.
+  schedule, iterations_per_call: see simulate_rollout.
   """
   devices_per_slice: int = 1
   max_batch: int = 64
@@ -391,7 +391,7 @@ class StepConfig:
   update_s: float = 0.0
   update_s_per_token: float = 2e-4
   schedule: str = "parallel"
-  steps_per_call: int = 1
+  iterations_per_call: int = 1
 
   def check(self, costs: CostModel) -> None:
     if self.devices_per_slice < 1 or self.max_batch < 1:
@@ -445,7 +445,7 @@ def simulate_step(lengths, num_devices: int, cfg: StepConfig, costs: CostModel) 
   out = {}
   for name, threshold, spot in (("baseline", 0, False), ("tlt", cfg.sd_threshold, True)):
     sim = simulate_rollout(lengths, slices, cfg.max_batch, costs, threshold, cfg.schedule,
-                           cfg.steps_per_call)
+                           cfg.iterations_per_call)
     row = idle_summary(sim["finish_s"], cfg.devices_per_slice, cfg.spot_startup_s,
                        cfg.drafter_steps_per_s)
     if not spot:  # the baseline trains no drafter: nothing is reclaimed

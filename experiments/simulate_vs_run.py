@@ -29,6 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import simulate_cluster as sim  # noqa: E402
+from tlt_jax.config import with_current_keys  # noqa: E402
 
 
 def _read_jsonl(path: str, what: str, need: tuple, hint: str) -> list[dict]:
@@ -64,14 +65,15 @@ def _run_settings(metrics_path: str, num_slices, max_batch, sd_threshold) -> dic
   return {k: int(v) for k, v in given.items()}
 
 
-def _run_steps_per_call(metrics_path: str) -> int:
-  """The run's rollout.steps_per_call from its summary.json; 1 (a call per iteration) when it
+def _run_iterations_per_call(metrics_path: str) -> int:
+  """The run's rollout.iterations_per_call from its summary.json; 1 (a call per iteration) when it
   does not say."""
   summary = os.path.join(os.path.dirname(os.path.abspath(metrics_path)), "summary.json")
   if not os.path.isfile(summary):
     return 1
   config = sim.read_json(summary, "run summary").get("config", {})
-  return int(config.get("rollout", {}).get("steps_per_call", 1))
+  return int(with_current_keys("rollout", config.get("rollout", {})).get("iterations_per_call",
+                                                                        1))
 
 
 def compare_with_run(metrics_jsonl_path: str, rollouts_jsonl_path: str | None = None,
@@ -104,7 +106,7 @@ def compare_with_run(metrics_jsonl_path: str, rollouts_jsonl_path: str | None = 
   rollouts = _read_jsonl(rollouts_jsonl_path, "rollouts file",
                          ("step", "prompt", "sample", "tokens"), hint)
   settings = _run_settings(metrics_jsonl_path, num_slices, max_batch, sd_threshold)
-  steps_per_call = _run_steps_per_call(metrics_jsonl_path)
+  iterations_per_call = _run_iterations_per_call(metrics_jsonl_path)
   by_step: dict[int, list] = {}
   for r in rollouts:
     by_step.setdefault(int(r["step"]), []).append((r["prompt"], r["sample"], r["tokens"]))
@@ -127,14 +129,14 @@ def compare_with_run(metrics_jsonl_path: str, rollouts_jsonl_path: str | None = 
     for schedule in finish:
       finish[schedule].append(np.stack([sim.simulate_rollout(
           lengths, r_, b_, sim.make_costs(grid, accept_len=max(accept, 1.0), **basis),
-          threshold, schedule, steps_per_call)["finish_s"] for basis in bases], 1))  # [R, 4]
+          threshold, schedule, iterations_per_call)["finish_s"] for basis in bases], 1))  # [R, 4]
   used = np.asarray([(m.get("compile_s") or 0.0) <= max_compile_share * m["rollout_s"]
                      for m in steps])
   if used.sum() < 2:
     used[:] = True  # too few clean steps: fit on all of them, compile time included
   measured_idle = np.asarray([m["idle_slice_s"] for m in steps])
   measured_rollout = np.asarray([m["rollout_s"] for m in steps])
-  result = {"settings": settings, "steps_per_call": steps_per_call, "fit": {}, "steps": [
+  result = {"settings": settings, "iterations_per_call": iterations_per_call, "fit": {}, "steps": [
       {"step": int(m["step"]), "measured_idle_slice_s": float(measured_idle[i]),
        "measured_rollout_s": float(measured_rollout[i]), "used_in_fit": bool(used[i])}
       for i, m in enumerate(steps)]}

@@ -39,7 +39,7 @@ def test_unknown_key_in_an_unlocked_config_is_named():
 
 @pytest.mark.parametrize("key,value,match", [
     ("eval_batch_size", 48, "sft.eval_batch_size=48 must be a power of two"),
-    ("warmup_steps", 2000, r"sft.warmup_steps=2000 must be < sft.steps=1000"),
+    ("lr_warmup_steps", 2000, r"sft.lr_warmup_steps=2000 must be < sft.steps=1000"),
     ("learning_rate", 0.0, "sft.learning_rate=0.0 must be positive"),
 ])
 def test_bad_sft_values(key, value, match):
@@ -96,6 +96,30 @@ def test_cli_config_errors_are_one_line(args, message):
   assert r.returncode != 0
   assert message in r.stderr
   assert "Traceback" not in r.stderr
+
+
+def test_renamed_keys_still_work_on_command_lines_and_config_files_name_the_new_key(tmp_path):
+  from tlt_jax.cli import config_from_file, read_config_file
+  # On a job's command line: read as the new key (the value arrives: min_ops=0 is refused).
+  r = _cli("--config", "configs/default.py", "--config.task.min_steps=0")
+  assert "warning: config key task.min_steps is now task.min_ops" in r.stderr
+  assert r.returncode != 0 and "need 1 <= min_ops <= max_ops, got min_ops=0" in r.stderr
+  # In an experiment's overrides.
+  c = config_from_file(os.path.join(REPO, "configs/default.py"),
+                       ["rollout.steps_per_call=4", "sft.warmup_steps=7"])
+  assert (c.rollout.iterations_per_call, c.sft.lr_warmup_steps) == (4, 7)
+  # A config file that sets an old key is told the new one, locked or not.
+  (tmp_path / "old.py").write_text("from tlt_jax.config import base_config\n"
+                                   "def get_config(arg=None):\n  c = base_config()\n"
+                                   "  c.lock()\n  c.drafter.clip_norm = 2.0\n  return c\n")
+  with pytest.raises(ConfigError, match="failed at line 5: .*; drafter.clip_norm is now "
+                                        "drafter.grad_clip"):
+    read_config_file(str(tmp_path / "old.py"))
+  c = base_config()
+  c.drafter.train_steps_ahead = 3
+  with pytest.raises(ConfigError, match="config key 'drafter.train_steps_ahead' is now "
+                                        "'drafter.train_depth': set that instead"):
+    validate_config(c)
 
 
 def test_cli_bad_variant(tmp_path):
@@ -198,8 +222,8 @@ def test_rollout_sections_build_the_engine_pieces():
   assert len(make_tuner_from_config(c).strategies()) == len(c.rollout.speculative.arms)
   c.rollout.speculative.enable = False  # the baseline: never switches to SD
   assert engine_config(c).sd_threshold == 0
-  c.drafter.fused_layers = (0, 2)
-  assert drafter_config(c).fused_features == 2
+  c.drafter.feature_layers = (0, 2)
+  assert drafter_config(c).feature_layers == (0, 2)
   assert model_config(c).feature_layers == (0, 2)
 
 

@@ -161,12 +161,12 @@ def _check_bench_rollout(out):
   assert data["speedup_wall"] > 0
   # The best SD mode ran SD in the tail (a tuner that decoded it plainly is not one).
   assert data["modes"][data["best_sd_mode"]]["sd_calls"] > 0
-  sweep = data["steps_per_call_sweep"]
+  sweep = data["iterations_per_call_sweep"]
   assert set(sweep) == {"1", "32"}
   assert all(row["outputs_identical_to_plain"] for row in sweep.values())
   # One step per call: a call per token; up to 32 per call: far fewer calls for the same tokens.
   assert sweep["32"]["decode_calls"] < sweep["1"]["decode_calls"]
-  assert (out.parent / "rollout_steps_per_call.png").exists()
+  assert (out.parent / "rollout_iterations_per_call.png").exists()
 
 
 def test_tuner_comparison_ranks_by_tail_time():
@@ -338,7 +338,7 @@ def test_drafter_ttt_quick(tmp_path):
   _run_script("drafter_ttt.py", "--quick", "--draft-vocab-sizes", "0", "40", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
-  variants = {(r["features"], r["draft_vocab_size"], r["steps_ahead"]) for r in data["rows"]}
+  variants = {(r["features"], r["draft_vocab_size"], r["train_depth"]) for r in data["rows"]}
   assert variants == {(f, r, k) for f in ("unfused", "fused") for r in (0, 40) for k in (1, 2)}
   for r in data["rows"]:
     (accept,) = r["accept_len"].values()

@@ -9,10 +9,10 @@ from tlt_jax.optim import AdamWConfig, make_adamw
 
 
 def test_schedule_warms_up_then_holds_or_decays():
-  hold = AdamWConfig(learning_rate=1e-3, warmup_steps=4).schedule()
+  hold = AdamWConfig(learning_rate=1e-3, lr_warmup_steps=4).schedule()
   np.testing.assert_allclose([hold(s) for s in (0, 1, 2, 3, 4, 100)],
                              [2e-4, 4e-4, 6e-4, 8e-4, 1e-3, 1e-3], rtol=1e-6)
-  decay = AdamWConfig(learning_rate=1e-3, warmup_steps=4, decay_steps=20,
+  decay = AdamWConfig(learning_rate=1e-3, lr_warmup_steps=4, decay_steps=20,
                       end_lr_fraction=0.1).schedule()
   assert decay(0) == pytest.approx(2e-4)
   assert decay(4) == pytest.approx(1e-3)
@@ -24,8 +24,8 @@ def test_schedule_warms_up_then_holds_or_decays():
 @pytest.mark.parametrize("decay_steps", [0, 20])
 def test_the_first_update_of_a_warm_up_trains(decay_steps):
   """Warm-up starts one increment above 0: update 0 moves the weights (Adam's first step is
-  lr * sign(g)), and the peak comes at update warmup_steps."""
-  oc = AdamWConfig(learning_rate=1e-2, warmup_steps=4, decay_steps=decay_steps)
+  lr * sign(g)), and the peak comes at update lr_warmup_steps."""
+  oc = AdamWConfig(learning_rate=1e-2, lr_warmup_steps=4, decay_steps=decay_steps)
   tx = make_adamw(oc)
   params = {"w": jnp.zeros(2)}
   updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
@@ -51,8 +51,8 @@ def test_clipping_bounds_the_first_step():
     (dict(learning_rate=0.0, section="rl"), "rl.learning_rate=0.0 must be positive"),
     (dict(learning_rate=1e-3, grad_clip=-1.0, section="rl"), "rl.grad_clip=-1.0 must be >= 0"),
     (dict(learning_rate=1e-3, b2=1.0, section="sft"), r"sft.b2=1.0 must be in \[0, 1\)"),
-    (dict(learning_rate=1e-3, warmup_steps=20, decay_steps=10, section="sft"),
-     "sft.warmup_steps=20 must be < sft.steps=10"),
+    (dict(learning_rate=1e-3, lr_warmup_steps=20, decay_steps=10, section="sft"),
+     "sft.lr_warmup_steps=20 must be < sft.steps=10"),
 ])
 def test_bad_values_name_the_key(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import repo_config
+from tlt_jax.config import with_current_keys
 from tlt_jax.mesh import make_mesh, shard_pytree
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
@@ -72,7 +73,7 @@ def test_sharded_train_step_lowers_the_loss(tiny_cfg, task_tokenizer):
   opt_state, opt_sharding = init_optimizer(tx, params, mesh)
   sharding = jax.tree.map(lambda x: x.sharding, params)
   step = make_train_step(cfg, tx, sharding, opt_sharding)
-  it = PromptIterator(ArithmeticTask(seed=0, max_steps=4).examples(400), seed=0)
+  it = PromptIterator(ArithmeticTask(seed=0, max_ops=4).examples(400), seed=0)
   encode = lambda e: (prompt_ids(task_tokenizer, e.prompt),  # noqa: E731
                       response_ids(task_tokenizer, e.solution))
   losses = []
@@ -116,11 +117,11 @@ def test_sft_cli_learns_and_exports(sft_run):
 
 def test_config_errors_are_one_line():
   run = subprocess.run([sys.executable, "-m", "tlt_jax.sft", "--config",
-                        "configs/tiny_sft.py:runlocal", "--config.sft.warmup_steps=100"],
+                        "configs/tiny_sft.py:runlocal", "--config.sft.lr_warmup_steps=100"],
                        cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                        capture_output=True, text=True, timeout=120)
   assert run.returncode != 0
-  assert "config error: sft.warmup_steps=100 must be < sft.steps=12" in run.stderr
+  assert "config error: sft.lr_warmup_steps=100 must be < sft.steps=12" in run.stderr
 
 
 # ---------------------------------------------------------------- the shipped policy
@@ -146,7 +147,8 @@ def test_shipped_policy_is_small_and_described(shipped):
 
 def test_shipped_policy_solves_heldout_problems(shipped):
   cfg, params, tok = shipped
-  task = dict(json.load(open(os.path.join(ASSET, "sft_summary.json")))["config"]["task"])
+  with open(os.path.join(ASSET, "sft_summary.json")) as f:  # its keys as the run named them
+    task = with_current_keys("task", json.load(f)["config"]["task"])
   del task["name"], task["seed"]
   examples = ArithmeticTask(seed=task.pop("eval_seed"), **task).examples(32)
   engine = RolloutEngine(cfg, params, make_mesh({"fsdp": -1}, jax.devices()[:1]),
@@ -170,7 +172,7 @@ def test_length_histogram_quick(tmp_path):
   assert run.returncode == 0, run.stderr[-3000:]
   data = json.loads((tmp_path / "lengths.json").read_text())
   assert (tmp_path / "length_histogram.png").stat().st_size > 1000
-  assert len(data["lengths"]) == len(data["num_steps"]) == 64
+  assert len(data["lengths"]) == len(data["num_ops"]) == 64
   stats = data["summary"]
   assert stats["min"] <= stats["median"] <= stats["p90"] <= stats["max"]
   assert stats["max"] > 2 * stats["median"]  # the long tail shows even in 64 samples

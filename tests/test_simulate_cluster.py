@@ -90,7 +90,7 @@ def test_interleaved_calls_of_several_steps():
   # The same with 10 iterations per call: 10 calls of 10 s per slice; slice 0 ends after
   # its 10 calls and slice 1's first 9, slice 1 after all 20.
   r = sim.simulate_rollout([101, 101], 2, 4, flat_costs(1.0), schedule="interleaved",
-                           steps_per_call=10)
+                           iterations_per_call=10)
   np.testing.assert_allclose(r["finish_s"], [190.0, 200.0])
   np.testing.assert_array_equal(r["calls"], [11, 11])  # the prefill and 10 decode calls
 

@@ -294,7 +294,7 @@ def test_damaged_runs_heal_or_stop_in_one_line(tmp_path):
   fresh = tmp_path / "fresh"
   fresh.mkdir()
   for name, seed in (("train.jsonl", 5), ("heldout.jsonl", 6)):
-    problems = ArithmeticTask(seed=seed, max_steps=3).examples(8)
+    problems = ArithmeticTask(seed=seed, max_ops=3).examples(8)
     (tmp_path / name).write_text("".join(json.dumps({"question": ex.prompt, "answer": "-1"})
                                          + "\n" for ex in problems))
   (fresh / "eval.jsonl").write_text(json.dumps({"step": 0, "accuracy": 0.0}) + "\n")

@@ -216,14 +216,14 @@ def _rollout_programs(config, cfg, params, dcfg, dparams, log_features: bool,
   prompts = np.zeros((b, econf.max_prompt_len), np.int32)
   state = progs.start(params, dparams, prompts, np.ones((b,), np.int32),
                       np.arange(b, dtype=np.int32), key, sp)
-  progs.decode(params, dparams, state, key, sp, None, 1, econf.steps_per_call)
+  progs.decode(params, dparams, state, key, sp, None, 1, econf.iterations_per_call)
   if dcfg is not None and econf.sd_threshold:
     sd_batch = min(b, 1 << max(econf.sd_threshold - 1, 0).bit_length())
     small = progs.take_rows(state, np.arange(sd_batch))
     sd = config.rollout.speculative
     for arm in dict.fromkeys((*sd.arms, sd.strategy)):
       progs.decode(params, dparams, small, key, sp, Strategy.parse(arm), 1,
-                   econf.steps_per_call)
+                   econf.iterations_per_call)
   out = []
   for key_, (fn, args, donate, mesh) in pool.programs.items():
     kind = key_[1]

@@ -16,7 +16,7 @@ from absl import flags
 
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.components import first_line, validate_config
-from tlt_jax.config import ConfigError, RunStopped
+from tlt_jax.config import RENAMED_KEYS, ConfigError, RunStopped, current_key, renamed_hint
 from tlt_jax.mesh import initialize_distributed
 
 
@@ -30,6 +30,10 @@ def parse_flags(argv: list[str]) -> list[str]:
       read_config_file(_config_spec(argv))
     except ConfigError as e:
       sys.exit(f"config error: {e}")
+  current = [_current_override(arg) for arg in argv]
+  if argv == sys.argv:  # config_flags finds its override flags in sys.argv
+    sys.argv[:] = current
+  argv = current
   try:
     rest = flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
@@ -38,6 +42,14 @@ def parse_flags(argv: list[str]) -> list[str]:
   if len(rest) > 1:  # no job takes positional arguments
     sys.exit(f"command line error: {_stray_arguments(argv, rest[1:])}")
   return rest
+
+
+def _current_override(arg: str) -> str:
+  """--config.KEY=VALUE with a renamed KEY under its current name (see RENAMED_KEYS)."""
+  m = re.match(r"^(--?config\.)([\w.]+)(=.*)?$", arg)
+  if not m or m.group(2) not in RENAMED_KEYS:
+    return arg
+  return m.group(1) + current_key(m.group(2)) + (m.group(3) or "")
 
 
 def _config_spec(argv: list[str]) -> str:
@@ -155,7 +167,8 @@ def read_config_file(spec: str) -> ml_collections.ConfigDict:
     # A ValueError is how config files refuse an argument (an unknown variant): its message is
     # meant for the user. Anything else is a bug in the file, named by its type.
     what = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
-    raise ConfigError(f"config file {where} failed{at}: {what}{first_line(e)}") from None
+    raise ConfigError(f"config file {where} failed{at}: {what}{first_line(e)}"
+                      f"{renamed_hint(str(e))}") from None
 
 
 def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
@@ -174,6 +187,7 @@ def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
 def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> None:
   """config[dotted] = value; a string value is parsed to the type of the value it replaces.
   Raises ConfigError naming the allowed keys when the key does not exist."""
+  dotted = current_key(dotted)
   *parents, leaf = dotted.split(".")
   node = config
   for i, name in enumerate(parents):

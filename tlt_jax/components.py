@@ -86,7 +86,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
                  scan_layers=m.scan_layers == "all", remat=m.remat,
                  attention_query_chunk=m.attention_query_chunk,
-                 feature_layers=tuple(config.drafter.fused_layers))
+                 feature_layers=tuple(config.drafter.feature_layers))
   if m.path:
     return load_hf_config(m.path, **runtime)
   try:
@@ -117,21 +117,18 @@ def sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:
 
 
 def drafter_config(config: ml_collections.ConfigDict) -> DrafterConfig:
-  """The DrafterConfig; fused_layers become the drafter's fused_features count."""
-  d = config.drafter
-  return build_from(DrafterConfig, d, fused_features=len(tuple(d.fused_layers)))
+  """The DrafterConfig of config.drafter."""
+  return build_from(DrafterConfig, config.drafter)
 
 
 def drafter_opt_config(config: ml_collections.ConfigDict,
                        warmup: bool = False) -> DrafterOptConfig:
   """The drafter's AdamW settings and loss: online (spot training) or offline warm-up."""
   d = config.drafter
-  lr, warm, section = ((d.warmup.learning_rate, d.warmup.lr_warmup_steps, "drafter.warmup")
-                       if warmup else (d.learning_rate, d.lr_warmup_steps, "drafter"))
-  return DrafterOptConfig(learning_rate=lr, warmup_steps=warm, weight_decay=d.weight_decay,
-                          clip_norm=d.clip_norm, ce_weight=d.ce_weight,
-                          steps_ahead=d.train_steps_ahead, step_decay=d.train_step_decay,
-                          section=section)
+  if not warmup:
+    return build_from(DrafterOptConfig, d, section="drafter")
+  return build_from(DrafterOptConfig, d, learning_rate=d.warmup.learning_rate,
+                    lr_warmup_steps=d.warmup.lr_warmup_steps, section="drafter.warmup")
 
 
 def spot_config(config: ml_collections.ConfigDict) -> SpotConfig:
@@ -191,8 +188,7 @@ def scoring_task(config: ml_collections.ConfigDict) -> Task:
 
 def policy_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
   """The GRPO optimizer of config.rl: constant after an optional linear warm-up."""
-  return build_from(AdamWConfig, config.rl, warmup_steps=config.rl.lr_warmup_steps,
-                    section="rl")
+  return build_from(AdamWConfig, config.rl, section="rl")
 
 
 def sft_adamw(config: ml_collections.ConfigDict) -> AdamWConfig:
@@ -325,9 +321,9 @@ def check_prompt_lengths(config: ml_collections.ConfigDict, tokenizer,
     arithmetic = config.task.name == "arithmetic"
     raise ConfigError(f"rollout.max_prompt_len={limit} is below the {config.task.name} "
                       f"task's longest prompt, {n} tokens"
-                      f"{f' (task.max_steps={config.task.max_steps})' if arithmetic else ''}; "
+                      f"{f' (task.max_ops={config.task.max_ops})' if arithmetic else ''}; "
                       f"set rollout.max_prompt_len={n} or more"
-                      f"{', or lower task.max_steps' if arithmetic else ''}")
+                      f"{', or lower task.max_ops' if arithmetic else ''}")
 
 
 def training_set(config: ml_collections.ConfigDict, size: int) -> Sequence[Example]:

@@ -12,19 +12,23 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import sys
 
 import ml_collections
 
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
 from tlt_jax.models.config import DTYPES, MODEL_TYPES
+from tlt_jax.models.drafter import DrafterConfig
 from tlt_jax.models.drafter_io import read_drafter_config
 from tlt_jax.models.hf import check_model_folder, check_safetensors
 from tlt_jax.drafter_training.spot import SpotConfig
+from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.knobs import defaults_of
 from tlt_jax.rl.algorithms import ALGORITHMS
 from tlt_jax.rl.grpo import GrpoConfig
-from tlt_jax.rl.tasks import TASKS
+from tlt_jax.rl.tasks import TASKS, ArithmeticTask
+from tlt_jax.speculative.sampling import SamplingParams
 
 # Which forward passes run the layers as a lax.scan (see model.scan_layers below).
 SCAN_LAYERS = ("none", "train", "all")
@@ -32,6 +36,41 @@ SCAN_LAYERS = ("none", "train", "all")
 
 class ConfigError(ValueError):
   """A configuration value or key is wrong; the message names the key and the fix."""
+
+
+# Keys renamed so that each concept has one name (old -> new). A command line or an override
+# that uses an old key still works, with a warning; a config file is told the new name.
+RENAMED_KEYS = {
+    "drafter.fused_layers": "drafter.feature_layers",
+    "drafter.clip_norm": "drafter.grad_clip",
+    "drafter.train_steps_ahead": "drafter.train_depth",
+    "sft.warmup_steps": "sft.lr_warmup_steps",
+    "rollout.steps_per_call": "rollout.iterations_per_call",
+    "task.min_steps": "task.min_ops",
+    "task.max_steps": "task.max_ops",
+}
+
+
+def current_key(dotted: str) -> str:
+  """A config key's current name: a renamed key's new one (saying so on stderr)."""
+  new = RENAMED_KEYS.get(dotted)
+  if new:
+    print(f"warning: config key {dotted} is now {new}", file=sys.stderr)
+  return new or dotted
+
+
+def with_current_keys(section: str, values: dict) -> dict:
+  """A config section as an older run saved it (its summary.json's), with the keys renamed
+  since under their current names."""
+  return {RENAMED_KEYS.get(f"{section}.{k}", k).rpartition(".")[2]: v
+          for k, v in values.items()}
+
+
+def renamed_hint(message: str) -> str:
+  """'; X is now Y' for each renamed key whose last part an error message names in quotes
+  ('' for none): appended to the errors of config files that set an old key."""
+  return "".join(f"; {old} is now {new}" for old, new in RENAMED_KEYS.items()
+                 if any(f"{q}{old.rpartition('.')[2]}{q}" in message for q in "'\""))
 
 
 class RunStopped(RuntimeError):
@@ -107,18 +146,11 @@ def base_config() -> ml_collections.ConfigDict:
       c.task[name] = ml_collections.ConfigDict(defaults_of(task.Settings))
   c.task.seed = 0           # training problems
   c.task.eval_seed = 1      # held-out problems (a different stream)
-  c.task.min_steps = 1
-  c.task.max_steps = 24
-  c.task.body_p = 0.4       # geometric body of the step count ...
-  c.task.tail_prob = 0.1    # ... mixed with a Zipf tail of this weight
-  c.task.tail_alpha = 0.5
-  c.task.max_value = 99
-  c.task.max_operand = 9
-  c.task.max_multiplier = 5
-  # A sentence appended to every prompt, e.g. how to state the answer for a model that was
-  # not fine-tuned on the task ('' = the bare problem, as the tiny policy learned it; the
-  # reasoning_gym task asks for a '#### <answer>' line).
-  c.task.instruction = ""
+  # The arithmetic task's knobs (operations per problem, their long-tailed distribution,
+  # value ranges, and `instruction`: a sentence appended to every prompt, e.g. how to state
+  # the answer for a model that was not fine-tuned on the task; the reasoning_gym task reads
+  # it too): see ArithmeticTask.
+  c.task.update(defaults_of(ArithmeticTask, exclude=("seed",)))
   # Your own problems instead of the built-in task: JSON lines of GSM8K / MATH / verl-style
   # records (tlt_jax.rl.data.load_jsonl); eval_data_path holds the held-out problems.
   c.task.data_path = ""
@@ -137,7 +169,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.rows = 16           # batch rows, split over the ('replica', 'fsdp') mesh axes
   c.sft.seq_len = 384       # tokens per row; several examples are packed into a row
   c.sft.learning_rate = 3e-3
-  c.sft.warmup_steps = 50
+  c.sft.lr_warmup_steps = 50
   c.sft.end_lr_fraction = 0.05
   c.sft.weight_decay = 0.1
   c.sft.b1 = 0.9
@@ -161,17 +193,15 @@ def base_config() -> ml_collections.ConfigDict:
   # Decode iterations per compiled call, at most: a call also returns as soon as the host
   # has something to decide (a row finished while requests wait, a smaller batch bucket, the
   # switch to SD), so this only bounds how long the host goes unheard.
-  c.rollout.steps_per_call = 32
+  c.rollout.iterations_per_call = 32
   # Compile the tail's SD programs in a background thread while the batch decodes plainly;
   # the tuner uses a strategy once its program is ready (see EngineConfig.compile_ahead).
   c.rollout.compile_ahead = True
-  c.rollout.temperature = 1.0
-  c.rollout.top_k = 0
-  c.rollout.top_p = 1.0
+  c.rollout.update(defaults_of(SamplingParams))  # temperature, top_k, top_p
   c.rollout.speculative = ml_collections.ConfigDict()
   c.rollout.speculative.enable = True
   c.rollout.speculative.tuner = "beg_mab"   # or "table" (one arm per bucket) or "fixed"
-  c.rollout.speculative.strategy = "4,2,8"  # the "fixed" tuner's (steps, topk, verify[, drafts])
+  c.rollout.speculative.strategy = "4,2,8"  # the "fixed" tuner's (depth, topk, verify[, drafts])
   # Batch-size buckets (first batch size of each) and the arms every bucket explores
   # ("table": one arm per bucket, in bucket order).
   c.rollout.speculative.bucket_thresholds = (1, 2, 5)
@@ -182,7 +212,7 @@ def base_config() -> ml_collections.ConfigDict:
   # plain decoding where no strategy pays (it learns that from the same goodput).
   c.rollout.speculative.plain_arm = True
   # Program batch sizes up to this (0: none) run the arms of one top-k in one SD program
-  # shaped for their largest (steps, verify_tokens), each drawing its own tree in it: a third
+  # shaped for their largest (depth, verify_tokens), each drawing its own tree in it: a third
   # of the SD compiles for the default arms, for a padded iteration (same tokens; see
   # EngineConfig.shared_sd_max_batch and `bench_sd_step.py --shared-shape`).
   c.rollout.speculative.shared_max_batch = 0
@@ -242,31 +272,22 @@ def base_config() -> ml_collections.ConfigDict:
   # the metrics as nonfinite_updates).
   c.rl.on_nonfinite = "stop"
 
-  # The EAGLE drafter (tlt_jax.models.drafter).
-  c.drafter = ml_collections.ConfigDict()
-  c.drafter.num_layers = 1
-  c.drafter.use_features = True
-  c.drafter.intermediate_size = 0   # 0 = the policy's
-  # Policy layers fused into the features (EAGLE-3 style), e.g. (1, 3); () = final hidden only.
-  c.drafter.fused_layers = ()
+  # The EAGLE drafter: its architecture is DrafterConfig's fields (tlt_jax.models.drafter:
+  # num_layers, use_features, intermediate_size, norm_input, norm_output, feature_layers: the
+  # policy layers fused into the features, EAGLE-3 style, e.g. (1, 3); draft_vocab_size: a
+  # reduced draft vocabulary with the drafter's own head, its tokens those the policy
+  # generates most in the warm-up, EAGLE-3; 0 = the policy's), and its AdamW and loss are
+  # DrafterOptConfig's (tlt_jax.drafter_training.train_step: EAGLE's betas 0.9/0.95, weight
+  # decay 0.01, grad_clip 1.0; ce_weight of the soft cross-entropy next to SmoothL1;
+  # train_depth: EAGLE-3's training-time test, the draft depth unrolled per slot in the loss,
+  # depth k weighted train_step_decay ** (k - 1)), for spot training (drafter.warmup has its
+  # own learning rate and warm-up).
+  c.drafter = ml_collections.ConfigDict(defaults_of(DrafterConfig))
+  c.drafter.update(defaults_of(DrafterOptConfig, exclude=("section",)))
   # A drafter folder (python -m tlt_jax.warmup_drafter exports one); '' = random weights.
   c.drafter.path = ""
   # Train the drafter on idle slices during each rollout (tlt_jax.drafter_training.spot).
   c.drafter.spot_training = True
-  # AdamW for the drafter (EAGLE: betas 0.9/0.95, weight decay 0.01, clip 1.0).
-  c.drafter.learning_rate = 3e-4
-  c.drafter.lr_warmup_steps = 20
-  c.drafter.weight_decay = 0.01
-  c.drafter.clip_norm = 1.0
-  c.drafter.ce_weight = 0.1        # weight of the soft cross-entropy next to SmoothL1
-  # Training-time test (EAGLE-3): draft steps unrolled per slot in the loss (1 = single-step
-  # training), step k weighted train_step_decay ** (k - 1). Offline warm-up and spot training.
-  c.drafter.train_steps_ahead = 1
-  c.drafter.train_step_decay = 0.8
-  # Reduced draft vocabulary (EAGLE-3): the drafter drafts over the draft_vocab_size tokens the
-  # policy generates most in the warm-up, with its own head (0 = the policy's whole vocabulary
-  # and head). Acceptance is unchanged: a drafted token is only ever a proposal.
-  c.drafter.draft_vocab_size = 0
   # The hidden-state buffer: features of the last `keep_steps` RL steps, for a sample of
   # `sequences_per_step` responses per step (0 = all).
   c.drafter.buffer = ml_collections.ConfigDict()
@@ -321,7 +342,7 @@ def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
   # Two-digit values and operands up to 19 (multipliers up to 9): the policy slips on some
   # steps, so accuracy falls with the number of steps and GRPO has signal. Up to 20 steps
   # keeps every problem within one 320-token row (prompt + solution).
-  c.task.max_steps = 20
+  c.task.max_ops = 20
   c.task.max_value = 99
   c.task.max_operand = 19
   c.task.max_multiplier = 9
@@ -364,12 +385,12 @@ def toy_settings(c: ml_collections.ConfigDict) -> None:
   c.model.num_heads = 2
   c.model.num_kv_heads = 1
   c.model.head_dim = 16
-  c.task.max_steps = 6
+  c.task.max_ops = 6
   c.tokenizer.num_train_examples = 300
   c.sft.steps = 12
   c.sft.rows = 8
   c.sft.seq_len = 128
-  c.sft.warmup_steps = 2
+  c.sft.lr_warmup_steps = 2
   c.sft.learning_rate = 1e-2
   c.sft.eval_every = 0
   c.sft.num_eval_examples = 8
@@ -380,6 +401,8 @@ def toy_settings(c: ml_collections.ConfigDict) -> None:
 def _check_keys(config, schema, prefix: str = "") -> None:
   for key in config.keys():
     name = f"{prefix}{key}"
+    if name in RENAMED_KEYS:
+      raise ConfigError(f"config key {name!r} is now {RENAMED_KEYS[name]!r}: set that instead")
     if key not in schema:
       close = difflib.get_close_matches(key, list(schema.keys()), n=1)
       hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
-  """learning_rate: the peak. With warmup_steps = W > 0, update s (0-based) of the first W
+  """learning_rate: the peak. With lr_warmup_steps = W > 0, update s (0-based) of the first W
   uses learning_rate * (s + 1) / (W + 1), so the first update already trains, and the peak
   is reached at update W.
   decay_steps: 0 keeps the peak after the warm-up; else a cosine decay reaching
@@ -21,7 +21,7 @@ class AdamWConfig:
   grad_clip: the global gradient norm is clipped to this (0 = no clipping).
   section: the config section named in errors."""
   learning_rate: float
-  warmup_steps: int = 0
+  lr_warmup_steps: int = 0
   decay_steps: int = 0
   end_lr_fraction: float = 1.0
   b1: float = 0.9
@@ -34,11 +34,11 @@ class AdamWConfig:
     s = self.section
     if self.learning_rate <= 0:
       raise ValueError(f"{s}.learning_rate={self.learning_rate} must be positive")
-    for name in ("warmup_steps", "decay_steps", "weight_decay", "grad_clip"):
+    for name in ("lr_warmup_steps", "decay_steps", "weight_decay", "grad_clip"):
       if getattr(self, name) < 0:
         raise ValueError(f"{s}.{name}={getattr(self, name)} must be >= 0")
-    if self.decay_steps and self.warmup_steps >= self.decay_steps:
-      raise ValueError(f"{s}.warmup_steps={self.warmup_steps} must be < {s}.steps="
+    if self.decay_steps and self.lr_warmup_steps >= self.decay_steps:
+      raise ValueError(f"{s}.lr_warmup_steps={self.lr_warmup_steps} must be < {s}.steps="
                        f"{self.decay_steps} (the decay's length)")
     if not 0.0 <= self.end_lr_fraction <= 1.0:
       raise ValueError(f"{s}.end_lr_fraction={self.end_lr_fraction} must be in [0, 1]")
@@ -50,13 +50,14 @@ class AdamWConfig:
     """The learning rate of update s (0-based): a float when it is constant."""
     # optax's warm-ups start at init_value; from 0 the first update would not move the
     # weights. Starting one warm-up increment above 0 gives peak * (s + 1) / (W + 1).
-    first = self.learning_rate / (self.warmup_steps + 1)
+    first = self.learning_rate / (self.lr_warmup_steps + 1)
     if self.decay_steps:
       return optax.warmup_cosine_decay_schedule(
-          init_value=first, peak_value=self.learning_rate, warmup_steps=self.warmup_steps,
+          init_value=first, peak_value=self.learning_rate,
+          warmup_steps=self.lr_warmup_steps,
           decay_steps=self.decay_steps, end_value=self.learning_rate * self.end_lr_fraction)
-    if self.warmup_steps:
-      return optax.linear_schedule(first, self.learning_rate, self.warmup_steps)
+    if self.lr_warmup_steps:
+      return optax.linear_schedule(first, self.learning_rate, self.lr_warmup_steps)
     return self.learning_rate
 
 

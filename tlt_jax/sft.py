@@ -77,8 +77,8 @@ def _eval_line(step: int, result: dict) -> str:
   long_ = sum(c for n, (c, _) in by.items() if n > 3) / max(
       sum(t for n, (_, t) in by.items() if n > 3), 1)
   return (f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on "
-          f"{result['num_examples']} problems (<= 3 steps {short:.3f}, > 3 steps "
-          f"{long_:.3f}); mean completion {np.mean(result['lengths']):.1f} tokens")
+          f"{result['num_examples']} problems (<= 3 operations {short:.3f}, > 3 "
+          f"operations {long_:.3f}); mean completion {np.mean(result['lengths']):.1f} tokens")
 
 
 # ---------------------------------------------------------------- main
@@ -199,7 +199,7 @@ def _sft(config, job: Job, num_devices: int) -> bool:
   summary = {"step": step, "final_loss": last["loss"] if last else None,
              "heldout_greedy_accuracy": result["accuracy"],
              "heldout_examples": result["num_examples"],
-             "heldout_accuracy_by_steps": {str(k): v for k, v in
+             "heldout_accuracy_by_ops": {str(k): v for k, v in
                                            result["accuracy_by"].items()},
              "heldout_mean_completion_tokens": result["response_len_mean"],
              "wall_s": job.wall_s, "train_s_incl_compile": train_s,

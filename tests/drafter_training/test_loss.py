@@ -72,7 +72,7 @@ def test_training_lowers_loss_on_a_fixed_buffer(tiny_cfg, tiny_params):
   dcfg, dparams = random_drafter(tiny_cfg, seed=2)
   batch = jax.tree.map(jnp.asarray, pack_windows(
       _samples(tiny_cfg, tiny_params, [12, 9, 15, 7, 10], seed=2), window=16))
-  oc = DrafterOptConfig(learning_rate=3e-3, warmup_steps=5)
+  oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5)
   step = jit_train_step(tiny_cfg, dcfg, oc)
   state = init_train_state(dparams, oc)
   first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg)
@@ -99,9 +99,9 @@ def test_reduced_vocab_loss_restricts_the_target_and_trains_only_weights(tiny_cf
     return (dataclasses.replace(dcfg, draft_vocab_size=len(d2t)),
             with_draft_vocab(dparams, tiny_params, d2t, tiny_cfg))
 
-  full, full_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, steps_ahead=2)
+  full, full_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, train_depth=2)
   rcfg, rparams = reduced(np.arange(v))
-  same, same_aux = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg, steps_ahead=2)
+  same, same_aux = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg, train_depth=2)
   np.testing.assert_allclose(float(same), float(full), rtol=1e-5)
   assert float(same_aux["top1"]) == float(full_aux["top1"])
 
@@ -112,7 +112,7 @@ def test_reduced_vocab_loss_restricts_the_target_and_trains_only_weights(tiny_cf
   _, aux = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg)
   assert int(aux["tokens"]) == mask.sum() - (mask & (top == common)).sum() < mask.sum()
 
-  oc = DrafterOptConfig(learning_rate=3e-3, warmup_steps=5)
+  oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5)
   first, _ = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg)
   rparams = jax.device_get(rparams)  # a host copy: the updates donate the train state
   state = init_train_state(jax.tree.map(jnp.asarray, rparams), oc)

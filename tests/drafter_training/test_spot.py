@@ -47,7 +47,7 @@ def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, 
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec, drafter=(dcfg, dparams),
                          tuner=FixedTuner((2, 2, 4)), log_features=True)
   prompts = [[1, 2, 3], [4, 5], [6]]
-  spot = SpotTrainer(tiny_cfg, dcfg, DrafterOptConfig(learning_rate=1e-3, warmup_steps=1),
+  spot = SpotTrainer(tiny_cfg, dcfg, DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=1),
                      dparams, mesh, SpotConfig(window=32, windows=4, batch_rows=2))
   spot.precompile(engine.slices, engine.policy_on)
   before = jax.device_get(spot.params)
@@ -97,7 +97,7 @@ def tiny_policy():
   # Slice 0 gets the long problems and slice 1 the short ones (requests alternate between
   # slices), so slice 1 is idle for most of each rollout: a long tail, made on purpose.
   examples, prompts = task_prompts(config, tok, 400)
-  steps = [ex.metadata["num_steps"] for ex in examples]
+  steps = [ex.metadata["num_ops"] for ex in examples]
   long_ = [p for p, n in zip(prompts, steps) if n >= 6][:12]
   short = [p for p, n in zip(prompts, steps) if n <= 2][:12]
   train = [p for pair in zip(long_, short) for p in pair]
@@ -112,7 +112,7 @@ def _spot_rollouts(cfg, params, dcfg, dparams, eos, prompts, min_steps, max_roll
   ec = EngineConfig(max_batch=8, max_prompt_len=128, max_new_tokens=192, sd_threshold=0,
                     eos_id=eos)
   engine = RolloutEngine(cfg, params, mesh, ec, log_features=True)
-  spot = SpotTrainer(cfg, dcfg, DrafterOptConfig(learning_rate=3e-3, warmup_steps=10), dparams,
+  spot = SpotTrainer(cfg, dcfg, DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=10), dparams,
                      mesh, SpotConfig(window=128, windows=16, batch_rows=4))
   spot.precompile(engine.slices, engine.policy_on)
   steps = 0

@@ -48,7 +48,7 @@ def _chain(dparams, policy, tokens, feats, root, depth, cfg, dcfg):
 
 @pytest.mark.parametrize("fused", [0, 1])
 def test_unrolled_steps_are_what_drafting_computes(tiny_cfg, tiny_params, fused):
-  dcfg, dparams = random_drafter(tiny_cfg, seed=3, fused_features=fused)
+  dcfg, dparams = random_drafter(tiny_cfg, seed=3, feature_layers=(0,) * fused)
   rng = np.random.default_rng(3)
   width = (1 + fused) * tiny_cfg.hidden_size  # the policy's (fused) feature width
   samples = [Sample(tokens=rng.integers(0, tiny_cfg.vocab_size, n).astype(np.int32),
@@ -83,18 +83,18 @@ def test_unrolled_training_lowers_the_later_steps_loss(tiny_cfg, tiny_params):
   dcfg, dparams = random_drafter(tiny_cfg, seed=2)
   batch = jax.tree.map(jnp.asarray, pack_windows(
       _samples(tiny_cfg, tiny_params, [12, 9, 15, 7, 10], seed=2), window=16))
-  oc = DrafterOptConfig(learning_rate=3e-3, warmup_steps=5, steps_ahead=3)
+  oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5, train_depth=3)
   one = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg)[0]
-  first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, steps_ahead=1)
+  first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, train_depth=1)
   assert float(one) == float(first)  # K = 1 is the single-step loss
-  first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, steps_ahead=3)
+  first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, train_depth=3)
   # Fewer slots have a 3-step chain inside their sample than a 1-step one.
   assert 0 < float(first_aux["tokens"])
   step = jit_train_step(tiny_cfg, dcfg, oc)
   state = init_train_state(dparams, oc)
   for _ in range(60):
     state, metrics = step(state, tiny_params, batch)
-  last, aux = drafter_loss(state.params, tiny_params, batch, tiny_cfg, dcfg, steps_ahead=3)
+  last, aux = drafter_loss(state.params, tiny_params, batch, tiny_cfg, dcfg, train_depth=3)
   assert np.isfinite(float(metrics["loss"]))
   assert float(last) < 0.8 * float(first)
   assert float(aux["top1_ahead"]) > float(first_aux["top1_ahead"]) + 0.2

@@ -53,3 +53,27 @@ def test_reduced_vocab_drafter_round_trips_in_eagle3_layout(tmp_path, tiny_cfg, 
   save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
   with pytest.raises(ValueError, match="its d2t and t2d do not describe one draft vocabulary"):
     load_drafter(str(tmp_path), tiny_cfg)
+
+
+def test_feature_layers_round_trip_and_older_exports(tmp_path, tiny_cfg):
+  dcfg, params = random_drafter(tiny_cfg, seed=2, feature_layers=[1, 0])
+  save_drafter(str(tmp_path), params, tiny_cfg, dcfg)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["drafter"]["feature_layers"] == [1, 0]
+  loaded_cfg, loaded = load_drafter(str(tmp_path), tiny_cfg)
+  assert loaded_cfg == dcfg and loaded_cfg.feature_layers == (1, 0)
+  assert loaded["fuse"]["kernel"].shape == (3 * tiny_cfg.hidden_size, tiny_cfg.hidden_size)
+
+  # An export from before feature_layers counted them: 0 reads as (), a count is refused.
+  plain_cfg, plain = random_drafter(tiny_cfg, seed=2)
+  old = tmp_path / "old"
+  save_drafter(str(old), plain, tiny_cfg, plain_cfg)
+  config = json.loads((old / "config.json").read_text())
+  del config["drafter"]["feature_layers"]
+  config["drafter"]["fused_features"] = 0
+  (old / "config.json").write_text(json.dumps(config))
+  assert load_drafter(str(old), tiny_cfg)[0] == plain_cfg
+  config["drafter"]["fused_features"] = 2
+  (old / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"fused_features=2 without naming .* \"feature_layers\""):
+    load_drafter(str(old), tiny_cfg)

@@ -137,7 +137,7 @@ def drafter(smollm2, greedy):
   dcfg = DrafterConfig()
   params, _ = train_drafter(
       init_drafter_params(smollm2.cfg, dcfg, jax.random.key(1)), smollm2.params, samples,
-      smollm2.cfg, dcfg, DrafterOptConfig(learning_rate=3e-3, warmup_steps=5),
+      smollm2.cfg, dcfg, DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5),
       steps=DRAFTER_STEPS, window=80, batch_rows=3, progress=False)
   return dcfg, params
 

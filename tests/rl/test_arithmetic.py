@@ -17,7 +17,7 @@ def _replay(example):
   instructions = re.findall(r"(Add|Subtract|Multiply by) (\d+)\.", example.prompt)
   value = int(re.match(r"Start with (\d+)\.", example.prompt).group(1))
   *lines, final = example.solution.split("\n")
-  assert len(lines) == len(instructions) == example.metadata["num_steps"]
+  assert len(lines) == len(instructions) == example.metadata["num_ops"]
   for line, (word, k) in zip(lines, instructions):
     a, sym, b, c = _LINE.match(line).groups()
     assert (int(a), sym, int(b)) == (value, _WORD[word], int(k))
@@ -55,8 +55,8 @@ def test_an_instruction_ends_every_prompt_and_changes_nothing_else():
 
 
 def test_step_counts_are_long_tailed_and_bounded():
-  task = ArithmeticTask(seed=0, min_steps=1, max_steps=20)
-  steps = np.array([e.metadata["num_steps"] for e in task.examples(3000)])
+  task = ArithmeticTask(seed=0, min_ops=1, max_ops=20)
+  steps = np.array([e.metadata["num_ops"] for e in task.examples(3000)])
   assert steps.min() >= 1 and steps.max() <= 20
   median = np.median(steps)
   assert median <= 3
@@ -65,8 +65,8 @@ def test_step_counts_are_long_tailed_and_bounded():
 
 
 def test_no_tail_gives_a_light_tail():
-  task = ArithmeticTask(seed=0, max_steps=20, tail_prob=0.0, body_p=0.9)
-  steps = [e.metadata["num_steps"] for e in task.examples(500)]
+  task = ArithmeticTask(seed=0, max_ops=20, tail_prob=0.0, body_p=0.9)
+  steps = [e.metadata["num_ops"] for e in task.examples(500)]
   assert max(steps) <= 6
 
 
@@ -79,7 +79,7 @@ def test_task_slice_is_a_lazy_sequence():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(min_steps=3, max_steps=2), "min_steps <= max_steps"),
+    (dict(min_ops=3, max_ops=2), "min_ops <= max_ops"),
     (dict(body_p=0.0), "body_p"),
     (dict(max_value=5), "max_value=5 is too small"),
 ])

@@ -126,13 +126,13 @@ def test_prompt_lengths_are_checked_at_the_start(tmp_path):
     check_prompt_lengths(config, tokenizer)
   with pytest.raises(ConfigError, match="arithmetic task's longest prompt"):
     check_prompt_lengths(config, tokenizer, data_files=False)  # the built-in task at 20 steps
-  config.task.max_steps = 6
+  config.task.max_ops = 6
   check_prompt_lengths(config, tokenizer, data_files=False)  # ... and at 6
 
 
 def _task_args(config):
   t = config.task
-  return dict(max_steps=t.max_steps, max_value=t.max_value, max_operand=t.max_operand,
+  return dict(max_ops=t.max_ops, max_value=t.max_value, max_operand=t.max_operand,
               max_multiplier=t.max_multiplier)
 
 

@@ -78,11 +78,10 @@ def test_partial_credit_is_a_reward_but_not_a_right_answer():
 
 def test_the_breakdown_is_the_task_s_own():
   assert ArithmeticTask().breakdown(ArithmeticTask().example(3)) == \
-      ArithmeticTask().example(3).metadata["num_steps"]
+      ArithmeticTask().example(3).metadata["num_ops"]
   gym = task_from_config(_gym_config())
   assert gym.breakdown(gym.example(0)) == gym.example(0).metadata["source"]
-  assert (ArithmeticTask.breakdown_name, ReasoningGymTask.breakdown_name) == ("steps",
-                                                                              "dataset")
+  assert (ArithmeticTask.breakdown_name, ReasoningGymTask.breakdown_name) == ("ops", "dataset")
 
 
 def test_data_files_score_with_the_interface_defaults(tmp_path):
@@ -168,7 +167,7 @@ def test_evaluation_breaks_accuracy_down_by_the_task_s_groups():
   tokenizer = _Tokenizer(examples)
   result = evaluate(engine, tokenizer, examples, None, breakdown=task.breakdown,
                     answer_fn=lambda p, c, answer, **_: [float(x == "#### right") for x in c])
-  steps = [e.metadata["num_steps"] for e in examples]
+  steps = [e.metadata["num_ops"] for e in examples]
   expected: dict = {}
   for i, n in enumerate(steps):
     cell = expected.setdefault(n, [0, 0])

@@ -167,11 +167,11 @@ def test_sampled_sd_engine_emits_what_the_plain_engine_emits(tiny_cfg, tiny_para
   ec, _ = plain_reference
   sp = SamplingParams(0.8, top_p=0.9)
   plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
-      ec, steps_per_call=1)).generate(PROMPTS, 3, sp, jax.random.key(4))
+      ec, iterations_per_call=1)).generate(PROMPTS, 3, sp, jax.random.key(4))
   tuner = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4)]],
                       plain_arm=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2), dataclasses.replace(
-      ec, max_batch=2, sd_threshold=2, steps_per_call=8), drafter=random_drafter(tiny_cfg, 2),
+      ec, max_batch=2, sd_threshold=2, iterations_per_call=8), drafter=random_drafter(tiny_cfg, 2),
       tuner=tuner)
   sd = engine.generate(PROMPTS, 3, sp, jax.random.key(4))
   assert sd.tokens == plain.tokens and sd.finish_reasons == plain.finish_reasons
@@ -180,13 +180,13 @@ def test_sampled_sd_engine_emits_what_the_plain_engine_emits(tiny_cfg, tiny_para
   assert other_key.tokens != sd.tokens
 
 
-def test_several_steps_per_call_change_the_calls_not_the_tokens(tiny_cfg, tiny_params,
+def test_several_iterations_per_call_change_the_calls_not_the_tokens(tiny_cfg, tiny_params,
                                                                  plain_reference):
   ec, ref = plain_reference
   one = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
-      ec, max_batch=4, steps_per_call=1)).generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+      ec, max_batch=4, iterations_per_call=1)).generate(PROMPTS, 2, GREEDY, jax.random.key(0))
   many = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
-      ec, max_batch=4, steps_per_call=64)).generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+      ec, max_batch=4, iterations_per_call=64)).generate(PROMPTS, 2, GREEDY, jax.random.key(0))
   assert one.tokens == many.tokens == ref.tokens
   calls = [[r for r in res.timeline if r.mode == "plain"] for res in (one, many)]
   assert all(r.iterations == 1 for r in calls[0])
@@ -285,7 +285,7 @@ def test_suffix_drafts_copy_the_groups_finished_responses(tiny_cfg, tiny_params)
   assert len(starts) == 2  # the first pair, then the second into the freed rows
   first = [r for r in res.timeline[:starts[1]] if r.mode == "sd"]
   second = [r for r in res.timeline[starts[1]:] if r.mode == "sd"]
-  mean = lambda calls: sum(r.emitted for r in calls) / sum(r.row_steps for r in calls)  # noqa
+  mean = lambda calls: sum(r.emitted for r in calls) / sum(r.row_iterations for r in calls)  # noqa
   assert mean(second) > 2 * mean(first)
   # 15 tokens after the first in 4 iterations: one with too short a suffix to match, then
   # three whole chains of 4 drafts + the bonus token.

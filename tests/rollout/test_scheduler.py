@@ -14,7 +14,7 @@ def test_bucket():
 
 
 def test_start_refill_and_decode_while_requests_wait():
-  s = SliceScheduler(range(10, 16), max_batch=4, steps_per_call=16)
+  s = SliceScheduler(range(10, 16), max_batch=4, iterations_per_call=16)
   assert s.next_action() == Start((10, 11, 12, 13), 4)
   # Requests wait: every finished row is work for the host, so the call stops at the first.
   assert s.next_action() == Decode(None, 4, 4, 16, False)
@@ -30,7 +30,7 @@ def test_compaction_and_the_switch_to_sd():
   def choose(running):
     chosen.append(running)
     return SD
-  s = SliceScheduler(range(8), max_batch=8, sd_threshold=2, steps_per_call=32,
+  s = SliceScheduler(range(8), max_batch=8, sd_threshold=2, iterations_per_call=32,
                      choose_strategy=choose)
   assert s.next_action() == Start(tuple(range(8)), 8)
   # Plain decoding until 4 rows fit half the batch; the tail starts at 2.
@@ -78,5 +78,5 @@ def test_padding_rows_of_a_small_start():
 def test_bad_settings():
   with pytest.raises(ValueError, match="power of two"):
     SliceScheduler([1], max_batch=3)
-  with pytest.raises(ValueError, match="steps_per_call=0"):
-    SliceScheduler([1], max_batch=2, steps_per_call=0)
+  with pytest.raises(ValueError, match="iterations_per_call=0"):
+    SliceScheduler([1], max_batch=2, iterations_per_call=0)

@@ -28,7 +28,7 @@ def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None, corpus=None)
   drafter: (dcfg, params) of the EAGLE drafter or None (the suffix drafter is always there);
   corpus: [3, S, L] responses the suffix drafter may copy from."""
   b = len(LENGTHS)
-  margin = strategy.steps + 1 if strategy else 1
+  margin = strategy.depth + 1 if strategy else 1
   cap = PROMPTS.shape[1] + max_new + margin
   policy = Policy(params, cfg)
   drafters = build_drafters(*(drafter or (None, None)))
@@ -101,7 +101,7 @@ def test_greedy_suffix_and_hybrid_equal_plain(tiny_cfg, tiny_params, plain_outpu
   if corpus == "own":
     # Copying from the answer: after the first min_match tokens every draft is right.
     _, alone = _run(tiny_cfg, tiny_params, 14, -1, strategy, random_drafter(tiny_cfg, seed=3))
-    assert accepted.mean() > alone.mean() and accepted.max() == strategy.steps + 1
+    assert accepted.mean() > alone.mean() and accepted.max() == strategy.depth + 1
 
 
 def test_suffix_drafts_need_no_trained_drafter(tiny_cfg, tiny_params, plain_outputs):
@@ -145,7 +145,7 @@ def test_oracle_chain_accepts_maximum(tiny_cfg, tiny_params):
                          oracle_drafter(tiny_cfg, tiny_params))
   # 1 token from prefill, then 4 iterations of steps + 1 = 5 tokens each.
   assert accepted.shape[0] == 4
-  assert (accepted == strategy.steps + 1).all()
+  assert (accepted == strategy.depth + 1).all()
 
 
 def test_policy_cache_after_sd_equals_plain(tiny_cfg, tiny_params):
@@ -168,14 +168,14 @@ def test_fused_feature_drafter_is_lossless(tiny_cfg, tiny_params, plain_outputs)
   """EAGLE-3 style: the policy returns [final ; layer 1] features, the drafter fuses them
   (layer 1 is deeper than the 1-layer drafter: its index is the policy's, not the drafter's)."""
   fused_cfg = tiny_cfg.replace(feature_layers=(1,))
-  drafter = random_drafter(fused_cfg, seed=6, fused_features=1)
+  drafter = random_drafter(fused_cfg, seed=6, feature_layers=(1,))
   assert "fuse" in drafter[1]
   state, _ = _run(fused_cfg, tiny_params, 14, -1, Strategy(3, 2, 6), drafter)
   np.testing.assert_array_equal(np.asarray(state.out), plain_outputs)
   assert state.features.shape == (3, 2 * tiny_cfg.hidden_size)
 
 
-def test_fused_features_layout_and_width_check(tiny_cfg, tiny_params):
+def test_feature_layers_layout_and_width_check(tiny_cfg, tiny_params):
   from tlt_jax.models import prefill
   from tlt_jax.models.attention_inputs import decode_inputs
   from tlt_jax.models.drafter import DrafterConfig, drafter_forward, init_drafter_params
@@ -192,9 +192,9 @@ def test_fused_features_layout_and_width_check(tiny_cfg, tiny_params):
   assert not np.allclose(np.asarray(feats[..., e:2 * e]), np.asarray(hidden), atol=1e-3)
   with pytest.raises(ValueError, match="out of range for 2 layers"):
     tiny_cfg.replace(feature_layers=(2,))
-  dcfg = DrafterConfig()  # fused_features=0 cannot read 3E-wide features
+  dcfg = DrafterConfig()  # no feature layers: cannot read 3E-wide features
   dparams = init_drafter_params(tiny_cfg, dcfg, jax.random.key(0))
-  with pytest.raises(ValueError, match="feature_layers and the drafter's fused_features"):
+  with pytest.raises(ValueError, match="the policy's and the drafter's feature_layers must agree"):
     drafter_forward(dparams, tiny_params, tokens[:, :1], feats[:, :1],
                     decode_inputs(jnp.zeros((3,), jnp.int32)), tiny_cfg, dcfg,
                     cache=init_drafter_cache(tiny_cfg, dcfg, 3, 8))

@@ -77,7 +77,7 @@ def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None, strategy=STRATEGY
   accepted = []
   if use_sd:
     limits = None if shape is None else jnp.asarray(
-        [strategy.steps, strategy.verify_tokens], jnp.int32)
+        [strategy.depth, strategy.verify_tokens], jnp.int32)
     step = jax.jit(functools.partial(sd_step, sp=sp, eos_id=-1, strategy=shape or strategy,
                                      limits=limits, corpus=corpus))
   else:

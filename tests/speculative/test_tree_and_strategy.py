@@ -54,7 +54,7 @@ def test_draft_tree_structure(tiny_cfg, tiny_params, strategy):
     assert parents[r, 0] == -1 and depths[r, 0] == 0
     for i in range(1, strategy.verify_tokens):
       assert 0 <= parents[r, i] < i  # topological
-      assert depths[r, i] == depths[r, parents[r, i]] + 1 <= strategy.steps
+      assert depths[r, i] == depths[r, parents[r, i]] + 1 <= strategy.depth
       assert mask[r, i, i] and mask[r, i, parents[r, i]]
     for node in range(strategy.verify_tokens):  # siblings carry distinct tokens
       kids = tokens[r, parents[r] == node]
@@ -76,7 +76,7 @@ def test_a_smaller_strategy_in_a_larger_programs_shapes_draws_its_own_tree(
   active = jnp.asarray([True, True, False])
   build = _builder(tiny_cfg, tiny_params, (dcfg, dparams))
   own, own_cache = build(cache, roots, feats, active, small)
-  limits = jnp.asarray([small.steps, small.verify_tokens], jnp.int32)
+  limits = jnp.asarray([small.depth, small.verify_tokens], jnp.int32)
   padded, padded_cache = build(cache, roots, feats, active, shape, limits)
   t = small.verify_tokens
   assert padded.tokens.shape == (b, 12)
@@ -193,9 +193,9 @@ def test_strategy_validation_and_parsing():
   assert Strategy(8, 4, 48).num_candidates == 4 + 7 * 16
   with pytest.raises(ValueError, match="exceeds the 6 draft candidates"):
     Strategy(2, 2, 8)
-  with pytest.raises(ValueError, match="need steps >= 1"):
+  with pytest.raises(ValueError, match="need depth >= 1"):
     Strategy(0, 2, 4)
-  with pytest.raises(ValueError, match=r"\(steps, topk, verify_tokens\[, drafts\]\)"):
+  with pytest.raises(ValueError, match=r"\(depth, topk, verify_tokens\[, drafts\]\)"):
     Strategy.parse("4,2")
   hybrid = Strategy.parse("6,2,12,eagle+suffix")
   assert hybrid.drafts == ("eagle", "suffix") and hybrid.num_candidates == 2 + 5 * 4 + 6

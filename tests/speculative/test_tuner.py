@@ -66,7 +66,7 @@ def test_bucket_ranges():
 def test_default_arms_differ_in_shape_within_each_budget():
   for budget, arms in zip(BUDGETS, BegMabTuner().arms):
     assert len(arms) == 3 and {a.verify_tokens for a in arms} == {budget}
-    assert len({(a.steps, a.topk) for a in arms}) == 3
+    assert len({(a.depth, a.topk) for a in arms}) == 3
 
 
 def test_strategies_list_exactly_the_arms():
@@ -250,7 +250,7 @@ def test_make_tuner_builds_each_kind():
     (dict(thresholds=[1, 2], arms=[[(8, 4, 48)], []]), r"bucket 1 \(batch sizes >=2\) has no arms"),
     (dict(thresholds=[1], arms=[[(1, 2, 10)]]), r"bucket 0 .*entry 0 .*exceeds the 2 draft"),
     (dict(thresholds=[1], arms=[["4,2"]]),
-     r"entry 0 \('4,2'\).*\(steps, topk, verify_tokens\[, drafts\]\)"),
+     r"entry 0 \('4,2'\).*\(depth, topk, verify_tokens\[, drafts\]\)"),
     (dict(thresholds=[1], arms=[[(4, 2, 8), "4,2,8"]]), "lists a strategy twice"),
     (dict(epsilon=-0.1), r"epsilon .* in \[0, 1\], got -0.1"),
     (dict(epsilon=1.5), r"epsilon .* in \[0, 1\], got 1.5"),

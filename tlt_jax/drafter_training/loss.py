@@ -5,7 +5,7 @@ policy's feature f_s of that token (what the policy computed when it read x_s). 
 reads (x_s, f_{s-1}) -- the previous feature of the same sample, zeros at a sample's start --
 and is trained to predict f_s (SmoothL1) and the policy's next-token distribution
 softmax(lm_head(f_s)) (soft cross-entropy), exactly the pairing it sees when drafting; with
-`steps_ahead` > 1 the later draft steps are unrolled too (training-time test).
+`train_depth` > 1 the later draft steps are unrolled too (training-time test).
 Segment ids keep samples apart: attention never crosses them and positions restart at 0.
 """
 
@@ -73,18 +73,18 @@ def unrolled_forward(drafter_params: dict, policy_params: dict, batch: Windows,
 
 
 def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg: ModelConfig,
-                 dcfg: DrafterConfig, ce_weight: float = 0.1, steps_ahead: int = 1,
-                 step_decay: float = 0.8):
+                 dcfg: DrafterConfig, ce_weight: float = 0.1, train_depth: int = 1,
+                 train_step_decay: float = 0.8):
   """Scalar loss and metrics {'loss', 'feature_loss', 'ce_loss', 'top1', 'top1_ahead',
   'tokens'}.
 
-  steps_ahead: K draft steps unrolled per slot (training-time test, as EAGLE-3 trains). Step 1
+  train_depth: K draft steps unrolled per slot (training-time test, as EAGLE-3 trains). Step 1
     reads the policy's features; step k > 1 reads, at slot t, the true token x_t with the
     feature the drafter itself predicted at slot t - 1 in step k - 1, and attends as the
     depth-(k - 1) node of a draft tree rooted at slot t - k + 1 does (`unrolled_inputs`). So
     from the second draft step on, the drafter trains on what it is fed when drafting (its own
     E-wide predictions, which bypass a fused drafter's `fuse` projection). Step k's loss covers
-    the trained slots whose chain stays inside their sample and weighs step_decay ** (k - 1);
+    the trained slots whose chain stays inside their sample and weighs train_step_decay ** (k - 1);
     the total is the weighted mean, so K = 1 is the single-step loss.
   top1: how often the drafter's argmax equals the policy's argmax at step 1 (a proxy for
     acceptance); top1_ahead: the same at step K.
@@ -106,7 +106,7 @@ def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg:
   seg = batch.segment_ids
   total, weights, per_step = 0.0, 0.0, []
   for k, (pred, logits) in enumerate(unrolled_forward(drafter_params, policy_params, batch, cfg,
-                                                      dcfg, steps_ahead)):
+                                                      dcfg, train_depth)):
     # Slot t's chain is rooted at t - k: it must lie in the same sample.
     rooted = jnp.concatenate([jnp.zeros_like(seg[:, :k]), seg[:, :seg.shape[1] - k]], 1) == seg
     mask = (loss_mask & rooted).astype(jnp.float32)
@@ -116,7 +116,7 @@ def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg:
     ce_loss = jnp.sum(ce * mask) / n
     drafted = policy_token_ids(drafter_params, jnp.argmax(logits, -1))
     top1 = jnp.sum((drafted == target_top) * mask) / n
-    w = step_decay ** k
+    w = train_step_decay ** k
     total, weights = total + w * (feature_loss + ce_weight * ce_loss), weights + w
     per_step.append((feature_loss, ce_loss, top1, mask.sum()))
   loss = total / weights

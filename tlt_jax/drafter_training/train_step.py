@@ -21,34 +21,34 @@ from tlt_jax.optim import AdamWConfig, make_adamw
 @dataclasses.dataclass(frozen=True)
 class DrafterOptConfig:
   """AdamW as in EAGLE: betas (0.9, 0.95), weight decay 0.01, clip 1.0, linear warm-up; and
-  the loss: ce_weight, steps_ahead and step_decay (see `drafter_loss`)."""
+  the loss: ce_weight, train_depth and train_step_decay (see `drafter_loss`)."""
   learning_rate: float = 3e-4
-  warmup_steps: int = 20
+  lr_warmup_steps: int = 20
   weight_decay: float = 0.01
   b1: float = 0.9
   b2: float = 0.95
-  clip_norm: float = 1.0
+  grad_clip: float = 1.0
   ce_weight: float = 0.1
-  steps_ahead: int = 1
-  step_decay: float = 0.8
+  train_depth: int = 1
+  train_step_decay: float = 0.8
   section: str = "drafter"  # the config section named in errors
 
   def __post_init__(self):
     self.adamw()  # checks the optimizer's values
-    if self.clip_norm <= 0:
-      raise ValueError(f"{self.section}.clip_norm={self.clip_norm} must be positive")
+    if self.grad_clip <= 0:
+      raise ValueError(f"{self.section}.grad_clip={self.grad_clip} must be positive")
     if self.ce_weight < 0:
       raise ValueError(f"{self.section}.ce_weight={self.ce_weight} must be >= 0")
-    if self.steps_ahead < 1:
-      raise ValueError(f"{self.section}.train_steps_ahead={self.steps_ahead} must be >= 1 "
+    if self.train_depth < 1:
+      raise ValueError(f"{self.section}.train_depth={self.train_depth} must be >= 1 "
                        f"(1 = single-step training)")
-    if not 0 < self.step_decay <= 1:
-      raise ValueError(f"{self.section}.train_step_decay={self.step_decay} must be in (0, 1]")
+    if not 0 < self.train_step_decay <= 1:
+      raise ValueError(f"{self.section}.train_step_decay={self.train_step_decay} must be in (0, 1]")
 
   def adamw(self) -> AdamWConfig:
-    return AdamWConfig(learning_rate=self.learning_rate, warmup_steps=self.warmup_steps,
+    return AdamWConfig(learning_rate=self.learning_rate, lr_warmup_steps=self.lr_warmup_steps,
                        b1=self.b1, b2=self.b2, weight_decay=self.weight_decay,
-                       grad_clip=self.clip_norm, section=self.section)
+                       grad_clip=self.grad_clip, section=self.section)
 
 
 def make_optimizer(oc: DrafterOptConfig) -> optax.GradientTransformation:
@@ -76,8 +76,8 @@ def train_step(state: DrafterTrainState, policy_params: dict, batch: Windows, cf
   fixed, trainable = fixed_part(state.params), trainable_part(state.params)
   policy = Policy(policy_params, cfg)
   grads, metrics = jax.grad(lambda p: EagleDrafter({**p, **fixed}, dcfg).loss(
-      policy, batch, ce_weight=oc.ce_weight, steps_ahead=oc.steps_ahead,
-      step_decay=oc.step_decay), has_aux=True)(trainable)
+      policy, batch, ce_weight=oc.ce_weight, train_depth=oc.train_depth,
+      train_step_decay=oc.train_step_decay), has_aux=True)(trainable)
   updates, opt_state = make_optimizer(oc).update(grads, state.opt_state, trainable)
   params = {**optax.apply_updates(trainable, updates), **fixed}
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads))

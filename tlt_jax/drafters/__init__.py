@@ -13,20 +13,20 @@ from tlt_jax.drafters.base import Candidates, DraftContext
 from tlt_jax.drafters.eagle import EagleDrafter
 from tlt_jax.drafters.suffix import SuffixDrafter
 
-# name -> drafter class (each has a static candidate_count(steps, topk)).
+# name -> drafter class (each has a static candidate_count(depth, topk)).
 DRAFTERS = {"eagle": EagleDrafter, "suffix": SuffixDrafter}
 
 __all__ = ["Candidates", "DraftContext", "EagleDrafter", "SuffixDrafter", "DRAFTERS",
            "build_drafters", "candidate_count", "reads_corpus"]
 
 
-def candidate_count(name: str, steps: int, topk: int) -> int:
-  """How many candidates drafter `name` proposes at (steps, topk); the error lists the
+def candidate_count(name: str, depth: int, topk: int) -> int:
+  """How many candidates drafter `name` proposes at (depth, topk); the error lists the
   registered names."""
   if name not in DRAFTERS:
     raise ValueError(f"unknown drafter {name!r} in a strategy; the registered drafters are "
                      f"{sorted(DRAFTERS)} (combine them with '+', e.g. 'eagle+suffix')")
-  return DRAFTERS[name].candidate_count(steps, topk)
+  return DRAFTERS[name].candidate_count(depth, topk)
 
 
 def reads_corpus(drafts) -> bool:

@@ -14,10 +14,10 @@ with these methods, all pure and jittable; `policy` is a `tlt_jax.models.policy.
       token, or an SD iteration's accepted path). After a `propose` of its own the drafter
       already holds the root pair, and the pairs start after it.
   propose(policy, state, ctx: DraftContext, strategy, limits) -> (Candidates, state)
-      Candidates for the next tokens after ctx.root, at most `candidate_count(steps, topk)`
-      of them. limits: None, or int32 [2] (steps, verify_tokens) of a smaller strategy run in
+      Candidates for the next tokens after ctx.root, at most `candidate_count(depth, topk)`
+      of them. limits: None, or int32 [2] (depth, verify_tokens) of a smaller strategy run in
       `strategy`'s shapes: candidates deeper than limits[0] must score -inf.
-  candidate_count(steps, topk) -> int  (a staticmethod)
+  candidate_count(depth, topk) -> int  (a staticmethod)
   reads_corpus: bool  (a class attribute) whether it reads DraftContext.corpus, which the
       engine then builds for its programs
   loss(policy, batch, **options) -> (scalar, metrics)  (trained drafters only)

@@ -32,9 +32,9 @@ class EagleDrafter:
   dcfg: DrafterConfig = flax.struct.field(pytree_node=False)
 
   @staticmethod
-  def candidate_count(steps: int, topk: int) -> int:
+  def candidate_count(depth: int, topk: int) -> int:
     """topk children of the root, then topk^2 per further step."""
-    return topk + (steps - 1) * topk * topk
+    return topk + (depth - 1) * topk * topk
 
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int) -> KVCache:
     return init_drafter_cache(cfg, self.dcfg, batch, capacity)
@@ -58,12 +58,12 @@ class EagleDrafter:
   def propose(self, policy: Policy, state: KVCache, ctx: DraftContext, strategy: Strategy,
               limits: jax.Array | None = None) -> tuple[Candidates, KVCache]:
     """EAGLE-2 dynamic tree: expand the best `topk` beams by cumulative log-probability for
-    `steps` drafter passes. Pass 0 reads the root pair (x_n, f_{n-1}), which is real, so it
+    `depth` drafter passes. Pass 0 reads the root pair (x_n, f_{n-1}), which is real, so it
     joins the cache (for active rows). Scores are cumulative log-probabilities (<= 0), so a
     parent always outranks its children. Under `limits`, passes past limits[0] are skipped
     (`lax.cond`) and their candidates score -inf."""
     cfg = policy.cfg
-    k, steps = strategy.topk, strategy.steps
+    k, passes = strategy.topk, strategy.depth
     b = ctx.root.shape[0]
     n = state.lengths
 
@@ -77,14 +77,14 @@ class EagleDrafter:
     beam_ids = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index
     beam_scores, beam_tokens = logp, tok
     beam_feats = jnp.repeat(feats, k, axis=1)  # [B, K, E]: the parent's predicted feature
-    buf_size = max(steps - 1, 1) * k
+    buf_size = max(passes - 1, 1) * k
     buf_shape = (self.dcfg.num_layers, b, buf_size, cfg.num_kv_heads, cfg.head_dim)
     buf_k = jnp.zeros(buf_shape, state.k.dtype)
     buf_v = jnp.zeros(buf_shape, state.k.dtype)
     beam_anc = jnp.zeros((b, k, buf_size), bool)  # ancestors among earlier beams (buffer slots)
     next_id = k
 
-    for depth in range(1, steps):
+    for depth in range(1, passes):
       def expand(beam_tokens, beam_feats, beam_anc, buf_k, buf_v, depth=depth):
         return self._forward(policy, beam_tokens, beam_feats,
                              expansion_inputs(n + depth, beam_anc), state,
@@ -109,7 +109,7 @@ class EagleDrafter:
       cand_tokens.append(child_tok)
       cand_scores.append(scores)
       cand_parents.append(jnp.repeat(beam_ids, k, axis=1))
-      if depth == steps - 1:
+      if depth == passes - 1:
         break
       beam_scores, pick = jax.lax.top_k(scores, k)  # [B, K] among the K*K children
       parent_beam = pick // k
@@ -127,7 +127,7 @@ class EagleDrafter:
 
   def loss(self, policy: Policy, batch, **options):
     """The EAGLE-aligned loss on packed windows (`drafter_training.loss.drafter_loss`;
-    options: ce_weight, steps_ahead, step_decay) -> (scalar, metrics)."""
+    options: ce_weight, train_depth, train_step_decay) -> (scalar, metrics)."""
     return drafter_loss(self.params, policy.params, batch, policy.cfg, self.dcfg, **options)
 
   def _forward(self, policy: Policy, tokens, features, attn, cache=None, earlier_kv=None):

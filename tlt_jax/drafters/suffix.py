@@ -8,7 +8,7 @@ the batch, and `DraftContext.corpus` (its group's finished siblings, earlier res
 prompt). Every match is found by comparing all positions at once (B x R x N x max_match
 comparisons per iteration, tiny beside a policy pass), so no index is built or kept on the
 host. Among the longest matches the most frequent next token wins, and the drafter proposes
-the continuation of its most recent occurrence as one chain of `steps` tokens.
+the continuation of its most recent occurrence as one chain of `depth` tokens.
 
 Score of the chain's node at depth d: d * log(c), with c = (share of the longest matches that
 continue with the chosen token) * L / (L + 1) for a match of L tokens: a unanimous long match
@@ -44,19 +44,19 @@ class SuffixDrafter:
                        f"{self.min_match}, {self.max_match}")
 
   @staticmethod
-  def candidate_count(steps: int, topk: int) -> int:
-    """One chain of `steps` tokens."""
+  def candidate_count(depth: int, topk: int) -> int:
+    """One chain of `depth` tokens."""
     del topk
-    return steps
+    return depth
 
   def init_state(self, cfg, batch: int, capacity: int) -> None:
     return None
 
   def propose(self, policy: Policy, state, ctx: DraftContext, strategy: Strategy,
               limits: jax.Array | None = None) -> tuple[Candidates, None]:
-    """One chain per row: `steps` tokens copied from the best match (see the module
+    """One chain per row: `depth` tokens copied from the best match (see the module
     docstring); rows without a match of min_match tokens get -inf scores."""
-    steps = strategy.steps
+    depth = strategy.depth
     corpus, valid = self._corpus(ctx)                 # [B, R, N] int32, bool
     b, _, n = corpus.shape
     m = self.max_match
@@ -86,7 +86,7 @@ class SuffixDrafter:
     at = jnp.argmax(jnp.where(chosen, jnp.arange(chosen.shape[1])[None], -1), axis=1)
     row, pos = at // n, at % n
 
-    j = jnp.arange(steps)[None]
+    j = jnp.arange(depth)[None]
     src = jnp.minimum(pos[:, None] + j, n - 1)
     rows_of = lambda x: jnp.take_along_axis(x, row[:, None, None], 1)[:, 0]  # noqa: E731
     tokens = jnp.take_along_axis(rows_of(corpus), src, 1)
@@ -96,7 +96,7 @@ class SuffixDrafter:
       ok = ok & (j < limits[0])
     conf = share * best / (best + 1.0)
     scores = jnp.where(ok, (j + 1) * jnp.log(jnp.maximum(conf, 1e-6))[:, None], -jnp.inf)
-    parents = jnp.broadcast_to(jnp.arange(-1, steps - 1, dtype=jnp.int32), (b, steps))
+    parents = jnp.broadcast_to(jnp.arange(-1, depth - 1, dtype=jnp.int32), (b, depth))
     return Candidates(tokens=jnp.where(ok, tokens, 0).astype(jnp.int32), parents=parents,
                       scores=scores.astype(jnp.float32)), state
 

@@ -47,10 +47,10 @@ class DrafterConfig:
   norm_input: RMSNorm at the first layer's input (EAGLE-1 has none).
   norm_output: RMSNorm on the output (EAGLE-1 has none; with it and the policy's own layers,
     the drafter can be an exact copy of the policy, which tests use as an oracle).
-  fused_features: how many extra policy layers the features carry (the policy's
-    `feature_layers`, EAGLE-3 style); > 0 adds a `fuse` projection (1 + n) * E -> E for
-    features that come from the policy. Features the drafter predicted itself are E wide
-    and go in as they are.
+  feature_layers: the policy layers whose outputs the features carry besides the final
+    hidden state (EAGLE-3 style; the policy's ModelConfig.feature_layers, which must be the
+    same); n > 0 of them add a `fuse` projection (1 + n) * E -> E for features that come from
+    the policy. Features the drafter predicted itself are E wide and go in as they are.
   draft_vocab_size: r > 0 drafts over r policy tokens with its own [E, r] head (EAGLE-3's
     reduced vocabulary); 0 drafts over the policy's whole vocabulary with the policy's head.
   """
@@ -59,14 +59,16 @@ class DrafterConfig:
   intermediate_size: int = 0
   norm_input: bool = False
   norm_output: bool = False
-  fused_features: int = 0
+  feature_layers: tuple[int, ...] = ()
   draft_vocab_size: int = 0
 
   def __post_init__(self):
     if self.num_layers < 1:
       raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
-    if self.fused_features < 0:
-      raise ValueError(f"drafter.fused_features must be >= 0, got {self.fused_features}")
+    object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
+    if any(i < 0 for i in self.feature_layers):
+      raise ValueError(f"drafter.feature_layers must be policy layer indices >= 0, got "
+                       f"{self.feature_layers}")
     if self.intermediate_size < 0:
       raise ValueError(f"drafter.intermediate_size must be >= 0, got {self.intermediate_size}")
     if self.draft_vocab_size < 0:
@@ -91,8 +93,8 @@ def drafter_param_specs(cfg: ModelConfig, dcfg: DrafterConfig) -> dict:
   fc_in = 2 * e if dcfg.use_features else e
   specs = {"fc": {"kernel": ParamSpec((fc_in, e), ("embed_in", "embed")),
                   "bias": ParamSpec((e,), ("embed",), "zeros")}}
-  if dcfg.fused_features:
-    specs["fuse"] = {"kernel": ParamSpec(((1 + dcfg.fused_features) * e, e),
+  if dcfg.feature_layers:
+    specs["fuse"] = {"kernel": ParamSpec(((1 + len(dcfg.feature_layers)) * e, e),
                                          ("embed_in", "embed"))}
   for i in range(dcfg.num_layers):
     specs[f"layer_{i}"] = layer_param_specs(lcfg, input_norm=i > 0 or dcfg.norm_input)
@@ -144,12 +146,12 @@ def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array
   e = cfg.hidden_size
   x = embed(policy_params, tokens, cfg)
   dt = lcfg.jnp_dtype
-  policy_width = (1 + dcfg.fused_features) * e
+  policy_width = (1 + len(dcfg.feature_layers)) * e
   if features.shape[-1] not in (e, policy_width):
     raise ValueError(f"drafter got {features.shape[-1]}-wide features; expected {e} (its "
                      f"own predictions) or {policy_width} (policy features with "
-                     f"drafter.fused_features={dcfg.fused_features}); the policy's "
-                     f"feature_layers and the drafter's fused_features must agree")
+                     f"drafter.feature_layers={dcfg.feature_layers}); the policy's and the "
+                     f"drafter's feature_layers must agree")
   if features.shape[-1] != e:  # policy features: project the fused layers to E
     features = features.astype(dt) @ drafter_params["fuse"]["kernel"].astype(dt)
   if dcfg.use_features:

@@ -40,7 +40,7 @@ def _tensors(cfg: ModelConfig, dcfg: DrafterConfig):
   """(hf name, our path, to_ours, to_hf) for every drafter tensor."""
   t = lambda w: w.T  # noqa: E731
   rows = [("fc.weight", ("fc", "kernel"), t, t), ("fc.bias", ("fc", "bias"), None, None)]
-  if dcfg.fused_features:
+  if dcfg.feature_layers:
     rows.append(("fuse.weight", ("fuse", "kernel"), t, t))
   if dcfg.norm_output:
     rows.append(("norm.weight", ("norm", "weight"), None, None))
@@ -101,6 +101,18 @@ def read_drafter_config(path: str) -> dict:
   return config
 
 
+def _saved_fields(saved: dict) -> dict:
+  """A saved DrafterConfig's fields. Exports from before `feature_layers` counted the fused
+  layers (`fused_features`) without naming them; a count of 0 reads as ()."""
+  saved = dict(saved)
+  count = saved.pop("fused_features", 0)
+  if count:
+    raise ValueError(f"its {CONFIG_FILE} counts fused_features={count} without naming the "
+                     f"policy layers; replace it with \"feature_layers\": [...], the policy "
+                     f"layers it was trained on (drafter.feature_layers of its run)")
+  return saved
+
+
 def load_drafter(path: str, cfg: ModelConfig) -> tuple[DrafterConfig, dict]:
   """(DrafterConfig, params as numpy arrays in cfg.param_dtype) from a drafter folder.
 
@@ -112,7 +124,7 @@ def load_drafter(path: str, cfg: ModelConfig) -> tuple[DrafterConfig, dict]:
       raise FileNotFoundError(f"drafter folder {path!r} has no {fn}; export one with "
                               f"python -m tlt_jax.warmup_drafter")
   config = read_drafter_config(path)
-  dcfg = DrafterConfig(**config["drafter"])
+  dcfg = DrafterConfig(**_saved_fields(config["drafter"]))
   wrong = {k: (v, getattr(cfg, k)) for k, v in config["policy"].items()
            if k in POLICY_FIELDS and v != getattr(cfg, k)}
   if wrong:

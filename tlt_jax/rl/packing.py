@@ -40,7 +40,7 @@ def _first_fit(lengths: Sequence[int], rows: int, seq_len: int) -> list[int] | N
   for n in lengths:
     if n > seq_len:
       raise ValueError(f"a sequence of {n} tokens does not fit in sft.seq_len={seq_len}; raise "
-                       f"seq_len or shorten the task (task.max_steps)")
+                       f"seq_len or shorten the task (task.max_ops)")
     row = next((r for r in range(rows) if fill[r] + n <= seq_len), None)
     if row is None:
       return None
@@ -88,7 +88,7 @@ def next_packed_batch(iterator, encode: Callable[[Any], tuple[list[int], list[in
     n = len(prompt) + len(response)
     if n > seq_len:
       raise ValueError(f"a sequence of {n} tokens does not fit in sft.seq_len={seq_len}; raise "
-                       f"seq_len or shorten the task (task.max_steps)")
+                       f"seq_len or shorten the task (task.max_ops)")
     row = next((r for r in range(rows) if fill[r] + n <= seq_len), None)
     if row is None:
       iterator.load_state_dict(before)

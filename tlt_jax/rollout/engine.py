@@ -4,7 +4,7 @@
 of the mesh. Three parts, one file each:
 
   scheduler  (`tlt_jax.rollout.scheduler`) decides, per slice, on the host and without JAX:
-             start, refill, compact, or decode for up to `steps_per_call` iterations (plain,
+             start, refill, compact, or decode for up to `iterations_per_call` iterations (plain,
              or SD with the tuner's strategy once few rows run);
   programs   (`tlt_jax.rollout.programs`) are the slice's compiled calls that carry a
              decision out; a decode call runs its iterations in one `lax.while_loop` and
@@ -50,7 +50,7 @@ from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import Tuner
 
 # Decode iterations per compiled call, at most (a call also ends when the scheduler must act).
-DEFAULT_STEPS_PER_CALL = 32
+DEFAULT_ITERATIONS_PER_CALL = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +58,13 @@ class EngineConfig:
   """max_batch: rows per slice (a power of two), bounded by cache memory.
   max_prompt_len / max_new_tokens: fix the cache capacity and the output width.
   sd_threshold: switch to SD when running rows <= this (0 = never).
-  steps_per_call: decode iterations per compiled call, at most.
+  iterations_per_call: decode iterations per compiled call, at most.
   eos_id: end-of-sequence token (-1 = none); pad_id: prompt padding.
   compile_ahead: compile the tail's decode programs in the background from a slice's first
   prefill on; until a strategy's program is ready the tuner does not choose it (the tail
   decodes plainly meanwhile), so no call waits for a compile. Tokens do not change.
   shared_sd_max_batch: at program batch sizes up to this (0: none), the tuner's arms of one
-  top-k share one SD program, shaped for their largest steps and verify_tokens, in which each
+  top-k share one SD program, shaped for their largest depth and verify_tokens, in which each
   draws its own tree (padded): fewer compiles for a costlier iteration (bench_sd_step.py
   --shared-shape measures it). Tokens and accept lengths do not change.
   corpus_rows: for strategies that draft with the suffix drafter, how many of a row's group's
@@ -73,7 +73,7 @@ class EngineConfig:
   max_prompt_len: int = 128
   max_new_tokens: int = 256
   sd_threshold: int = 8
-  steps_per_call: int = DEFAULT_STEPS_PER_CALL
+  iterations_per_call: int = DEFAULT_ITERATIONS_PER_CALL
   eos_id: int = -1
   pad_id: int = 0
   compile_ahead: bool = False
@@ -83,7 +83,7 @@ class EngineConfig:
   def __post_init__(self):
     if self.max_batch < 1 or self.max_batch & (self.max_batch - 1):
       raise ValueError(f"rollout.max_batch={self.max_batch} must be a power of two")
-    for name in ("max_prompt_len", "max_new_tokens", "steps_per_call"):
+    for name in ("max_prompt_len", "max_new_tokens", "iterations_per_call"):
       if getattr(self, name) < 1:
         raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
     if self.sd_threshold < 0:
@@ -114,7 +114,7 @@ class StepRecord:
   wall_s: float             # from dispatch until the results were on the host (no compiling)
   t_end_s: float            # since the start of generate()
   iterations: int = 0       # decode iterations the call ran
-  row_steps: int = 0        # iterations summed over the rows running in them
+  row_iterations: int = 0        # iterations summed over the rows running in them
   host_s: float = 0.0       # host time of the call: choosing, dispatching, bookkeeping
   compiled: bool = False    # the program's first run (compiled now or ahead; tuner skips it)
 
@@ -164,10 +164,10 @@ class RolloutResult:
 
 def accept_length(result) -> float | None:
   """Mean tokens per running row per SD iteration of a RolloutResult (None without SD)."""
-  sd = [r for r in result.timeline if r.mode == "sd" and r.row_steps]
+  sd = [r for r in result.timeline if r.mode == "sd" and r.row_iterations]
   if not sd:
     return None
-  weights = np.asarray([r.row_steps for r in sd], np.float64)
+  weights = np.asarray([r.row_iterations for r in sd], np.float64)
   return float(np.average([r.accept_mean for r in sd], weights=weights))
 
 
@@ -262,7 +262,7 @@ class RolloutEngine:
                           if (s.topk, s.drafts) == (strategy.topk, strategy.drafts)}
     if len(group) < 2:
       return None
-    return Strategy(max(s.steps for s in group), strategy.topk,
+    return Strategy(max(s.depth for s in group), strategy.topk,
                     max(s.verify_tokens for s in group), strategy.drafts)
 
   def close(self) -> None:
@@ -392,7 +392,7 @@ class _SliceRun:
     self.num_samples = num_samples
     self.finished_all = {} if finished_all is None else finished_all
     self.logged = logged
-    self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.steps_per_call,
+    self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.iterations_per_call,
                                 self._choose if engine.speculative else None)
     n_logged = sum(r in logged for r in request_ids)
     # The feature store: logged rows land here as they finish, in finishing order.
@@ -457,7 +457,7 @@ class _SliceRun:
       assert isinstance(action, Decode), action
       self.state, stats, iterations = self.prog.decode(
           *self._params(), self.state, self.key, self.sampling, action.strategy,
-          action.min_running, action.max_steps, self._corpus(action.strategy))
+          action.min_running, action.max_iterations, self._corpus(action.strategy))
       call = _Call("sd" if action.strategy is not None else "plain", action.running,
                    self.sched.batch, action.strategy, 0.0, 0.0, stats, iterations, action.tail)
     call.host_s = t_start - t_host
@@ -509,7 +509,7 @@ class _SliceRun:
     if stats is not None:
       iters = int(iterations)
       emitted = int(stats.emitted.sum())
-      steps = int(stats.steps.sum())
+      row_iterations = int(stats.iterations.sum())
       accept = float(stats.accepted.sum()) / steps if steps else 0.0
       tuner = self.engine.tuner
       if (call.tail and iters and not call.cold  # a program's first run would mislead it
@@ -531,7 +531,7 @@ class _SliceRun:
     strategy = call.strategy.as_tuple() if call.strategy is not None else None
     return StepRecord(slice=self.slice, mode=call.mode, active=call.active, bucket=call.bucket,
                       strategy=strategy, emitted=emitted, accept_mean=accept, wall_s=wall,
-                      t_end_s=t_end - t0, iterations=iters, row_steps=steps,
+                      t_end_s=t_end - t0, iterations=iters, row_iterations=row_iterations,
                       compiled=call.cold,
                       host_s=call.host_s + (t_end - t_ready))
 

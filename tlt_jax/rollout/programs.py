@@ -113,18 +113,18 @@ class SlicePrograms:
     return ("decode", batch, ("shared", shape), sp), shape, True
 
   def decode(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
-             strategy: Strategy | None, min_running: int, max_steps: int,
+             strategy: Strategy | None, min_running: int, max_iterations: int,
              corpus: np.ndarray | None = None):
-    """Up to max_steps plain steps or SD iterations (`decode_loop`) -> (state, stats,
+    """Up to max_iterations plain steps or SD iterations (`decode_loop`) -> (state, stats,
     iterations); the state is donated. corpus: with a strategy whose drafters read one (the
     suffix drafter), [B, corpus_rows, max_new_tokens] int32 responses to copy from, -1
     padding (None: none)."""
     b = state.root.shape[0]
     key_b, shape, shared = self._decode_program(b, strategy, sp)
     args = (params, dparams, state, key, self.put(np.int32(min_running)),
-            self.put(np.int32(max_steps)))
+            self.put(np.int32(max_iterations)))
     if shared:
-      args += (self.put(np.asarray([strategy.steps, strategy.verify_tokens], np.int32)),)
+      args += (self.put(np.asarray([strategy.depth, strategy.verify_tokens], np.int32)),)
     if _copies(shape):
       if corpus is None:
         corpus = np.full(self._corpus_shape(b), -1, np.int32)
@@ -163,15 +163,15 @@ class SlicePrograms:
 
   def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None, shared: bool):
     """The decode program's function. After (params, dparams, state, key, min_running,
-    max_steps) come: for a shared program, the strategy it runs, limits = int32 [2] (steps,
+    max_iterations) come: for a shared program, the strategy it runs, limits = int32 [2] (steps,
     verify_tokens); with the suffix drafter, its corpus."""
     cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
 
-    def fn(params, dparams, state, key, min_running, max_steps, *extra):
+    def fn(params, dparams, state, key, min_running, max_iterations, *extra):
       limits = extra[0] if shared else None
       corpus = extra[-1] if _copies(strategy) else None
       return decode_loop(Policy(params, cfg), build_drafters(dcfg, dparams), state, key,
-                         min_running, max_steps, sp, eos, strategy=strategy, limits=limits,
+                         min_running, max_iterations, sp, eos, strategy=strategy, limits=limits,
                          corpus=corpus)
     return fn
 

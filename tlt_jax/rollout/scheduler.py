@@ -10,7 +10,7 @@ request `rows[i]` or -1 when free. Decisions, in order:
             (continuous batching);
   compact   nothing waits and the running rows fit a smaller power-of-two batch: gather them
             into it (finished rows ride along as inert padding);
-  decode    run up to `steps_per_call` decode iterations in one compiled call: plain steps, or
+  decode    run up to `iterations_per_call` decode iterations in one compiled call: plain steps, or
             SD iterations with the tuner's strategy once `sd_threshold` or fewer rows run. The
             call stops early, on the device, once fewer than `min_running` rows are running:
             the first point at which one of the decisions above would change.
@@ -57,13 +57,13 @@ class Compact:
 
 @dataclasses.dataclass(frozen=True)
 class Decode:
-  """Up to `max_steps` iterations (SD with `strategy`, plain when it is None), stopping once
+  """Up to `max_iterations` iterations (SD with `strategy`, plain when it is None), stopping once
   fewer than `min_running` rows run. `running` rows run at the start; `tail` says the SD
   decision (the tuner's) was taken for this batch size."""
   strategy: Strategy | None
   running: int
   min_running: int
-  max_steps: int
+  max_iterations: int
   tail: bool
 
 
@@ -78,16 +78,16 @@ class SliceScheduler:
   """
 
   def __init__(self, requests: Sequence[int], max_batch: int, sd_threshold: int = 0,
-               steps_per_call: int = 1,
+               iterations_per_call: int = 1,
                choose_strategy: Callable[[int], Strategy | None] | None = None):
     if max_batch < 1 or max_batch & (max_batch - 1):
       raise ValueError(f"max_batch={max_batch} must be a power of two")
-    if steps_per_call < 1:
-      raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
+    if iterations_per_call < 1:
+      raise ValueError(f"iterations_per_call={iterations_per_call} must be >= 1")
     self.queue = deque(requests)
     self.max_batch = max_batch
     self.sd_threshold = sd_threshold
-    self.steps_per_call = steps_per_call
+    self.iterations_per_call = iterations_per_call
     self.choose_strategy = choose_strategy
     self.rows: list[int] = []
 
@@ -148,7 +148,7 @@ class SliceScheduler:
       min_running = len(self.rows) // 2 + 1 if len(self.rows) > 1 else 1
       if self.choose_strategy is not None:
         min_running = max(min_running, self.sd_threshold + 1)
-    return Decode(strategy, running, min(min_running, running), self.steps_per_call, tail)
+    return Decode(strategy, running, min(min_running, running), self.iterations_per_call, tail)
 
   def finished(self, done_rows: Sequence[int]) -> list[int]:
     """Frees the rows that finished (row indices of the current batch); returns their

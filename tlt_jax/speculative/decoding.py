@@ -77,11 +77,11 @@ class GenState:
 @flax.struct.dataclass
 class StepStats:
   """Per-row counts of one or more steps: emitted [B] tokens written to `out`; accepted [B]
-  tokens gained per row (tree nodes accepted including the root: 1 per plain step); steps
-  [B] iterations the row was running in."""
+  tokens gained per row (tree nodes accepted including the root: 1 per plain step);
+  iterations [B]: how many iterations the row was running in."""
   emitted: jax.Array
   accepted: jax.Array
-  steps: jax.Array
+  iterations: jax.Array
 
 
 def _emit(state: GenState, tokens: jax.Array, count: jax.Array, eos_id: int) -> tuple:
@@ -180,7 +180,7 @@ def plain_step(policy: Policy, state: GenState, key: jax.Array, sp: SamplingPara
                         root=jnp.where(active, nxt, state.root),
                         features=jnp.where(active[:, None], hidden, state.features))
   out, num_out, done, emitted = _emit(state, nxt[:, None], act, eos_id)
-  stats = StepStats(emitted=emitted, accepted=act, steps=act)
+  stats = StepStats(emitted=emitted, accepted=act, iterations=act)
   return state.replace(out=out, num_out=num_out, done=done), stats
 
 
@@ -194,7 +194,7 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
   those plain steps would emit with the same key (see `verify`), whatever was drafted.
 
   drafters: name -> drafter (`tlt_jax.drafters.build_drafters`).
-  limits: optional int32 [2], (steps, verify_tokens) of a smaller strategy run in
+  limits: optional int32 [2], (depth, verify_tokens) of a smaller strategy run in
     `strategy`'s shapes (`build_draft_tree`): the same tree, padded, so the same tokens and
     accept lengths as the smaller strategy's own program.
   corpus: optional [B, S, L] int32 responses the suffix drafter may copy from (-1 padding).
@@ -206,7 +206,7 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
   tree, drafts = build_draft_tree(policy, drafters, state.drafts, ctx, strategy, limits)
   logits, hidden, tree_kv = verify(policy.params, tree.tokens, tree.depths, tree.mask,
                                    state.cache, policy.cfg)
-  d = strategy.steps
+  d = strategy.depth
   noise = None if sp.greedy else token_noise(
       key, state.request, state.num_out[:, None] + jnp.arange(d + 1)[None], logits.shape[-1])
   acc = accept_tree(tree, target_probs(logits, sp), noise, d)
@@ -232,20 +232,20 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
                         root=jnp.where(active, acc.next_token, state.root),
                         features=jnp.where(active[:, None], new_features, state.features))
   out, num_out, done, emitted = _emit(state, emitted_tokens, acc.num_nodes * act, eos_id)
-  stats = StepStats(emitted=emitted, accepted=acc.num_nodes * act, steps=act)
+  stats = StepStats(emitted=emitted, accepted=acc.num_nodes * act, iterations=act)
   return state.replace(out=out, num_out=num_out, done=done), stats
 
 
 def decode_loop(policy: Policy, drafters: dict | None, state: GenState, key: jax.Array,
-                min_running: jax.Array, max_steps: jax.Array, sp: SamplingParams, eos_id: int,
+                min_running: jax.Array, max_iterations: jax.Array, sp: SamplingParams, eos_id: int,
                 strategy: Strategy | None = None, limits: jax.Array | None = None,
                 corpus: jax.Array | None = None) -> tuple[GenState, StepStats, jax.Array]:
-  """Up to max_steps plain steps (strategy None; the drafters' states are kept in step) or SD
+  """Up to max_iterations plain steps (strategy None; the drafters' states are kept in step) or SD
   iterations with `strategy` (within it, `limits`; `corpus`: see `sd_step`), in one
   `lax.while_loop`, stopping as soon as fewer than min_running rows are running: the host only
   hears from the device when it has to act.
 
-  min_running, max_steps: int32 scalars (traced: changing them compiles nothing).
+  min_running, max_iterations: int32 scalars (traced: changing them compiles nothing).
   Returns (state, StepStats summed over the iterations, iterations run [] int32).
   """
   b = state.root.shape[0]
@@ -259,7 +259,7 @@ def decode_loop(policy: Policy, drafters: dict | None, state: GenState, key: jax
   def cond(carry):
     state, _, i = carry
     running = jnp.sum(~state.done, dtype=jnp.int32)
-    return (i < max_steps) & (running >= jnp.maximum(min_running, 1))
+    return (i < max_iterations) & (running >= jnp.maximum(min_running, 1))
 
   def body(carry):
     state, total, i = carry

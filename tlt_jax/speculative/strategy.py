@@ -13,10 +13,10 @@ DEFAULT_DRAFTS = ("eagle",)
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Strategy:
-  """(steps, topk, verify_tokens), as in EAGLE-2, and the drafters whose candidates fill the
+  """(depth, topk, verify_tokens), as in EAGLE-2, and the drafters whose candidates fill the
   tree (`tlt_jax.drafters`).
 
-  steps: drafting depth; the tree is at most `steps` deep, so at most steps + 1 tokens are
+  depth: drafting depth; the tree is at most `depth` deep, so at most depth + 1 tokens are
     emitted per iteration (accepted path plus the bonus token).
   topk: branches kept per expansion of a tree-search drafter (children per beam and beams per
     level); a chain drafter (suffix) ignores it.
@@ -24,15 +24,15 @@ class Strategy:
   drafts: the proposing drafters' names, in merge order (e.g. ('eagle',), ('suffix',),
     ('eagle', 'suffix') = hybrid: one tree, their candidates ranked by score).
   """
-  steps: int
+  depth: int
   topk: int
   verify_tokens: int
   drafts: tuple[str, ...] = DEFAULT_DRAFTS
 
   def __post_init__(self):
     object.__setattr__(self, "drafts", tuple(self.drafts))
-    if self.steps < 1 or self.topk < 1 or self.verify_tokens < 2:
-      raise ValueError(f"strategy {self.as_tuple()}: need steps >= 1, topk >= 1, "
+    if self.depth < 1 or self.topk < 1 or self.verify_tokens < 2:
+      raise ValueError(f"strategy {self.as_tuple()}: need depth >= 1, topk >= 1, "
                        f"verify_tokens >= 2")
     if not self.drafts or len(set(self.drafts)) != len(self.drafts):
       raise ValueError(f"strategy {self.as_tuple()}: name each proposing drafter once, e.g. "
@@ -40,13 +40,13 @@ class Strategy:
     if self.verify_tokens - 1 > self.num_candidates:  # also checks the drafters' names
       raise ValueError(f"strategy {self.as_tuple()}: verify_tokens - 1 = "
                        f"{self.verify_tokens - 1} exceeds the {self.num_candidates} draft "
-                       f"candidates that {self.drafts_name} drafts at steps={self.steps}, "
+                       f"candidates that {self.drafts_name} drafts at depth={self.depth}, "
                        f"topk={self.topk}")
 
   @property
   def num_candidates(self) -> int:
     """Candidates the proposing drafters produce together (see each drafter's count)."""
-    return sum(candidate_count(name, self.steps, self.topk) for name in self.drafts)
+    return sum(candidate_count(name, self.depth, self.topk) for name in self.drafts)
 
   @property
   def drafts_name(self) -> str:
@@ -54,15 +54,15 @@ class Strategy:
     return "+".join(self.drafts)
 
   def as_tuple(self) -> tuple:
-    """(steps, topk, verify_tokens), with the drafts' name appended unless they are the
+    """(depth, topk, verify_tokens), with the drafts' name appended unless they are the
     default (so EAGLE-only strategies read as they always have)."""
-    base = (self.steps, self.topk, self.verify_tokens)
+    base = (self.depth, self.topk, self.verify_tokens)
     return base if self.drafts == DEFAULT_DRAFTS else (*base, self.drafts_name)
 
   @classmethod
   def parse(cls, value) -> "Strategy":
-    """From a Strategy, a (steps, topk, verify_tokens[, drafts]) sequence, or a
-    'steps,topk,verify[,drafts]' str, drafts as 'eagle', 'suffix' or 'eagle+suffix'."""
+    """From a Strategy, a (depth, topk, verify_tokens[, drafts]) sequence, or a
+    'depth,topk,verify[,drafts]' str, drafts as 'eagle', 'suffix' or 'eagle+suffix'."""
     if isinstance(value, Strategy):
       return value
     if isinstance(value, str):
@@ -70,7 +70,7 @@ class Strategy:
                if p.strip()]
     value = tuple(value)
     if len(value) not in (3, 4):
-      raise ValueError(f"a strategy is (steps, topk, verify_tokens[, drafts]), got {value!r}")
+      raise ValueError(f"a strategy is (depth, topk, verify_tokens[, drafts]), got {value!r}")
     drafts = DEFAULT_DRAFTS
     if len(value) == 4:
       d = value[3]

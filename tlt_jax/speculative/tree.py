@@ -45,7 +45,7 @@ def build_draft_tree(policy: Policy, drafters: dict, states: dict, ctx: DraftCon
   Args:
     policy: the Policy; drafters: name -> drafter; states: name -> drafter state (stateful
       drafters only); ctx: what the drafters read (root [B], its features, ...).
-    limits: optional int32 [2], (steps, verify_tokens) of a smaller strategy with the same
+    limits: optional int32 [2], (depth, verify_tokens) of a smaller strategy with the same
       drafts and topk, drawn inside `strategy`'s shapes (one program serves several
       strategies): deeper candidates score -inf, and the nodes past `verify_tokens` are
       padding.

@@ -130,14 +130,14 @@ def goodput(batch_size: int, accepted_tokens: float, iteration_seconds: float) -
 
 
 def parse_arm(value) -> Strategy | None:
-  """A strategy from a Strategy, (steps, topk, verify) or 's,k,v'; PLAIN from None/'plain'."""
+  """A strategy from a Strategy, (depth, topk, verify) or 's,k,v'; PLAIN from None/'plain'."""
   if value is PLAIN or value == PLAIN_NAME:
     return PLAIN
   return Strategy.parse(value)
 
 
 def arm_name(arm: Strategy | None):
-  """What an arm looks like in JSON: [steps, topk, verify] or 'plain'."""
+  """What an arm looks like in JSON: [depth, topk, verify] or 'plain'."""
   return PLAIN_NAME if arm is PLAIN else list(arm.as_tuple())
 
 

@@ -8,7 +8,7 @@ knobs in a `Settings` dataclass) and its line in `TASKS`; `task.name` selects it
 
 from __future__ import annotations
 
-from tlt_jax.rl.tasks.arithmetic import ArithmeticTask, TaskSlice, sample_num_steps
+from tlt_jax.rl.tasks.arithmetic import ArithmeticTask, TaskSlice, sample_num_ops
 from tlt_jax.rl.tasks.base import Task
 from tlt_jax.rl.tasks.example import Example
 from tlt_jax.rl.tasks.reasoning_gym import ReasoningGymSettings, ReasoningGymTask
@@ -24,4 +24,4 @@ def make_task(task, seed: int) -> Task:
 
 
 __all__ = ["ArithmeticTask", "Example", "ReasoningGymSettings", "ReasoningGymTask", "TASKS",
-           "Task", "TaskSlice", "make_task", "sample_num_steps"]
+           "Task", "TaskSlice", "make_task", "sample_num_ops"]

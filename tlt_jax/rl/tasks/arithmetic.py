@@ -6,8 +6,8 @@
 Built so that a tiny model can learn it and still has room to improve: every intermediate value
 stays in [0, max_value] (an operation is only drawn when its result stays in range, so there is
 no modular wrap-around to learn), operands are small, and each line repeats the previous result,
-so one step only needs the line above and the matching instruction. The number of steps is
-heavy-tailed (see `sample_num_steps`), so solution lengths are long-tailed like reasoning
+so one step only needs the line above and the matching instruction. The number of operations is
+heavy-tailed (see `sample_num_ops`), so solution lengths are long-tailed like reasoning
 rollouts: most problems take a few lines, a few take ten times as many, and accuracy falls with
 length because every step is a chance to slip.
 
@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from tlt_jax.knobs import build_from
 from tlt_jax.rl.tasks.base import Task
 from tlt_jax.rl.tasks.example import Example
 
@@ -30,33 +31,34 @@ _SYMBOL = {"add": "+", "subtract": "-", "multiply": "*"}
 _WORDS = {"add": "Add {k}.", "subtract": "Subtract {k}.", "multiply": "Multiply by {k}."}
 
 
-def sample_num_steps(rng: np.random.Generator, min_steps: int, max_steps: int, body_p: float,
-                     tail_prob: float, tail_alpha: float) -> int:
-  """Draws a number of steps from a truncated geometric body mixed with a truncated Zipf tail.
+def sample_num_ops(rng: np.random.Generator, min_ops: int, max_ops: int, body_p: float,
+                   tail_prob: float, tail_alpha: float) -> int:
+  """Draws a number of operations from a truncated geometric body mixed with a truncated
+  Zipf tail.
 
-  With probability 1 - tail_prob: min_steps + Geometric(body_p) - 1 (mean about 1 / body_p
-  above min_steps - 1); with probability tail_prob: n in [min_steps, max_steps] with
-  P(n) proportional to (n - min_steps + 1) ** -tail_alpha. Both are cut at max_steps
-  (geometric draws past it are redrawn, so the cap does not pile up mass at max_steps).
+  With probability 1 - tail_prob: min_ops + Geometric(body_p) - 1 (mean about 1 / body_p
+  above min_ops - 1); with probability tail_prob: n in [min_ops, max_ops] with
+  P(n) proportional to (n - min_ops + 1) ** -tail_alpha. Both are cut at max_ops
+  (geometric draws past it are redrawn, so the cap does not pile up mass at max_ops).
   """
   if rng.random() < tail_prob:
-    support = np.arange(min_steps, max_steps + 1)
-    weights = (support - min_steps + 1.0) ** -tail_alpha
+    support = np.arange(min_ops, max_ops + 1)
+    weights = (support - min_ops + 1.0) ** -tail_alpha
     return int(rng.choice(support, p=weights / weights.sum()))
   while True:
-    n = min_steps + int(rng.geometric(body_p)) - 1
-    if n <= max_steps:
+    n = min_ops + int(rng.geometric(body_p)) - 1
+    if n <= max_ops:
       return n
 
 
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask(Task):
-  """Generator of arithmetic chains; held-out accuracy is broken down by number of steps.
+  """Generator of arithmetic chains; held-out accuracy is broken down by number of operations.
 
   Attributes:
     seed: the data set's seed; problem i depends only on (seed, i).
-    min_steps, max_steps: bounds on the number of operations.
-    body_p, tail_prob, tail_alpha: the step-count distribution (`sample_num_steps`).
+    min_ops, max_ops: bounds on the number of operations.
+    body_p, tail_prob, tail_alpha: the operation-count distribution (`sample_num_ops`).
     max_value: every value (start, intermediate, answer) is in [0, max_value].
     max_operand: add/subtract operands are in [1, max_operand].
     max_multiplier: multiply operands are in [2, max_multiplier].
@@ -64,8 +66,8 @@ class ArithmeticTask(Task):
       for a model that was not fine-tuned on the task.
   """
   seed: int = 0
-  min_steps: int = 1
-  max_steps: int = 24
+  min_ops: int = 1
+  max_ops: int = 24
   body_p: float = 0.4
   tail_prob: float = 0.1
   tail_alpha: float = 0.5
@@ -73,12 +75,12 @@ class ArithmeticTask(Task):
   max_operand: int = 9
   max_multiplier: int = 5
   instruction: str = ""
-  breakdown_name: ClassVar[str] = "steps"
+  breakdown_name: ClassVar[str] = "ops"
 
   def __post_init__(self):
-    if not 1 <= self.min_steps <= self.max_steps:
-      raise ValueError(f"task steps: need 1 <= min_steps <= max_steps, got min_steps="
-                       f"{self.min_steps}, max_steps={self.max_steps}")
+    if not 1 <= self.min_ops <= self.max_ops:
+      raise ValueError(f"task operations: need 1 <= min_ops <= max_ops, got min_ops="
+                       f"{self.min_ops}, max_ops={self.max_ops}")
     if not 0.0 < self.body_p <= 1.0:
       raise ValueError(f"task.body_p={self.body_p} must be in (0, 1]")
     if not 0.0 <= self.tail_prob <= 1.0:
@@ -95,13 +97,10 @@ class ArithmeticTask(Task):
   @classmethod
   def from_config(cls, task, seed: int) -> ArithmeticTask:
     """From the config's task section (its top-level keys are this task's)."""
-    return cls(seed=seed, min_steps=task.min_steps, max_steps=task.max_steps,
-               body_p=task.body_p, tail_prob=task.tail_prob, tail_alpha=task.tail_alpha,
-               max_value=task.max_value, max_operand=task.max_operand,
-               max_multiplier=task.max_multiplier, instruction=task.instruction)
+    return build_from(cls, task, seed=seed)
 
   def breakdown(self, example: Example):
-    return example.metadata.get("num_steps")
+    return example.metadata.get("num_ops")
 
   def _allowed(self, value: int) -> list[tuple[str, int]]:
     """Every (op, operand) whose result stays in [0, max_value]."""
@@ -116,7 +115,7 @@ class ArithmeticTask(Task):
     if index < 0:
       raise ValueError(f"example index must be >= 0, got {index}")
     rng = np.random.default_rng([self.seed, index])
-    n = sample_num_steps(rng, self.min_steps, self.max_steps, self.body_p, self.tail_prob,
+    n = sample_num_ops(rng, self.min_ops, self.max_ops, self.body_p, self.tail_prob,
                          self.tail_alpha)
     value = int(rng.integers(0, self.max_value + 1))
     words, lines = [f"Start with {value}."], []
@@ -138,10 +137,10 @@ class ArithmeticTask(Task):
     solution = "\n".join(lines + [f"#### {value}"])
     return Example(prompt=" ".join(words), answer=str(value), solution=solution,
                    metadata={"task": "arithmetic", "seed": self.seed, "index": index,
-                             "num_steps": n})
+                             "num_ops": n})
 
   def longest_prompts(self) -> list[str]:
-    """Prompts at least as long as any this task makes, one per operation: max_steps steps of
+    """Prompts at least as long as any this task makes, one per operation: max_ops of
     it with the widest start value and operand. Not problems the task draws (a chain may leave
     [0, max_value]); the longest tokenization of the three bounds its prompts' token counts
     for tokenizers that split words apart before merging (byte-level BPEs such as Qwen's and
@@ -149,7 +148,7 @@ class ArithmeticTask(Task):
     widest = {"add": self.max_operand, "subtract": self.max_operand,
               "multiply": self.max_multiplier}
     return [" ".join([f"Start with {self.max_value}."]
-                     + [_WORDS[op].format(k=widest[op])] * self.max_steps
+                     + [_WORDS[op].format(k=widest[op])] * self.max_ops
                      + ["What is the result?"] + [self.instruction] * bool(self.instruction))
             for op in OPS]
 
