@@ -505,12 +505,13 @@ class _SliceRun:
         (self.state.done, self.state.num_out, call.stats, call.iterations))
     t_ready = time.perf_counter()
     wall = t_ready - call.t_start
-    emitted, accept, iters, steps = (call.active if call.mode == "prefill" else 0), 0.0, 0, 0
+    emitted, accept, iters, row_iterations = (
+        call.active if call.mode == "prefill" else 0), 0.0, 0, 0
     if stats is not None:
       iters = int(iterations)
       emitted = int(stats.emitted.sum())
       row_iterations = int(stats.iterations.sum())
-      accept = float(stats.accepted.sum()) / steps if steps else 0.0
+      accept = float(stats.accepted.sum()) / row_iterations if row_iterations else 0.0
       tuner = self.engine.tuner
       if (call.tail and iters and not call.cold  # a program's first run would mislead it
           and tuner.knows(call.active, call.strategy)):  # not PLAIN for want of a ready arm
