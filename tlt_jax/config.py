@@ -340,8 +340,8 @@ def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
   c.model.max_position_embeddings = 1024
   c.model.attention_impl = "reference"
   # Two-digit values and operands up to 19 (multipliers up to 9): the policy slips on some
-  # steps, so accuracy falls with the number of steps and GRPO has signal. Up to 20 steps
-  # keeps every problem within one 320-token row (prompt + solution).
+  # operations, so accuracy falls with their number and GRPO has signal. Up to 20 operations
+  # keep every problem within one 320-token row (prompt + solution).
   c.task.max_ops = 20
   c.task.max_value = 99
   c.task.max_operand = 19
