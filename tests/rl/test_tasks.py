@@ -136,11 +136,16 @@ def test_sft_refuses_a_task_without_solutions(tmp_path):
 
 
 class _Engine:
-  """Answers every problem with its right answer for problems of even index."""
+  """Answers every problem with its right answer for problems of even index; records each
+  call's (temperature, compile_priority)."""
+
+  def __init__(self):
+    self.calls = []
 
   def generate(self, ids, samples, sampling, key, log_requests=(), compile_priority=0):
     from tlt_jax.rollout.engine import RolloutResult
-    del ids, sampling, key, log_requests, compile_priority
+    del ids, key, log_requests
+    self.calls.append((sampling.temperature if sampling else None, compile_priority))
     tokens = [[1] if i % 2 == 0 else [2] for i in range(len(self.examples) * samples)]
     return RolloutResult(tokens=tokens, lengths=np.ones(len(tokens), int),
                          finish_reasons=["eos"] * len(tokens), timeline=[], slice_done_s=[],
@@ -175,3 +180,17 @@ def test_evaluation_breaks_accuracy_down_by_the_task_s_groups():
     cell[1] += 1
   assert result["accuracy_by"] == dict(sorted(expected.items()))
   assert result["accuracy"] == 0.5
+
+
+@pytest.mark.parametrize("temperature,expected", [
+    (1.0, [(0.0, None), (1.0, 1)]),  # greedy programs would serve only later evaluations
+    (0.0, [(0.0, 1), (0.0, 1)]),     # a greedy rollout shares them
+])
+def test_only_the_rollout_s_programs_compile_ahead_for_an_evaluation(temperature, expected):
+  from tlt_jax.rl.evaluate import heldout_accuracy
+  from tlt_jax.speculative.sampling import SamplingParams
+  examples = ArithmeticTask().examples(2)
+  engine = _Engine()
+  engine.examples = examples
+  heldout_accuracy(engine, _Tokenizer(examples), examples, SamplingParams(temperature), 2)
+  assert engine.calls == expected

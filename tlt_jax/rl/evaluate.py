@@ -18,7 +18,8 @@ from tlt_jax.speculative.sampling import SamplingParams
 def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
              sampling: SamplingParams, samples: int = 1, key: jax.Array | None = None,
              answer_fn: RewardFn = answer_reward,
-             breakdown: Callable[[Example], object] | None = None) -> dict:
+             breakdown: Callable[[Example], object] | None = None,
+             compile_priority: int | None = 1) -> dict:
   """Samples `samples` completions per example with the engine's current policy and scores
   their final answers with `answer_fn` (the answer reward: stated as '#### x' or
   '\\boxed{x}', see `rewards.make_answer_reward`) (temperature 0 = greedy; SD, when the
@@ -30,13 +31,15 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
   EOS included), finished (N bools: EOS before the token budget), response_len_mean, and
   accuracy_by ({group: [correct, total]}) over the groups `breakdown(example)` names (a
   task's `Task.breakdown`; examples it gives None are left out; {} without one).
+  compile_priority: compiling ahead, where its tail programs queue (`RolloutEngine.generate`;
+  by default behind the rollout's, as an evaluation runs rarely); None queues none.
   """
   if not examples:
     raise ValueError("evaluate needs at least one example")
   key = jax.random.key(0) if key is None else key
   ids = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
-  # Compiling ahead, an evaluation's programs queue behind the rollout's: it runs rarely.
-  result = engine.generate(ids, samples, sampling, key, log_requests=(), compile_priority=1)
+  result = engine.generate(ids, samples, sampling, key, log_requests=(),
+                           compile_priority=compile_priority)
   texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(samples)]
   correct = [bool(ok) for ok in answer_fn([ex.prompt for ex in repeated], texts,
@@ -64,14 +67,21 @@ def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
   """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged), and
   with `samples` samples per problem at the rollout temperature (what the reward measures,
   without the noise of each step's prompt mix). One eval.jsonl row, without the step; with
-  a breakdown (`evaluate`), the greedy accuracy per group too (greedy_accuracy_by)."""
+  a breakdown (`evaluate`), the greedy accuracy per group too (greedy_accuracy_by).
+
+  Compiling ahead, only the sampled evaluation queues its tail programs: they are the
+  rollout's, so the first evaluation compiles them before the first RL step. The greedy
+  evaluation's (unless the rollout is greedy too) would serve only later evaluations, and on
+  a host with few cores compiling them would slow the steps; its tail decodes with what is
+  ready (SD or not, the tokens are the same)."""
   row = {}
   key = jax.random.key(1)
   for name, sp, n in (("greedy", dataclasses.replace(sampling, temperature=0.0), 1),
                       ("sampled", sampling, samples)):
     if n:
+      shared = sp == sampling  # the rollout's programs
       res = evaluate(engine, tokenizer, examples, sp, samples=n, key=key, answer_fn=answer_fn,
-                     breakdown=breakdown)
+                     breakdown=breakdown, compile_priority=1 if shared else None)
       row[f"{name}_accuracy"] = res["accuracy"]
       if name == "greedy" and res["accuracy_by"]:
         row["greedy_accuracy_by"] = {str(k): v for k, v in res["accuracy_by"].items()}

@@ -271,7 +271,7 @@ class RolloutEngine:
 
   def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingParams,
                key: jax.Array, on_slice_idle=None, log_requests=None,
-               compile_priority: int = 0) -> RolloutResult:
+               compile_priority: int | None = 0) -> RolloutResult:
     """Generates `num_samples` completions for each prompt (token-id lists).
 
     key: the rollout's key. Request i (prompt i // num_samples, sample i % num_samples) draws
@@ -283,7 +283,8 @@ class RolloutEngine:
     logging). It must return quickly: the loop waits for it.
     log_requests: with log_features, the request ids whose features are kept; None = all.
     compile_priority: compiling ahead, where this call's tail programs queue (lower first;
-    `ExecutablePool.compile_ahead`): e.g. 1 for a held-out evaluation, behind the rollout's.
+    `ExecutablePool.compile_ahead`): e.g. 1 for a held-out evaluation, behind the rollout's;
+    None queues none (its tail decodes with the programs that are ready).
     """
     self._check_requests(prompts, num_samples)
     requests = [p for p in prompts for _ in range(num_samples)]
@@ -380,7 +381,7 @@ class _SliceRun:
 
   def __init__(self, engine: RolloutEngine, s: int, request_ids: list[int],
                requests: list[list[int]], sp: SamplingParams, key, logged: set[int],
-               compile_priority: int, num_samples: int = 1,
+               compile_priority: int | None, num_samples: int = 1,
                finished_all: dict | None = None):
     """finished_all: every request finished so far on this process (request id -> (tokens,
     reason)), shared by the slices and read for the corpus of suffix drafting."""
@@ -443,7 +444,8 @@ class _SliceRun:
       self.state = self.prog.take_rows(self.state, compacted)
     if isinstance(action, Start):
       self.state = self._prefill(action.requests, action.batch)
-      if self.engine.speculative and self.engine.econf.compile_ahead:
+      if (self.engine.speculative and self.engine.econf.compile_ahead
+          and self.compile_priority is not None):
         self.prog.decode_ahead(*self._params(), self.state, self.key, self.sampling,
                                self.engine.tail_plan(), self.compile_priority)
       call = _Call("prefill", len(action.requests), action.batch, None, 0.0, 0.0)
