@@ -39,6 +39,7 @@ from tlt_jax.models.draft_vocab import frequent_tokens
 from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.engine import accept_length
+from tlt_jax.run_log import write_jsonl
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
@@ -58,13 +59,11 @@ def generate_responses(engine, prompts, samples: int, temperature: float, seed: 
       job.say(f"reusing {n} responses from {path}")
       return [r["completion"] for r in rows]
   result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed))
-  if job.writer:
-    with open(path + ".tmp", "w") as f:
-      for i, toks in enumerate(result.tokens):
-        f.write(json.dumps({"prompt": prompts[i // samples], "completion": toks}) + "\n")
-    os.replace(path + ".tmp", path)  # never a half-written cache
+  if job.writer:  # never a half-written cache
+    write_jsonl(path, ({"prompt": prompts[i // samples], "completion": toks}
+                       for i, toks in enumerate(result.tokens)))
   job.say(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
-        f"{result.wall_s:.1f} s")
+          f"{result.wall_s:.1f} s")
   return result.tokens
 
 
@@ -105,7 +104,7 @@ def _warmup(config, job: Job) -> bool:
     d2t = frequent_tokens(completions, cfg.vocab_size, dcfg.draft_vocab_size)
     init_params = with_draft_vocab(init_params, params, d2t, cfg)
     job.say(f"draft vocabulary: the {dcfg.draft_vocab_size} of {cfg.vocab_size} tokens most "
-          f"frequent in the responses")
+            f"frequent in the responses")
   untrained = jax.device_get(init_params)  # host copy: training donates the device arrays
   oc = drafter_opt_config(config, warmup=True)
   state = init_train_state(init_params, oc)
@@ -147,7 +146,7 @@ def _warmup(config, job: Job) -> bool:
     res = sd_engine.generate(eval_prompts, 1, SamplingParams(0.0), jax.random.key(0))
     accept[name] = accept_length(res)
   job.say(f"greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "
-        f"{strategy}: untrained {accept['untrained']:.2f}, warmed {accept['warmed']:.2f}")
+          f"{strategy}: untrained {accept['untrained']:.2f}, warmed {accept['warmed']:.2f}")
 
   # ---------------------------------------------------------------- export
   summary = {

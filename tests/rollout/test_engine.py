@@ -141,9 +141,9 @@ def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
   assert sum(row["pulls"] for row in tuner.summary()) <= sum(not r.compiled for r in sd_calls)
   # A call that queues nothing ahead (a greedy evaluation beside a sampled rollout) decodes
   # its tail with what is ready: no SD program for its sampling, none compiled.
-  warm = engine.generate(PROMPTS, 2, SamplingParams(0.5), jax.random.key(1),
-                         compile_priority=None)
-  assert not engine.pool.pending() and not any(r.mode == "sd" for r in warm.timeline)
+  unqueued = engine.generate(PROMPTS, 2, SamplingParams(0.5), jax.random.key(1),
+                             compile_priority=None)
+  assert not engine.pool.pending() and not any(r.mode == "sd" for r in unqueued.timeline)
   assert engine.pool.report()["bill"]["rollout_decode_sd"] == sd
 
 
