@@ -14,6 +14,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Tests check behaviour, not speed, and on CPU their time goes to compiles: XLA's cheapest
+# compiles (most optimisation passes off) take about 40% less time. The command-line runs
+# that tests start inherit it; the jobs and benchmarks themselves keep XLA's defaults.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 
@@ -29,6 +33,17 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 
 from tlt_jax.models import ModelConfig, RopeConfig, init_params  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def optimised_compiles():
+  """XLA's default optimisation for a module's compiles: for tests that read XLA's memory
+  analysis (of the optimised program), or that spend their time running a real model rather
+  than compiling it. The other tests' cheap compiles after it."""
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="session")

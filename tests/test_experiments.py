@@ -217,27 +217,24 @@ def test_bench_vs_revision_quick(tmp_path):
   assert r.returncode != 0 and "not a revision" in r.stderr
 
 
-@pytest.mark.slow
-def test_rl_runs_quick(tmp_path):
-  # frozen, no_warmup: the same job with other drafters. TLT compiles ahead here (the smoke
-  # config compiles on demand, as the main job's test checks).
-  variants = ("baseline", "tlt")
-  _run_script("rl_runs.py", "--quick", "--out", str(tmp_path), "--variants", *variants,
-              "--set", "rollout.compile_ahead=True", timeout=900)
-  data = json.loads((tmp_path / "rl_runs.json").read_text())
+def _check_rl_runs(out, responses_per_step):
+  """rl_runs.py's outputs for a baseline and a TLT run of 2 steps that compiles ahead (its
+  --quick run with the campaign's toy policy is gpu_e2e --quick's rl stage)."""
+  data = json.loads((out / "rl_runs.json").read_text())
   for name in ("long_tail.png", "drafter_adaptation.png", "end_to_end.png", "compiles.png"):
-    assert (tmp_path / name).exists(), name
-  assert set(data["runs"]) == set(variants)
+    assert (out / name).exists(), name
+  assert set(data["runs"]) == {"baseline", "tlt"}
   for run in data["runs"].values():
     assert [m["step"] for m in run["metrics"]] == [1, 2]
   # The baseline's per-step lengths and time split come from its own rollouts and metrics.
   lengths = data["long_tail"]["lengths"]
   assert [r["step"] for r in lengths] == [1, 2]
-  assert all(r["count"] == 2 * 4 and r["p50"] <= r["p90"] <= r["max"] for r in lengths)
+  assert all(r["count"] == responses_per_step and r["p50"] <= r["p90"] <= r["max"]
+             for r in lengths)
   for row in data["long_tail"]["time_breakdown"]:
     assert 0.0 <= row["idle_share"] <= 1.0 and row["rollout_busy_s"] > 0
   # SD runs report an accept length for the steps that ran SD (the tuner may decode plainly
-  # in a step where no strategy pays, e.g. with the random drafter); the baseline has none.
+  # in a step where no strategy pays); the baseline has none.
   accepts = [a for a in data["drafter_adaptation"]["tlt"] if a is not None]
   assert accepts and all(a >= 1.0 for a in accepts)
   assert data["runs"]["baseline"]["summary"]["drafter_steps_total"] == 0
@@ -253,7 +250,7 @@ def test_rl_runs_quick(tmp_path):
   # any drafter, spot-trained or not, the job samples the same responses at temperature 1
   # (tests/rollout/test_engine.py checks top-p), so it scores the same rewards and takes the
   # same updates.
-  completions = {name: [r["completion"] for r in _jsonl(tmp_path / "runs" / name /
+  completions = {name: [r["completion"] for r in _jsonl(out / "runs" / name /
                                                          "rollouts.jsonl")]
                  for name in data["runs"]}
   assert len(set(completions["baseline"])) > len(completions["baseline"]) // 2  # sampled
@@ -369,6 +366,7 @@ def test_gpu_campaign_quick_runs_its_three_commands_and_gpu_e2e_resumes(tmp_path
   assert data["end_to_end"]["steps"] == 2 and set(data["runs"]) == {"baseline", "tlt"}
   assert data["projected"] and all(p["speedup_step"] > 0 for p in data["projected"])
   _check_bench_rollout(e2e / "rollout" / "rollout.json")
+  _check_rl_runs(e2e / "rl", responses_per_step=4 * 4)  # gpu_demo:quick's 4 prompts x 4
   # A rerun finds every stage done and only rewrites the summary.
   r = _run_script("gpu_e2e.py", "--quick", "--out", str(e2e))
   assert r.stdout.count("done in an earlier run") == 5

@@ -29,7 +29,8 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
-pytestmark = pytest.mark.slow
+# A 135M model: the time goes to running XLA's code, not to compiling it.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimised_compiles")]
 
 MESSAGES = ("What is 7 times 8?", "Name three primary colors.", "Write a haiku about the sea.")
 NEW_TOKENS = 32

@@ -168,8 +168,8 @@ def test_sampled_sd_engine_emits_what_the_plain_engine_emits(tiny_cfg, tiny_para
                                                              plain_reference):
   """Under sampling too: another schedule (2 slices, batches of 2, several steps per call),
   SD with a random drafter and BEG-MAB (plain arm included): token for token the same, with
-  temperature and top-p (tests/test_experiments.py::test_rl_runs_quick checks temperature 1
-  on the whole job)."""
+  temperature and top-p (tests/test_experiments.py's campaign run checks temperature 1 on
+  the whole job)."""
   ec, _ = plain_reference
   sp = SamplingParams(0.8, top_p=0.9)
   plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
