@@ -39,7 +39,7 @@ from tlt_jax.models import ModelConfig, RopeConfig, init_params  # noqa: E402
 def optimised_compiles():
   """XLA's default optimisation for a module's compiles: for tests that read XLA's memory
   analysis (of the optimised program), or that spend their time running a real model rather
-  than compiling it. The other tests' cheap compiles after it."""
+  than compiling it. The previous setting is restored after the module."""
   before = jax.config.values["jax_disable_most_optimizations"]
   jax.config.update("jax_disable_most_optimizations", False)
   yield
