@@ -213,9 +213,9 @@ def _rollout_programs(config, cfg, params, dcfg, dparams, log_features: bool,
   progs = SlicePrograms(0, meshes.rollout, pool, cfg, dcfg, econf.capacity,
                         econf.max_new_tokens, 0, meshes.rollout_rules, log_features)
   sp, key, b = sampling_params(config), jax.random.key(0), econf.max_batch
-  prompts = np.zeros((b, econf.max_prompt_len), np.int32)
-  state = progs.start(params, dparams, prompts, np.ones((b,), np.int32),
-                      np.arange(b, dtype=np.int32), key, sp)
+  prompts = np.zeros((b, econf.max_prompt_len), np.int32)  # all distinct: the largest prefill
+  rows = np.arange(b, dtype=np.int32)
+  state = progs.start(params, dparams, prompts, np.ones((b,), np.int32), rows, rows, key, sp)
   progs.decode(params, dparams, state, key, sp, None, 1, econf.iterations_per_call)
   if dcfg is not None and econf.sd_threshold:
     sd_batch = min(b, 1 << max(econf.sd_threshold - 1, 0).bit_length())

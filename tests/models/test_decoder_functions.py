@@ -91,6 +91,32 @@ def test_training_forward_without_a_cache_matches_prefill(tiny_cfg, tiny_params)
     np.testing.assert_allclose(np.asarray(got[:, 6:]), np.asarray(logits), atol=1e-5)
 
 
+def test_shared_prompt_prefill_gives_each_row_its_prompts_prefill(tiny_cfg, tiny_params):
+  """Rows that share a prompt (a GRPO group) prefilled once and copied (`rows`) get the cache
+  and features of prefilling each row on its own, and `last_logits` the logits of each
+  row's last prompt token."""
+  cfg = tiny_cfg.replace(feature_layers=(1,))
+  rng = np.random.default_rng(4)
+  distinct = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 7)), jnp.int32)
+  rows = jnp.asarray([2, 0, 0, 1, 2], jnp.int32)
+  full = jax.jit(functools.partial(prefill, cfg=cfg, fresh=True))
+  want_logits, want_feats, want = full(tiny_params, distinct[rows], jnp.asarray(LENGTHS)[rows],
+                                       init_cache(cfg, 5, 16))
+  shared = jax.jit(functools.partial(prefill, cfg=cfg, fresh=True, last_logits=True))
+  logits, feats, cache = shared(tiny_params, distinct, jnp.asarray(LENGTHS),
+                                init_cache(cfg, 5, 16), rows=rows)
+  last = np.asarray(LENGTHS)[np.asarray(rows)] - 1
+  assert logits.shape == (5, cfg.vocab_size)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits)[np.arange(5), last],
+                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(feats), np.asarray(want_feats), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [7, 5, 5, 2, 7])
+  for got, ref in ((cache.k, want.k), (cache.v, want.v)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
+  with pytest.raises(ValueError, match="fresh"):
+    prefill(tiny_params, distinct, jnp.asarray(LENGTHS), init_cache(cfg, 5, 16), cfg, rows=rows)
+
+
 def test_param_specs_describe_the_weights(tiny_cfg, tiny_params):
   specs = param_specs(tiny_cfg)
   is_spec = lambda x: isinstance(x, ParamSpec)  # noqa: E731

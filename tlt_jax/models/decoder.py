@@ -110,51 +110,69 @@ def run_layers(layers: dict, x: jax.Array, attn: AttentionInputs, cache: KVCache
   return x, k_new, v_new, [outs[i] for i in cfg.feature_layers]
 
 
-def _outputs(params: dict, x: jax.Array, taken: list, cfg: ModelConfig):
+def _outputs(params: dict, x: jax.Array, taken: list, cfg: ModelConfig,
+             logits_at: jax.Array | None = None):
   """The stack's output x [B, T, E] and the feature layers' outputs -> (logits [B, T, V]
-  float32, features [B, T, F]: the final-norm hidden state, then the taken outputs)."""
+  float32, or [B, V] at positions logits_at [B]; features [B, T, F]: the final-norm hidden
+  state, then the taken outputs)."""
   hidden = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
   features = jnp.concatenate([hidden] + [t.astype(hidden.dtype) for t in taken], -1) \
       if taken else hidden
+  if logits_at is not None:
+    hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)[:, 0]
   return constrain_rows(lm_logits(params, hidden, cfg)), features
 
 
 def forward(params: dict, tokens: jax.Array, attn: AttentionInputs, cfg: ModelConfig,
-            cache: KVCache | None = None):
+            cache: KVCache | None = None, logits_at: jax.Array | None = None):
   """The shared forward of T new tokens per row.
 
   Args:
     tokens: [B, T] int32; attn: their positions and masks (`tlt_jax.models.attention_inputs`).
     cache: the prefix they attend to (None: no prefix, e.g. training rows).
+    logits_at: optional [B] int32: the logits of that position of each row only (the head is
+      a large matrix: a prefill that samples from its last position needs no other).
   Returns:
-    (logits [B, T, V] float32, features [B, T, F], k_new, v_new [L, B, T, KVH, D]).
-    features[..., :E] is the final-norm hidden state; with cfg.feature_layers the outputs of
-    those layers follow (F = cfg.feature_size), for a fusing drafter.
+    (logits [B, T, V] float32 ([B, V] with logits_at), features [B, T, F], k_new, v_new
+    [L, B, T, KVH, D]). features[..., :E] is the final-norm hidden state; with
+    cfg.feature_layers the outputs of those layers follow (F = cfg.feature_size), for a fusing
+    drafter.
   """
   x = constrain_rows(embed(params, tokens, cfg))  # rows split, as on the mesh's data axes
   x, k_new, v_new, taken = run_layers(params["layers"], x, attn, cache, cfg)
-  logits, features = _outputs(params, x, taken, cfg)
+  logits, features = _outputs(params, x, taken, cfg, logits_at)
   return logits, features, k_new, v_new
 
 
 def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
-            cfg: ModelConfig, fresh: bool = False):
+            cfg: ModelConfig, fresh: bool = False, last_logits: bool = False,
+            rows: jax.Array | None = None):
   """Runs right-padded prompts and appends them to the cache.
 
   Args:
-    tokens: [B, T] int32, row b's prompt in tokens[b, :lengths[b]], padding after.
-    lengths: [B] int32 prompt lengths (0 allowed: the row is left untouched).
+    tokens: [U, T] int32, row u's prompt in tokens[u, :lengths[u]], padding after.
+    lengths: [U] int32 prompt lengths (0 allowed: the row is left untouched).
     cache: appended to at slots cache.lengths[b] + j (usually an empty cache; a non-empty one
       makes this a chunked prefill).
     fresh: the caller guarantees the cache is empty, so the prompts attend to themselves only
       and not to the cache's S empty slots (the prefill's cost then does not grow with S).
+    last_logits: the logits of each prompt's last token only.
+    rows: for a fresh cache of B rows, optional [B] int32: cache row b holds prompt rows[b]
+      (the samples of one prompt share its prefill). Without it B = U.
   Returns:
-    logits [B, T, V] float32, features [B, T, F] (final-norm hidden states first; see
-    `forward`), the new cache. Entries at padding positions are meaningless.
+    logits [B, T, V] float32 ([B, V] with last_logits), features [B, T, F] (final-norm hidden
+    states first; see `forward`), the new cache. Entries at padding positions are
+    meaningless.
   """
-  attn = prefill_inputs(cache.lengths, tokens.shape[1], lengths)
-  logits, features, k_new, v_new = forward(params, tokens, attn, cfg,
-                                           None if fresh else cache)
+  if rows is not None and not fresh:
+    raise ValueError("prefill: rows (shared prompts) needs a fresh cache (fresh=True)")
+  attn = prefill_inputs(jnp.zeros_like(lengths) if fresh else cache.lengths, tokens.shape[1],
+                        lengths)
+  logits, features, k_new, v_new = forward(params, tokens, attn, cfg, None if fresh else cache,
+                                           jnp.maximum(lengths - 1, 0) if last_logits else None)
+  if rows is not None:
+    logits, features, lengths = logits[rows], features[rows], lengths[rows]
+    k_new, v_new = k_new[:, rows], v_new[:, rows]
   return logits, features, append_kv(cache, k_new, v_new, lengths)
 
 

@@ -485,16 +485,23 @@ class _SliceRun:
     return corpus
 
   def _prefill(self, request_ids, batch: int) -> GenState:
+    """Prefills the requests into a fresh batch of `batch` rows. Requests with the same
+    prompt (a GRPO group's samples) share one prefill row: the distinct prompts are padded to
+    a power-of-two count, so a group of G samples prefills G times fewer rows."""
     ec = self.engine.econf
-    width = bucket(max(len(self.requests[r]) for r in request_ids), ec.max_prompt_len)
-    prompts = np.full((batch, width), ec.pad_id, np.int32)
-    lengths = np.ones((batch,), np.int32)
+    distinct = list(dict.fromkeys(tuple(self.requests[r]) for r in request_ids))
+    width = bucket(max(map(len, distinct)), ec.max_prompt_len)
+    prompts = np.full((bucket(len(distinct), batch), width), ec.pad_id, np.int32)
+    lengths = np.ones((prompts.shape[0],), np.int32)
+    for i, p in enumerate(distinct):
+      prompts[i, :len(p)], lengths[i] = p, len(p)
+    where = {p: i for i, p in enumerate(distinct)}
+    source = np.zeros((batch,), np.int32)
     ids = np.full((batch,), -1, np.int32)
     for i, r in enumerate(request_ids):
-      prompts[i, :len(self.requests[r])] = self.requests[r]
-      lengths[i] = len(self.requests[r])
-      ids[i] = r
-    return self.prog.start(*self._params(), prompts, lengths, ids, self.key, self.sampling)
+      source[i], ids[i] = where[tuple(self.requests[r])], r
+    return self.prog.start(*self._params(), prompts, lengths, source, ids, self.key,
+                           self.sampling)
 
   def _params(self) -> tuple[dict, dict | None]:
     """(policy, drafter) as placed on this slice; the drafter is None without one."""

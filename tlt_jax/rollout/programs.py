@@ -79,11 +79,13 @@ class SlicePrograms:
   # ---------------------------------------------------------------- programs
 
   def start(self, params, dparams, prompts: np.ndarray, lengths: np.ndarray,
-            requests: np.ndarray, key: jax.Array, sp: SamplingParams) -> GenState:
-    """Prefills a batch of right-padded prompts into fresh caches; requests [B] (-1 for
-    padding rows, which start done)."""
+            source: np.ndarray, requests: np.ndarray, key: jax.Array,
+            sp: SamplingParams) -> GenState:
+    """Prefills right-padded distinct prompts [U, P] (lengths [U]) into fresh caches of B
+    rows: row b starts from prompt source[b] and serves requests[b] (-1 for padding rows,
+    which start done)."""
     cfg, dcfg = self.cfg, self.dcfg
-    b = prompts.shape[0]
+    b = requests.shape[0]
 
     def empty_caches():
       drafters = build_drafters(dcfg)
@@ -91,19 +93,20 @@ class SlicePrograms:
       return (init_cache(cfg, b, self.capacity),
               {name: st for name, st in states.items() if st is not None})
 
-    def fn(params, dparams, prompts, lengths, requests, key, caches):
+    def fn(params, dparams, prompts, lengths, source, requests, key, caches):
       state = start(Policy(params, cfg), prompts, lengths, caches[0], key, sp,
                     self.max_new_tokens, self.eos_id, drafters=build_drafters(dcfg, dparams),
-                    draft_states=caches[1], log_features=self.log_features, requests=requests)
+                    draft_states=caches[1], log_features=self.log_features, requests=requests,
+                    source=source)
       return state.replace(done=state.done | (requests < 0))
 
     # The empty caches are made by their own program and passed in (donated): built inside
     # the prefill, they would be compile-time constants that XLA tries to fold through the
     # attention, which makes compiles slow.
     caches = self._get(("caches", b), empty_caches, ())()
-    args = (params, dparams, self.put(prompts), self.put(lengths), self.put(requests), key,
-            caches)
-    return self._get(("prefill", b, prompts.shape[1], sp), fn, args, donate=(6,))(*args)
+    args = (params, dparams, self.put(prompts), self.put(lengths), self.put(source),
+            self.put(requests), key, caches)
+    return self._get(("prefill", b, *prompts.shape, sp), fn, args, donate=(7,))(*args)
 
   def _decode_program(self, batch: int, strategy: Strategy | None, sp: SamplingParams):
     """(program key, the strategy that shapes the program, whether it takes `limits`)."""

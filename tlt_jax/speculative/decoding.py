@@ -116,9 +116,10 @@ def _log_features(log: jax.Array | None, feats: jax.Array, first: jax.Array,
 def start(policy: Policy, prompts: jax.Array, lengths: jax.Array, cache: KVCache,
           key: jax.Array, sp: SamplingParams, max_new_tokens: int, eos_id: int,
           drafters: dict | None = None, draft_states: dict | None = None,
-          log_features: bool = False, requests: jax.Array | None = None) -> GenState:
+          log_features: bool = False, requests: jax.Array | None = None,
+          source: jax.Array | None = None) -> GenState:
   """Prefills right-padded prompts [B, P] (lengths [B] >= 1) into an empty policy cache
-  (fresh from init_cache) and samples the first token.
+  (fresh from init_cache, B rows) and samples the first token.
 
   key: the rollout's key; requests: [B] int32 request ids (default 0 .. B-1, -1 = padding):
     together they fix every token's noise.
@@ -126,25 +127,27 @@ def start(policy: Policy, prompts: jax.Array, lengths: jax.Array, cache: KVCache
     each stateful one (its `init_state`), which reads the prompts here.
   log_features: keep a feature_log [B, C, F] (C = the cache capacity), starting with the
   prompt's features.
+  source: optional [B] int32 when prompts [U, P] and lengths [U] hold distinct prompts: row b
+    starts from prompt source[b], so the samples of one prompt share one prefill.
   """
   cfg = policy.cfg
+  logits, hidden, cache = prefill(policy.params, prompts, lengths, cache, cfg, fresh=True,
+                                  last_logits=True, rows=source)
+  if source is not None:
+    prompts, lengths = prompts[source], lengths[source]
   b = prompts.shape[0]
   if requests is None:
     requests = jnp.arange(b, dtype=jnp.int32)
-  logits, hidden, cache = prefill(policy.params, prompts, lengths, cache, cfg, fresh=True)
-  last = lengths - 1
-  take_last = lambda x: jnp.take_along_axis(  # noqa: E731
-      x, last.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
-  root = sample_tokens(target_probs(take_last(logits), sp), key, requests,
-                       jnp.zeros((b,), jnp.int32), sp)
+  root = sample_tokens(target_probs(logits, sp), key, requests, jnp.zeros((b,), jnp.int32), sp)
   drafts = {name: drafters[name].prefill(policy, st, prompts, lengths, hidden)
             for name, st in (draft_states or {}).items()}
   log = None
   if log_features:
     log = jnp.zeros((b, cache.k.shape[3], hidden.shape[-1]), hidden.dtype)
     log = _log_features(log, hidden, jnp.zeros_like(lengths), lengths)
-  state = GenState(cache=cache, drafts=drafts, root=root,
-                   features=take_last(hidden), out=jnp.zeros((b, max_new_tokens), jnp.int32),
+  last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  state = GenState(cache=cache, drafts=drafts, root=root, features=last,
+                   out=jnp.zeros((b, max_new_tokens), jnp.int32),
                    num_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
                    request=requests.astype(jnp.int32), feature_log=log)
   out, num_out, done, _ = _emit(state, root[:, None], jnp.ones((b,), jnp.int32), eos_id)
