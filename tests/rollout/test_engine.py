@@ -77,6 +77,19 @@ def test_greedy_engine_with_sd_equals_plain_engine(tiny_cfg, tiny_params, plain_
     assert sum(r.mode == "prefill" for r in res.timeline) > replicas
 
 
+def test_a_prompts_samples_share_one_prefill_row(tiny_cfg, tiny_params, plain_reference):
+  """The samples of one prompt that start together are prefilled once: the first batch of
+  7 prompts x 2 samples (8 rows: 4 prompts) prefills 4 rows; the tokens are those of
+  prefilling every request on its own (a batch of one row)."""
+  ec, ref = plain_reference
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec)
+  assert engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0)).tokens == ref.tokens
+  assert (0, "prefill", 8, 4, 8, GREEDY) in engine.pool  # (slice, kind, rows, prompts, width)
+  assert (0, "prefill", 8, 8, 8, GREEDY) not in engine.pool
+  alone = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(ec, max_batch=1))
+  assert alone.generate(PROMPTS, 2, GREEDY, jax.random.key(0)).tokens == ref.tokens
+
+
 def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
   ec, ref = plain_reference
   ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
