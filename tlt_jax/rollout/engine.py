@@ -486,8 +486,8 @@ class _SliceRun:
 
   def _prefill(self, request_ids, batch: int) -> GenState:
     """Prefills the requests into a fresh batch of `batch` rows. Requests with the same
-    prompt (a GRPO group's samples) share one prefill row: the distinct prompts are padded to
-    a power-of-two count, so a group of G samples prefills G times fewer rows."""
+    prompt (a GRPO group's samples) share one prefill row, the distinct prompts padded to a
+    power-of-two count: G samples of a prompt that start together prefill one row."""
     ec = self.engine.econf
     distinct = list(dict.fromkeys(tuple(self.requests[r]) for r in request_ids))
     width = bucket(max(map(len, distinct)), ec.max_prompt_len)
