@@ -489,17 +489,17 @@ class _SliceRun:
     prompt (a GRPO group's samples) share one prefill row, the distinct prompts padded to a
     power-of-two count: G samples of a prompt that start together prefill one row."""
     ec = self.engine.econf
-    distinct = list(dict.fromkeys(tuple(self.requests[r]) for r in request_ids))
-    width = bucket(max(map(len, distinct)), ec.max_prompt_len)
-    prompts = np.full((bucket(len(distinct), batch), width), ec.pad_id, np.int32)
+    keys = [tuple(self.requests[r]) for r in request_ids]
+    where = {p: i for i, p in enumerate(dict.fromkeys(keys))}  # prompt -> its prefill row
+    width = bucket(max(map(len, where)), ec.max_prompt_len)
+    prompts = np.full((bucket(len(where), batch), width), ec.pad_id, np.int32)
     lengths = np.ones((prompts.shape[0],), np.int32)
-    for i, p in enumerate(distinct):
+    for p, i in where.items():
       prompts[i, :len(p)], lengths[i] = p, len(p)
-    where = {p: i for i, p in enumerate(distinct)}
     source = np.zeros((batch,), np.int32)
+    source[:len(keys)] = [where[p] for p in keys]
     ids = np.full((batch,), -1, np.int32)
-    for i, r in enumerate(request_ids):
-      source[i], ids[i] = where[tuple(self.requests[r])], r
+    ids[:len(keys)] = request_ids
     return self.prog.start(*self._params(), prompts, lengths, source, ids, self.key,
                            self.sampling)
 
