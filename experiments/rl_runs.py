@@ -12,7 +12,8 @@ and, when asked for (--variants ...), TLT with and without compiling ahead (tlt_
 tlt_on_demand: rollout.compile_ahead True / False, whatever the config says), to measure
 what compiling the tail's programs in the background saves, and with and without shared SD
 programs (tlt_shared, tlt_own_programs: rollout.speculative.shared_max_batch every bucket /
-none), to measure what one program per bucket saves against what its padding costs.
+none), to measure what one program per bucket saves against what its padding costs, and with
+SD at any number of running rows (tlt_sd_whole_batch: rollout.sd_threshold above the batch).
 
   python experiments/rl_runs.py --out results/rl_runs
   python experiments/rl_runs.py --out /tmp/rl --quick          # configs/default.py:runlocal
@@ -71,6 +72,9 @@ VARIANTS = {
     # Every SD batch bucket (any size at or above the SD threshold's) shares its programs.
     "tlt_shared": {"rollout.speculative.shared_max_batch": 1024},
     "tlt_own_programs": {"rollout.speculative.shared_max_batch": 0},
+    # SD at any number of running rows (the tuner's top bucket from 5 rows on), not only in
+    # the tail: where the drafter accepts enough that SD pays even on a full batch.
+    "tlt_sd_whole_batch": {"rollout.sd_threshold": 1024},
 }
 DEFAULT_VARIANTS = ["baseline", "tlt", "frozen", "no_warmup"]
 

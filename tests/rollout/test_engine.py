@@ -78,14 +78,18 @@ def test_greedy_engine_with_sd_equals_plain_engine(tiny_cfg, tiny_params, plain_
 
 
 def test_a_prompts_samples_share_one_prefill_row(tiny_cfg, tiny_params, plain_reference):
-  """The samples of one prompt that start together are prefilled once: the first batch of
-  7 prompts x 2 samples (8 rows: 4 prompts) prefills 4 rows; the tokens are those of
-  prefilling every request on its own (a batch of one row)."""
+  """The samples of one prompt that start a batch together are prefilled once: the first
+  batch of 7 prompts x 2 samples (8 rows: 4 prompts) prefills 4 rows; the tokens are those
+  of prefilling every request on its own (a batch of one row). A refill prefills a row per
+  request, so its program depends on the group size alone, not on how many prompts it
+  holds."""
   ec, ref = plain_reference
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec)
   assert engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0)).tokens == ref.tokens
   assert (0, "prefill", 8, 4, 8, GREEDY) in engine.pool  # (slice, kind, rows, prompts, width)
   assert (0, "prefill", 8, 8, 8, GREEDY) not in engine.pool
+  refills = [k for k in engine.pool if k[1] == "prefill" and k[2] < 8]
+  assert refills and all(k[2] == k[3] for k in refills), refills
   alone = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(ec, max_batch=1))
   assert alone.generate(PROMPTS, 2, GREEDY, jax.random.key(0)).tokens == ref.tokens
 

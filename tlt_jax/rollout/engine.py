@@ -443,14 +443,14 @@ class _SliceRun:
     if compacted is not None:
       self.state = self.prog.take_rows(self.state, compacted)
     if isinstance(action, Start):
-      self.state = self._prefill(action.requests, action.batch)
+      self.state = self._prefill(action.requests, action.batch, share=True)
       if (self.engine.speculative and self.engine.econf.compile_ahead
           and self.compile_priority is not None):
         self.prog.decode_ahead(*self._params(), self.state, self.key, self.sampling,
                                self.engine.tail_plan(), self.compile_priority)
       call = _Call("prefill", len(action.requests), action.batch, None, 0.0, 0.0)
     elif isinstance(action, Refill):
-      fresh = self._prefill(action.requests, action.group)
+      fresh = self._prefill(action.requests, action.group, share=False)
       target = np.full((action.group,), self.sched.batch, np.int32)  # past the batch: dropped
       target[:len(action.rows)] = action.rows
       self.state = self.prog.put_rows(self.state, fresh, target)
@@ -484,15 +484,19 @@ class _SliceRun:
         corpus[i, j, :len(toks)] = toks
     return corpus
 
-  def _prefill(self, request_ids, batch: int) -> GenState:
-    """Prefills the requests into a fresh batch of `batch` rows. Requests with the same
-    prompt (a GRPO group's samples) share one prefill row, the distinct prompts padded to a
-    power-of-two count: G samples of a prompt that start together prefill one row."""
+  def _prefill(self, request_ids, batch: int, share: bool) -> GenState:
+    """Prefills the requests into a fresh batch of `batch` rows. With `share`, requests with
+    the same prompt (a GRPO group's samples) share one prefill row, the distinct prompts
+    padded to a power-of-two count: G samples of a prompt that start together prefill one
+    row. The start of a slice's batch shares; a refill does not, as each distinct count
+    would be a prefill program of its own per group size (the tiny default's 16 steps
+    compiled 73 prefill programs so, 50 without), for the few rows a refill prefills."""
     ec = self.engine.econf
     keys = [tuple(self.requests[r]) for r in request_ids]
     where = {p: i for i, p in enumerate(dict.fromkeys(keys))}  # prompt -> its prefill row
     width = bucket(max(map(len, where)), ec.max_prompt_len)
-    prompts = np.full((bucket(len(where), batch), width), ec.pad_id, np.int32)
+    prompts = np.full((bucket(len(where), batch) if share else batch, width), ec.pad_id,
+                      np.int32)
     lengths = np.ones((prompts.shape[0],), np.int32)
     for p, i in where.items():
       prompts[i, :len(p)], lengths[i] = p, len(p)

@@ -157,6 +157,10 @@ class ExecutablePool:
   def __len__(self) -> int:
     return len(self._exes)
 
+  def __iter__(self):
+    """The keys of the compiled executables."""
+    return iter(list(self._exes))
+
   def report(self) -> dict:
     """{'executables', 'compiles', 'compile_s', 'ahead_compiles', 'ahead_s', 'bill', 'keys'}
     for logs and benchmarks (compiles / compile_s: on the critical path)."""
