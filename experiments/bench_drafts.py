@@ -99,13 +99,15 @@ def iteration_seconds(cfg, params, drafter, strategies, prompts, corpus_rows, ba
   """Seconds per SD iteration of each strategy at `batch` rows: one `decode_loop` call of
   `iterations` from the same freshly prefilled state, the strategies alternating, the median
   of `repeats` calls each. The suffix drafter's corpus is `corpus_rows` random responses per
-  row (its matching costs the same whatever they hold)."""
+  row (its matching costs the same whatever they hold). With fewer prompts than rows the
+  prompts repeat."""
   policy, drafters = Policy(params, cfg), build_drafters(*drafter)
-  width = max(len(p) for p in prompts[:batch])
+  rows = [prompts[i % len(prompts)] for i in range(batch)]
+  width = max(len(p) for p in rows)
   toks = np.zeros((batch, width), np.int32)
-  for i, p in enumerate(prompts[:batch]):
+  for i, p in enumerate(rows):
     toks[i, :len(p)] = p
-  lengths = jnp.asarray([len(p) for p in prompts[:batch]], jnp.int32)
+  lengths = jnp.asarray([len(p) for p in rows], jnp.int32)
   cap = -(-(width + max_new + 16) // 64) * 64
   states = {n: d.init_state(cfg, batch, cap) for n, d in drafters.items()}
   state = jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=-1))(
