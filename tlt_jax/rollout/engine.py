@@ -488,9 +488,10 @@ class _SliceRun:
     """Prefills the requests into a fresh batch of `batch` rows. With `share`, requests with
     the same prompt (a GRPO group's samples) share one prefill row, the distinct prompts
     padded to a power-of-two count: G samples of a prompt that start together prefill one
-    row. The start of a slice's batch shares; a refill does not, as each distinct count
-    would be a prefill program of its own per group size (the tiny default's 16 steps
-    compiled 73 prefill programs so, 50 without), for the few rows a refill prefills."""
+    row. The start of a slice's batch shares; a refill does not: there each distinct count
+    would be a prefill program of its own per group size, for the few rows a refill
+    prefills (sharing in refills, the tiny default's 16 steps compiled 73 prefill programs;
+    without, 50)."""
     ec = self.engine.econf
     keys = [tuple(self.requests[r]) for r in request_ids]
     where = {p: i for i, p in enumerate(dict.fromkeys(keys))}  # prompt -> its prefill row
