@@ -174,6 +174,32 @@ def test_a_nonfinite_update_is_not_applied_and_is_reported(tiny_cfg, tiny_params
   assert not np.allclose(moved["lm_head"]["kernel"], tiny_params["lm_head"]["kernel"])
 
 
+def test_padding_takes_no_optimizer_step_and_does_not_dilute_the_metrics(tiny_cfg, tiny_params):
+  """Two responses in 2 mini-batches of 2 rows: the second mini-batch is padding alone. With
+  AdamW it must not step (zero gradients would still move the weights), so the result equals
+  one mini-batch of the two; within a mini-batch a padding micro-batch does not halve the
+  token means (ratio 1 at the first update)."""
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.rl.policy_update import PolicyUpdater
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  prompts, completions = [[1, 2], [3]], [[5, 6, 7], [8, 9]]
+  advantages = np.array([1.0, -1.0], np.float32)
+
+  def update(mini_batches, micro_rows, min_rows=0):
+    updater = PolicyUpdater(tiny_cfg, Grpo(), optax.adamw(1e-2, weight_decay=0.1),
+                            jax.tree.map(jnp.copy, tiny_params), mesh, DEFAULT_RULES,
+                            ppo_epochs=1, mini_batches=mini_batches, micro_batch_rows=micro_rows)
+    params, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions,
+                                 advantages, 0, max_width=16, min_rows=min_rows)
+    return jax.device_get(params), metrics
+
+  padded, _ = update(mini_batches=2, micro_rows=2)
+  alone, _ = update(mini_batches=1, micro_rows=2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), padded, alone)
+  _, metrics = update(mini_batches=1, micro_rows=2, min_rows=4)  # a padding micro-batch
+  assert metrics["ratio_mean"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("temperature,top_p", [(0.6, 1.0), (0.6, 0.8), (1.0, 1.0), (1.0, 0.8)])
 def test_trainer_scores_tokens_under_the_distribution_the_engine_sampled(
     tiny_cfg, tiny_params, temperature, top_p):
@@ -234,6 +260,18 @@ def test_trainer_log_probs_stay_finite_when_the_token_leaves_the_top_p_support(t
   grads = jax.grad(lambda p: token_log_probs(p, batch["tokens"], batch["targets"],
                                              batch["loss_mask"], tiny_cfg, sp)[0].sum())(
                                                  tiny_params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.9)])
+def test_the_entropy_bonus_has_a_finite_gradient_under_top_k_and_top_p(tiny_cfg, tiny_params,
+                                                                        batch, top_k, top_p):
+  """Off the truncated support log q is -inf; the entropy term must not send 0 * -inf back."""
+  from tlt_jax.speculative.sampling import SamplingParams
+  gc = GrpoConfig(sampling=SamplingParams(0.7, top_k=top_k, top_p=top_p), entropy_coef=0.01)
+  (_, metrics), grads = jax.value_and_grad(grpo_loss, has_aux=True)(tiny_params, batch,
+                                                                     tiny_cfg, gc)
+  assert float(metrics["entropy"]) > 0
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
 

@@ -119,7 +119,9 @@ def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_ma
   if not with_entropy:
     return logp, None
   q = jnp.exp(logq_all)
-  entropy = -jnp.sum(jnp.where(q > 0, q * logq_all, 0.0), axis=-1)
+  # Off the top-k / top-p support log q is -inf: zero it before the product, so that neither
+  # the value nor the gradient sees 0 * -inf (a where after the product would pass NaN back).
+  entropy = -jnp.sum(q * jnp.where(q > 0, logq_all, 0.0), axis=-1)
   return logp, jnp.where(loss_mask, entropy, 0.0)
 
 

@@ -108,7 +108,10 @@ def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTr
     grads, (losses, metrics) = jax.lax.scan(body, zeros, mini_batch)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    out = {k: jnp.mean(v) for k, v in metrics.items() if k != "pg_loss"}
+    # Token means of micro-batches, weighted by their tokens (a padding one holds none).
+    tokens = jnp.sum(mini_batch["loss_mask"], axis=(1, 2), dtype=jnp.float32)
+    share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
+    out = {k: jnp.sum(v * share) for k, v in metrics.items() if k != "pg_loss"}
     out.update(loss=jnp.sum(losses), grad_norm=optax.tree.norm(grads))
     finite = (jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
               & all_finite(new_params))
@@ -164,7 +167,8 @@ class PolicyUpdater:
     (prompts[i] + completions[i], advantage advantages[i]); returns (params, the updates'
     mean metrics, seconds spent compiling). min_rows: pad the batch to at least the rows of
     this many sequences (a step that trains on fewer responses than usual keeps the usual
-    batch shape, so it compiles nothing new)."""
+    batch shape, so it compiles nothing new, and takes one optimizer step per mini-batch
+    that holds responses)."""
     rows = build_rows(prompts, completions, advantages,
                       self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width)
     batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
@@ -174,9 +178,12 @@ class PolicyUpdater:
       batch["old_logp"] = self._batch_log_probs(params, batch)
     if self.ref_params is not None:
       batch["ref_logp"] = self._batch_log_probs(self.ref_params, batch)
+    # A mini-batch of padding rows alone takes no optimizer step: with zero gradients AdamW
+    # would still move the weights (momentum, weight decay) and count a step.
+    real = np.flatnonzero(rows["loss_mask"].reshape(self.mini_batches, -1).any(axis=1))
     metrics = []
     for _ in range(self.ppo_epochs):
-      for m in range(self.mini_batches):
+      for m in real:
         mini = {k: v[m] for k, v in batch.items()}
         shapes = tuple(sorted((k, v.shape) for k, v in mini.items()))
         update = self.pool.get(("update", shapes), self._update,
