@@ -19,6 +19,12 @@ from tlt_jax.rl.answers import (answers_match, extract_answer, extract_boxed, ex
     ("", None),
     (r"\boxed{unclosed", None),
     ("7+5=12\n12*3=36", None),  # no '####' line: the last number is not taken ...
+    # Markdown headings are not answer lines: the answer stated last wins.
+    ("#### Step 1: add\n2+3=5\n#### Step 2: double\n5*2=10\nSo \\boxed{10}.", "10"),
+    ("##### Final\n\\boxed{10}", "10"),
+    ("##### 9", None),
+    ("\\boxed{3} is wrong, so\n#### 4", "4"),
+    ("####\n42", None),  # an empty answer line does not reach into the next line
 ])
 def test_extract_answer(text, expected):
   assert extract_answer(text) == expected

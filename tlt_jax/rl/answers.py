@@ -1,8 +1,9 @@
 """Final-answer extraction and equivalence for math-style completions.
 
-Extraction, most specific first:
-  - GSM8K: the last line "#### x" (`extract_hash_answer`);
-  - MATH / DAPO: the last `\\boxed{x}` or `\\fbox{x}`, nested braces allowed (`extract_boxed`);
+Extraction: the answer stated last, in either format (so a markdown "#### heading" before a
+box does not hide the box):
+  - GSM8K: a line "#### x" (exactly four #; `extract_hash_answer`);
+  - MATH / DAPO: `\\boxed{x}` or `\\fbox{x}`, nested braces allowed (`extract_boxed`);
   - only when asked (`extract_answer(text, fallback=True)`): the last number in the text
     (`extract_last_number`). The rewards and evaluation leave it off, so a response that skips
     the answer format earns nothing for a number it happens to end on.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-_HASH = re.compile(r"^\s*####\s*(.*?)\s*$", re.MULTILINE)
+_HASH = re.compile(r"^[ \t]*####(?!#)[ \t]*(.*?)[ \t]*$", re.MULTILINE)
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
 _FRAC = re.compile(r"^([+-]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
@@ -27,8 +28,15 @@ _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 
 def extract_hash_answer(text: str) -> str | None:
   """The text after the last '#### ' line (GSM8K style), or None."""
-  found = _HASH.findall(text)
-  return found[-1] if found and found[-1] else None
+  return _last_hash(text)[1]
+
+
+def _last_hash(text: str) -> tuple[int, str | None]:
+  """(where the last '#### x' line starts, x), or (-1, None)."""
+  found = list(_HASH.finditer(text))
+  if not found or not found[-1].group(1):
+    return -1, None
+  return found[-1].start(), found[-1].group(1)
 
 
 def extract_boxed(text: str) -> str | None:
@@ -36,6 +44,11 @@ def extract_boxed(text: str) -> str | None:
 
   Also accepts the brace-less form '\\boxed 5'. An unclosed box gives None.
   """
+  return _last_boxed(text)[1]
+
+
+def _last_boxed(text: str) -> tuple[int, str | None]:
+  """(where the last complete box starts, its content), or (-1, None)."""
   starts = [m for m in re.finditer(r"\\(?:boxed|fbox)\s*", text)]
   for m in reversed(starts):
     i = m.end()
@@ -47,12 +60,12 @@ def extract_boxed(text: str) -> str | None:
         elif text[j] == "}":
           depth -= 1
           if depth == 0:
-            return text[i + 1:j].strip()
+            return m.start(), text[i + 1:j].strip()
       continue  # unclosed: try an earlier box
     word = re.match(r"[^\s$]+", text[i:])
     if m.group(0) != m.group(0).rstrip() and word:  # '\boxed 5' needs the space
-      return word.group(0)
-  return None
+      return m.start(), word.group(0)
+  return -1, None
 
 
 def extract_last_number(text: str) -> str | None:
@@ -62,12 +75,12 @@ def extract_last_number(text: str) -> str | None:
 
 
 def extract_answer(text: str, fallback: bool = False) -> str | None:
-  """'#### x', else the last \\boxed{x}, else None; fallback=True (for responses that were
-  never asked for a format, e.g. a base model's) takes the last number instead of None."""
-  for extract in (extract_hash_answer, extract_boxed):
-    found = extract(text)
-    if found is not None:
-      return found
+  """The last '#### x' line or \\boxed{x}, whichever comes later, else None; fallback=True
+  (for responses that were never asked for a format, e.g. a base model's) takes the last
+  number instead of None."""
+  _, found = max(_last_hash(text), _last_boxed(text), key=lambda hit: hit[0])
+  if found is not None:
+    return found
   return extract_last_number(text) if fallback else None
 
 
