@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.speculative.drafters import random_drafter
+from tests.speculative.drafters import oracle_drafter, random_drafter
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.mesh import make_mesh, replica_slices
 from tlt_jax.models import init_cache, prefill
@@ -57,6 +57,29 @@ def test_logged_features_are_the_policys_own(tiny_cfg, tiny_params, threshold):
       assert not feats[i, n:].any()
     seen |= set(block.request_ids)
   assert seen == logged
+
+
+def test_an_accepted_path_cut_by_eos_or_the_budget_logs_only_what_the_response_holds(
+    tiny_cfg, tiny_params):
+  """An oracle drafter's paths of 5 nodes overshoot EOS and the 12-token budget: the
+  committed nodes past the cut are in no response, and their features are not logged."""
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12)
+  plain = RolloutEngine(tiny_cfg, tiny_params, mesh, ec).generate(
+      PROMPTS, 1, SamplingParams(0.0), jax.random.key(0))
+  tokens, counts = np.unique(np.concatenate([t[3:] for t in plain.tokens]), return_counts=True)
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=8,
+                    eos_id=int(tokens[counts.argmax()]))  # a token that ends some responses
+  engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec,
+                         drafter=oracle_drafter(tiny_cfg, tiny_params),
+                         tuner=FixedTuner((4, 1, 5)), log_features=True)
+  res = engine.generate(PROMPTS, 1, SamplingParams(0.0), jax.random.key(0))
+  assert {"eos", "length"} == set(res.finish_reasons)
+  block, = res.feature_blocks
+  feats = np.asarray(block.features)
+  for i in range(len(block)):
+    n = len(block.sequences[i]) - 1
+    assert feats[i, :n].any(axis=-1).all() and not feats[i, n:].any()
 
 
 def _synthetic_blocks(rng, mesh, count, width=6):

@@ -230,13 +230,16 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
   emitted_tokens = jnp.where(jnp.arange(d + 1)[None] == last[:, None],
                              acc.next_token[:, None], emitted_tokens)
   new_features = jnp.take_along_axis(path_feats, last[:, None, None], axis=1)[:, 0]
-  log = _log_features(state.feature_log, path_feats, state.cache.lengths, acc.num_nodes * act)
-  state = state.replace(cache=cache, drafts=drafts, feature_log=log,
-                        root=jnp.where(active, acc.next_token, state.root),
-                        features=jnp.where(active[:, None], new_features, state.features))
   out, num_out, done, emitted = _emit(state, emitted_tokens, acc.num_nodes * act, eos_id)
+  # Where EOS or the budget cut the path, the committed nodes past the cut are in no
+  # response: only the features of tokens the response holds (all but its last) are logged.
+  log = _log_features(state.feature_log, path_feats, state.cache.lengths,
+                      jnp.minimum(acc.num_nodes, emitted) * act)
+  state = state.replace(cache=cache, drafts=drafts, feature_log=log, out=out, num_out=num_out,
+                        done=done, root=jnp.where(active, acc.next_token, state.root),
+                        features=jnp.where(active[:, None], new_features, state.features))
   stats = StepStats(emitted=emitted, accepted=acc.num_nodes * act, iterations=act)
-  return state.replace(out=out, num_out=num_out, done=done), stats
+  return state, stats
 
 
 def decode_loop(policy: Policy, drafters: dict | None, state: GenState, key: jax.Array,
