@@ -174,6 +174,8 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   base_key = jax.random.key(config.seed)
   bar = job.progress(total=rl.steps, initial=step, desc="rl", unit="step")
   with log, contextlib.ExitStack() as on_exit:
+    # Last out, also when the loop raises: a save still in flight is finished, not dropped.
+    on_exit.callback(ckpt.close)
     for pool in pools:  # compiles still queued ahead would only delay the end, or a crash
       on_exit.callback(pool.close)
     while step < rl.steps and not job.stop.requested:
@@ -212,7 +214,6 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
                       step_s=f"{metrics['step_s']:.1f}",
                       accept=f"{metrics['sd_accept_len_mean'] or 0:.2f}")
   bar.close()
-  ckpt.close()
 
   # ---------------------------------------------------------------- export and summary
   if step >= rl.steps and rl.export:

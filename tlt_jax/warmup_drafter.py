@@ -18,6 +18,7 @@ vocabulary is the tokens most frequent in those responses. Outputs in WORKDIR:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -123,14 +124,13 @@ def _warmup(config, job: Job) -> bool:
       ckpt.save(step, st, {"step": step})
 
   t0 = job.wall_s
-  with log:
+  with log, contextlib.closing(ckpt):  # a save in flight is finished, also on an error
     dparams, history = train_drafter(init_params, params, samples, cfg, dcfg, oc, w.steps,
                                       window=w.window, batch_rows=w.batch_rows,
                                       seed=config.seed, state=state, on_step=on_step,
                                       progress=job.writer and job.show_progress,
                                       should_stop=lambda: job.stop.requested)
   train_s = job.wall_s - t0
-  ckpt.close()
   if first + len(history) < w.steps:  # stopped by a signal, after its checkpoint
     return True
 

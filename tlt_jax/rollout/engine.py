@@ -195,7 +195,7 @@ class RolloutEngine:
     self.dcfg = drafter[0] if drafter else None
     self.mesh, self.slices = mesh, replica_slices(mesh)
     self.local = local_slices(self.slices)  # the slices this process drives (all, with one)
-    self.pool = ExecutablePool()
+    self.pool = ExecutablePool(max_size=512 * len(self.local))  # each slice keys its own
     self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg,
                                       econf.capacity, econf.max_new_tokens, econf.eos_id,
                                       self.rules, log_features, self.shared_shape,
