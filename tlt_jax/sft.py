@@ -11,6 +11,7 @@ at the end; the final policy and tokenizer are exported in Hugging Face layout t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -163,29 +164,26 @@ def _sft(config, job: Job, num_devices: int) -> bool:
   # ---------------------------------------------------------------- loop
   bar = job.progress(total=s.steps, initial=step, desc="sft", unit="step")
   last = None
-  try:  # a save in flight is finished, also on an error
-    with log:
-      while step < s.steps and not job.stop.requested:
-        batch, _ = next_packed_batch(iterator, encode, s.rows, s.seq_len,
-                                     pad_id=tokenizer.pad_token_id)
-        with on_mesh(mesh):  # the attention kernel, where a short row takes it, per shard
-          params, opt_state, metrics = train_step(params, opt_state,
-                                                  jax.device_put(batch, batch_sharding))
-        step += 1
-        bar.update(1)
-        if step % s.log_every == 0 or step == s.steps:
-          last = {k: float(v) for k, v in metrics.items()}
-          bar.set_postfix(loss=f"{last['loss']:.4f}")
-          log.write("metrics", [{"step": step, **last}])
-        if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.steps:
-          save(step)
-        if s.eval_every and step % s.eval_every == 0 and step < s.steps:
-          run_eval(step)
+  with log, contextlib.closing(ckpt):  # a save in flight is finished, also on an error
+    while step < s.steps and not job.stop.requested:
+      batch, _ = next_packed_batch(iterator, encode, s.rows, s.seq_len,
+                                   pad_id=tokenizer.pad_token_id)
+      with on_mesh(mesh):  # the attention kernel, where a short row takes it, per shard
+        params, opt_state, metrics = train_step(params, opt_state,
+                                                jax.device_put(batch, batch_sharding))
+      step += 1
+      bar.update(1)
+      if step % s.log_every == 0 or step == s.steps:
+        last = {k: float(v) for k, v in metrics.items()}
+        bar.set_postfix(loss=f"{last['loss']:.4f}")
+        log.write("metrics", [{"step": step, **last}])
+      if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.steps:
+        save(step)
+      if s.eval_every and step % s.eval_every == 0 and step < s.steps:
+        run_eval(step)
     bar.close()
     if ckpt.latest_step != step:  # a rerun of a finished job has nothing new to save
       save(step)
-  finally:
-    ckpt.close()
   if step < s.steps:  # stopped by a signal, after its checkpoint
     return True
   train_s = job.wall_s
