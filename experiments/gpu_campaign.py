@@ -5,11 +5,14 @@
   python experiments/gpu_campaign.py 3 --out runs/campaign   # gpu_e2e: rl, simulate
   python experiments/gpu_campaign.py all --quick --out /tmp/campaign   # toy shapes, any device
 
-Command 1 (~8.5 min estimated, not yet measured): experiments/bench_tree_attention.py's default
-grid (the kernel against the reference and the device's copy bandwidth; -> OUT/1/
-tree_attention.json, .png), then experiments/bench_decode.py at the Qwen2.5-7B shape, batches
-1 and 8 (the decode step against the plain-JAX floor, SD iterations with the full and a 32k
-draft vocabulary; -> OUT/1/decode_7b.json, .png).
+Command 1 (494 s on an H100 on 2026-11-26, before its first step and this grid):
+experiments/check_gpu_numerics.py (is the attention computed right on this device, with and
+without the package's XLA flags; -> OUT/1/gpu_numerics.json), experiments/
+bench_tree_attention.py on a 3 x 3 x 3 grid that holds every target's points (the kernel
+against the reference and the device's copy bandwidth; -> OUT/1/tree_attention.json, .png),
+then experiments/bench_decode.py at the Qwen2.5-7B shape, batches 1 and 8 (the decode step
+against the plain-JAX floor, SD iterations with the full and a 32k draft vocabulary;
+-> OUT/1/decode_7b.json, .png).
 Commands 2 and 3 (~7 and ~8 min estimated): the two halves of experiments/gpu_e2e.py with
 configs/gpu_demo.py (-> OUT/e2e/..., gpu_e2e.json and .png once both ran). Command 3 needs the
 files command 2 left in OUT.
@@ -56,9 +59,15 @@ def steps(command: str, out: pathlib.Path, quick: bool) -> list[tuple[str, list[
   q = ["--quick"] if quick else []
   if command == "1":
     return [
-        ("tree_attention", [py, str(EXPERIMENTS / "bench_tree_attention.py"), *q,
+        ("gpu_numerics", [py, str(EXPERIMENTS / "check_gpu_numerics.py"), *q,
+                          "--out", str(one / "gpu_numerics.json")], 90),
+        # A grid that reaches every target's points within the budget (the default one,
+        # batch by batch, had not reached batch 16 at 16k after 200 s on an H100).
+        ("tree_attention", [py, str(EXPERIMENTS / "bench_tree_attention.py"),
+                            *(q or ["--batches", "1", "16", "32", "--prefix-lens", "2048",
+                                    "16384", "32768", "--tree-sizes", "1", "16", "48"]),
                             "--out", str(one / "tree_attention.json"),
-                            "--time-budget", "200"], 220),
+                            "--time-budget", "160"], 190),
         ("decode_7b", [py, str(EXPERIMENTS / "bench_decode.py"),
                        *(q or ["--shape", "qwen2.5-7b", "--batches", "1", "8",
                                "--strategies", "8,4,48", "--draft-vocab-sizes", "32768"]),

@@ -6,9 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tests.experiment_modules import load_experiment
+from tlt_jax.kernels.reference import prefix_tree_attention_reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,6 +48,22 @@ def _check_bench_tree_attention_quick(out):
     assert row["reference_bytes_per_s"] > 0
     assert row["kernel_status"] == "skipped: cpu: reference only"
     assert row["targets"] == {"never_slower": None}  # the kernel did not run: no verdict
+
+
+def test_bench_tree_attention_checks_outputs_against_a_host_reference():
+  """check_point measures an output against the float32 reference computed on the CPU, so a
+  wrong output is caught whatever the device computes (on an H100 XLA once miscompiled the
+  reference itself, and a check on the device then failed the right kernel)."""
+  bench = load_experiment("bench_tree_attention")
+  base = bench.make_inputs(jax.random.key(0), 2, 64, 4, 4, 2, 16, jnp.bfloat16)
+  inputs = bench.slice_inputs(base, 2, 64, 4)
+  right = jax.jit(prefix_tree_attention_reference)(*inputs)
+  good = bench.check_point(inputs, right, (0, 1))
+  assert good["finite"] and good["rel_err"] < bench.TOLERANCE["bfloat16"]
+  wrong = right.at[1, 2].multiply(-1)  # one query of the last sequence
+  assert bench.check_point(inputs, wrong, (0, 1))["rel_err"] > 0.5
+  assert bench.check_point(inputs, wrong, (0,))["rel_err"] < bench.TOLERANCE["bfloat16"]
+  assert bench.check_point(inputs, right.at[0, 0, 0, 0].set(jnp.nan), (1,))["finite"] is False
 
 
 def test_bench_tree_attention_targets():
@@ -353,9 +372,15 @@ def test_gpu_campaign_quick_runs_its_three_commands_and_gpu_e2e_resumes(tmp_path
   out = tmp_path / "campaign"
   _run_script("gpu_campaign.py", "all", "--quick", "--out", str(out), timeout=1500)
   record = json.loads((out / "campaign.json").read_text())
-  assert set(record["steps"]) == {"tree_attention", "decode_7b", "gpu_e2e_sft_warmup_rollout",
-                                  "gpu_e2e_rl_simulate"}
+  assert set(record["steps"]) == {"gpu_numerics", "tree_attention", "decode_7b",
+                                  "gpu_e2e_sft_warmup_rollout", "gpu_e2e_rl_simulate"}
   assert all(r["returncode"] == 0 for r in record["steps"].values())
+  numerics = json.loads((out / "1" / "gpu_numerics.json").read_text())
+  assert numerics["right_with_flags"] is True and numerics["right_without_flags"] is True
+  legs = numerics["legs"]
+  assert "--xla_gpu_exclude_nondeterministic_ops=true" in legs["flags"]["xla_flags"]
+  assert "--xla_gpu_exclude_nondeterministic_ops=false" in legs["flags_off"]["xla_flags"]
+  assert [r["reference"]["rel_err"] < 0.02 for r in legs["flags_off"]["rows"]] == [True, True]
   _check_bench_tree_attention_quick(out / "1" / "tree_attention.json")
   _check_bench_decode_quick(out / "1" / "decode_7b.json")
   e2e = out / "e2e"

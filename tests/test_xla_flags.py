@@ -1,0 +1,28 @@
+"""The XLA flags the package adds to XLA_FLAGS on import (tlt_jax/xla_flags.py)."""
+
+import os
+import subprocess
+import sys
+
+from tlt_jax import xla_flags
+
+
+def test_the_flags_are_added_and_a_users_own_setting_wins():
+  flag = "--xla_gpu_exclude_nondeterministic_ops"
+  assert xla_flags.with_flags("") == f"{flag}=true"
+  assert xla_flags.with_flags(" --xla_dump_to=/tmp/x ") == f"--xla_dump_to=/tmp/x {flag}=true"
+  assert xla_flags.with_flags(f"{flag}=false --xla_dump_to=/d") == f"{flag}=false --xla_dump_to=/d"
+  # Applying twice adds nothing.
+  env = {"XLA_FLAGS": "--xla_dump_to=/d"}
+  assert xla_flags.apply(env) == xla_flags.apply(env) == f"--xla_dump_to=/d {flag}=true"
+
+
+def test_importing_the_package_sets_flags_that_this_xla_accepts():
+  # XLA aborts the process on a flag it does not know: this catches a renamed or removed flag.
+  code = ("import jax, jax.numpy as jnp, os, tlt_jax; "
+          "print(os.environ['XLA_FLAGS']); print(float(jnp.arange(4.0).sum()))")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split() == ["--xla_gpu_exclude_nondeterministic_ops=true", "6.0"]
