@@ -10,9 +10,9 @@ streaming kernel can actually reach. Verification at small batch is memory-bound
 fractions say how much is left on the table.
 
 Every GPU point is also checked: the kernel's output must be finite everywhere, and its relative
-error (max |kernel - ref32| / max |ref32|) against the reference run in float32 on the first and
-last sequence must stay within the dtype's tolerance. The bf16 reference's own error is recorded
-next to it as the baseline.
+error (max |kernel - ref32| / max |ref32|) against the reference run in float32 on the host's
+CPU, on the first and last sequence, must stay within the dtype's tolerance. The bf16 reference's
+own error on the device is recorded next to it as the baseline.
 
 The JSON records the kernel's targets (TARGETS) and, per point, whether the kernel met each one
 that applies there (a wrong output meets none):
@@ -26,12 +26,15 @@ mode measures the interpreter, not the kernel).
 The default grid is 4 batches (1, 4, 16, 32) x 4 prefix lengths (2k, 8k, 16k, 32k) x 4 tree
 sizes (1: a plain step; 8, 16, 48: the default tuner table's, whose 32 falls in the 48 bucket of
 the crossover table) = 64 points at the Qwen2.5-7B head shape (28 query / 4 KV heads, D = 128,
-bf16), 2 warm-up + 10 timed calls each. Compiles dominate: per point the reference, the kernel
-and the float32 check (one program for both outputs), about 0.5-2 s each on an H100, and a
-slice of the inputs (drawn once at the largest shape), against at most ~75 ms of timed calls
-(12 calls of 0.1-4.4 ms reference and 0.2-1.5 ms kernel). That is 2-6.5 s a point, with ~30 s
-of start-up and the copy measurement: about 5 minutes on one H100 (2.5 at best, 7.5 at worst).
-The persistent compilation cache makes a rerun much faster.
+bf16). Each is timed on the device: one program calls it --repeat (20) times in a loop
+(`repeated`), run 2 times to warm up and 10 timed; a time is the median / 20. A call timed
+alone from Python also pays its launch, about 0.1 ms on an H100: more than a kernel that reads
+a few MB takes, and not what a decode step (one program over every layer) pays. Compiles
+dominate: per point the reference's and the kernel's programs, about 0.5-2 s each on an H100,
+the float32 check on the host's CPU and a slice of the inputs (drawn once at the largest
+shape), against at most ~1 s of timed calls. On the first H100 run (per-call timing then) a
+point took about 5 s: about 5 minutes for the grid. The persistent compilation cache makes a
+rerun much faster.
 
 The JSON is rewritten after every grid point, so a run cut short loses at most the point in
 flight; --time-budget starts no point after the first once that many seconds have passed since
@@ -190,6 +193,26 @@ def median_seconds(fn, args, warmup: int, iters: int):
   return statistics.median(times), out
 
 
+def repeated(fn, repeat: int):
+  """A jitted program that calls fn(*args) `repeat` times and returns the last output. Each
+  call's first argument is shifted by a zero that XLA can only know from the previous call's
+  whole output (1 if it held a NaN), so no call is hoisted, dropped or cut down to a slice.
+  Its time / repeat is a call's time on the device without the launch from Python, which is
+  most of the wall time of a call that reads a few MB (and which a decode step, one program
+  over all layers, does not pay per attention)."""
+  @jax.jit
+  def run(*args):
+    def body(_, carry):
+      _, shift = carry
+      out = fn(args[0] + shift, *args[1:])
+      nan = jnp.isnan(jnp.sum(out.astype(jnp.float32)))
+      return out, jnp.where(nan, 1, 0).astype(args[0].dtype)
+    first = jax.eval_shape(fn, *args)
+    carry = (jnp.zeros(first.shape, first.dtype), jnp.zeros((), args[0].dtype))
+    return jax.lax.fori_loop(0, repeat, body, carry)[0]
+  return run
+
+
 def copy_bytes_per_s(nbytes: int, warmup: int, iters: int) -> float:
   """Measured device-to-device copy bandwidth of a bfloat16 buffer of nbytes: (read + write
   bytes) / time of x + 1, which XLA cannot elide the way it may elide a bare copy."""
@@ -198,10 +221,12 @@ def copy_bytes_per_s(nbytes: int, warmup: int, iters: int) -> float:
   return 2 * nbytes / seconds
 
 
-def bench_point(fn, args, warmup, iters, kv_bytes, ceilings):
-  """Returns (ms, bytes/s, {ceiling name: fraction of it or None}, status, output or None)."""
+def bench_point(fn, args, warmup, iters, repeat, kv_bytes, ceilings):
+  """Returns (ms per call on the device, bytes/s, {ceiling name: fraction of it or None},
+  status, output or None), timing `repeated(fn, repeat)`."""
   try:
-    seconds, out = median_seconds(fn, args, warmup, iters)
+    seconds, out = median_seconds(repeated(fn, repeat), args, warmup, iters)
+    seconds /= repeat
   except Exception as e:  # e.g. the reference running out of memory at batch 32 x 32k
     return None, None, {name: None for name in ceilings}, \
         f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}", None
@@ -269,15 +294,15 @@ def bench_grid_point(args, base, reference, kernel, ceilings, on_gpu, dtype, bat
   inputs = slice_inputs(base, batch, prefix_len, t)
   kv_bytes = 2 * batch * args.kv_heads * prefix_len * args.head_dim * dtype.itemsize
   rows = tuple(sorted({0, batch - 1}))
-  ref_ms, ref_bw, ref_frac, ref_status, ref_out = bench_point(reference, inputs, args.warmup,
-                                                              args.iters, kv_bytes, ceilings)
+  ref_ms, ref_bw, ref_frac, ref_status, ref_out = bench_point(
+      reference, inputs, args.warmup, args.iters, args.repeat, kv_bytes, ceilings)
   ref_check = check_point(inputs, ref_out, rows)
   del ref_out
   plan = kernel_plan(inputs[0].shape, inputs[1].shape, dtype, block_k=args.block_k,
                      k_splits=args.k_splits)
   if on_gpu:
-    ker_ms, ker_bw, ker_frac, ker_status, ker_out = bench_point(kernel, inputs, args.warmup,
-                                                                args.iters, kv_bytes, ceilings)
+    ker_ms, ker_bw, ker_frac, ker_status, ker_out = bench_point(
+        kernel, inputs, args.warmup, args.iters, args.repeat, kv_bytes, ceilings)
     ker_check = check_point(inputs, ker_out, rows)
     ker_correct = (ker_status == "ok" and ker_check["finite"]
                    and ker_check["rel_err"] <= TOLERANCE[args.dtype])
@@ -364,6 +389,9 @@ def main(argv=None):
                       help="force this many prefix splits (default: the kernel's split rule)")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--repeat", type=int, default=20,
+                      help="calls per timed program (see `repeated`); a point's time is the "
+                           "median over --iters programs / repeat")
   parser.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
                       help="start no grid point after the first once this many seconds have "
                            "passed since the script started (0 = no limit)")
@@ -372,6 +400,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.time_budget < 0:
     parser.error(f"--time-budget must be >= 0 seconds, got {args.time_budget}")
+  for name in ("iters", "repeat"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
   enable_compilation_cache()
 
   grid = dict(QUICK_GRID if args.quick else FULL_GRID)
@@ -379,7 +410,7 @@ def main(argv=None):
     if getattr(args, name):
       grid[name] = tuple(getattr(args, name))
   if args.quick:
-    args.iters = min(args.iters, 3)
+    args.iters, args.repeat = min(args.iters, 3), min(args.repeat, 2)
 
   device = jax.devices()[0]
   on_gpu = jax.default_backend() == "gpu"
@@ -394,7 +425,9 @@ def main(argv=None):
   config = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                 dtype=args.dtype, block_k=args.block_k, k_splits=args.k_splits or "auto",
                 warmup=args.warmup, iters=args.iters, tolerance=TOLERANCE[args.dtype],
-                timing="median wall time of jitted call incl. block_until_ready",
+                repeat=args.repeat,
+                timing="median over iters of the wall time of one program calling it repeat "
+                       "times (block_until_ready included), / repeat",
                 error="max |out - ref32| / max |ref32| over the first and last sequence",
                 **grid)
   meta = run_metadata(device)

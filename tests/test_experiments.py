@@ -66,6 +66,19 @@ def test_bench_tree_attention_checks_outputs_against_a_host_reference():
   assert bench.check_point(inputs, right.at[0, 0, 0, 0].set(jnp.nan), (1,))["finite"] is False
 
 
+def test_bench_tree_attention_times_calls_chained_in_one_program():
+  """`repeated` returns fn's output, and each call depends on the previous one's output (a
+  NaN there shifts the next call's first argument by 1), so XLA cannot hoist or drop calls."""
+  bench = load_experiment("bench_tree_attention")
+  q, k = jnp.array([-1.0, 3.0]), jnp.array([2.0, 2.0])
+  assert jnp.array_equal(bench.repeated(lambda a, b: a * b, 3)(q, k), q * k)
+  # log(-1) is NaN, so the second call sees q + 1 = [0, 4]: -inf, not NaN, so the third q.
+  log = lambda a, b: jnp.log(a) + b  # noqa: E731
+  assert jnp.isnan(bench.repeated(log, 1)(q, k)[0])
+  assert jnp.array_equal(bench.repeated(log, 2)(q, k), jnp.log(q + 1) + k)
+  assert jnp.isnan(bench.repeated(log, 3)(q, k)[0])
+
+
 def test_bench_tree_attention_targets():
   """Which points a target covers, and the kernel's verdict there."""
   bench = load_experiment("bench_tree_attention")
