@@ -12,6 +12,7 @@ from tests.speculative.drafters import random_drafter
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import ModelConfig, init_params, prefill, init_cache
 from tlt_jax.models.drafter import drafter_from_policy
+from tlt_jax.rollout import pool as pool_module
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams, target_probs
 from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner
@@ -179,6 +180,37 @@ def test_beg_mab_tuner_drives_strategies(tiny_cfg, tiny_params, plain_reference)
   # time would mislead it).
   assert sum(row["pulls"] for row in tuner.summary()) == sum(
       not r.compiled for r in records) > 0
+
+
+def test_the_tuner_is_not_billed_for_another_slices_compiles(tiny_cfg, tiny_params,
+                                                             plain_reference, monkeypatch):
+  """One host loop serves every slice: while slice 0's call runs, slice 1's dispatch may
+  compile. Those seconds are not slice 0's, and must not reach the tuner's reward."""
+  ec, ref = plain_reference
+  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=4,
+                    eos_id=ec.eos_id)
+  tuner = BegMabTuner(thresholds=(1, 3), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4), (2, 1, 3)]])
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2), ec,
+                         drafter=drafter_from_policy(tiny_cfg, tiny_params), tuner=tuner)
+  assert engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0)).tokens == ref.tokens
+  # Slice 1 forgets its programs, and compiling one now takes 0.4 s longer.
+  for key in [k for k in engine.pool if k[0] == 1]:
+    del engine.pool._exes[key]
+  compile_once = pool_module._compile
+
+  def slow_compile(*args):
+    time.sleep(0.4)
+    exe, seconds = compile_once(*args)
+    return exe, seconds + 0.4
+  monkeypatch.setattr(pool_module, "_compile", slow_compile)
+  seen = []
+  update = tuner.update
+  monkeypatch.setattr(tuner, "update", lambda *a: seen.append(a[3]) or update(*a))
+  res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert res.tokens == ref.tokens
+  slow = [r for r in res.timeline if r.compiled]
+  assert any(r.slice == 1 for r in slow)
+  assert seen and max(seen) < 0.2, seen  # a tiny model's iteration takes milliseconds
 
 
 def test_sampled_sd_engine_emits_what_the_plain_engine_emits(tiny_cfg, tiny_params,
