@@ -118,6 +118,18 @@ def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
   assert second.tokens == first.tokens == ref.tokens
 
 
+def test_a_slice_without_requests_is_idle_from_the_start(tiny_cfg, tiny_params):
+  """Fewer requests than slices: the idle slice is reported at once (spot training starts
+  there, and its trainer stops when every slice has been reported), not never."""
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2),
+                         EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=4))
+  idle = []
+  res = engine.generate([PROMPTS[1]], 1, GREEDY, jax.random.key(0),
+                        on_slice_idle=lambda s, mesh, block: idle.append((s, block)))
+  assert idle == [(1, None), (0, None)] and len(res.tokens[0]) == 4
+  assert res.slice_done_s[1] <= res.slice_done_s[0]
+
+
 @pytest.mark.parametrize("shared", [0, 2], ids=["own-programs", "shared-programs"])
 def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
     tiny_cfg, tiny_params, plain_reference, shared):

@@ -302,16 +302,22 @@ class RolloutEngine:
     timeline: list[StepRecord] = []
     slice_done = [0.0] * len(self.slices)
     blocks: list[FeatureBlock | None] = [None] * len(self.slices)
+
+    def idle(run: _SliceRun) -> None:
+      slice_done[run.slice] = time.perf_counter() - t0
+      blocks[run.slice] = run.feature_block()
+      if on_slice_idle is not None:
+        on_slice_idle(run.slice, self.slices[run.slice], blocks[run.slice])
+    for run in runs:  # fewer requests than slices: a slice with none is idle from the start
+      if not run.busy:
+        idle(run)
     while any(r.busy for r in runs):
       pending = [(r, r.dispatch()) for r in runs if r.busy]
       for run, call in pending:
         timeline.append(run.complete(call, t0))
         results.update(run.pop_finished())
         if not run.busy:
-          slice_done[run.slice] = time.perf_counter() - t0
-          blocks[run.slice] = run.feature_block()
-          if on_slice_idle is not None:
-            on_slice_idle(run.slice, self.slices[run.slice], blocks[run.slice])
+          idle(run)
     if jax.process_count() > 1:
       results, slice_done = self._gather(results, slice_done, n)
     t_end = time.perf_counter()
