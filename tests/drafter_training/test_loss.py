@@ -86,6 +86,27 @@ def test_training_lowers_loss_on_a_fixed_buffer(tiny_cfg, tiny_params):
   assert set(state.params) == set(dparams)
 
 
+def test_a_non_finite_batch_leaves_the_drafter_and_its_optimizer_as_they_were(tiny_cfg,
+                                                                             tiny_params):
+  dcfg, dparams = random_drafter(tiny_cfg, seed=2)
+  batch = jax.tree.map(jnp.asarray, pack_windows(
+      _samples(tiny_cfg, tiny_params, [12, 9], seed=2), window=16))
+  poisoned = dataclasses.replace(batch, features=batch.features.at[0, 3, 0].set(jnp.nan))
+  oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=0)
+  step = jit_train_step(tiny_cfg, dcfg, oc)
+  state, metrics = step(init_train_state(dparams, oc), tiny_params, batch)
+  assert float(metrics["nonfinite"]) == 0.0
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  state, metrics = step(state, tiny_params, poisoned)
+  assert float(metrics["nonfinite"]) == 1.0 and not np.isfinite(float(metrics["loss"]))
+  after = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+  state, metrics = step(state, tiny_params, batch)  # and it trains on
+  assert float(metrics["nonfinite"]) == 0.0 and int(state.step) == 3
+  assert np.all(np.isfinite(np.asarray(state.params["fc"]["kernel"])))
+  assert not np.array_equal(np.asarray(state.params["fc"]["kernel"]), before[0]["fc"]["kernel"])
+
+
 def test_reduced_vocab_loss_restricts_the_target_and_trains_only_weights(tiny_cfg, tiny_params):
   """A draft vocabulary of every id with the policy's head is the full-vocabulary loss; one
   without the policy's argmax at some trained slots leaves those slots out; training moves

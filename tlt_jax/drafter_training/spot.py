@@ -76,6 +76,7 @@ class DrafterStepRecord:
   loss: float
   top1: float
   tokens: float
+  nonfinite: bool = False  # the update was skipped (train_step)
 
 
 def _rows_step(state: DrafterTrainState, policy_params: dict, windows: Windows, rows,
@@ -264,7 +265,7 @@ class SpotTrainer:
         self.records.append(DrafterStepRecord(
             slice=s, t_dispatch=t, t_done=time.perf_counter(), devices=devices,
             loss=float(metrics["loss"]), top1=float(metrics["top1"]),
-            tokens=float(metrics["tokens"])))
+            tokens=float(metrics["tokens"]), nonfinite=bool(metrics["nonfinite"])))
       self._results[s] = (state, n)
     except BaseException as e:  # re-raised by finish(): nothing fails silently
       self._errors.append(e)
@@ -281,8 +282,9 @@ class SpotTrainer:
     the slices' threads, averages their states into the trainer's state and returns this
     rollout's metrics, summed over every process's slices:
 
-    drafter_steps, drafter_tokens, drafter_loss / drafter_top1 (means over the steps; None
-    without steps), idle_slice_s (slice-seconds between each slice's idle moment and the end
+    drafter_steps, drafter_tokens, drafter_loss / drafter_top1 (means over the steps with a
+    finite loss; None without any), drafter_nonfinite (steps skipped for a non-finite loss or
+    gradient), idle_slice_s (slice-seconds between each slice's idle moment and the end
     of the rollout), reclaimed_slice_s (slice-seconds spent in drafter steps in that window),
     drafter_compile_s (compiling the update for a slice the first time it trains).
     """
@@ -302,20 +304,23 @@ class SpotTrainer:
     states, counts = stack_slices(copies, self.home)
     self.state = self._average(states, counts)
     recs = self.records
+    finite = [r for r in recs if not r.nonfinite]
     sums = np.asarray([
         sum(n for _, n in self._results.values()), sum(r.tokens for r in recs),
-        sum(r.loss for r in recs), sum(r.top1 for r in recs), len(recs),
+        sum(r.loss for r in finite), sum(r.top1 for r in finite), len(finite),
+        len(recs) - len(finite),
         sum(t_end - t for t in self.idle_since.values()),
         sum(min(r.t_done, t_end) - r.t_dispatch for r in recs)], np.float32)
     if jax.process_count() > 1:  # every process's slices count
       from jax.experimental import multihost_utils
       sums = multihost_utils.process_allgather(sums).sum(axis=0)
-    steps, tokens, loss, top1, n_recs, idle, reclaimed = sums.tolist()
+    steps, tokens, loss, top1, n_recs, nonfinite, idle, reclaimed = sums.tolist()
     return {
         "drafter_steps": int(steps),
         "drafter_tokens": tokens,
         "drafter_loss": loss / n_recs if n_recs else None,
         "drafter_top1": top1 / n_recs if n_recs else None,
+        "drafter_nonfinite": int(nonfinite),
         "idle_slice_s": idle,
         "reclaimed_slice_s": reclaimed,
         "drafter_compile_s": self.compile_s - compile_before,

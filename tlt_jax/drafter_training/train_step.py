@@ -72,16 +72,23 @@ def init_train_state(params: dict, oc: DrafterOptConfig) -> DrafterTrainState:
 def train_step(state: DrafterTrainState, policy_params: dict, batch: Windows, cfg: ModelConfig,
                dcfg: DrafterConfig, oc: DrafterOptConfig):
   """One AdamW update of the drafter on a batch of windows -> (new state, metrics). The
-  fixed vocabulary map (if any) gets no gradient and no update."""
+  fixed vocabulary map (if any) gets no gradient and no update. A non-finite loss or gradient
+  leaves the weights and the optimizer state as they were (metric `nonfinite` = 1): one bad
+  batch would otherwise poison the drafter for the rest of the run, and nothing would fail,
+  since verification keeps the tokens exact while the accept length collapses."""
   fixed, trainable = fixed_part(state.params), trainable_part(state.params)
   policy = Policy(policy_params, cfg)
   grads, metrics = jax.grad(lambda p: EagleDrafter({**p, **fixed}, dcfg).loss(
       policy, batch, ce_weight=oc.ce_weight, train_depth=oc.train_depth,
       train_step_decay=oc.train_step_decay), has_aux=True)(trainable)
   updates, opt_state = make_optimizer(oc).update(grads, state.opt_state, trainable)
-  params = {**optax.apply_updates(trainable, updates), **fixed}
-  metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
-  return DrafterTrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+  params = {**keep(optax.apply_updates(trainable, updates), trainable), **fixed}
+  metrics = dict(metrics, grad_norm=grad_norm, nonfinite=(~finite).astype(jnp.float32))
+  return DrafterTrainState(params=params, opt_state=keep(opt_state, state.opt_state),
+                           step=state.step + 1), metrics
 
 
 def jit_train_step(cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig):
