@@ -72,6 +72,17 @@ def test_mesh_larger_than_devices():
     validate_config(c, num_devices=8)
 
 
+def test_micro_batches_that_do_not_split_over_the_data_parallel_devices_fail_early():
+  c = base_config()
+  c.mesh.axes.replica = 2  # fsdp = -1: the other 4 of 8 devices
+  c.rl.micro_batch_rows = 12
+  with pytest.raises(ConfigError, match=r"micro_batch_rows=12 must be a multiple of the "
+                                        r"data-parallel devices \(replica x fsdp = 8\)"):
+    validate_config(c, num_devices=8)
+  c.rl.micro_batch_rows = 16
+  validate_config(c, num_devices=8)
+
+
 def test_bad_architecture_is_a_config_error():
   c = base_config()
   c.model.num_kv_heads = 3
@@ -236,6 +247,10 @@ def test_rollout_sections_build_the_engine_pieces():
     ("drafter.draft_vocab_size", -1, r"draft_vocab_size must be >= 0 \(0 = the policy's"),
     ("drafter.draft_vocab_size", 1, r"draft_vocab_size=1 is below the widest strategy's topk"),
     ("rollout.max_new_tokens", 10_000, "exceeds model.max_position_embeddings"),
+    ("rl.learning_rate", float("nan"), r"rl.learning_rate=nan must be a finite number"),
+    ("rollout.temperature", float("inf"), r"rollout.temperature=inf must be a finite"),
+    ("task.seed", -1, r"task.seed=-1 must be >= 0"),
+    ("task.eval_seed", -3, r"task.eval_seed=-3 must be >= 0"),
 ])
 def test_bad_rollout_values(path, value, match):
   c = base_config()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import sys
 
@@ -431,6 +432,24 @@ def _non_negative(section: ml_collections.ConfigDict, prefix: str, keys) -> None
       raise ConfigError(f"{prefix}.{key}={section[key]} must be >= 0")
 
 
+def check_micro_batch_rows(micro_batch_rows: int, data_ways: int) -> None:
+  """The policy update splits each micro-batch's rows over the data-parallel devices."""
+  if micro_batch_rows % data_ways:
+    raise ConfigError(f"rl.micro_batch_rows={micro_batch_rows} must be a multiple of the "
+                      f"data-parallel devices (replica x fsdp = {data_ways})")
+
+
+def _check_finite(section: ml_collections.ConfigDict, prefix: str) -> None:
+  """Every float knob is a number: NaN passes every `x <= 0` range check, and would only
+  show up as a loss of NaN (or no change at all) steps later."""
+  for key, value in section.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, ml_collections.ConfigDict):
+      _check_finite(value, name + ".")
+    elif isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"{name}={value} must be a finite number")
+
+
 def check_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
   """Checks the keys, the mesh, and the values of sections that no dataclass checks (paths,
   counts); raises ConfigError naming the key and the fix.
@@ -439,8 +458,15 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int | None = No
     num_devices: when given, the mesh shape must fit this many devices.
   """
   _check_keys(config, base_config())
+  _check_finite(config, "")
+  if config.seed < 0:  # numpy's generators refuse negative seeds, and only once they run
+    raise ConfigError(f"seed={config.seed} must be >= 0")
   _check_model(config.model)
   _check_mesh(config.mesh, num_devices)
+  if num_devices is not None:
+    sizes = resolve_axis_sizes(dict(config.mesh.axes), num_devices)
+    check_micro_batch_rows(config.rl.micro_batch_rows,
+                           sizes.get("replica", 1) * sizes.get("fsdp", 1))
   _positive(config.generate, "generate", ("num_prompts", "prompt_len", "max_new_tokens"))
   _non_negative(config.generate, "generate", ("temperature",))
   _check_task(config.task)
@@ -496,6 +522,7 @@ def _check_task(t: ml_collections.ConfigDict) -> None:
   if t.eval_data_path and not t.data_path:
     raise ConfigError("task.eval_data_path is set but task.data_path is not; held-out "
                       "problems from a file go with training problems from a file")
+  _non_negative(t, "task", ("seed", "eval_seed"))
   if t.seed == t.eval_seed:
     raise ConfigError(f"task.eval_seed={t.eval_seed} equals task.seed: held-out problems must "
                       f"come from a different seed")

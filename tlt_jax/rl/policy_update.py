@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tlt_jax.config import ConfigError
+from tlt_jax.config import check_micro_batch_rows
 from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
@@ -141,10 +141,7 @@ class PolicyUpdater:
   def __init__(self, cfg: ModelConfig, algorithm: Grpo, tx: optax.GradientTransformation,
                params: dict, mesh: Mesh, rules, ppo_epochs: int, mini_batches: int,
                micro_batch_rows: int, ref_params: dict | None = None):
-    data_ways = data_parallel_size(mesh)
-    if micro_batch_rows % data_ways:
-      raise ConfigError(f"rl.micro_batch_rows={micro_batch_rows} must be a multiple of the "
-                        f"data-parallel devices (replica x fsdp = {data_ways})")
+    check_micro_batch_rows(micro_batch_rows, data_parallel_size(mesh))
     self.loss_agg, self.mesh, self.rules = algorithm.loss.loss_agg, mesh, rules
     self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
     self.micro_rows = micro_batch_rows
