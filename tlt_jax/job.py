@@ -16,7 +16,6 @@ holds the lock.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -27,7 +26,7 @@ import jax
 from tqdm import tqdm
 
 from tlt_jax.compile_cache import COMPILES
-from tlt_jax.run_log import RunLog
+from tlt_jax.run_log import RunLog, write_json
 from tlt_jax.workdir import claim_workdir
 
 # The exit status of a run that a signal stopped after its checkpoint (sysexits' EX_TEMPFAIL:
@@ -115,10 +114,7 @@ class Job:
     by the writing process."""
     if not self.writer:
       return
-    path = os.path.join(folder or self.workdir, name)
-    with open(path + ".tmp", "w") as f:
-      json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(folder or self.workdir, name), obj)
 
   @property
   def wall_s(self) -> float:

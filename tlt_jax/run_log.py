@@ -71,6 +71,15 @@ def resume_jsonl(path: str, up_to: int, key: Callable[[dict], object] = step_key
   return kept
 
 
+def write_json(path: str, obj) -> None:
+  """Replaces `path` with obj as indented JSON, atomically (a crash leaves the old or the new
+  file, never half of one)."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
 def write_jsonl(path: str, rows: Iterable[dict]) -> None:
   """Replaces `path` with these rows, atomically (a crash leaves the old or the new file)."""
   tmp = path + ".tmp"

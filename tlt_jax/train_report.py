@@ -8,6 +8,8 @@ import os
 import ml_collections
 import numpy as np
 
+from tlt_jax.run_log import write_json
+
 # The keys every line of WORKDIR/metrics.jsonl has (more may follow).
 METRIC_KEYS = ("step", "reward_mean", "accuracy", "response_len_mean", "response_len_max",
                "rollout_s", "update_s", "step_s", "rollout_tokens", "sd_enabled",
@@ -60,8 +62,7 @@ def write_summary(workdir: str, history: list[dict], config: ml_collections.Conf
       _plot(history, evals, os.path.join(workdir, "summary.png"))
       _print_table(summary)
   if write:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+    write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
 
 

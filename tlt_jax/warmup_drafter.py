@@ -7,7 +7,8 @@ drafter.warmup.temperature; the drafter (the config's drafter section, random in
 the policy's own features of those responses. With drafter.draft_vocab_size > 0 its draft
 vocabulary is the tokens most frequent in those responses. Outputs in WORKDIR:
 
-  generations.jsonl   the policy's responses (reused by a rerun)
+  generations.jsonl   the policy's responses (reused by a rerun with the same prompts, model
+                      and sampling settings, which generations.jsonl.json records)
   checkpoints/        orbax checkpoints of the drafter train state (a rerun resumes)
   metrics.jsonl       loss, top-1 agreement and grad norm per step
   export/             the drafter in EAGLE's HF layout (config.json + model.safetensors);
@@ -40,7 +41,7 @@ from tlt_jax.models.draft_vocab import frequent_tokens
 from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.engine import accept_length
-from tlt_jax.run_log import write_jsonl
+from tlt_jax.run_log import write_json, write_jsonl
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
@@ -49,20 +50,28 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/warmup_drafter", "Output folder 
 
 
 def generate_responses(engine, prompts, samples: int, temperature: float, seed: int,
-                       path: str, job: Job) -> list[list[int]]:
+                       path: str, job: Job, made_by: dict) -> list[list[int]]:
   """The policy's completions, one per (prompt, sample); cached in `path` (JSONL, written
-  by the job's writing process)."""
+  by the job's writing process) with `made_by` (what else decides them: the policy, the
+  token budget) in path + '.json'. The cache serves a rerun only when it holds these prompts
+  and was made with these settings."""
   n = len(prompts) * samples
-  if os.path.isfile(path):
+  made_by = dict(made_by, samples=samples, temperature=temperature, seed=seed)
+  if os.path.isfile(path) and os.path.isfile(path + ".json"):
     with open(path) as f:
       rows = [json.loads(line) for line in f]
-    if len(rows) == n:
+    with open(path + ".json") as f:
+      recorded = json.load(f)
+    if (recorded == made_by
+        and [r["prompt"] for r in rows] == [list(prompts[i // samples]) for i in range(n)]):
       job.say(f"reusing {n} responses from {path}")
       return [r["completion"] for r in rows]
+    job.say(f"{path} holds other prompts or settings: generating again")
   result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed))
-  if job.writer:  # never a half-written cache
-    write_jsonl(path, ({"prompt": prompts[i // samples], "completion": toks}
+  if job.writer:  # never a half-written cache, and its settings only once it is whole
+    write_jsonl(path, ({"prompt": list(prompts[i // samples]), "completion": toks}
                        for i, toks in enumerate(result.tokens)))
+    write_json(path + ".json", made_by)
   job.say(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
           f"{result.wall_s:.1f} s")
   return result.tokens
@@ -94,8 +103,11 @@ def _warmup(config, job: Job) -> bool:
 
   # ---------------------------------------------------------------- the policy's responses
   engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
-  completions = generate_responses(engine, prompts, w.samples_per_prompt, w.temperature,
-                                   config.seed, job.path("generations.jsonl"), job)
+  completions = generate_responses(
+      engine, prompts, w.samples_per_prompt, w.temperature, config.seed,
+      job.path("generations.jsonl"), job,
+      made_by={**{k: v for k, v in flat_settings(config).items() if k.startswith("model.")},
+               "max_new_tokens": w.max_new_tokens})
   repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
   samples = collect_samples(params, cfg, repeated, completions)
 

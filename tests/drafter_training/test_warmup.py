@@ -1,7 +1,10 @@
-"""The offline warm-up's training loop: it stops where the job asks it to (a signal), after
-that step's callback (which checkpoints it)."""
+"""The offline warm-up: its training loop stops where the job asks it to (a signal), after
+that step's callback (which checkpoints it); its cached responses serve only a like rerun."""
+
+from types import SimpleNamespace
 
 import jax
+import numpy as np
 
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
@@ -20,3 +23,28 @@ def test_training_stops_after_the_step_the_job_asked_to_stop_at(tiny_cfg, tiny_p
                              on_step=lambda step, state, metrics: steps.append(step),
                              should_stop=lambda: len(steps) >= 3)
   assert steps == [1, 2, 3] and len(history) == 3
+
+
+def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings(tmp_path):
+  from tlt_jax.warmup_drafter import generate_responses
+  calls = []
+
+  class Engine:
+    def generate(self, prompts, samples, sampling, key):
+      calls.append(sampling.temperature)
+      tokens = [[len(calls), i] for i in range(len(prompts) * samples)]
+      return SimpleNamespace(tokens=tokens, lengths=np.full(len(tokens), 2), wall_s=0.0)
+  job = SimpleNamespace(writer=True, say=lambda message: None)
+  path = str(tmp_path / "generations.jsonl")
+
+  def responses(prompts, temperature=1.0, made_by=None):
+    return generate_responses(Engine(), prompts, 2, temperature, 0, path, job,
+                              made_by or {"model.num_layers": 2})
+  first = responses([[1, 2], [3]])
+  assert responses([[1, 2], [3]]) == first and len(calls) == 1  # served by the cache
+  assert responses([[1, 2], [4]]) != first and len(calls) == 2  # as many rows, other prompts
+  responses([[1, 2], [4]], temperature=0.5)
+  responses([[1, 2], [4]], temperature=0.5, made_by={"model.num_layers": 3})
+  assert len(calls) == 4
+  assert responses([[1, 2], [4]], temperature=0.5, made_by={"model.num_layers": 3}) and \
+      len(calls) == 4
