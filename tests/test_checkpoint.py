@@ -128,6 +128,37 @@ def test_a_checkpoint_of_other_settings_stops_the_restore_and_is_kept(tmp_path):
   ckpt.close()
 
 
+def test_a_corrupt_checkpoint_under_harmlessly_changed_settings_falls_back(tmp_path):
+  """Other settings explain a failed restore only when the checkpoint's arrays no longer fit
+  the state: with rl.steps changed and the newest checkpoint broken, the previous one loads."""
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, settings={"rl.steps": 4})
+  for step in (1, 2):
+    ckpt.save(step, _state(step), {"step": step})
+  ckpt.close()
+  for root, _, files in os.walk(tmp_path / "ckpt" / "2"):
+    for f in files:
+      if "state" in root and not f.startswith("_"):  # the array data, not its metadata
+        os.remove(os.path.join(root, f))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, settings={"rl.steps": 6})
+  step, state, _ = ckpt.restore_latest(_state(0))
+  assert step == 1 and int(state["n"]) == 1 and [s for s, _ in ckpt.failures] == [2]
+  ckpt.close()
+
+
+def test_a_restore_out_of_memory_stops_and_moves_nothing(tmp_path, monkeypatch):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(1, _state(1), {"step": 1})
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+
+  def restore(*args, **kwargs):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.0GiB")
+  monkeypatch.setattr(ckpt.manager, "restore", restore)
+  with pytest.raises(RunStopped, match=r"step 1 .* ran out of memory .*nothing was moved"):
+    ckpt.restore_latest(_state(0))
+  assert ckpt.manager.all_steps() == [1] and not os.path.exists(tmp_path / "failed_checkpoints")
+
+
 def test_a_full_disk_stops_in_one_line_naming_the_intact_checkpoint(tmp_path, monkeypatch):
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
   ckpt.save(1, _state(1), {"step": 1})

@@ -10,8 +10,10 @@ only ever weighs checkpoints that load; the previous one is used.
 Every checkpoint also carries a checksum of each array (computed on the devices, so saving
 stays asynchronous) and the settings of the run that wrote it. A restore whose arrays do not
 match their checksums is a corrupt checkpoint like any other. A checkpoint that does not fit
-the current state because the settings changed is not corrupt: the restore stops with
-`CheckpointMismatch`, naming the settings that differ, and moves nothing.
+the current state because the settings changed (other settings, and arrays of other shapes) is
+not corrupt: the restore stops with `CheckpointMismatch`, naming the settings that differ, and
+moves nothing. Nor is one whose restore ran out of memory: the run stops (RunStopped). On
+several processes they agree on every verdict, and process 0 moves the files.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from tlt_jax.config import ConfigError, RunStopped
@@ -66,6 +69,32 @@ def settings_diff(old: dict, new: dict, most: int = 6) -> str:
   if len(keys) > most:
     parts.append(f"and {len(keys) - most} more")
   return "; ".join(parts)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+  """Whether a failed restore ran out of host or device memory: not the checkpoint's fault."""
+  return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) \
+      or "out of memory" in str(e).lower()
+
+
+def _array_shapes(tree) -> list[tuple]:
+  """Sorted (shape, dtype name) of every array leaf: the state's arrays, whatever containers
+  hold them (a checkpoint's metadata keeps dicts where the state has named tuples)."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  return sorted((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves
+                if hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _agreed_failure(reason: str | None) -> str | None:
+  """This process's reason a checkpoint failed, or on several processes any process's: every
+  process then uses, or moves aside, the same checkpoint (None: it loaded on all of them)."""
+  if jax.process_count() == 1:
+    return reason
+  from jax.experimental import multihost_utils
+  failed = multihost_utils.process_allgather(np.int32(reason is not None))
+  if reason is None and np.any(failed):
+    return "it failed to load on another process"
+  return reason
 
 
 class Checkpointer:
@@ -114,22 +143,32 @@ class Checkpointer:
 
     abstract_state: the state's structure as arrays or ShapeDtypeStructs with shardings; the
     restored arrays take those shardings. Raises CheckpointMismatch when the newest
-    checkpoint that fails to load was written with other settings.
+    checkpoint that fails to load was written with other settings and holds arrays of other
+    shapes than `abstract_state` (other settings alone, such as rl.steps, do not explain a
+    failure: such a checkpoint is corrupt like any other). A restore that runs out of memory
+    stops the run (RunStopped) and moves nothing. On several processes, a checkpoint is used
+    only when it loaded on all of them, and process 0 alone moves a failed one.
     """
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         abstract_state)
     for step in sorted(self.manager.all_steps(), reverse=True):
+      restored = None
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
       except Exception as e:  # noqa: BLE001 -- any failure to load means: use an older one
-        self._refuse_if_settings_changed(step)
+        if _out_of_memory(e):
+          raise RunStopped(f"restoring the checkpoint of step {step} in {self.directory} ran "
+                           f"out of memory ({type(e).__name__}); nothing was moved: free "
+                           f"memory and rerun the same command") from e
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
       else:
         reason = self._checksum_mismatch(restored.state, restored.meta)
-        if reason is None:
-          return step, restored.state, restored.meta
+      reason = _agreed_failure(reason)
+      if reason is None:
+        return step, restored.state, restored.meta
+      self._refuse_if_settings_changed(step, abstract)
       moved = self._move_aside(step)  # corrupt: kept aside, the previous one is tried
       self.failures.append((step, reason))
       logging.warning("checkpoint at step %d in %s could not be restored (%s); moved to %s, "
@@ -148,16 +187,20 @@ class Checkpointer:
       return f"checksum mismatch in {', '.join(bad[:3]) or 'the array count'}"
     return None
 
-  def _refuse_if_settings_changed(self, step: int) -> None:
+  def _refuse_if_settings_changed(self, step: int, abstract) -> None:
     """Raises CheckpointMismatch when checkpoint `step` (which did not load) was written with
-    settings other than this run's; returns when they are the same or unknown."""
+    settings other than this run's and its arrays (by its own metadata) are not those of
+    `abstract`; returns when the settings are the same or unknown, or the arrays fit (then
+    the settings did not break it: it is corrupt)."""
     try:
       meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       written = meta.meta.get("settings")
-    except Exception:  # noqa: BLE001 -- no readable settings: judge it as corrupt
+      saved = self.manager.item_metadata(step)["state"]
+      saved = getattr(saved, "tree", saved)
+    except Exception:  # noqa: BLE001 -- no readable settings or metadata: judge it as corrupt
       return
     diff = settings_diff(written, self.settings) if written and self.settings else ""
-    if diff:
+    if diff and _array_shapes(saved) != _array_shapes(abstract):
       raise CheckpointMismatch(
           f"the checkpoint of step {step} in {self.directory} does not fit this run: it was "
           f"written with other settings ({diff}); rerun with the settings it was written "
@@ -165,14 +208,19 @@ class Checkpointer:
           f"aside; other jobs: another --workdir)")
 
   def _move_aside(self, step: int) -> str:
-    """Moves a checkpoint that failed to load into failed_dir (a fresh name per move)."""
-    os.makedirs(self.failed_dir, exist_ok=True)
+    """Moves a checkpoint that failed to load into failed_dir (a fresh name per move); on
+    several processes process 0 moves it and the others wait for that."""
     target = os.path.join(self.failed_dir, str(step))
     n = 1
     while os.path.exists(target):
       n += 1
       target = os.path.join(self.failed_dir, f"{step}-{n}")
-    shutil.move(os.path.join(self.directory, str(step)), target)
+    if jax.process_index() == 0:
+      os.makedirs(self.failed_dir, exist_ok=True)
+      shutil.move(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"tlt_jax checkpoint {step} moved aside")
     self.manager.reload()
     return target
 
