@@ -1,10 +1,12 @@
 """The executable pool: compiles on demand and ahead, the bill, queue order, failures."""
 
+import gc
 import os
 import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +93,26 @@ def test_queue_runs_by_priority_and_a_queued_key_asked_for_compiles_at_once():
   _wait(pool)
   # The lowest priority number first, then the order asked.
   assert traced[2:] == ["hold2", "first", "second", "late"]
+
+
+def test_a_queued_compile_does_not_keep_its_arrays_alive():
+  """The rollout queues its tail's programs with the weights of the moment; after an update
+  those weights must be freed, not held by compiles still waiting in the queue."""
+  pool = ExecutablePool()
+  gate, traced = threading.Event(), []
+  pool.compile_ahead("hold", _blocker(gate, traced, "hold"), (X,))
+  while traced != ["hold"]:
+    time.sleep(0.01)
+  weights = jnp.arange(4.0)
+  alive = weakref.ref(weights)
+  pool.compile_ahead("scaled", lambda w, x: w * x, (weights, X))
+  del weights
+  gc.collect()
+  assert alive() is None and not pool.ready("scaled")
+  gate.set()
+  _wait(pool)
+  exe = pool.get("scaled", None, ())
+  np.testing.assert_allclose(exe(jnp.arange(4.0), jnp.ones(4)), np.arange(4.0))
 
 
 def test_a_failed_compile_ahead_is_raised_where_the_key_is_used():

@@ -87,13 +87,16 @@ class ExecutablePool:
                     kind: str = "program", priority: int = 0) -> None:
     """Queues `key`'s compile (arguments as in `get`) on the process's background compile
     thread, unless it is compiled or queued already. Queued compiles run one at a time, the
-    lowest `priority` first, then in the order asked."""
+    lowest `priority` first, then in the order asked. Arrays among `args` are queued as
+    their shapes, dtypes and shardings: a queued compile does not keep them alive (the
+    rollout's previous weights, after an update)."""
     with self._lock:
       if key in self._exes or key in self._ahead or key in self._failed:
         return
       self._check_room(key, queued=len(self._ahead))
       self._ahead[key] = _BACKGROUND.submit(priority, functools.partial(
-          self._compile_ahead, key, fn, args, donate_argnums, out_shardings, mesh, kind))
+          self._compile_ahead, key, fn, abstract_arrays(args), donate_argnums, out_shardings,
+          mesh, kind))
 
   def _compile_ahead(self, key, fn, args, donate_argnums, out_shardings, mesh, kind) -> None:
     try:
@@ -221,6 +224,13 @@ class _Background:
 
 
 _BACKGROUND = _Background()
+
+
+def abstract_arrays(tree):
+  """`tree` with each jax.Array replaced by a ShapeDtypeStruct of its shape, dtype and
+  sharding (what a compile needs of it)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else x, tree)
 
 
 def _compile(fn, args, donate_argnums, out_shardings, mesh) -> tuple[object, float]:
