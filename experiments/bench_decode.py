@@ -8,7 +8,9 @@ Per batch size (default 1, 8, 32), with prompts of --prompt-len tokens in the ca
                   rollout does before it switches to SD
   tlt SD          one `sd_step` iteration per strategy (random 1-layer drafter, greedy), with
                   the policy's whole vocabulary and with each --draft-vocab-sizes (a reduced
-                  draft vocabulary with its own head: EAGLE-3)
+                  draft vocabulary with its own head: EAGLE-3); next to it the iteration's
+                  weight bytes in plain steps (`weight_read_floor`): its floor where decode
+                  is bound by reading weights
   floor           a minimal decoder written here in plain JAX (a Python loop over static
                   slices of the stacked weights, GQA attention over the cache, LM head): what
                   the hardware allows for these weights
@@ -83,8 +85,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.kernels import ATTENTION_IMPLS  # noqa: E402
 from tlt_jax.models import ModelConfig, init_cache, init_params, prefill  # noqa: E402
-from tlt_jax.models.drafter import (DrafterConfig, init_drafter_cache,  # noqa: E402
-                                    init_drafter_params)
+from tlt_jax.models.drafter import (DRAFT_TO_POLICY, DrafterConfig,  # noqa: E402
+                                    init_drafter_cache, init_drafter_params)
 from tlt_jax.models.shapes import MODEL_SHAPES  # noqa: E402
 from tlt_jax.drafters import EagleDrafter  # noqa: E402
 from tlt_jax.models.policy import Policy  # noqa: E402
@@ -279,6 +281,27 @@ def strategy_name(strategy: Strategy, vocab: int) -> str:
   return ",".join(map(str, strategy.as_tuple())) + (f" r={vocab}" if vocab else "")
 
 
+def weight_read_floor(cfg: ModelConfig, dcfg: DrafterConfig, passes: int) -> float:
+  """An SD iteration's weight bytes over a plain step's: verification reads the policy's
+  weights once, like a step (all but the embedding table, of which it gathers rows; a tied
+  table is read as the head), and each of the `passes` drafter passes reads the drafter's
+  weights and a head (its own with a reduced draft vocabulary, else the policy's). KV-cache
+  and activation bytes are left out. At equal bandwidth this is the least an iteration can
+  cost, in plain steps, when decode is bound by reading weights."""
+  def sizes(tree):
+    return {jax.tree_util.keystr(p): int(np.prod(x.shape))
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  policy = sizes(jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0)))
+  drafter = sizes(jax.eval_shape(functools.partial(init_drafter_params, cfg, dcfg),
+                                 jax.random.key(0)))
+  table = policy["['embed']['embedding']"]
+  step = sum(policy.values()) - (0 if cfg.tie_embeddings else table)
+  head = 0 if dcfg.draft_vocab_size else policy.get("['lm_head']['kernel']", table)
+  index = jax.tree_util.keystr((jax.tree_util.DictKey(DRAFT_TO_POLICY),))  # ids, not weights
+  drafter_pass = sum(v for k, v in drafter.items() if k != index) + head
+  return 1.0 + passes * drafter_pass / step
+
+
 def bench_batch(programs, cfg, params, drafters, batch, prompt_len, strategies, iters,
                 row, save) -> None:
   """Fills `row` with the JAX times of one batch size, calling save() after each one.
@@ -317,7 +340,9 @@ def bench_batch(programs, cfg, params, drafters, batch, prompt_len, strategies, 
       sd = programs["sd"][name]
       ms = timed_steps(lambda s, sd=sd, dp=dp: sd(params, dp, s, key), fresh(True))
       row["sd"][name] = {"iteration_ms": ms, "vs_plain_step": ms / row["tlt_plain_ms"],
-                         "draft_vocab_size": vocab or cfg.vocab_size}
+                         "draft_vocab_size": vocab or cfg.vocab_size,
+                         "weight_floor_vs_plain_step": weight_read_floor(
+                             cfg, drafters[vocab][0], strategy.depth)}
       save()
 
   k = jnp.full((cfg.num_layers, batch, cfg.num_kv_heads, prompt_len, cfg.head_dim), 0.01,
@@ -499,7 +524,9 @@ def main(argv=None):
     row["complete"] = True
     save()
     plot(result, png)
-    sd = ", ".join(f"SD {k} {v['vs_plain_step']:.2f}x" for k, v in row["sd"].items())
+    sd = ", ".join(f"SD {k} {v['vs_plain_step']:.2f}x "
+                   f"(weights {v['weight_floor_vs_plain_step']:.2f}x)"
+                   for k, v in row["sd"].items())
     hf = f", transformers {row['hf_ms']:.2f} ms" if "hf_ms" in row else ""
     print(f"B={b}: plain {row['tlt_plain_ms']:.2f} ms (+sync {row['tlt_plain_sync_ms']:.2f}), "
           f"floor {row['floor_ms']:.2f} ms ({row['tlt_vs_floor']:.2f}x){hf}; {sd}", flush=True)

@@ -12,6 +12,9 @@ import pytest
 
 from tests.experiment_modules import load_experiment
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
+from tlt_jax.models import ModelConfig
+from tlt_jax.models.drafter import DrafterConfig
+from tlt_jax.models.shapes import MODEL_SHAPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,6 +80,20 @@ def test_bench_tree_attention_times_calls_chained_in_one_program():
   assert jnp.isnan(bench.repeated(log, 1)(q, k)[0])
   assert jnp.array_equal(bench.repeated(log, 2)(q, k), jnp.log(q + 1) + k)
   assert jnp.isnan(bench.repeated(log, 3)(q, k)[0])
+
+
+def test_bench_decode_counts_an_sd_iterations_weight_bytes():
+  """At the Qwen2.5-7B shape a policy step reads 7.07B parameters (7.62B less the 545M
+  embedding table); a drafter pass reads the 1-layer drafter (259M) and the policy's head
+  (545M), or with a 32k draft vocabulary its own head (117M with the rest: 376M)."""
+  bench = load_experiment("bench_decode")
+  cfg = ModelConfig(**MODEL_SHAPES["qwen2.5-7b"], dtype="bfloat16", param_dtype="bfloat16")
+  step = 7_615_616_512 - 544_997_376
+  assert bench.weight_read_floor(cfg, DrafterConfig(), 0) == 1.0
+  assert bench.weight_read_floor(cfg, DrafterConfig(), 8) == pytest.approx(
+      1 + 8 * (258_747_904 + 544_997_376) / step)
+  assert bench.weight_read_floor(cfg, DrafterConfig(draft_vocab_size=32768), 8) == \
+      pytest.approx(1 + 8 * (376_221_184 - 32768) / step)  # not its id map's 32k ints
 
 
 def test_bench_tree_attention_targets():
