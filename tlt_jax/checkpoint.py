@@ -85,16 +85,17 @@ def _array_shapes(tree) -> list[tuple]:
                 if hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def _agreed_failure(reason: str | None) -> str | None:
-  """This process's reason a checkpoint failed, or on several processes any process's: every
-  process then uses, or moves aside, the same checkpoint (None: it loaded on all of them)."""
+# A restore's verdict on one process, worst last.
+_LOADED, _BROKEN, _OUT_OF_MEMORY = 0, 1, 2
+
+
+def _worst_on_any_process(verdict: int) -> int:
+  """The worst verdict of every process (this one's alone on one process): all of them then
+  use, move aside or stop at the same checkpoint."""
   if jax.process_count() == 1:
-    return reason
+    return verdict
   from jax.experimental import multihost_utils
-  failed = multihost_utils.process_allgather(np.int32(reason is not None))
-  if reason is None and np.any(failed):
-    return "it failed to load on another process"
-  return reason
+  return int(np.max(multihost_utils.process_allgather(np.int32(verdict))))
 
 
 class Checkpointer:
@@ -153,21 +154,25 @@ class Checkpointer:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         abstract_state)
     for step in sorted(self.manager.all_steps(), reverse=True):
-      restored = None
+      restored, error = None, None
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
       except Exception as e:  # noqa: BLE001 -- any failure to load means: use an older one
-        if _out_of_memory(e):
-          raise RunStopped(f"restoring the checkpoint of step {step} in {self.directory} ran "
-                           f"out of memory ({type(e).__name__}); nothing was moved: free "
-                           f"memory and rerun the same command") from e
+        error = e
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
       else:
         reason = self._checksum_mismatch(restored.state, restored.meta)
-      reason = _agreed_failure(reason)
-      if reason is None:
+      verdict = _worst_on_any_process(
+          _OUT_OF_MEMORY if error is not None and _out_of_memory(error)
+          else _LOADED if reason is None else _BROKEN)
+      if verdict == _OUT_OF_MEMORY:
+        raise RunStopped(f"restoring the checkpoint of step {step} in {self.directory} ran out "
+                         f"of memory ({reason or 'on another process'}); nothing was moved: "
+                         f"free memory and rerun the same command") from error
+      if verdict == _LOADED:
         return step, restored.state, restored.meta
+      reason = reason or "it failed to load on another process"
       self._refuse_if_settings_changed(step, abstract)
       moved = self._move_aside(step)  # corrupt: kept aside, the previous one is tried
       self.failures.append((step, reason))
