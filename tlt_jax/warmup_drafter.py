@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 
 import jax
 import numpy as np
@@ -35,46 +34,17 @@ from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_d
 from tlt_jax.config import flat_settings
 from tlt_jax.job import Job, exit_stopped
 from tlt_jax.drafter_training.train_step import init_train_state
-from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
+from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
 from tlt_jax.mesh import host_copy, make_mesh
 from tlt_jax.models.draft_vocab import frequent_tokens
 from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.engine import accept_length
-from tlt_jax.run_log import write_json, write_jsonl
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/warmup_drafter", "Output folder (resumes).")
-
-
-def generate_responses(engine, prompts, samples: int, temperature: float, seed: int,
-                       path: str, job: Job, made_by: dict) -> list[list[int]]:
-  """The policy's completions, one per (prompt, sample); cached in `path` (JSONL, written
-  by the job's writing process) with `made_by` (what else decides them: the policy, the
-  token budget) in path + '.json'. The cache serves a rerun only when it holds these prompts
-  and was made with these settings."""
-  n = len(prompts) * samples
-  made_by = dict(made_by, samples=samples, temperature=temperature, seed=seed)
-  if os.path.isfile(path) and os.path.isfile(path + ".json"):
-    with open(path) as f:
-      rows = [json.loads(line) for line in f]
-    with open(path + ".json") as f:
-      recorded = json.load(f)
-    if (recorded == made_by
-        and [r["prompt"] for r in rows] == [list(prompts[i // samples]) for i in range(n)]):
-      job.say(f"reusing {n} responses from {path}")
-      return [r["completion"] for r in rows]
-    job.say(f"{path} holds other prompts or settings: generating again")
-  result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed))
-  if job.writer:  # never a half-written cache, and its settings only once it is whole
-    write_jsonl(path, ({"prompt": list(prompts[i // samples]), "completion": toks}
-                       for i, toks in enumerate(result.tokens)))
-    write_json(path + ".json", made_by)
-  job.say(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
-          f"{result.wall_s:.1f} s")
-  return result.tokens
 
 
 def main(argv):
@@ -103,7 +73,7 @@ def _warmup(config, job: Job) -> bool:
 
   # ---------------------------------------------------------------- the policy's responses
   engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
-  completions = generate_responses(
+  completions = cached_responses(
       engine, prompts, w.samples_per_prompt, w.temperature, config.seed,
       job.path("generations.jsonl"), job,
       made_by={**{k: v for k, v in flat_settings(config).items() if k.startswith("model.")},

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
-from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
+from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
 from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
 
 
@@ -26,7 +26,6 @@ def test_training_stops_after_the_step_the_job_asked_to_stop_at(tiny_cfg, tiny_p
 
 
 def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings(tmp_path):
-  from tlt_jax.warmup_drafter import generate_responses
   calls = []
 
   class Engine:
@@ -38,8 +37,8 @@ def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings
   path = str(tmp_path / "generations.jsonl")
 
   def responses(prompts, temperature=1.0, made_by=None):
-    return generate_responses(Engine(), prompts, 2, temperature, 0, path, job,
-                              made_by or {"model.num_layers": 2})
+    return cached_responses(Engine(), prompts, 2, temperature, 0, path, job,
+                            made_by or {"model.num_layers": 2})
   first = responses([[1, 2], [3]])
   assert responses([[1, 2], [3]]) == first and len(calls) == 1  # served by the cache
   assert responses([[1, 2], [4]]) != first and len(calls) == 2  # as many rows, other prompts

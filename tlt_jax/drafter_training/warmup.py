@@ -3,9 +3,13 @@
 collect_samples: recompute the policy's features over prompt + completion (one batched
 prefill per group), so the drafter trains on exactly what it will be fed while drafting.
 train_drafter: packs the samples into windows once and runs jitted updates on random rows.
+cached_responses: the policy's responses to train on, kept in a file that a like rerun reuses.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,8 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import prefill
 from tlt_jax.models.drafter import DrafterConfig
 from tlt_jax.models.kv_cache import init_cache
+from tlt_jax.run_log import write_json, write_jsonl
+from tlt_jax.speculative.sampling import SamplingParams
 
 
 def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[int]],
@@ -79,3 +85,31 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
     if should_stop is not None and should_stop():
       break
   return state.params, history
+
+
+def cached_responses(engine, prompts, samples: int, temperature: float, seed: int,
+                     path: str, job, made_by: dict) -> list[list[int]]:
+  """The policy's completions, one per (prompt, sample), from `engine` (a RolloutEngine);
+  cached in `path` (JSONL, written when `job.writer`; `job.say` reports) with `made_by` (what
+  else decides them: the policy, the token budget) in path + '.json'. The cache serves a
+  rerun only when it holds these prompts and was made with these settings."""
+  n = len(prompts) * samples
+  made_by = dict(made_by, samples=samples, temperature=temperature, seed=seed)
+  if os.path.isfile(path) and os.path.isfile(path + ".json"):
+    with open(path) as f:
+      rows = [json.loads(line) for line in f]
+    with open(path + ".json") as f:
+      recorded = json.load(f)
+    if (recorded == made_by
+        and [r["prompt"] for r in rows] == [list(prompts[i // samples]) for i in range(n)]):
+      job.say(f"reusing {n} responses from {path}")
+      return [r["completion"] for r in rows]
+    job.say(f"{path} holds other prompts or settings: generating again")
+  result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed))
+  if job.writer:  # never a half-written cache, and its settings only once it is whole
+    write_jsonl(path, ({"prompt": list(prompts[i // samples]), "completion": toks}
+                       for i, toks in enumerate(result.tokens)))
+    write_json(path + ".json", made_by)
+  job.say(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
+          f"{result.wall_s:.1f} s")
+  return result.tokens
