@@ -15,7 +15,8 @@ against the plain-JAX floor, SD iterations with the full and a 32k draft vocabul
 -> OUT/1/decode_7b.json, .png).
 Commands 2 and 3 (~7 and ~8 min estimated): the two halves of experiments/gpu_e2e.py with
 configs/gpu_demo.py (-> OUT/e2e/..., gpu_e2e.json and .png once both ran). Command 3 needs the
-files command 2 left in OUT.
+files command 2 left in OUT, on the same machine: about 15 minutes together, more than a lent
+GPU session's 15 minutes of device time today, so gpu_e2e must shrink before it can run.
 
 Each step runs under its own deadline (SIGTERM, then SIGKILL 30 s later), inside the
 command's 9 minutes; every step writes its JSON as it goes and is safe to rerun (gpu_e2e skips
