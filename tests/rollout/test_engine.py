@@ -177,13 +177,18 @@ def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
   assert engine.pool.report()["bill"]["rollout_decode_sd"] == sd
 
 
+def _beg_mab_engine(tiny_cfg, tiny_params, eos_id, slices, max_batch):
+  """(engine, tuner): SD with a BEG-MAB tuner over two buckets of two arms each."""
+  ec = EngineConfig(max_batch=max_batch, max_prompt_len=8, max_new_tokens=12, sd_threshold=4,
+                    eos_id=eos_id)
+  tuner = BegMabTuner(thresholds=(1, 3), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4), (2, 1, 3)]])
+  return RolloutEngine(tiny_cfg, tiny_params, _mesh(slices), ec,
+                       drafter=drafter_from_policy(tiny_cfg, tiny_params), tuner=tuner), tuner
+
+
 def test_beg_mab_tuner_drives_strategies(tiny_cfg, tiny_params, plain_reference):
   ec, ref = plain_reference
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=4,
-                    eos_id=ec.eos_id)
-  tuner = BegMabTuner(thresholds=(1, 3), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4), (2, 1, 3)]])
-  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
-                         drafter=drafter_from_policy(tiny_cfg, tiny_params), tuner=tuner)
+  engine, tuner = _beg_mab_engine(tiny_cfg, tiny_params, ec.eos_id, slices=1, max_batch=8)
   runs = [engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0)) for _ in range(2)]
   assert runs[0].tokens == runs[1].tokens == ref.tokens
   records = [r for res in runs for r in res.timeline if r.mode == "sd"]
@@ -199,11 +204,7 @@ def test_the_tuner_is_not_billed_for_another_slices_compiles(tiny_cfg, tiny_para
   """One host loop serves every slice: while slice 0's call runs, slice 1's dispatch may
   compile. Those seconds are not slice 0's, and must not reach the tuner's reward."""
   ec, ref = plain_reference
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=4,
-                    eos_id=ec.eos_id)
-  tuner = BegMabTuner(thresholds=(1, 3), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4), (2, 1, 3)]])
-  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2), ec,
-                         drafter=drafter_from_policy(tiny_cfg, tiny_params), tuner=tuner)
+  engine, tuner = _beg_mab_engine(tiny_cfg, tiny_params, ec.eos_id, slices=2, max_batch=4)
   assert engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0)).tokens == ref.tokens
   # Slice 1 forgets its programs, and compiling one now takes 0.4 s longer.
   for key in [k for k in engine.pool if k[0] == 1]:
