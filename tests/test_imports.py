@@ -36,3 +36,25 @@ def test_every_library_module_imports():
       continue
     name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     importlib.import_module(name.removesuffix(".__init__"))
+
+
+# What pytest imports (a script a test runs as a subprocess, like multihost_worker, is not).
+TESTS = sorted(p for p in pathlib.Path(__file__).resolve().parent.rglob("*.py")
+               if p.name.startswith("test_") or p.name == "conftest.py")
+
+
+@pytest.mark.parametrize("path", TESTS, ids=lambda p: p.name)
+def test_no_test_imports_a_job_module(path):
+  """pytest-xdist runs many test files in one worker, and two jobs' absl flags in one process
+  clash (DuplicateFlagError), so a test runs a job as a subprocess and imports library code."""
+  jobs = {f"tlt_jax.{name.removesuffix('.py')}" for name in JOBS}
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom):
+      names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+    elif isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    else:
+      continue
+    found += [f"line {node.lineno}: {n}" for n in names if n in jobs]
+  assert not found, found

@@ -126,18 +126,18 @@ def test_config_errors_are_one_line():
 
 def test_a_saved_tokenizer_is_reused_only_for_the_settings_it_was_trained_from(tmp_path):
   from tlt_jax.config import ConfigError
-  from tlt_jax.sft import get_tokenizer
+  from tlt_jax.components import sft_tokenizer
   config = repo_config("tiny_sft", "runlocal")
   config.tokenizer.num_train_examples = 64
-  first = get_tokenizer(config, str(tmp_path))
-  again = get_tokenizer(config, str(tmp_path))
+  first = sft_tokenizer(config, str(tmp_path))
+  again = sft_tokenizer(config, str(tmp_path))
   assert again.get_vocab() == first.get_vocab()
   config.task.eval_seed += 1  # held-out problems do not train the tokenizer
-  get_tokenizer(config, str(tmp_path))
+  sft_tokenizer(config, str(tmp_path))
   config.tokenizer.vocab_size += 64
   with pytest.raises(ConfigError, match=r"tokenizer was trained with tokenizer.vocab_size="
                                         r"\d+, this config has \d+; use another --workdir"):
-    get_tokenizer(config, str(tmp_path))
+    sft_tokenizer(config, str(tmp_path))
 
 
 # ---------------------------------------------------------------- the shipped policy

@@ -15,7 +15,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from tlt_jax.config import ConfigError, check_config
+from tlt_jax.config import ConfigError, check_config, flat_settings
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.knobs import build_from
@@ -32,8 +32,9 @@ from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.phases import rl_prompts
 from tlt_jax.rl.rewards import RewardFn, make_reward
 from tlt_jax.rl.tasks import Example, Task, TaskSlice, make_task
-from tlt_jax.rl.tokenizer import prompt_ids
+from tlt_jax.rl.tokenizer import prompt_ids, train_tokenizer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.run_log import write_json
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import Tuner, make_tuner
@@ -295,6 +296,48 @@ def _data_records(config: ml_collections.ConfigDict, key: str) -> list[tuple[int
     return load_numbered_examples(config.task[key])
   except (OSError, ValueError) as e:
     raise ConfigError(f"task.{key}: {first_line(e)}") from None
+
+
+# Beside a tokenizer trained by the SFT job: the settings it was trained from.
+TRAINED_FROM = "trained_from.json"
+
+
+def _tokenizer_settings(config: ml_collections.ConfigDict) -> dict:
+  """The settings a trained tokenizer depends on: its own and the training problems'."""
+  settings = flat_settings(config)
+  return {k: v for k, v in settings.items()
+          if k in ("tokenizer.vocab_size", "tokenizer.num_train_examples")
+          or (k.startswith("task.") and not k.startswith("task.eval_"))}
+
+
+def sft_tokenizer(config: ml_collections.ConfigDict, workdir: str, write: bool = True):
+  """tokenizer.path if set; else the tokenizer saved in WORKDIR/tokenizer by an earlier run
+  (so a resumed run keeps its token ids), if it was trained from the same settings (else a
+  ConfigError names the first that differs); else a new BPE trained on training problems
+  (the same on every process), saved there with its settings when `write`."""
+  if config.tokenizer.path:
+    return load_tokenizer(config.tokenizer.path)
+  saved = os.path.join(workdir, "tokenizer")
+  settings = _tokenizer_settings(config)
+  if os.path.isdir(saved):
+    recorded = os.path.join(saved, TRAINED_FROM)
+    if os.path.isfile(recorded):  # older runs saved none: their tokenizer is taken as is
+      with open(recorded) as f:
+        before = json.load(f)
+      for key in sorted(set(before) | set(settings)):
+        if before.get(key) != settings.get(key):
+          raise ConfigError(
+              f"{saved} was trained with {key}={before.get(key)!r}, this config has "
+              f"{settings.get(key)!r}; use another --workdir (or remove {saved} and the "
+              f"checkpoints next to it to train a new tokenizer there)")
+    return load_tokenizer(saved)
+  examples = task_from_config(config).examples(config.tokenizer.num_train_examples)
+  tok = train_tokenizer([e.prompt for e in examples] + [e.solution for e in examples],
+                        config.tokenizer.vocab_size)
+  if write:
+    tok.save_pretrained(saved)
+    write_json(os.path.join(saved, TRAINED_FROM), settings)
+  return tok
 
 
 def check_prompt_lengths(config: ml_collections.ConfigDict, tokenizer,

@@ -16,7 +16,6 @@ import json
 import os
 
 import jax
-import ml_collections
 import numpy as np
 from absl import flags, logging
 from jax.sharding import NamedSharding
@@ -26,19 +25,18 @@ from ml_collections import config_flags
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.components import (check_prompt_lengths, load_policy, make_engine,
-                                task_from_config, training_model_config)
+                                sft_tokenizer, task_from_config, training_model_config)
 from tlt_jax.config import ConfigError, flat_settings
 from tlt_jax.job import Job, exit_stopped
 from tlt_jax.mesh import (data_parallel_size, host_copy, logical_to_mesh_spec, make_mesh,
                           on_mesh)
-from tlt_jax.models.hf import load_tokenizer, save_hf_checkpoint
+from tlt_jax.models.hf import save_hf_checkpoint
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import evaluate
 from tlt_jax.rl.packing import next_packed_batch
 from tlt_jax.rl.tasks import TaskSlice
-from tlt_jax.rl.tokenizer import prompt_ids, response_ids, train_tokenizer
-from tlt_jax.run_log import write_json
+from tlt_jax.rl.tokenizer import prompt_ids, response_ids
 from tlt_jax.sft_update import make_optimizer, make_train_step
 from tlt_jax.speculative.sampling import SamplingParams
 
@@ -46,49 +44,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_sft.py", "Conf
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sft", "Output folder (resumes from it).")
 
 
-# ---------------------------------------------------------------- pieces used by tests too
-
-
-# Beside a tokenizer trained by this job: the settings it was trained from.
-TRAINED_FROM = "trained_from.json"
-
-
-def _tokenizer_settings(config: ml_collections.ConfigDict) -> dict:
-  """The settings a trained tokenizer depends on: its own and the training problems'."""
-  settings = flat_settings(config)
-  return {k: v for k, v in settings.items()
-          if k in ("tokenizer.vocab_size", "tokenizer.num_train_examples")
-          or (k.startswith("task.") and not k.startswith("task.eval_"))}
-
-
-def get_tokenizer(config: ml_collections.ConfigDict, workdir: str, write: bool = True):
-  """tokenizer.path if set; else the tokenizer saved in WORKDIR/tokenizer by an earlier run
-  (so a resumed run keeps its token ids), if it was trained from the same settings (else a
-  ConfigError names the first that differs); else a new BPE trained on training problems
-  (the same on every process), saved there with its settings when `write`."""
-  if config.tokenizer.path:
-    return load_tokenizer(config.tokenizer.path)
-  saved = os.path.join(workdir, "tokenizer")
-  settings = _tokenizer_settings(config)
-  if os.path.isdir(saved):
-    recorded = os.path.join(saved, TRAINED_FROM)
-    if os.path.isfile(recorded):  # older runs saved none: their tokenizer is taken as is
-      with open(recorded) as f:
-        before = json.load(f)
-      for key in sorted(set(before) | set(settings)):
-        if before.get(key) != settings.get(key):
-          raise ConfigError(
-              f"{saved} was trained with {key}={before.get(key)!r}, this config has "
-              f"{settings.get(key)!r}; use another --workdir (or remove {saved} and the "
-              f"checkpoints next to it to train a new tokenizer there)")
-    return load_tokenizer(saved)
-  examples = task_from_config(config).examples(config.tokenizer.num_train_examples)
-  tok = train_tokenizer([e.prompt for e in examples] + [e.solution for e in examples],
-                        config.tokenizer.vocab_size)
-  if write:
-    tok.save_pretrained(saved)
-    write_json(os.path.join(saved, TRAINED_FROM), settings)
-  return tok
+# ---------------------------------------------------------------- pieces
 
 
 def _encoder(tokenizer):
@@ -140,7 +96,7 @@ def _sft(config, job: Job, num_devices: int) -> bool:
                       f"(replica x fsdp = {data_ways})")
   batch_sharding = NamedSharding(mesh, logical_to_mesh_spec(P("batch", None),
                                                             (s.rows, s.seq_len), mesh, rules))
-  tokenizer = get_tokenizer(config, workdir, write=job.writer)
+  tokenizer = sft_tokenizer(config, workdir, write=job.writer)
   check_prompt_lengths(config, tokenizer, data_files=False)  # the held-out evaluation decodes
   iterator = PromptIterator(TaskSlice(task, s.num_train_examples), seed=config.seed)
   eval_set = task_from_config(config, eval_split=True).examples(s.num_eval_examples)

@@ -22,7 +22,6 @@ process 0 alone writes the files (orbax coordinates the checkpoints).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 import time
@@ -53,7 +52,7 @@ from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import heldout_accuracy
 from tlt_jax.rl.phases import (paired_control, rollout_rows, sample_step, step_metrics,
                                update_policy)
-from tlt_jax.rl.policy_update import PolicyUpdater
+from tlt_jax.rl.policy_update import PolicyUpdater, nonfinite_update_message
 from tlt_jax.rollout.pool import merge_bills
 from tlt_jax.run_log import read_jsonl
 from tlt_jax.train_report import write_summary
@@ -190,7 +189,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
       run.params, update_metrics = update_policy(updater, algorithm, run.params, samples, pad,
                                                  engine.capacity, config)
       if update_metrics["nonfinite"] and rl.on_nonfinite == "stop":
-        raise RunStopped(_nonfinite_message(step + 1, update_metrics, ckpt.latest_step))
+        raise RunStopped(nonfinite_update_message(step + 1, update_metrics, ckpt.latest_step))
       engine.update_params(policy_params=run.params)  # a reshard onto the rollout slices
       step += 1
       compile_s = sum(pool.compile_seconds for pool in pools) - compile_before
@@ -226,19 +225,6 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
                        extra={**job.compiles(), "compile_bill": merge_bills(pools),
                               **({"compile_bill_control": merge_bills([control.pool])}
                                  if control is not None else {})})
-
-
-def _nonfinite_message(step: int, metrics: dict, last_checkpoint: int | None) -> str:
-  """One line: which of the update's quantities were not finite, and what is intact."""
-  bad = [f"{k} {metrics[k]}" for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])]
-  if not metrics["params_finite"]:
-    bad.append("the updated parameters")
-  kept = (f"the checkpoint of step {last_checkpoint} is intact" if last_checkpoint else
-          "no checkpoint was written")
-  return (f"step {step}: the policy update was not finite ({', '.join(bad)}); it was not "
-          f"applied and the run stopped before any checkpoint or export ({kept}). Lower "
-          f"rl.learning_rate, check the rewards, or set rl.on_nonfinite=skip to go on without "
-          f"such updates")
 
 
 class _RunState:

@@ -9,7 +9,8 @@ import pytest
 
 from tlt_jax.rl.algorithms import Grpo
 from tlt_jax.rl.grpo import GrpoConfig, group_advantages, grpo_loss, loss_weights, token_log_probs
-from tlt_jax.rl.policy_update import build_rows, make_policy_update, split_minibatches
+from tlt_jax.rl.policy_update import (build_rows, make_policy_update, nonfinite_update_message,
+                                     split_minibatches)
 
 
 def test_group_advantages():
@@ -150,7 +151,6 @@ def test_updates_raise_the_likelihood_of_good_responses_and_lower_bad_ones(tiny_
 def test_a_nonfinite_update_is_not_applied_and_is_reported(tiny_cfg, tiny_params, batch):
   """NaN advantages make the loss NaN: the update hands back the old params and optimizer
   state, and reports it, so the job can stop before a checkpoint (or skip the update)."""
-  from tlt_jax.train import _nonfinite_message
   host = {k: np.asarray(v) for k, v in batch.items() if k != "weight"}
   host["advantages"] = np.where(np.arange(4) == 1, np.nan, host["advantages"]).astype(np.float32)
   mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(host, 1, 4, "token_mean").items()}
@@ -162,7 +162,7 @@ def test_a_nonfinite_update_is_not_applied_and_is_reported(tiny_cfg, tiny_params
   assert float(metrics["nonfinite"]) == 1.0 and np.isnan(float(metrics["loss"]))
   jax.tree.map(np.testing.assert_array_equal, new_params, tiny_params)
   jax.tree.map(np.testing.assert_array_equal, new_opt, tx.init(tiny_params))
-  message = _nonfinite_message(5, {k: float(v) for k, v in metrics.items()}, 4)
+  message = nonfinite_update_message(5, {k: float(v) for k, v in metrics.items()}, 4)
   assert message.startswith("step 5: the policy update was not finite (loss nan, grad_norm nan, "
                             "the updated parameters); it was not applied")
   assert "checkpoint of step 4 is intact" in message and "rl.on_nonfinite=skip" in message

@@ -11,6 +11,7 @@ micro_rows (padding rows have an empty loss mask and weight 0) and laid out
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -82,6 +83,19 @@ def make_log_probs(cfg: ModelConfig, sp: SamplingParams):
     return jax.lax.map(lambda x: token_log_probs(params, x["tokens"], x["targets"],
                                                  x["loss_mask"], cfg, sp)[0], mb)
   return log_probs
+
+
+def nonfinite_update_message(step: int, metrics: dict, last_checkpoint: int | None) -> str:
+  """One line: which of the update's quantities were not finite, and what is intact."""
+  bad = [f"{k} {metrics[k]}" for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])]
+  if not metrics["params_finite"]:
+    bad.append("the updated parameters")
+  kept = (f"the checkpoint of step {last_checkpoint} is intact" if last_checkpoint else
+          "no checkpoint was written")
+  return (f"step {step}: the policy update was not finite ({', '.join(bad)}); it was not "
+          f"applied and the run stopped before any checkpoint or export ({kept}). Lower "
+          f"rl.learning_rate, check the rewards, or set rl.on_nonfinite=skip to go on without "
+          f"such updates")
 
 
 def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTransformation,
