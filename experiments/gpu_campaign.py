@@ -1,28 +1,33 @@
-"""Every GPU figure the project owes, in three commands of at most 9 minutes each on one GPU.
+"""Every GPU figure the project owes, in commands that fit one GPU lease each.
 
   python experiments/gpu_campaign.py 1 --out runs/campaign   # kernel grid, 7B decode and SD
-  python experiments/gpu_campaign.py 2 --out runs/campaign   # gpu_e2e: sft, warmup, rollout
-  python experiments/gpu_campaign.py 3 --out runs/campaign   # gpu_e2e: rl, simulate
+  python experiments/gpu_campaign.py 2 --out runs/campaign   # gpu_e2e: sft, warmup
+  python experiments/gpu_campaign.py 3 --out runs/campaign   # gpu_e2e: rl (TLT vs baseline)
+  python experiments/gpu_campaign.py 4 --out runs/campaign   # gpu_e2e: rollout cost table
   python experiments/gpu_campaign.py all --quick --out /tmp/campaign   # toy shapes, any device
 
-Command 1 (494 s on an H100 on 2026-11-26, before its first step and this grid):
-experiments/check_gpu_numerics.py (is the attention computed right on this device, with and
-without the package's XLA flags; -> OUT/1/gpu_numerics.json), experiments/
+Command 1 (at most 9 minutes; 494 s on an H100 on 2026-11-26, before its first step and this
+grid): experiments/check_gpu_numerics.py (is the attention computed right on this device, with
+and without the package's XLA flags; -> OUT/1/gpu_numerics.json), experiments/
 bench_tree_attention.py on a 3 x 3 x 3 grid that holds every target's points (the kernel
 against the reference and the device's copy bandwidth; -> OUT/1/tree_attention.json, .png),
 then experiments/bench_decode.py at the Qwen2.5-7B shape, batches 1 and 8 (the decode step
 against the plain-JAX floor, SD iterations with the full and a 32k draft vocabulary;
 -> OUT/1/decode_7b.json, .png).
-Commands 2 and 3 (~7 and ~8 min estimated): the two halves of experiments/gpu_e2e.py with
-configs/gpu_demo.py (-> OUT/e2e/..., gpu_e2e.json and .png once both ran). Command 3 needs the
-files command 2 left in OUT, on the same machine: about 15 minutes together, more than a lent
-GPU session's 15 minutes of device time today, so gpu_e2e must shrink before it can run.
+Commands 2-4: experiments/gpu_e2e.py with configs/gpu_demo.py in parts (-> OUT/e2e/...).
+Command 3 needs the files command 2 left in OUT, and 4 those of both, so they run on one
+machine, back to back. 2 (at most 5.5 minutes) and 3 (at most 8) fit a 15-minute lease with
+the machine's start: each job's time limit (E2E_PLAN: sft.max_minutes, drafter.warmup.
+max_minutes, rl.max_minutes per variant) ends its training early, then it evaluates and
+exports as at its last step, and the summaries say how many steps ran. After 3, gpu_e2e.json
+holds the end-to-end figures, with the cluster projection on illustrative costs; 4 (at most
+5 minutes) measures the cost table and makes the projection again on it.
 
-Each step runs under its own deadline (SIGTERM, then SIGKILL 30 s later), inside the
-command's 9 minutes; every step writes its JSON as it goes and is safe to rerun (gpu_e2e skips
-finished stages and resumes cut-off ones). OUT/campaign.json records every step's command,
-exit status, seconds and files. The imports are checked first: a missing package is named in
-one line, before anything compiles.
+Each step runs under its own deadline (SIGTERM, then SIGKILL 30 s later), inside its
+command's; every step writes its JSON as it goes and is safe to rerun (gpu_e2e skips finished
+stages and resumes cut-off ones). OUT/campaign.json records every step's command, exit
+status, seconds and files. The imports are checked first: a missing package is named in one
+line, before anything compiles.
 """
 
 from __future__ import annotations
@@ -39,7 +44,17 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"
-COMMAND_SECONDS = 540  # 9 minutes per command
+# Each command's deadline. 2 and 3 run on one machine, back to back, within one lease: about
+# 14 minutes with command 2's start; 4 only where device time is left after them.
+COMMAND_SECONDS = {"1": 540, "2": 330, "3": 480, "4": 300}
+# gpu_e2e's stages per command, and the settings that bound their time (each job ends its
+# training at its limit, then evaluates and exports; rl.max_minutes holds for each variant).
+E2E_PLAN = {
+    "2": (["sft", "warmup"], ["sft:sft.max_minutes=1.75", "warmup:drafter.warmup.max_minutes=2",
+                              "warmup:drafter.warmup.num_prompts=128"]),
+    "3": (["rl"], ["rl:rl.max_minutes=2.75", "rl:rl.eval_samples=0"]),
+    "4": (["rollout"], []),
+}
 # import name -> how to get it (the GPU machine lacks ml_collections: carry its wheel)
 REQUIRED = {"jax": "jax[cuda12]", "flax": "flax", "optax": "optax",
             "orbax.checkpoint": "orbax-checkpoint", "transformers": "transformers",
@@ -73,10 +88,13 @@ def steps(command: str, out: pathlib.Path, quick: bool) -> list[tuple[str, list[
                        *(q or ["--shape", "qwen2.5-7b", "--batches", "1", "8",
                                "--strategies", "8,4,48", "--draft-vocab-sizes", "32768"]),
                        "--out", str(one / "decode_7b.json"), "--time-budget", "180"], 310)]
-  stages = ["sft", "warmup", "rollout"] if command == "2" else ["rl", "simulate"]
+  stages, sets = E2E_PLAN[command]
+  if quick:  # the toy run keeps its sizes; its warm-up checks that a time limit ends a job
+    sets = ["warmup:drafter.warmup.max_minutes=0.001"] if command == "2" else []
   return [(f"gpu_e2e_{'_'.join(stages)}", [py, str(EXPERIMENTS / "gpu_e2e.py"), *q,
-                                             "--out", str(e2e), "--stages", *stages],
-           COMMAND_SECONDS - 20)]
+                                             "--out", str(e2e), "--stages", *stages,
+                                             *[a for kv in sets for a in ("--set", kv)]],
+           COMMAND_SECONDS[command] - 20)]
 
 
 def run_step(name: str, argv: list[str], seconds: int, log: pathlib.Path) -> dict:
@@ -105,8 +123,8 @@ def run_step(name: str, argv: list[str], seconds: int, log: pathlib.Path) -> dic
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("command", choices=("1", "2", "3", "all"),
-                 help="which command (all: the three in a row, for --quick)")
+  p.add_argument("command", choices=(*COMMAND_SECONDS, "all"),
+                 help="which command (all: every one in a row, for --quick)")
   p.add_argument("--out", required=True, type=pathlib.Path, help="output folder (kept)")
   p.add_argument("--quick", action="store_true", help="toy shapes on any device (CI)")
   args = p.parse_args(argv)
@@ -124,7 +142,7 @@ def main(argv=None):
   record = json.loads(record_path.read_text()) if record_path.is_file() else {}
   record.update(device=f"{device.platform}: {device.device_kind}", jax=jax.__version__,
                 quick=args.quick)
-  commands = ("1", "2", "3") if args.command == "all" else (args.command,)
+  commands = tuple(COMMAND_SECONDS) if args.command == "all" else (args.command,)
   # The deadlines are the GPU's; a CPU smoke run (CI, beside other work) gets three times.
   stretch = 3 if args.quick else 1
   failed = []
@@ -132,7 +150,7 @@ def main(argv=None):
     t0 = time.monotonic()
     for name, step_argv, seconds in steps(command, out, args.quick):
       seconds *= stretch
-      left = COMMAND_SECONDS * stretch - (time.monotonic() - t0)
+      left = COMMAND_SECONDS[command] * stretch - (time.monotonic() - t0)
       result = run_step(name, step_argv, int(min(seconds, max(left, 1))),
                         out / "logs" / f"{name}.log")
       result["date"] = time.strftime("%Y-%m-%d %H:%M")

@@ -3,23 +3,27 @@ the offline warm-up trains its drafter, then GRPO runs with TLT and without, bac
 
   python experiments/gpu_e2e.py --out runs/gpu_e2e            # one GPU, configs/gpu_demo.py
   python experiments/gpu_e2e.py --out /tmp/e2e --quick        # toy size (CPU or one GPU)
-  python experiments/gpu_e2e.py --out runs/gpu_e2e --stages sft warmup rollout   # in two
-  python experiments/gpu_e2e.py --out runs/gpu_e2e --stages rl simulate          # commands
-  python experiments/gpu_e2e.py --out runs/gpu_e2e --set rl.steps=4 --set sft:sft.steps=300
+  python experiments/gpu_e2e.py --out runs/gpu_e2e --stages sft warmup   # in parts
+  python experiments/gpu_e2e.py --out runs/gpu_e2e --stages rl
+  python experiments/gpu_e2e.py --out runs/gpu_e2e --set rl.steps=4 --set sft:sft.max_minutes=2
 
 Stages, each the project's own command (its output streams to the console and to
 OUT/logs/STAGE.log):
   sft       python -m tlt_jax.sft                  -> OUT/sft/export (policy + tokenizer)
   warmup    python -m tlt_jax.warmup_drafter       -> OUT/warmup/export (drafter)
   rl        experiments/rl_runs.py, baseline + tlt -> OUT/rl (rl_runs.json, figures)
-  rollout   experiments/bench_rollout.py           -> OUT/rollout (plain vs SD cost table)
-  simulate  experiments/simulate_cluster.py        -> OUT/simulate (8-1024 devices, projected
-            from the measured costs and the baseline's response lengths)
+  rollout   experiments/bench_rollout.py           -> OUT/rollout (plain vs SD cost table);
+            optional: the summary does not wait for it
 A stage that finished is recorded in OUT/stages.json and skipped when the command is run again,
 so a killed run resumes at the stage it was in (which resumes from its own checkpoints; the RL
 stage keeps the variant that finished and resumes the other). --stages runs a subset, in the
-order above; the summary is written once every stage is done. --set KEY=VALUE overrides the
-config of every config-driven stage (sft, warmup, rl), --set STAGE:KEY=VALUE of one.
+order above. Once sft, warmup and rl are done, every run also projects the step time to 8-1024
+devices (experiments/simulate_cluster.py on the baseline's response lengths, with the rollout
+stage's measured costs once it ran, else the simulator's illustrative ones; -> OUT/simulate)
+and writes the summary. --set KEY=VALUE overrides the config of every config-driven stage
+(sft, warmup, rl), --set STAGE:KEY=VALUE of one; sft.max_minutes, drafter.warmup.max_minutes
+and rl.max_minutes (per variant) bound a stage's time (experiments/gpu_campaign.py sets them
+to fit a GPU lease).
 
 Estimated on one H100 at the default sizes (not yet measured): sft ~3-4 min (600 steps of
 32 x 1536 tokens, ~80M parameters, with rematerialisation), warmup ~2 min, rollout ~2-3 min,
@@ -28,9 +32,9 @@ rl ~6-8 min (8 steps per variant, both variants, compiles included), simulate < 
 OUT/gpu_e2e.json: device, date, the commands and seconds per stage, the policy's held-out
 accuracy after SFT, the warmed drafter's accept length, the RL runs' end-to-end ratios
 (baseline / TLT step time over the steady-state steps and over all steps with compiles,
-rollout-only), reward and held-out accuracy per run, the tail speedup and the projected cluster
-speedups. OUT/gpu_e2e.png: stage times, step time per RL step of both runs split into rollout
-and update, and the projected speedup against device count.
+rollout-only), reward and held-out accuracy per run, the tail speedup, the projected cluster
+speedups and where their costs came from. OUT/gpu_e2e.png: stage times, step time per RL step
+of both runs split into rollout and update, and the projected speedup against device count.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-STAGES = ("sft", "warmup", "rl", "rollout", "simulate")
+STAGES = ("sft", "warmup", "rl", "rollout")
+REQUIRED = ("sft", "warmup", "rl")  # the summary needs these; the rollout stage is optional
 CONFIG_STAGES = ("sft", "warmup", "rl")
 
 
@@ -83,7 +88,6 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: dict[str, list[str]] | 
   py = sys.executable
   config = str(REPO / "configs" / "gpu_demo.py") + (":quick" if quick else "")
   policy, drafter = out / "sft" / "export", out / "warmup" / "export"
-  q = ["--quick"] if quick else []
   spot = ["--set", "drafter.spot.max_steps=8"] if quick else []
   flags = {name: [f"--config.{kv}" for kv in sets.get(name, [])] for name in CONFIG_STAGES}
   return {
@@ -104,11 +108,18 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: dict[str, list[str]] | 
                     ["--max-new-tokens", "1536", "--max-batch", "128", "--sd-threshold", "8",
                      "--num-prompts", "64", "--drafter-steps", "200",
                      "--drafter-prompts", "128"])],
-      "simulate": [py, str(REPO / "experiments" / "simulate_cluster.py"),
-                   "--out", str(out / "simulate"),
-                   "--costs-from-bench", str(out / "rollout" / "rollout.json"),
-                   "--lengths", str(out / "rl" / "runs" / "baseline" / "rollouts.jsonl"), *q],
   }
+
+
+def simulate_command(out: pathlib.Path, quick: bool) -> list[str]:
+  """simulate_cluster.py on the baseline's response lengths, with the rollout stage's
+  measured costs once it ran (else the simulator's built-in, illustrative cost model)."""
+  costs = out / "rollout" / "rollout.json"
+  return [sys.executable, str(REPO / "experiments" / "simulate_cluster.py"),
+          "--out", str(out / "simulate"),
+          *(["--costs-from-bench", str(costs)] if costs.is_file() else []),
+          "--lengths", str(out / "rl" / "runs" / "baseline" / "rollouts.jsonl"),
+          *(["--quick"] if quick else [])]
 
 
 def run_stage(name: str, cmd: list[str], log_path: pathlib.Path) -> float:
@@ -169,18 +180,23 @@ def collect(out: pathlib.Path, stages: dict) -> dict:
     s = r.get("summary", {})
     per_run[name] = {"wall_s": r.get("wall_s"),
                      "reward_by_step": [m["reward_mean"] for m in r.get("metrics", [])],
-                     "heldout_accuracy": {k: v for k, v in s.items() if "accuracy" in k}}
+                     "heldout_accuracy": {k: v for k, v in s.items() if "accuracy" in k},
+                     "steps_done": s.get("steps_done"), "time_limited": s.get("time_limited")}
   return {
       "device": _device(), "date": time.strftime("%Y-%m-%d"),
       "stages": stages,
-      "policy": {"params": sft.get("num_params"),
+      "policy": {"params": sft.get("num_params"), "sft_steps": sft.get("step"),
+                 "sft_time_limited": sft.get("time_limited"),
                  "heldout_greedy_accuracy": sft.get("heldout_greedy_accuracy"),
                  "heldout_mean_completion_tokens": sft.get("heldout_mean_completion_tokens")},
       "drafter": {"accept_len_untrained": warm.get("accept_len_untrained"),
                   "accept_len_warmed": warm.get("accept_len_warmed"),
-                  "strategy": warm.get("strategy")},
+                  "strategy": warm.get("strategy"), "steps": warm.get("steps"),
+                  "time_limited": warm.get("time_limited")},
       "end_to_end": rl.get("end_to_end"), "runs": per_run,
       "rollout": {k: roll.get(k) for k in ("speedup_wall", "speedup_tail")},
+      "projection_costs": ("measured by the rollout stage" if roll else
+                           "illustrative: simulate_cluster.py's built-in cost model"),
       "projected": [{"devices": r.get("devices"), "speedup_step": r.get("speedup_step"),
                      "speedup_rollout": r.get("speedup_rollout")}
                     for r in sim.get("results", [])],
@@ -244,11 +260,17 @@ def main(argv=None):
   out = args.out.resolve()
   stages = run_recorded_stages(out, args.quick, stage_commands(out, args.quick, sets),
                                args.stages)
-  missing = [name for name in STAGES if name not in stages]
+  missing = [name for name in REQUIRED if name not in stages]
   if missing:
-    print(f"stages still to run: {' '.join(missing)} (the summary is written after the last)")
+    print(f"stages still to run: {' '.join(missing)} (the summary is written once "
+          f"{', '.join(REQUIRED)} are done)")
     return
-  summary = collect(out, stages)
+  # The projection is cheap: it is made again whenever the summary is, so it takes the
+  # measured costs as soon as the rollout stage has run.
+  simulate_s = run_stage("simulate", simulate_command(out, args.quick),
+                         out / "logs" / "simulate.log")
+  summary = collect(out, {**stages, "simulate": {"command": simulate_command(out, args.quick),
+                                                 "seconds": simulate_s}})
   summary["quick"] = args.quick
   (out / "gpu_e2e.json").write_text(json.dumps(summary, indent=2))
   plot(out, summary)

@@ -251,6 +251,9 @@ def test_rollout_sections_build_the_engine_pieces():
     ("rollout.temperature", float("inf"), r"rollout.temperature=inf must be a finite"),
     ("task.seed", -1, r"task.seed=-1 must be >= 0"),
     ("task.eval_seed", -3, r"task.eval_seed=-3 must be >= 0"),
+    ("rl.max_minutes", -1.0, r"rl.max_minutes=-1.0 must be >= 0"),
+    ("sft.max_minutes", -0.5, r"sft.max_minutes=-0.5 must be >= 0"),
+    ("drafter.warmup.max_minutes", -2.0, r"drafter.warmup.max_minutes=-2.0 must be >= 0"),
 ])
 def test_bad_rollout_values(path, value, match):
   c = base_config()

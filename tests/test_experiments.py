@@ -396,14 +396,14 @@ def test_drafter_ttt_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_campaign_quick_runs_its_three_commands_and_gpu_e2e_resumes(tmp_path):
-  """The campaign's three commands at toy shapes: the kernel grid and the decode bench, then
-  gpu_e2e in two halves; each step recorded with its exit status and files."""
+def test_gpu_campaign_quick_runs_its_commands_and_gpu_e2e_resumes(tmp_path):
+  """The campaign's commands at toy shapes: the kernel grid and the decode bench, then
+  gpu_e2e in three parts; each step recorded with its exit status and files."""
   out = tmp_path / "campaign"
   _run_script("gpu_campaign.py", "all", "--quick", "--out", str(out), timeout=1500)
   record = json.loads((out / "campaign.json").read_text())
   assert set(record["steps"]) == {"gpu_numerics", "tree_attention", "decode_7b",
-                                  "gpu_e2e_sft_warmup_rollout", "gpu_e2e_rl_simulate"}
+                                  "gpu_e2e_sft_warmup", "gpu_e2e_rl", "gpu_e2e_rollout"}
   assert all(r["returncode"] == 0 for r in record["steps"].values())
   numerics = json.loads((out / "1" / "gpu_numerics.json").read_text())
   assert numerics["right_with_flags"] is True and numerics["right_without_flags"] is True
@@ -415,16 +415,40 @@ def test_gpu_campaign_quick_runs_its_three_commands_and_gpu_e2e_resumes(tmp_path
   _check_bench_decode_quick(out / "1" / "decode_7b.json")
   e2e = out / "e2e"
   data = json.loads((e2e / "gpu_e2e.json").read_text())
-  assert list(data["stages"]) == ["sft", "warmup", "rollout", "rl", "simulate"]
+  assert list(data["stages"]) == ["sft", "warmup", "rl", "rollout", "simulate"]
   assert (e2e / "gpu_e2e.png").exists() and (e2e / "rl" / "end_to_end.png").exists()
   assert data["policy"]["params"] > 0 and data["drafter"]["accept_len_warmed"] >= 1.0
+  # The quick warm-up's time limit (0.001 min) ends its training after one step, and it
+  # still exports the drafter that the RL runs load.
+  assert data["drafter"]["time_limited"] is True and data["drafter"]["steps"] == 1
+  assert data["policy"]["sft_time_limited"] is False and data["policy"]["sft_steps"] == 12
   assert data["end_to_end"]["steps"] == 2 and set(data["runs"]) == {"baseline", "tlt"}
   assert data["projected"] and all(p["speedup_step"] > 0 for p in data["projected"])
+  assert data["projection_costs"] == "measured by the rollout stage"
   _check_bench_rollout(e2e / "rollout" / "rollout.json")
   _check_rl_runs(e2e / "rl", responses_per_step=4 * 4)  # gpu_demo:quick's 4 prompts x 4
-  # A rerun finds every stage done and only rewrites the summary.
+  # A rerun finds every stage done and only makes the projection and the summary again.
   r = _run_script("gpu_e2e.py", "--quick", "--out", str(e2e))
-  assert r.stdout.count("done in an earlier run") == 5
+  assert r.stdout.count("done in an earlier run") == 4
+  assert "=== simulate" in r.stdout
+
+
+def test_gpu_campaign_fits_a_lease_and_bounds_each_stage(tmp_path):
+  """Commands 2 and 3 (gpu_e2e on one machine) fit 15 minutes with a start, and pass the
+  time limits that make them: each job's limit reaches its command line."""
+  campaign = load_experiment("gpu_campaign")
+  assert campaign.COMMAND_SECONDS["2"] + campaign.COMMAND_SECONDS["3"] + 60 <= 15 * 60
+  argv = {c: campaign.steps(c, tmp_path, quick=False)[0][1] for c in ("2", "3", "4")}
+  assert argv["2"][argv["2"].index("--stages") + 1:][:2] == ["sft", "warmup"]
+  assert "sft:sft.max_minutes=1.75" in argv["2"] and "rl:rl.max_minutes=2.75" in argv["3"]
+  e2e = load_experiment("gpu_e2e")
+  sets = e2e.stage_overrides([a for a in argv["2"] + argv["3"] if ":" in a and "=" in a])
+  cmds = e2e.stage_commands(tmp_path, False, sets)
+  assert "--config.sft.max_minutes=1.75" in cmds["sft"]
+  assert "--config.drafter.warmup.max_minutes=2" in cmds["warmup"]
+  assert cmds["rl"][-4:] == ["--set", "rl.max_minutes=2.75", "--set", "rl.eval_samples=0"]
+  # Without the rollout stage's cost table the projection uses the built-in costs.
+  assert "--costs-from-bench" not in e2e.simulate_command(tmp_path, False)
 
 
 def test_gpu_campaign_names_what_is_missing_and_refuses_a_cpu(tmp_path, monkeypatch):

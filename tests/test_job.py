@@ -55,3 +55,19 @@ def test_the_compile_account_counts_the_job_s_compiles(tmp_path):
     counted = job.compiles()
     assert counted["xla_compiles"] + counted["xla_cache_hits"] >= 1
     assert job.wall_s > 0
+
+
+def test_time_up_turns_true_after_max_minutes_and_never_without_a_limit(tmp_path, monkeypatch):
+  with Job(str(tmp_path / "a")) as unlimited:
+    assert not unlimited.time_up()
+  with Job(str(tmp_path / "b"), max_minutes=1.0) as job:
+    assert not job.time_up()  # it has just begun
+    job.started -= 59.0
+    assert not job.time_up()
+    job.started -= 2.0
+    assert job.time_up()
+    # Several processes take process 0's answer (which here says: not yet).
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    from jax.experimental import multihost_utils
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: x & False)
+    assert not job.time_up()

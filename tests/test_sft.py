@@ -217,12 +217,16 @@ def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes(tmp_path):
   steps = [json.loads(line)["step"] for line in open(metrics)]
   assert saved and max(saved) == steps[-1] >= 3
   assert not (tmp_path / "export").exists() and not (tmp_path / "summary.json").exists()
-  again = subprocess.run(cmd[:-2] + [f"--config.sft.steps={steps[-1] + 1}",
-                                     "--config.sft.log_every=1"],
+  # The rerun resumes, and its time limit (0.001 minutes: less than its start-up) makes its
+  # first step the last: it evaluates and exports as at sft.steps, and says so.
+  again = subprocess.run(cmd + ["--config.sft.max_minutes=0.001"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"resumed from step {steps[-1]}" in again.stdout
+  assert f"sft.max_minutes=0.001 reached: step {steps[-1] + 1} is the last" in again.stdout
   # one metrics row per step: the rows past the checkpoint (if any) were dropped on resume
   resumed = [json.loads(line)["step"] for line in open(metrics)]
   assert resumed == list(range(1, steps[-1] + 2))
-  assert json.load(open(tmp_path / "summary.json"))["step"] == steps[-1] + 1
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["step"] == steps[-1] + 1 and summary["time_limited"] is True
+  assert (tmp_path / "export" / "model.safetensors").exists()

@@ -140,11 +140,15 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path):
       assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}, name
   # Step 1 again from scratch: the same responses, and every program loads from the
   # persistent compilation cache (a resumed run also compiles orbax's few restore programs).
-  _train(tmp_path / "again", "--config.rl.steps=1", "--config.rl.num_eval_examples=0")
+  # Its time limit (0.001 minutes) makes step 1 the last: a finished run, exported.
+  out = _train(tmp_path / "again", *args, "--config.rl.max_minutes=0.001")
+  assert "rl.max_minutes=0.001 reached: step 1 is the last" in out
   (again,) = _metrics(tmp_path / "again")
   assert {k: again[k] for k in SAME} == {k: whole[0][k] for k in SAME}
   summary = json.loads((tmp_path / "again" / "summary.json").read_text())
   assert summary["xla_compiles"] == 0 and summary["xla_cache_hits"] > 0
+  assert summary["time_limited"] is True and summary["stopped_early"] is False
+  assert (tmp_path / "again" / "export" / "policy" / "model.safetensors").exists()
 
 
 def _broken_policy(tmp_path, damage):

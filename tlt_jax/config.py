@@ -184,6 +184,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.checkpoint_every = 250
   c.sft.keep_checkpoints = 2
   c.sft.export_dtype = "float32"
+  # Train for at most this many minutes of the job's run (0 = no limit), then evaluate and
+  # export as after sft.steps (summary.json: time_limited, step): for a lease of fixed length.
+  c.sft.max_minutes = 0.0
 
   # The rollout engine (tlt_jax.rollout.engine): rows per replica slice, cache sizes, sampling.
   c.rollout = ml_collections.ConfigDict()
@@ -272,6 +275,9 @@ def base_config() -> ml_collections.ConfigDict:
   # the run there (before any checkpoint or export), "skip" goes on without it (counted in
   # the metrics as nonfinite_updates).
   c.rl.on_nonfinite = "stop"
+  # End the run after the step during which it reached this many minutes (0 = no limit), as
+  # if that step were rl.steps: evaluation, checkpoint, export (summary: time_limited).
+  c.rl.max_minutes = 0.0
 
   # The EAGLE drafter: its architecture is DrafterConfig's fields (tlt_jax.models.drafter:
   # num_layers, use_features, intermediate_size, norm_input, norm_output, feature_layers: the
@@ -311,6 +317,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.drafter.warmup.lr_warmup_steps = 20
   c.drafter.warmup.checkpoint_every = 100
   c.drafter.warmup.num_eval_prompts = 32  # held-out prompts for the accept-length check
+  c.drafter.warmup.max_minutes = 0.0      # stop training after this long, then export (0 = no)
   return c
 
 
@@ -544,7 +551,7 @@ def _check_sft(s: ml_collections.ConfigDict) -> None:
   _positive(s, "sft", ("num_train_examples", "steps", "rows", "seq_len", "log_every",
                        "num_eval_examples", "eval_batch_size", "eval_max_new_tokens",
                        "keep_checkpoints"))
-  _non_negative(s, "sft", ("eval_every", "checkpoint_every"))
+  _non_negative(s, "sft", ("eval_every", "checkpoint_every", "max_minutes"))
   if s.eval_batch_size & (s.eval_batch_size - 1):
     raise ConfigError(f"sft.eval_batch_size={s.eval_batch_size} must be a power of two (the "
                       f"rollout engine's batch evaluates the held-out problems)")
@@ -555,7 +562,7 @@ def _check_rl(r: ml_collections.ConfigDict) -> None:
   _positive(r, "rl", ("steps", "prompts_per_step", "num_samples", "num_train_examples",
                       "ppo_epochs", "mini_batches", "micro_batch_rows", "keep_checkpoints"))
   _non_negative(r, "rl", ("checkpoint_every", "num_eval_examples", "eval_every",
-                          "eval_samples"))
+                          "eval_samples", "max_minutes"))
   if r.num_samples < 2:
     raise ConfigError(f"rl.num_samples={r.num_samples}: GRPO compares samples within a "
                       f"group, so it needs at least 2")
@@ -584,4 +591,4 @@ def _check_drafter(d: ml_collections.ConfigDict) -> None:
   _positive(d.warmup, "drafter.warmup", ("num_prompts", "samples_per_prompt",
                                          "max_new_tokens", "steps", "batch_rows", "window",
                                          "num_eval_prompts"))
-  _non_negative(d.warmup, "drafter.warmup", ("temperature", "checkpoint_every"))
+  _non_negative(d.warmup, "drafter.warmup", ("temperature", "checkpoint_every", "max_minutes"))

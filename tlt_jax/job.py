@@ -1,12 +1,14 @@
 """What every job (train, sft, warmup_drafter, generate) does around its own work, in one
 place: the workdir lock, which process writes, a clean stop on SIGINT/SIGTERM, progress and
-messages on the writing process only, the run log, JSON files written whole, and the job's
-compile account.
+messages on the writing process only, the run log, JSON files written whole, the job's
+compile account, and an optional time limit.
 
   with Job(workdir) as job:
     log = job.run_log(resume_step)            # metrics.jsonl & co., written by process 0
     bar = job.progress(total=steps, initial=step, desc="sft")
-    while step < steps and not job.stop.requested: ...
+    while step < steps and not job.stop.requested:
+      ...                                       # one step
+      if job.time_up(): break                   # max_minutes: finish as at the last step
     job.write_json("summary.json", {...,  **job.compiles()})
 
 Multi-host: every process runs the same job on the global mesh and takes part in every
@@ -23,6 +25,8 @@ import time
 from typing import NoReturn
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from tlt_jax.compile_cache import COMPILES
@@ -71,10 +75,12 @@ class StopFlag:
 
 class Job:
   """A job's skeleton over `workdir`; see the module docstring. show_progress=False hides the
-  progress bars (tests, notebooks)."""
+  progress bars (tests, notebooks). max_minutes > 0: `time_up()` turns true once the job has
+  run that long, and the job then ends its training as if that step were its last (evaluation,
+  export, summary), so a run on a lease of fixed length still ends with results."""
 
-  def __init__(self, workdir: str, show_progress: bool = True):
-    self.workdir, self.show_progress = workdir, show_progress
+  def __init__(self, workdir: str, show_progress: bool = True, max_minutes: float = 0.0):
+    self.workdir, self.show_progress, self.max_minutes = workdir, show_progress, max_minutes
     self.writer = jax.process_index() == 0
     self.stop = StopFlag()
     self._lock = None
@@ -120,6 +126,16 @@ class Job:
   def wall_s(self) -> float:
     """Seconds since the job began."""
     return time.perf_counter() - self.started
+
+  def time_up(self) -> bool:
+    """Whether the job has run max_minutes (never without a limit). Every process takes
+    process 0's answer, so all of them leave the loop after the same step."""
+    if not self.max_minutes:
+      return False
+    up = self.wall_s >= 60.0 * self.max_minutes
+    if jax.process_count() > 1:
+      up = bool(multihost_utils.broadcast_one_to_all(np.asarray(up)))
+    return up
 
   def compiles(self) -> dict:
     """The job's XLA compiles so far (`COMPILES.report()` since the job began)."""

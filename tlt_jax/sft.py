@@ -72,7 +72,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   config = cli.load_config(_CONFIG)
   num_devices = cli.setup_devices(config)
-  with Job(_WORKDIR.value) as job:
+  with Job(_WORKDIR.value, max_minutes=config.sft.max_minutes) as job:
     stopped = _sft(config, job, num_devices)
   if stopped:
     exit_stopped("before the last step")
@@ -145,9 +145,9 @@ def _sft(config, job: Job, num_devices: int) -> bool:
 
   # ---------------------------------------------------------------- loop
   bar = job.progress(total=s.steps, initial=step, desc="sft", unit="step")
-  last = None
+  last, end = None, s.steps  # end: the last step, earlier when sft.max_minutes runs out
   with log, contextlib.closing(ckpt):  # a save in flight is finished, also on an error
-    while step < s.steps and not job.stop.requested:
+    while step < end and not job.stop.requested:
       batch, _ = next_packed_batch(iterator, encode, s.rows, s.seq_len,
                                    pad_id=tokenizer.pad_token_id)
       with on_mesh(mesh):  # the attention kernel, where a short row takes it, per shard
@@ -155,18 +155,21 @@ def _sft(config, job: Job, num_devices: int) -> bool:
                                                 jax.device_put(batch, batch_sharding))
       step += 1
       bar.update(1)
-      if step % s.log_every == 0 or step == s.steps:
+      if job.time_up():
+        end = step
+        job.say(f"sft.max_minutes={s.max_minutes} reached: step {step} is the last")
+      if step % s.log_every == 0 or step == end:
         last = {k: float(v) for k, v in metrics.items()}
         bar.set_postfix(loss=f"{last['loss']:.4f}")
         log.write("metrics", [{"step": step, **last}])
-      if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.steps:
+      if s.checkpoint_every and step % s.checkpoint_every == 0 and step < end:
         save(step)
-      if s.eval_every and step % s.eval_every == 0 and step < s.steps:
+      if s.eval_every and step % s.eval_every == 0 and step < end:
         run_eval(step)
     bar.close()
     if ckpt.latest_step != step:  # a rerun of a finished job has nothing new to save
       save(step)
-  if step < s.steps:  # stopped by a signal, after its checkpoint
+  if step < end:  # stopped by a signal, after its checkpoint
     return True
   train_s = job.wall_s
 
@@ -178,7 +181,8 @@ def _sft(config, job: Job, num_devices: int) -> bool:
                                          params))  # every process takes part in the gather
   if job.writer:
     save_hf_checkpoint(export_dir, export_params, export_cfg, tokenizer)
-  summary = {"step": step, "final_loss": last["loss"] if last else None,
+  summary = {"step": step, "time_limited": step < s.steps,
+             "final_loss": last["loss"] if last else None,
              "heldout_greedy_accuracy": result["accuracy"],
              "heldout_examples": result["num_examples"],
              "heldout_accuracy_by_ops": {str(k): v for k, v in

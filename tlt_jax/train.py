@@ -74,7 +74,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
   start_over: when the workdir holds an earlier run's results but no checkpoint loads, move
   those files to WORKDIR/previous-<time>/ and start from step 0 (else: stop and say so).
   """
-  with Job(workdir, show_progress=progress) as job:
+  with Job(workdir, show_progress=progress, max_minutes=config.rl.max_minutes) as job:
     return _train(config, job, reward_fn, start_over)
 
 
@@ -172,12 +172,13 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   # ---------------------------------------------------------------- loop
   base_key = jax.random.key(config.seed)
   bar = job.progress(total=rl.steps, initial=step, desc="rl", unit="step")
+  end = rl.steps  # the last step, earlier when rl.max_minutes runs out
   with log, contextlib.ExitStack() as on_exit:
     # Last out, also when the loop raises: a save still in flight is finished, not dropped.
     on_exit.callback(ckpt.close)
     for pool in pools:  # compiles still queued ahead would only delay the end, or a crash
       on_exit.callback(pool.close)
-    while step < rl.steps and not job.stop.requested:
+    while step < end and not job.stop.requested:
       t_step = time.perf_counter()
       compile_before = sum(pool.compile_seconds for pool in pools)
       key = jax.random.fold_in(base_key, step)
@@ -192,6 +193,9 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
         raise RunStopped(nonfinite_update_message(step + 1, update_metrics, ckpt.latest_step))
       engine.update_params(policy_params=run.params)  # a reshard onto the rollout slices
       step += 1
+      if step < end and job.time_up():
+        end = step
+        say(f"rl.max_minutes={rl.max_minutes} reached: step {step} is the last")
       compile_s = sum(pool.compile_seconds for pool in pools) - compile_before
       metrics = step_metrics(step, samples, update_metrics, algorithm, engine.speculative,
                              update_s=time.perf_counter() - t_update,
@@ -202,10 +206,10 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
       if rl.save_rollouts:
         log.write("rollouts", rollout_rows(step, samples.scored, samples.rolled.result,
                                            rl.num_samples))
-      if eval_examples and (step == rl.steps or (rl.eval_every and step % rl.eval_every == 0)):
+      if eval_examples and (step == end or (rl.eval_every and step % rl.eval_every == 0)):
         evaluate_and_log(step)
-      if step == rl.steps or job.stop.requested or (rl.checkpoint_every and
-                                                step % rl.checkpoint_every == 0):
+      if step == end or job.stop.requested or (rl.checkpoint_every and
+                                               step % rl.checkpoint_every == 0):
         run.save(ckpt, step)
       bar.update(1)
       bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.2f}",
@@ -215,14 +219,14 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   bar.close()
 
   # ---------------------------------------------------------------- export and summary
-  if step >= rl.steps and rl.export:
+  if step >= end and rl.export:
     _export(os.path.join(workdir, "export"), run.params, cfg, tokenizer,
             (spot.params if spot is not None else dparams) if use_drafter else None, dcfg,
             write=job.writer)
   return write_summary(workdir, log.rows["metrics"], config, wall_s=job.wall_s,
-                       stopped_early=step < rl.steps, evals=log.rows["eval"],
+                       stopped_early=step < end, evals=log.rows["eval"],
                        write=job.writer,
-                       extra={**job.compiles(), "compile_bill": merge_bills(pools),
+                       extra={"time_limited": end < rl.steps, **job.compiles(), "compile_bill": merge_bills(pools),
                               **({"compile_bill_control": merge_bills([control.pool])}
                                  if control is not None else {})})
 

@@ -52,7 +52,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = cli.load_config(_CONFIG)
   cli.setup_devices(config)
-  with Job(_WORKDIR.value) as job:
+  with Job(_WORKDIR.value, max_minutes=config.drafter.warmup.max_minutes) as job:
     stopped = _warmup(config, job)
   if stopped:
     exit_stopped("before the last step")
@@ -99,10 +99,15 @@ def _warmup(config, job: Job) -> bool:
   log = job.run_log(resume_step=restored[0] if restored is not None else 0)
   first = int(state.step)
 
+  time_up = []  # the step at which drafter.warmup.max_minutes ran out, once it has
+
   def on_step(step, st, metrics):
     log.write("metrics", [{"step": step, **metrics}])
-    if step == w.steps or job.stop.requested or (w.checkpoint_every and
-                                                 step % w.checkpoint_every == 0):
+    if step < w.steps and job.time_up():
+      time_up.append(step)
+      job.say(f"drafter.warmup.max_minutes={w.max_minutes} reached: step {step} is the last")
+    if step == w.steps or job.stop.requested or time_up or (w.checkpoint_every and
+                                                            step % w.checkpoint_every == 0):
       ckpt.save(step, st, {"step": step})
 
   t0 = job.wall_s
@@ -111,9 +116,10 @@ def _warmup(config, job: Job) -> bool:
                                       window=w.window, batch_rows=w.batch_rows,
                                       seed=config.seed, state=state, on_step=on_step,
                                       progress=job.writer and job.show_progress,
-                                      should_stop=lambda: job.stop.requested)
+                                      should_stop=lambda: job.stop.requested or time_up)
   train_s = job.wall_s - t0
-  if first + len(history) < w.steps:  # stopped by a signal, after its checkpoint
+  steps = first + len(history)
+  if steps < w.steps and not time_up:  # stopped by a signal, after its checkpoint
     return True
 
   # ---------------------------------------------------------------- held-out accept length
@@ -132,7 +138,7 @@ def _warmup(config, job: Job) -> bool:
 
   # ---------------------------------------------------------------- export
   summary = {
-      "steps": w.steps, "train_s": train_s, "wall_s": job.wall_s,
+      "steps": steps, "time_limited": steps < w.steps, "train_s": train_s, "wall_s": job.wall_s,
       "responses": len(completions), "response_tokens": int(sum(map(len, completions))),
       "loss_first": history[0]["loss"] if history else None,
       "loss_last": float(np.mean([h["loss"] for h in history[-20:]])) if history else None,
