@@ -226,7 +226,8 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   return write_summary(workdir, log.rows["metrics"], config, wall_s=job.wall_s,
                        stopped_early=step < end, evals=log.rows["eval"],
                        write=job.writer,
-                       extra={"time_limited": end < rl.steps, **job.compiles(), "compile_bill": merge_bills(pools),
+                       extra={"time_limited": end < rl.steps, **job.compiles(),
+                              "compile_bill": merge_bills(pools),
                               **({"compile_bill_control": merge_bills([control.pool])}
                                  if control is not None else {})})
 
