@@ -155,7 +155,7 @@ def _sft(config, job: Job, num_devices: int) -> bool:
                                                 jax.device_put(batch, batch_sharding))
       step += 1
       bar.update(1)
-      if job.time_up():
+      if step < end and job.time_up():
         end = step
         job.say(f"sft.max_minutes={s.max_minutes} reached: step {step} is the last")
       if step % s.log_every == 0 or step == end:
