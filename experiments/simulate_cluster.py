@@ -13,6 +13,8 @@ Iteration times come from a cost table by batch size. For each N it compares the
   python experiments/simulate_cluster.py --out results/sim --lengths runs/lengths/lengths.json \
       --max-new-tokens 256 --costs costs.json
   python experiments/simulate_cluster.py --out results/sim --costs-from-bench results/rollout.json
+  python experiments/simulate_cluster.py --out results/sim --sd-threshold 8 \
+      --costs-from-decode docs/results/gpu_h100_2026-11-26/decode_7b.json
 
 Writes OUT/simulation.json (inputs, cost table, per-N results with per-slice finish times),
 OUT/simulation.csv (one row per N) and OUT/simulation.png (idle share without TLT, reclaimed
@@ -201,6 +203,51 @@ def costs_from_rollout_json(path: str, max_batch: int = 64) -> CostModel:
   b = pow2_upto(int(max_batch))
   return make_costs(b, fixed + slope * b, ratio * (fixed + slope * b), s["accept_len"],
                     source=f"{path} (fitted from bench_rollout modes)")
+
+
+def costs_from_decode_json(path: str, max_batch: int = 64, sd_key: str | None = None,
+                           accept_len: float = 6.4, kv_s_per_row: float = 1.5e-4
+                           ) -> tuple[CostModel, int]:
+  """A cost table from experiments/bench_decode.py's JSON (e.g. the 7B shape on a GPU):
+  seconds per plain step and per SD iteration as measured at its batch sizes, and the
+  largest batch it measured (SD beyond it would be extrapolated: keep --sd-threshold at or
+  below it).
+
+  Each is a least-squares line a + c * b through the measured batches (c >= 0), read off at
+  powers of two up to max_batch, plus kv_s_per_row * b: the benchmark's prompts are short
+  (1024 tokens), so it cannot show what each row's cache costs at the context of long
+  responses; the default is the built-in model's (a few thousand tokens on an H100).
+  sd_key: which of the JSON's SD strategies (default: the fastest at the smallest batch).
+  accept_len: not measured by that benchmark (random weights); the default, 6.4, is the
+  built-in model's for a 48-token tree.
+  """
+  data = read_json(path, "bench_decode JSON")
+  rows = [r for r in data.get("rows", []) if isinstance(r, dict) and r.get("complete")]
+  if not rows or any("tlt_plain_ms" not in r or not r.get("sd") for r in rows):
+    raise ValueError(f"{path!r} holds no complete bench_decode.py rows with SD timings; make "
+                     f"it with `python experiments/bench_decode.py --out FILE.json`")
+  keys = sorted(rows[0]["sd"], key=lambda k: rows[0]["sd"][k]["iteration_ms"])
+  key = sd_key or keys[0]
+  if any(key not in r["sd"] for r in rows):
+    raise ValueError(f"{path!r}: no SD strategy {key!r} at every batch; it has {keys}")
+  batch = np.asarray([r["batch"] for r in rows], np.float64)
+
+  def line(ms):
+    y = np.asarray(ms, np.float64) * 1e-3
+    slope = max(float(np.polyfit(batch, y, 1)[0]), 0.0) if len(set(batch)) > 1 else 0.0
+    return float(np.mean(y - slope * batch)), slope
+
+  (a_p, c_p), (a_s, c_s) = line([r["tlt_plain_ms"] for r in rows]), line(
+      [r["sd"][key]["iteration_ms"] for r in rows])
+  b = pow2_upto(int(max_batch))
+  device = data.get("device", "?")
+  device = device.get("device_kind", "?") if isinstance(device, dict) else device
+  source = (f"{path} ({device}, {data.get('shape', '?')}, SD {key}, "
+            f"measured at batch {sorted(set(batch.astype(int).tolist()))}; assumed: accept "
+            f"length {accept_len}, {kv_s_per_row * 1e3:g} ms per row of long context)")
+  kv = kv_s_per_row * b
+  return make_costs(b, a_p + c_p * b + kv, a_s + c_s * b + kv, accept_len, source=source), \
+      int(batch.max())
 
 
 # ---------------------------------------------------------------- response lengths
@@ -527,7 +574,8 @@ def write_outputs(rows: list[dict], record: dict, out: str) -> None:
     ax.set_xlabel("devices")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-  fig.suptitle(record["title"], fontsize=9)
+  source = record["costs"]["source"]
+  fig.suptitle(f"{record['title']}\ncosts: {os.path.basename(source)}", fontsize=8)
   fig.tight_layout()
   fig.savefig(os.path.join(out, "simulation.png"))
   plt.close(fig)
@@ -541,6 +589,11 @@ def main():
   parser.add_argument("--quick", action="store_true", help="two small device counts, 1 trial")
   parser.add_argument("--costs", help="measured cost table (JSON); default: built-in model")
   parser.add_argument("--costs-from-bench", help="derive costs from bench_rollout.py's JSON")
+  parser.add_argument("--costs-from-decode",
+                      help="iteration times from bench_decode.py's JSON (e.g. measured on a GPU)")
+  parser.add_argument("--decode-sd", help="with --costs-from-decode: its SD strategy key")
+  parser.add_argument("--accept-len", type=float, default=6.4,
+                      help="with --costs-from-decode: tokens per SD iteration (not measured)")
   parser.add_argument("--lengths", help="measured lengths: lengths.json or rollouts.jsonl")
   parser.add_argument("--dist", default="lognormal", choices=("lognormal", "geozipf"),
                       help="parametric lengths when --lengths is not given")
@@ -580,11 +633,21 @@ def sweep_main(args) -> None:
     args.devices, args.trials, args.prompts_per_step = [8, 64], 1, 16
     args.max_new_tokens = min(args.max_new_tokens, 4096)
   max_batch = args.max_batch or 64
-  if args.costs and args.costs_from_bench:
-    raise ValueError("give --costs or --costs-from-bench, not both")
-  costs = (load_costs(args.costs) if args.costs else
-           costs_from_rollout_json(args.costs_from_bench, max_batch) if args.costs_from_bench
-           else default_costs(max_batch))
+  sources = [a for a in ("costs", "costs_from_bench", "costs_from_decode") if getattr(args, a)]
+  if len(sources) > 1:
+    flags = " and ".join("--" + a.replace("_", "-") for a in sources)
+    raise ValueError(f"give one cost source, not {flags}")
+  if args.costs_from_decode:
+    costs, measured_upto = costs_from_decode_json(args.costs_from_decode, max_batch,
+                                                  args.decode_sd, args.accept_len)
+    threshold = 32 if args.sd_threshold is None else args.sd_threshold
+    if threshold > measured_upto:
+      raise ValueError(f"--sd-threshold {threshold}: {args.costs_from_decode} measured SD up to "
+                       f"batch {measured_upto}; use --sd-threshold {measured_upto} or less")
+  else:
+    costs = (load_costs(args.costs) if args.costs else
+             costs_from_rollout_json(args.costs_from_bench, max_batch)
+             if args.costs_from_bench else default_costs(max_batch))
   cfg = StepConfig(devices_per_slice=args.devices_per_slice, max_batch=max_batch,
                    sd_threshold=32 if args.sd_threshold is None else args.sd_threshold,
                    drafter_steps_per_s=args.drafter_steps_per_s,
@@ -613,7 +676,9 @@ def sweep_main(args) -> None:
   if "pool" in length_args:
     pool = length_args["pool"]
     lengths_record.update(count=int(pool.size), mean=float(pool.mean()), max=int(pool.max()))
-  write_outputs(rows, {"title": title, "config": config, "step": dataclasses.asdict(cfg),
+  write_outputs(rows, {"title": title, "command": " ".join(["python", *sys.argv]),
+                       "date": time.strftime("%Y-%m-%d"), "device": "CPU (a simulation)",
+                       "config": config, "step": dataclasses.asdict(cfg),
                        "costs": costs.to_dict(), "lengths": lengths_record,
                        "simulation_s": seconds}, args.out)
   for r in rows:

@@ -235,6 +235,31 @@ def test_costs_from_rollout_json(tmp_path):
     sim.costs_from_rollout_json(str(path))
 
 
+def test_costs_from_decode_json(tmp_path):
+  """bench_decode.py's rows: plain 6 + 0.1 b ms and SD 10 + 1 b ms measured at batches 1 and
+  8 give those lines, plus the per-row cache cost of long context, at every power of two."""
+  def row(b):
+    return {"batch": b, "complete": True, "tlt_plain_ms": 6 + 0.1 * b,
+            "sd": {"8,4,48": {"iteration_ms": 12 + b}, "8,4,48 r=32768": {"iteration_ms": 10 + b}}}
+  path = tmp_path / "decode.json"
+  path.write_text(json.dumps({"device": {"device_kind": "H100"}, "shape": "qwen2.5-7b",
+                              "rows": [row(1), row(8)]}))
+  costs, upto = sim.costs_from_decode_json(str(path), max_batch=16, kv_s_per_row=1e-4)
+  assert upto == 8 and costs.batch.tolist() == [1, 2, 4, 8, 16]
+  assert costs.plain_at(16) == pytest.approx(1e-3 * (6 + 1.6) + 16e-4)
+  assert costs.sd_at(4) == pytest.approx(1e-3 * (10 + 4) + 4e-4)  # the fastest strategy
+  assert costs.accept_at(1) == 6.4 and "H100, qwen2.5-7b, SD 8,4,48 r=32768" in costs.source
+  full, _ = sim.costs_from_decode_json(str(path), 16, sd_key="8,4,48", kv_s_per_row=0.0)
+  assert full.sd_at(1) == pytest.approx(13e-3)
+  with pytest.raises(ValueError, match="no SD strategy '4,2,8' at every batch"):
+    sim.costs_from_decode_json(str(path), 16, sd_key="4,2,8")
+  # SD measured up to batch 8 only: a higher threshold is refused, in one line.
+  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "simulate_cluster.py"),
+                      "--out", str(tmp_path / "sim"), "--quick", "--costs-from-decode",
+                      str(path), "--sd-threshold", "16"], capture_output=True, text=True)
+  assert r.returncode != 0 and "measured SD up to batch 8; use --sd-threshold 8" in r.stderr
+
+
 # ---------------------------------------------------------------- check against a run
 
 TRUE = dict(plain_fixed_s=0.02, plain_per_row_s=0.001, sd_s=0.05, prefill_s=0.03)
