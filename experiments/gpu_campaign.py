@@ -52,7 +52,8 @@ COMMAND_SECONDS = {"1": 540, "2": 360, "3": 460, "4": 300}
 # finishes the step in flight, evaluates and exports, so each command keeps a third or more
 # of its deadline for that and for starting Python. rl.max_minutes holds for each variant.
 E2E_PLAN = {
-    "2": (["sft", "warmup"], ["sft:sft.max_minutes=1.5", "warmup:drafter.warmup.max_minutes=1.25",
+    "2": (["sft", "warmup"], ["sft:sft.max_minutes=1.5",
+                              "warmup:drafter.warmup.max_minutes=1.25",
                               "warmup:drafter.warmup.num_prompts=128"]),
     "3": (["rl"], ["rl:rl.max_minutes=2.25", "rl:rl.eval_samples=0"]),
     "4": (["rollout"], []),
