@@ -267,10 +267,9 @@ def main(argv=None):
     return
   # The projection is cheap: it is made again whenever the summary is, so it takes the
   # measured costs as soon as the rollout stage has run.
-  simulate_s = run_stage("simulate", simulate_command(out, args.quick),
-                         out / "logs" / "simulate.log")
-  summary = collect(out, {**stages, "simulate": {"command": simulate_command(out, args.quick),
-                                                 "seconds": simulate_s}})
+  simulate = simulate_command(out, args.quick)
+  seconds = run_stage("simulate", simulate, out / "logs" / "simulate.log")
+  summary = collect(out, {**stages, "simulate": {"command": simulate, "seconds": seconds}})
   summary["quick"] = args.quick
   (out / "gpu_e2e.json").write_text(json.dumps(summary, indent=2))
   plot(out, summary)
