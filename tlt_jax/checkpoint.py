@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from tlt_jax.config import ConfigError, RunStopped
 
@@ -94,7 +95,6 @@ def _worst_on_any_process(verdict: int) -> int:
   use, move aside or stop at the same checkpoint."""
   if jax.process_count() == 1:
     return verdict
-  from jax.experimental import multihost_utils
   return int(np.max(multihost_utils.process_allgather(np.int32(verdict))))
 
 
@@ -224,7 +224,6 @@ class Checkpointer:
       os.makedirs(self.failed_dir, exist_ok=True)
       shutil.move(os.path.join(self.directory, str(step)), target)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices(f"tlt_jax checkpoint {step} moved aside")
     self.manager.reload()
     return target
