@@ -99,6 +99,20 @@ def test_the_main_job_writes_its_outputs(tmp_path):
                   "rollout_decode": 2, "rollout_prefill": 8, "rollout_store": 2}
 
 
+# The runs that the two tests below stop, kill, damage and resume: 3 steps (a checkpoint after
+# each, the newest 2 kept) and a greedy evaluation of 2 problems at steps 0 and 3.
+ARGS = ["--config.rl.steps=3", "--config.rl.num_eval_examples=2", "--config.rl.eval_samples=0"]
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+  """A run of ARGS, uninterrupted: the trajectory every interrupted or damaged run must come
+  back to. Read only (a test that changes it works on a copy)."""
+  run = tmp_path_factory.mktemp("whole") / "run"
+  _train(run, *ARGS)
+  return run
+
+
 def _wait_for_checkpoint(proc, workdir, step, timeout=600):
   """Waits until the run's checkpoint of `step` is committed (orbax renames it into place)."""
   deadline = time.time() + timeout
@@ -108,16 +122,14 @@ def _wait_for_checkpoint(proc, workdir, step, timeout=600):
 
 
 @pytest.mark.slow
-def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path):
+def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path, whole_run):
   """SIGTERM stops cleanly after the step; SIGKILL mid-step loses only that step; either
   rerun continues to exactly the metrics of an uninterrupted run (timings aside), and a rerun
   from scratch compiles nothing new."""
-  args = ["--config.rl.steps=3", "--config.rl.num_eval_examples=0"]
-  _train(tmp_path / "whole", *args)
-  whole = _metrics(tmp_path / "whole")
+  whole = _metrics(whole_run)
   # The two interrupted runs go side by side: the first run's programs are in the cache now.
-  term = _train(tmp_path / "term", *args, wait=False)
-  kill = _train(tmp_path / "kill", *args, wait=False)
+  term = _train(tmp_path / "term", *ARGS, wait=False)
+  kill = _train(tmp_path / "kill", *ARGS, wait=False)
 
   _wait_for_checkpoint(term, tmp_path / "term", 1)
   term.send_signal(signal.SIGTERM)
@@ -132,7 +144,7 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path):
   kill.communicate(timeout=60)
 
   for name in ("term", "kill"):
-    out = _train(tmp_path / name, *args)
+    out = _train(tmp_path / name, *ARGS)
     assert "resumed from the checkpoint of step" in out
     resumed = _metrics(tmp_path / name)
     assert [m["step"] for m in resumed] == [1, 2, 3]
@@ -141,7 +153,7 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path):
   # Step 1 again from scratch: the same responses, and every program loads from the
   # persistent compilation cache (a resumed run also compiles orbax's few restore programs).
   # Its time limit (0.001 minutes) makes step 1 the last: a finished run, exported.
-  out = _train(tmp_path / "again", *args, "--config.rl.max_minutes=0.001")
+  out = _train(tmp_path / "again", *ARGS, "--config.rl.max_minutes=0.001")
   assert "rl.max_minutes=0.001 reached: step 1 is the last" in out
   (again,) = _metrics(tmp_path / "again")
   assert {k: again[k] for k in SAME} == {k: whole[0][k] for k in SAME}
@@ -236,58 +248,57 @@ def _break_checkpoint(workdir, step):
 
 
 @pytest.mark.slow
-def test_damaged_runs_heal_or_stop_in_one_line(tmp_path):
+def test_damaged_runs_heal_or_stop_in_one_line(tmp_path, whole_run):
   """Nothing lost: broken checkpoints are moved aside and rewritten, run files keep one row
   per step, a run with no loadable checkpoint refuses to overwrite earlier results unless
   asked (--start_over, which keeps them), and a stop during the step-0 evaluation does not
   repeat its row."""
-  args = ["--config.rl.num_eval_examples=2", "--config.rl.eval_samples=0"]
   run = tmp_path / "run"
-  _train(run, *args)
+  shutil.copytree(whole_run, run)
   original, evals = _metrics(run), (run / "eval.jsonl").read_text()
-  assert [m["step"] for m in original] == [1, 2] and sorted(os.listdir(run / "checkpoints")) \
-      == ["1", "2"]
+  assert [m["step"] for m in original] == [1, 2, 3] and sorted(os.listdir(run / "checkpoints")) \
+      == ["2", "3"]
 
   # Damage: the newest checkpoint broken, a duplicate row and a partial last line in the
   # metrics, a second step-0 row in eval.jsonl.
-  _break_checkpoint(run, 2)
+  _break_checkpoint(run, 3)
   with open(run / "metrics.jsonl", "a") as f:
-    f.write(json.dumps(original[0]) + "\n" + '{"step": 3, "reward_me')
+    f.write(json.dumps(original[0]) + "\n" + '{"step": 4, "reward_me')
   with open(run / "eval.jsonl", "a") as f:
     f.write(evals.splitlines()[0] + "\n")
-  out = _train(run, *args)
-  assert "resumed from the checkpoint of step 1" in out
+  out = _train(run, *ARGS)
+  assert "resumed from the checkpoint of step 2" in out
   healed = _metrics(run)
-  assert [m["step"] for m in healed] == [1, 2]
+  assert [m["step"] for m in healed] == [1, 2, 3]
   for a, b in zip(healed, original):
     assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}
-  assert [json.loads(line)["step"] for line in open(run / "eval.jsonl")] == [0, 2]
-  assert os.listdir(run / "failed_checkpoints") == ["2"]
-  assert sorted(os.listdir(run / "checkpoints")) == ["1", "2"]  # step 2 written again
+  assert [json.loads(line)["step"] for line in open(run / "eval.jsonl")] == [0, 3]
+  assert os.listdir(run / "failed_checkpoints") == ["3"]
+  assert sorted(os.listdir(run / "checkpoints")) == ["2", "3"]  # step 3 written again
   summary = json.loads((run / "summary.json").read_text())
-  assert summary["steps_done"] == 2
+  assert summary["steps_done"] == 3
 
   # Settings that change what a checkpoint holds (no drafter state without spot training):
   # the checkpoints are not corrupt, so nothing is moved; the run stops naming the change.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, "-m", "tlt_jax.train", *RUNLOCAL, "--workdir", str(run), *args]
-  r = subprocess.run(cmd + ["--config.drafter.spot_training=False", "--config.rl.steps=3"],
+  cmd = [sys.executable, "-m", "tlt_jax.train", *RUNLOCAL, "--workdir", str(run), *ARGS]
+  r = subprocess.run(cmd + ["--config.drafter.spot_training=False", "--config.rl.steps=4"],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
-  assert "config error: the checkpoint of step 2" in r.stderr
-  assert "drafter.spot_training: True -> False; rl.steps: 2 -> 3" in r.stderr
-  assert sorted(os.listdir(run / "checkpoints")) == ["1", "2"]
-  assert os.listdir(run / "failed_checkpoints") == ["2"]  # only the earlier damage
+  assert "config error: the checkpoint of step 3" in r.stderr
+  assert "drafter.spot_training: True -> False; rl.steps: 3 -> 4" in r.stderr
+  assert sorted(os.listdir(run / "checkpoints")) == ["2", "3"]
+  assert os.listdir(run / "failed_checkpoints") == ["3"]  # only the earlier damage
 
   # No checkpoint loads: stop in one line, naming what failed and the way out.
-  for step in (1, 2):
+  for step in (2, 3):
     _break_checkpoint(run, step)
   r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
-  assert "holds an earlier run (metrics of steps 1-2)" in r.stderr
-  assert "step 2: " in r.stderr and "--start_over" in r.stderr
+  assert "holds an earlier run (metrics of steps 1-3)" in r.stderr
+  assert "step 3: " in r.stderr and "--start_over" in r.stderr
   assert _metrics(run) == healed  # untouched
-  out = _train(run, *args, "--start_over")
+  out = _train(run, *ARGS, "--start_over")
   previous = [d for d in os.listdir(run) if d.startswith("previous-")]
   assert len(previous) == 1
   assert [json.loads(line) for line in open(run / previous[0] / "metrics.jsonl")] == healed
@@ -304,7 +315,7 @@ def test_damaged_runs_heal_or_stop_in_one_line(tmp_path):
     (tmp_path / name).write_text("".join(json.dumps({"question": ex.prompt, "answer": "-1"})
                                          + "\n" for ex in problems))
   (fresh / "eval.jsonl").write_text(json.dumps({"step": 0, "accuracy": 0.0}) + "\n")
-  _train(fresh, *args, "--config.rl.steps=1", "--config.rl.reward=answer",
+  _train(fresh, *ARGS, "--config.rl.steps=1", "--config.rl.reward=answer",
          f"--config.task.data_path={tmp_path / 'train.jsonl'}",
          f"--config.task.eval_data_path={tmp_path / 'heldout.jsonl'}")
   assert [json.loads(line)["step"] for line in open(fresh / "eval.jsonl")] == [0, 1]
