@@ -128,3 +128,21 @@ def test_tokenizer_round_trip(tmp_path):
   assert loaded.eos_token_id == 1
   with pytest.raises(FileNotFoundError, match="no tokenizer files"):
     load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_a_saved_tokenizer_loads_as_trained_next_to_a_qwen2_config(tmp_path, tiny_cfg):
+  """The package's tokenizer (digits split one by one) saved beside a Qwen2 config.json loads
+  with its own pre-tokenizer, not Qwen2's, and ids and chat prompts unchanged."""
+  from tlt_jax.rl.tokenizer import prompt_ids, train_tokenizer
+  texts = ["12 + 345 = 357", "Add (3 and 40). #### 43", "it's 7\n\n#### 7"]
+  trained = train_tokenizer(texts * 20, vocab_size=300)
+  hf_config_from_model_config(tiny_cfg).save_pretrained(str(tmp_path))
+  trained.save_pretrained(str(tmp_path))
+  loaded = load_tokenizer(str(tmp_path))
+  assert str(loaded.backend_tokenizer.pre_tokenizer) == str(trained.backend_tokenizer.pre_tokenizer)
+  assert "Digits" in str(loaded.backend_tokenizer.pre_tokenizer)
+  for text in texts + ["What is 2+2? (Answer: 4)"]:
+    assert loaded.encode(text) == trained.encode(text)
+    assert prompt_ids(loaded, text) == prompt_ids(trained, text)
+  assert (loaded.eos_token_id, loaded.pad_token_id) == (trained.eos_token_id,
+                                                        trained.pad_token_id)

@@ -414,11 +414,32 @@ def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None
 # ---------------------------------------------------------------- tokenizer
 
 
+# tokenizer_config.json classes that declare the tokenizer.json is the whole tokenizer (as the
+# ones this package trains and saves do).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str):
-  """A transformers tokenizer from a local folder (tokenizer.json / tokenizer_config.json)."""
-  from transformers import AutoTokenizer
+  """A transformers tokenizer from a local folder (tokenizer.json / tokenizer_config.json).
+
+  A folder whose tokenizer_config.json names a generic class loads as exactly its
+  tokenizer.json: AutoTokenizer would pick the class of config.json's model type (Qwen2's for
+  this package's policies) and put that family's pre-tokenizer in place of the saved one (and
+  import torch, where installed, to read config.json). Other folders go through AutoTokenizer.
+  """
   if not any(os.path.isfile(os.path.join(path, f))
              for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
     raise FileNotFoundError(f"{path!r} has no tokenizer files (tokenizer.json or "
                             f"tokenizer_config.json)")
+  declared = None
+  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    try:
+      with open(os.path.join(path, "tokenizer_config.json")) as f:
+        declared = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+      pass  # AutoTokenizer reads (and reports) what it can
+  if declared in GENERIC_TOKENIZER_CLASSES:
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+  from transformers import AutoTokenizer  # imports the model configs (and torch)
   return AutoTokenizer.from_pretrained(path, local_files_only=True)
