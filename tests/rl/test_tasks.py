@@ -45,6 +45,18 @@ def test_reasoning_gym_problems_are_a_pure_function_of_seed_and_index():
   assert {e.metadata["source"] for e in only.examples(30)} == {"leg_counting"}
 
 
+def test_reasoning_gym_held_out_problems_are_not_training_problems():
+  """reasoning_gym draws problem i from its seed + i: training and held-out data sets seeded
+  close together would share problems (with seeds 1009 apart, held-out problem j was training
+  problem 1009 + j whenever both drew the same data set)."""
+  train = task_from_config(_gym_config())
+  held_out = task_from_config(_gym_config(), eval_split=True)
+  seen = {e.prompt for e in train.examples(1200)}
+  assert not [e.prompt for e in held_out.examples(100) if e.prompt in seen]
+  with pytest.raises(ValueError, match=r"example index must be in \[0, 2\*\*32\)"):
+    train.example(2**32)
+
+
 def test_reasoning_gym_chain_lengths_are_long_tailed():
   task = task_from_config(_gym_config(datasets=("chain_sum",)))
   terms = np.array([e.metadata["num_terms"] for e in task.examples(300)])

@@ -47,6 +47,15 @@ class ReasoningGymSettings:
     object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
 
 
+MAX_DATASETS = 1024  # in one mix; with 2**32 problems each, no two seed blocks overlap
+
+
+def dataset_seed(task_seed: int, position: int) -> int:
+  """The reasoning_gym seed of the data set at `position` in the mix of the task seeded
+  `task_seed`: the start of a block of 2**32 seeds that no other (seed, position) reaches."""
+  return (task_seed * MAX_DATASETS + position) << 32
+
+
 def _import_reasoning_gym():
   try:
     import reasoning_gym
@@ -71,6 +80,9 @@ class ReasoningGymTask(Task):
     if not s.datasets:
       raise ValueError("task.reasoning_gym.datasets is empty; name at least one reasoning_gym "
                        "data set, e.g. ('chain_sum',)")
+    if len(s.datasets) > MAX_DATASETS:
+      raise ValueError(f"task.reasoning_gym.datasets names {len(s.datasets)} data sets; at most "
+                       f"{MAX_DATASETS} fit in one mix")
     if s.weights and (len(s.weights) != len(s.datasets) or min(s.weights) < 0
                       or sum(s.weights) <= 0):
       raise ValueError(f"task.reasoning_gym.weights={tuple(s.weights)} must be one "
@@ -96,23 +108,27 @@ class ReasoningGymTask(Task):
 
   @functools.cache
   def _datasets(self) -> dict[str, Any]:
-    """{name: reasoning_gym data set}, each seeded from the task's seed and its position."""
+    """{name: reasoning_gym data set}, each seeded from the task's seed and its position.
+
+    reasoning_gym draws problem i from the seed + i, so data sets whose seeds lie closer than
+    the problems drawn share problems: the held-out task (eval_seed) would hold training
+    problems. Each (seed, position) gets a block of 2**32 seeds of its own instead."""
     rg = _import_reasoning_gym()
     options = json.loads(self.settings.options)
     out = {}
     for k, name in enumerate(self.settings.datasets):
       try:
-        out[name] = rg.create_dataset(name, size=self.size, seed=self.seed * 1009 + k,
+        out[name] = rg.create_dataset(name, size=self.size, seed=dataset_seed(self.seed, k),
                                       **options.get(name, {}))
       except (ValueError, TypeError, AssertionError, KeyError) as e:  # name, option, range
         raise ValueError(f"task.reasoning_gym: data set {name!r}: {e}") from None
     return out
 
   def example(self, index: int) -> Example:
-    """Problem `index` (any int >= 0: reasoning_gym draws problem i from seed + i, so
+    """Problem `index` (any int in [0, 2**32): reasoning_gym draws problem i from seed + i, so
     `size`, the data sets' nominal length, is not a bound)."""
-    if index < 0:
-      raise ValueError(f"example index must be >= 0, got {index}")
+    if not 0 <= index < 2**32:
+      raise ValueError(f"example index must be in [0, 2**32), got {index}")
     names = self.settings.datasets
     weights = np.asarray(self.settings.weights or [1.0] * len(names), np.float64)
     rng = np.random.default_rng([self.seed, index])
