@@ -42,6 +42,33 @@ def test_export_loads_in_transformers(tiny_cfg, tiny_params, tmp_path):
   np.testing.assert_array_equal(got, want.reshape(tiny_cfg.hidden_size, -1).T)
 
 
+def _word_tokenizer():
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+  vocab = {"<pad>": 0, "<eos>": 1, "1": 2, "+": 3, "=": 4, "2": 5, "<s>": 6}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                 bos_token="<s>")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_an_export_states_its_tokenizers_special_ids(tiny_cfg, tiny_params, tmp_path,
+                                                     model_type):
+  """A Hugging Face model loaded from an export stops at the tokenizer's EOS: config.json and
+  generation_config.json carry the tokenizer's ids, not LlamaConfig's BOS 1 / EOS 2, and an
+  export without a tokenizer claims none."""
+  from transformers import AutoConfig, GenerationConfig
+  cfg = tiny_cfg if model_type == "qwen2" else tiny_cfg.replace(model_type="llama",
+                                                                 qkv_bias=False)
+  save_hf_checkpoint(str(tmp_path / "tok"), tiny_params, cfg, _word_tokenizer())
+  save_hf_checkpoint(str(tmp_path / "none"), tiny_params, cfg)
+  for folder, want in (("tok", (6, 1, 0)), ("none", (None, None, None))):
+    for c in (AutoConfig.from_pretrained(str(tmp_path / folder), local_files_only=True),
+              GenerationConfig.from_pretrained(str(tmp_path / folder), local_files_only=True)):
+      assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == want, (folder, type(c))
+
+
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
   path = tmp_path_factory.mktemp("qwen_err")

@@ -356,14 +356,22 @@ def save_safetensors(tensors: dict[str, np.ndarray], path: str) -> None:
 
 def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None,
                        max_shard_bytes: int = 4 << 30) -> None:
-  """Writes config.json and safetensors weights (sharded with an index past max_shard_bytes).
+  """Writes config.json, generation_config.json, the tokenizer (if given) and safetensors
+  weights (sharded with an index past max_shard_bytes).
 
-  Tensors are pulled to the host one at a time and written shard by shard.
+  The BOS, EOS and padding ids in the configs are the tokenizer's (none without one), not the
+  config class's defaults (LlamaConfig's say BOS 1, EOS 2), so that a Hugging Face model
+  loaded from `path` stops where this package's rollouts do. Tensors are pulled to the host
+  one at a time and written shard by shard.
   """
+  from transformers import GenerationConfig
   os.makedirs(path, exist_ok=True)
   hf_cfg = hf_config_from_model_config(cfg)
   hf_cfg.architectures = ["Qwen2ForCausalLM" if cfg.model_type == "qwen2" else "LlamaForCausalLM"]
+  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    setattr(hf_cfg, key, getattr(tokenizer, key, None))
   hf_cfg.save_pretrained(path)
+  GenerationConfig.from_model_config(hf_cfg).save_pretrained(path)
   if tokenizer is not None:
     tokenizer.save_pretrained(path)
 
