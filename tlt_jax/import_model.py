@@ -56,27 +56,49 @@ def _require_gguf():
   return gguf
 
 
-def gguf_architecture(path: str) -> str:
-  """`general.architecture` of the GGUF file at `path` (e.g. 'llama'), read from its header."""
+def _gguf_reader(path: str):
   if not os.path.isfile(path):
     raise ImportModelError(f"GGUF file {path!r} does not exist")
   gguf = _require_gguf()
   try:
-    reader = gguf.GGUFReader(path)
+    return gguf.GGUFReader(path)
   except (ValueError, OSError) as e:
     raise ImportModelError(f"{path} is not a readable GGUF file: {_one_line(e)}") from None
-  field = reader.fields.get("general.architecture")
-  if field is None:
+
+
+def _string_field(reader, key: str) -> str | None:
+  field = reader.fields.get(key)
+  return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def gguf_architecture(path: str) -> str:
+  """`general.architecture` of the GGUF file at `path` (e.g. 'llama'), read from its header."""
+  arch = _string_field(_gguf_reader(path), "general.architecture")
+  if arch is None:
     raise ImportModelError(f"{path} has no general.architecture; it is not a model file")
-  return bytes(field.parts[field.data[0]]).decode("utf-8")
+  return arch
+
+
+def gguf_rope_scaling(path: str, arch: str) -> str | None:
+  """The RoPE scaling the GGUF file at `path` declares (None for plain RoPE): a
+  `{arch}.rope.scaling.type` other than 'none', or llama.cpp's `rope_freqs.weight` (Llama-3's
+  scaled frequencies). transformers' GGUF reader drops both, so they are refused."""
+  reader = _gguf_reader(path)
+  kind = _string_field(reader, f"{arch}.rope.scaling.type")
+  if kind not in (None, "none"):
+    return kind
+  if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    return "rope_freqs.weight (Llama-3 scaled frequencies)"
+  return None
 
 
 def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
   """Imports the GGUF Llama or Qwen2 model at `gguf_path` into the folder `out` (replacing it)
   with weights in `dtype` ('float32' keeps the dequantised values exactly); returns `out`.
 
-  Raises ImportModelError (one line) for a missing file, another architecture, a quantisation
-  transformers cannot read, a model tlt_jax cannot run, or a missing gguf package.
+  Raises ImportModelError (one line) for a missing file, another architecture, RoPE scaling
+  (which transformers' GGUF reader drops), a quantisation transformers cannot read, a model
+  tlt_jax cannot run, or a missing gguf package.
   """
   if dtype not in DTYPES:
     raise ImportModelError(f"dtype {dtype!r} is not supported; use one of {DTYPES}")
@@ -84,6 +106,11 @@ def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ImportModelError(f"{gguf_path}: unsupported architecture {arch!r}; supported: "
                            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+  scaling = gguf_rope_scaling(gguf_path, arch)
+  if scaling:
+    raise ImportModelError(f"{gguf_path} scales its RoPE ({scaling}), which transformers' GGUF "
+                           f"reader drops (the import would run with plain RoPE); import the "
+                           f"model's Hugging Face folder instead")
   import torch
   from transformers import AutoModelForCausalLM, AutoTokenizer
   try:  # transformers that can keep GGUF blocks packed must unpack them to save a checkpoint

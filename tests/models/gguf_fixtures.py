@@ -22,10 +22,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def write_tiny_gguf(path: str, arch: str = "llama", untied: bool = False,
-                    raw_ffn_down: gguf.GGMLQuantizationType | None = None, seed: int = 0) -> str:
+                    raw_ffn_down: gguf.GGMLQuantizationType | None = None, seed: int = 0,
+                    rope_scaling: str | None = None) -> str:
   """Writes a 2-layer model of `arch` ('llama', 'qwen2' with QKV biases, or any other name with
   llama's tensors) to `path`. untied: an output.weight of its own. raw_ffn_down: store each
-  ffn_down.weight as zero bytes of that ggml type (a quantisation to fail on)."""
+  ffn_down.weight as zero bytes of that ggml type (a quantisation to fail on). rope_scaling:
+  'yarn' (factor 4, as llama.cpp writes its keys) or 'rope_freqs' (Llama-3's scaled
+  frequencies as llama.cpp stores them, a rope_freqs.weight tensor)."""
   rng = np.random.default_rng(seed)
   w = gguf.GGUFWriter(path, arch)
   w.add_block_count(LAYERS)
@@ -44,6 +47,12 @@ def write_tiny_gguf(path: str, arch: str = "llama", untied: bool = False,
   w.add_bos_token_id(1)
   w.add_eos_token_id(2)
   w.add_chat_template(CHAT_TEMPLATE)
+  if rope_scaling == "yarn":
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(4.0)
+    w.add_rope_scaling_orig_ctx_len(64)
+  elif rope_scaling == "rope_freqs":
+    w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, HEAD_DIM // 2, dtype=np.float32))
 
   def tensor(name, *shape, scale=0.2):  # shapes as torch has them: [out, in]
     w.add_tensor(name, (scale * rng.standard_normal(shape)).astype(np.float32))

@@ -63,6 +63,18 @@ def test_unsupported_architecture(tmp_path):
   assert not os.path.exists(tmp_path / "model")
 
 
+@pytest.mark.parametrize("scaling,arch,named", [("yarn", "qwen2", "yarn"),
+                                                 ("rope_freqs", "llama", "rope_freqs.weight")])
+def test_rope_scaling_is_refused_not_dropped(tmp_path, scaling, arch, named):
+  """transformers' GGUF reader drops RoPE scaling (the model would import with plain RoPE and
+  run at the wrong frequencies): such a file is refused in one line."""
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"), arch,
+                                       rope_scaling=scaling)
+  with pytest.raises(ImportModelError, match=f"scales its RoPE \\({named}.*Hugging Face"):
+    import_gguf(path, str(tmp_path / "model"))
+  assert not os.path.exists(tmp_path / "model")
+
+
 def test_unsupported_quantisation(tmp_path):
   path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"),
                                        raw_ffn_down=gguf.GGMLQuantizationType.Q8_1)
