@@ -7,15 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.speculative.drafters import random_drafter
-from tlt_jax.drafter_training.loss import drafter_loss, previous_features
+from tests.speculative.drafters import oracle_drafter, random_drafter
+from tlt_jax.drafter_training.loss import drafter_loss, previous_features, unrolled_forward
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_state,
                                                  jit_train_step)
 from tlt_jax.drafter_training.windows import Sample, pack_windows
 from tlt_jax.models import init_cache, prefill
 from tlt_jax.models.attention_inputs import packed_inputs
 from tlt_jax.models.decoder import lm_logits
-from tlt_jax.models.drafter import DRAFT_TO_POLICY, drafter_forward, with_draft_vocab
+from tlt_jax.models.drafter import (DRAFT_TO_POLICY, drafter_forward, policy_token_ids,
+                                   with_draft_vocab)
 
 
 def _samples(cfg, params, lengths, seed=0):
@@ -132,6 +133,17 @@ def test_reduced_vocab_loss_restricts_the_target_and_trains_only_weights(tiny_cf
   rcfg, rparams = reduced(np.delete(np.arange(v), common))
   _, aux = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg)
   assert int(aux["tokens"]) == mask.sum() - (mask & (top == common)).sum() < mask.sum()
+  # top1 still counts those slots, as misses (no draft can be accepted there): the policy's
+  # own copy as the drafter agrees everywhere else.
+  ocfg, oparams = oracle_drafter(tiny_cfg, tiny_params)
+  ocfg = dataclasses.replace(ocfg, draft_vocab_size=v - 1)
+  oparams = with_draft_vocab(oparams, tiny_params, np.delete(np.arange(v), common), tiny_cfg)
+  _, oracle_aux = drafter_loss(oparams, tiny_params, batch, tiny_cfg, ocfg)
+  (_, logits), = unrolled_forward(oparams, tiny_params, batch, tiny_cfg, ocfg, 1)
+  drafted = np.asarray(policy_token_ids(oparams, jnp.argmax(logits, -1)))
+  agreement = (drafted == top)[mask].mean()
+  np.testing.assert_allclose(float(oracle_aux["top1"]), agreement, rtol=1e-6)
+  assert agreement < 1.0
 
   oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5)
   first, _ = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg)

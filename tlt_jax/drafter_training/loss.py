@@ -90,7 +90,8 @@ def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg:
     acceptance); top1_ahead: the same at step K.
   With a reduced draft vocabulary (EAGLE-3, FR-Spec) the cross-entropy's target is the
   policy's distribution restricted to the draft vocabulary, and slots whose policy argmax lies
-  outside it (no draft can be accepted there) are left out of the loss.
+  outside it (no draft can be accepted there) are left out of the loss (and of 'tokens'),
+  not of top1: there they are misses.
   The policy params are only read (embedding, LM head) and get no gradient.
   """
   policy_params = jax.lax.stop_gradient(policy_params)
@@ -115,7 +116,9 @@ def drafter_loss(drafter_params: dict, policy_params: dict, batch: Windows, cfg:
     ce = -jnp.sum(soft * jax.nn.log_softmax(logits, axis=-1), axis=-1)
     ce_loss = jnp.sum(ce * mask) / n
     drafted = policy_token_ids(drafter_params, jnp.argmax(logits, -1))
-    top1 = jnp.sum((drafted == target_top) * mask) / n
+    # top1 counts every trained slot: one outside the draft vocabulary is a miss, not skipped.
+    scored = (batch.loss_mask & rooted).astype(jnp.float32)
+    top1 = jnp.sum((drafted == target_top) * scored) / jnp.maximum(scored.sum(), 1.0)
     w = train_step_decay ** k
     total, weights = total + w * (feature_loss + ce_weight * ce_loss), weights + w
     per_step.append((feature_loss, ce_loss, top1, mask.sum()))
