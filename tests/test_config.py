@@ -10,8 +10,9 @@ import ml_collections
 import pytest
 
 from tests.conftest import repo_config
-from tlt_jax.components import model_config, validate_config
+from tlt_jax.components import load_drafter_for, model_config, validate_config
 from tlt_jax.config import ConfigError, base_config
+from tlt_jax.models.drafter import DRAFT_TO_POLICY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -211,6 +212,19 @@ def test_a_policy_folder_is_not_a_drafter():
                                         r"a drafter folder, .* holds a config.json with "
                                         r"'drafter' and 'policy' sections"):
     validate_config(c)
+
+
+def test_a_reduced_draft_vocabulary_needs_a_warmed_drafter(tiny_cfg):
+  """A new drafter's draft vocabulary would be ids 0..r-1, not the tokens the policy generates
+  most (which only the warm-up picks): an RL run refuses it; the warm-up (fresh) builds it."""
+  c = base_config()
+  c.drafter.path, c.drafter.draft_vocab_size = "", 16
+  with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=16 needs a drafter whose "
+                                        r"draft vocabulary .* set drafter.path to an export of "
+                                        r"python -m tlt_jax.warmup_drafter"):
+    load_drafter_for(c, tiny_cfg)
+  dcfg, params = load_drafter_for(c, tiny_cfg, fresh=True)
+  assert dcfg.draft_vocab_size == 16 and params[DRAFT_TO_POLICY].shape == (16,)
 
 
 @pytest.mark.slow

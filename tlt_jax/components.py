@@ -240,8 +240,15 @@ def load_policy(config: ml_collections.ConfigDict, mesh: Mesh) -> tuple[ModelCon
 def load_drafter_for(config: ml_collections.ConfigDict, cfg: ModelConfig,
                      fresh: bool = False) -> tuple[DrafterConfig, dict]:
   """drafter.path's drafter (its architecture must match the config's drafter section), or
-  random weights (fresh=True ignores drafter.path)."""
+  random weights (fresh=True ignores drafter.path; without it, a reduced draft vocabulary
+  needs drafter.path: only the warm-up picks the tokens the policy generates most)."""
   dcfg = drafter_config(config)
+  if dcfg.draft_vocab_size and not config.drafter.path and not fresh:
+    raise ConfigError(f"drafter.draft_vocab_size={dcfg.draft_vocab_size} needs a drafter whose "
+                      f"draft vocabulary was chosen from the policy's responses: set "
+                      f"drafter.path to an export of python -m tlt_jax.warmup_drafter (or "
+                      f"drafter.draft_vocab_size=0); a new one would draft ids 0 to "
+                      f"{dcfg.draft_vocab_size - 1}")
   if config.drafter.path and not fresh:
     try:
       saved_cfg, params = load_drafter(config.drafter.path, cfg)
