@@ -107,9 +107,34 @@ def test_checksums_see_a_flipped_bit_and_swapped_elements():
   base = checksums({"x": x, "b": jnp.ones((2,), jnp.bfloat16), "m": jnp.zeros((3,), bool)})
   flipped = x.at[1, 2].set(jnp.nextafter(x[1, 2], 100.0))
   swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])
-  for other in (flipped, swapped):
+  # Signs flipped at an odd flat index, and at two (version 1's weights were even at odd
+  # indices, so 2**31 * weight vanished from the uint32 sum, and two odd ones cancelled).
+  negated = x.at[0, 1].set(-x[0, 1])
+  negated_twice = negated.at[1, 2].set(-x[1, 2])
+  for other in (flipped, swapped, negated, negated_twice):
     assert checksums({"x": other, "b": jnp.ones((2,), jnp.bfloat16),
                       "m": jnp.zeros((3,), bool)})[2] != base[2]
+
+
+def test_checkpoints_of_checksum_version_1_are_checked_as_written(tmp_path):
+  """A checkpoint saved before checksum_version existed carries version 1's checksums: it
+  restores, and a changed one is still caught."""
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _state(step), {"step": step})
+  ckpt.close()
+  for step in (1, 2):
+    path = tmp_path / "ckpt" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    assert meta.pop("checksum_version") == 2
+    meta["checksums"] = checksums(_state(step), version=1)
+    if step == 2:
+      meta["checksums"][0] ^= 1
+    path.write_text(json.dumps(meta))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3)
+  step, state, _ = ckpt.restore_latest(_state(0))
+  assert step == 1 and int(state["n"]) == 1 and ckpt.failures[0][0] == 2
+  ckpt.close()
 
 
 def test_a_checkpoint_of_other_settings_stops_the_restore_and_is_kept(tmp_path):

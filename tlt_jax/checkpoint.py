@@ -19,6 +19,7 @@ several processes they agree on every verdict, and process 0 moves the files.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -39,28 +40,41 @@ class CheckpointMismatch(ConfigError):
   """The newest checkpoint was written under other settings and does not fit this run."""
 
 
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-  """uint32 sum of x's bits, each element weighted by an odd multiple of its flat index (so
-  a flipped bit or swapped elements change it)."""
+# Version 2: each element's bits, folded (bits ^ bits >> 16, so the top bits also move the low
+# ones), weighted by index * even + 1 (odd); so flipped sign bits change the uint32 sum
+# unless their indices line up mod 2**17. Version 1 (checkpoints without a checksum_version)
+# summed the raw bits with weights that were even at odd indices, blind to a sign flip
+# there and to any two anywhere; its checkpoints are still checked its way.
+CHECKSUM_VERSION = 2
+_MULTIPLIERS = {1: 2654435761, 2: 2 * 2654435761 % 2 ** 32}
+
+
+def _leaf_checksum(x: jax.Array, version: int) -> jax.Array:
+  """uint32 sum of x's bits (folded from version 2 on), each element weighted by its flat
+  index times a multiplier, plus 1 (so flipped bits or swapped elements change it)."""
   if x.dtype == jnp.bool_:
     bits = x.astype(jnp.uint32)
   else:
     bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+  if version >= 2:
+    bits = bits ^ (bits >> 16)
   index, stride = jnp.zeros(x.shape, jnp.uint32), 1
   for d in reversed(range(x.ndim)):  # the flat index without reshaping a sharded array
     index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride)
     stride = stride * x.shape[d] % 2 ** 32
-  return jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
+  weight = index * jnp.uint32(_MULTIPLIERS[version]) + jnp.uint32(1)
+  return jnp.sum(bits * weight, dtype=jnp.uint32)
 
 
-@jax.jit
-def _checksums(leaves: list) -> list:
-  return [_leaf_checksum(x) for x in leaves]
+@functools.partial(jax.jit, static_argnums=1)
+def _checksums(leaves: list, version: int) -> list:
+  return [_leaf_checksum(x, version) for x in leaves]
 
 
-def checksums(tree) -> list[int]:
-  """One uint32 checksum per array leaf of `tree` (in jax.tree.leaves order)."""
-  return [int(c) for c in jax.device_get(_checksums(jax.tree.leaves(tree)))]
+def checksums(tree, version: int = CHECKSUM_VERSION) -> list[int]:
+  """One uint32 checksum per array leaf of `tree` (in jax.tree.leaves order), computed as
+  checkpoints of checksum `version` were."""
+  return [int(c) for c in jax.device_get(_checksums(jax.tree.leaves(tree), version))]
 
 
 def settings_diff(old: dict, new: dict, most: int = 6) -> str:
@@ -119,7 +133,8 @@ class Checkpointer:
     """Starts an async save (arrays are copied off the devices before this returns)."""
     if step in self.manager.all_steps():
       return
-    meta = {**meta, "checksums": checksums(state), "settings": self.settings}
+    meta = {**meta, "checksums": checksums(state), "checksum_version": CHECKSUM_VERSION,
+            "settings": self.settings}
     with self._writing(step):
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
@@ -187,7 +202,10 @@ class Checkpointer:
     if saved is None:
       return None
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    bad = [p for p, a, b in zip(paths, checksums(state), saved) if a != b]
+    version = meta.get("checksum_version", 1)
+    if version not in _MULTIPLIERS:  # a newer package's checksums: not checkable here
+      return None
+    bad = [p for p, a, b in zip(paths, checksums(state, version), saved) if a != b]
     if len(saved) != len(paths) or bad:
       return f"checksum mismatch in {', '.join(bad[:3]) or 'the array count'}"
     return None
