@@ -55,7 +55,7 @@ def test_extractors_alone():
     (r"\dfrac{3}{4}", "3/4"), (r"-\frac{1}{2}", "-0.5"), (r"\tfrac12", "0.5"), ("5.0", "5"),
     ("5.", "5"), (" 7 ", "7"), ("$12$", "12"), (r"\$12", "12"), ("+2", "2"),
     (r"\text{(A)}", "(A)"), ("x + 1", "x+1"), ("{12}", "12"), (r"\left(1,2\right)", "(1,2)"),
-    ("1,000,000", "1000000"),
+    ("1,000,000", "1000000"), ("- 5", "-5"), ("x = 5", "x=5"), ("5 .", "5"), ("3 / 4", "0.75"),
 ])
 def test_equivalent(a, b):
   assert answers_match(a, b) and answers_match(b, a)
@@ -64,6 +64,8 @@ def test_equivalent(a, b):
 @pytest.mark.parametrize("a,b", [
     ("3", "-3"), ("0.75", "0.7"), ("1,2", "12"), ("12", "(A)"), (None, "3"), ("3", None),
     ("", ""), (r"\frac{1}{0}", "1"), ("x+1", "x+2"),
+    # Two numbers are not one: the space between them stays.
+    ("2 3", "23"), ("12 15", "1215"), ("3, 400", "3400"),
 ])
 def test_not_equivalent(a, b):
   assert not answers_match(a, b)
@@ -73,3 +75,4 @@ def test_parse_number():
   assert parse_number("1,234.5") * 2 == 2469
   assert parse_number(r"-\dfrac{6}{8}") == parse_number("-0.75")
   assert parse_number("abc") is None and parse_number("1/0") is None
+  assert parse_number("2 3") is None and parse_number(extract_answer(r"\boxed{3, 400}")) is None

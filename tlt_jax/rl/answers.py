@@ -85,13 +85,14 @@ def extract_answer(text: str, fallback: bool = False) -> str | None:
 
 
 def normalize_answer(answer: str) -> str:
-  """Strips what never changes an answer's meaning: whitespace, $, \\left/\\right, \\!,
+  """Strips what never changes an answer's meaning: whitespace (but for a space between two
+  numbers: '2 3' and '3, 400' are two numbers, not 23 and 3,400), $, \\left/\\right, \\!,
   \\text{} wrappers, a trailing period, and surrounding braces."""
   s = answer.strip()
   s = _TEXT.sub(r"\1", s)
   for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\ "):
     s = s.replace(junk, "")
-  s = re.sub(r"\s+", "", s)
+  s = re.sub(r"(?<![\d,])\s+|\s+(?!\d)", "", s)
   s = s.rstrip(".")
   while len(s) >= 2 and s[0] == "{" and s[-1] == "}":
     s = s[1:-1]
