@@ -25,6 +25,15 @@ def test_training_stops_after_the_step_the_job_asked_to_stop_at(tiny_cfg, tiny_p
   assert steps == [1, 2, 3] and len(history) == 3
 
 
+def test_warm_up_samples_end_before_the_last_token_as_the_buffers_do(tiny_cfg, tiny_params):
+  """The last token's feature predicts what follows the response (after its EOS), which is
+  never drafted: the warm-up trains on the slots spot training trains on."""
+  prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7, 8, 2], [9, 2]]
+  a, b = collect_samples(tiny_params, tiny_cfg, prompts, completions)
+  assert a.tokens.tolist() == [1, 2, 3, 6, 7, 8] and b.tokens.tolist() == [4, 5, 9]
+  assert a.features.shape == (6, tiny_cfg.feature_size) and (a.train_from, b.train_from) == (2, 1)
+
+
 def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings(tmp_path):
   calls = []
 

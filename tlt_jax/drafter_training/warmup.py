@@ -30,7 +30,10 @@ from tlt_jax.speculative.sampling import SamplingParams
 def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[int]],
                     completions: list[list[int]], batch_size: int = 32) -> list[Sample]:
   """Samples (tokens, policy features) of prompt + completion pairs; training starts at the
-  last prompt token, whose feature predicts the first completion token."""
+  last prompt token, whose feature predicts the first completion token. As in the feature
+  buffer, a sample ends before the last token: its feature predicts what follows the response
+  (after its EOS), which is never drafted; the token itself is still the previous slot's
+  label."""
   seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
   width = max(len(s) for s in seqs)
   width = -(-width // 16) * 16  # a few shapes, not one per length
@@ -47,7 +50,8 @@ def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[in
     feats = np.asarray(run(policy_params, jnp.asarray(toks), jnp.asarray(lens),
                            init_cache(cfg, batch_size, width)), np.float32)
     for i, s in enumerate(group):
-      samples.append(Sample(tokens=np.asarray(s, np.int32), features=feats[i, :len(s)],
+      samples.append(Sample(tokens=np.asarray(s[:-1], np.int32),
+                            features=feats[i, :len(s) - 1],
                             train_from=len(prompts[start + i]) - 1))
   return samples
 
