@@ -42,9 +42,9 @@ class CheckpointMismatch(ConfigError):
 
 # Version 2: each element's bits, folded (bits ^ bits >> 16, so the top bits also move the low
 # ones), weighted by index * even + 1 (odd); so flipped sign bits change the uint32 sum
-# unless their indices line up mod 2**17. Version 1 (checkpoints without a checksum_version)
-# summed the raw bits with weights that were even at odd indices, blind to a sign flip
-# there and to any two anywhere; its checkpoints are still checked its way.
+# unless their indices happen to pair up mod 2**16. Version 1 (checkpoints without a
+# checksum_version) summed the raw bits with weights that were even at odd indices, blind to
+# a sign flip there and to any two anywhere; its checkpoints are still checked its way.
 CHECKSUM_VERSION = 2
 _MULTIPLIERS = {1: 2654435761, 2: 2 * 2654435761 % 2 ** 32}
 
