@@ -42,16 +42,6 @@ def test_export_loads_in_transformers(tiny_cfg, tiny_params, tmp_path):
   np.testing.assert_array_equal(got, want.reshape(tiny_cfg.hidden_size, -1).T)
 
 
-def _word_tokenizer():
-  from tokenizers import Tokenizer, models, pre_tokenizers
-  from transformers import PreTrainedTokenizerFast
-  vocab = {"<pad>": 0, "<eos>": 1, "1": 2, "+": 3, "=": 4, "2": 5, "<s>": 6}
-  tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                 bos_token="<s>")
-
-
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_an_export_states_its_tokenizers_special_ids(tiny_cfg, tiny_params, tmp_path,
                                                      model_type):
@@ -142,14 +132,18 @@ def test_config_round_trip_through_transformers(tiny_cfg):
     assert back == cfg
 
 
-def test_tokenizer_round_trip(tmp_path):
+def _word_tokenizer():
   from tokenizers import Tokenizer, models, pre_tokenizers
   from transformers import PreTrainedTokenizerFast
-  vocab = {"<pad>": 0, "<eos>": 1, "1": 2, "+": 3, "=": 4, "2": 5}
+  vocab = {"<pad>": 0, "<eos>": 1, "1": 2, "+": 3, "=": 4, "2": 5, "<s>": 6}
   tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
-                          eos_token="<eos>").save_pretrained(str(tmp_path))
+  return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                 bos_token="<s>")
+
+
+def test_tokenizer_round_trip(tmp_path):
+  _word_tokenizer().save_pretrained(str(tmp_path))
   loaded = load_tokenizer(str(tmp_path))
   assert loaded("1 + 1 = 2")["input_ids"] == [2, 3, 2, 4, 5]
   assert loaded.eos_token_id == 1

@@ -47,13 +47,15 @@ class ReasoningGymSettings:
     object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
 
 
-MAX_DATASETS = 1024  # in one mix; with 2**32 problems each, no two seed blocks overlap
+MAX_DATASETS = 1024  # in one mix
+SEED_BLOCK = 2 ** 32  # seeds (so problems) of one data set of one task seed; blocks never meet
 
 
 def dataset_seed(task_seed: int, position: int) -> int:
   """The reasoning_gym seed of the data set at `position` in the mix of the task seeded
-  `task_seed`: the start of a block of 2**32 seeds that no other (seed, position) reaches."""
-  return (task_seed * MAX_DATASETS + position) << 32
+  `task_seed`: the start of a block of SEED_BLOCK seeds that no other (seed, position)
+  reaches."""
+  return (task_seed * MAX_DATASETS + position) * SEED_BLOCK
 
 
 def _import_reasoning_gym():
@@ -112,7 +114,7 @@ class ReasoningGymTask(Task):
 
     reasoning_gym draws problem i from the seed + i, so data sets whose seeds lie closer than
     the problems drawn share problems: the held-out task (eval_seed) would hold training
-    problems. Each (seed, position) gets a block of 2**32 seeds of its own instead."""
+    problems. Each (seed, position) gets a block of SEED_BLOCK seeds of its own instead."""
     rg = _import_reasoning_gym()
     options = json.loads(self.settings.options)
     out = {}
@@ -125,9 +127,9 @@ class ReasoningGymTask(Task):
     return out
 
   def example(self, index: int) -> Example:
-    """Problem `index` (any int in [0, 2**32): reasoning_gym draws problem i from seed + i, so
-    `size`, the data sets' nominal length, is not a bound)."""
-    if not 0 <= index < 2**32:
+    """Problem `index` (any int in [0, SEED_BLOCK): reasoning_gym draws problem i from seed +
+    i, so `size`, the data sets' nominal length, is not a bound)."""
+    if not 0 <= index < SEED_BLOCK:
       raise ValueError(f"example index must be in [0, 2**32), got {index}")
     names = self.settings.datasets
     weights = np.asarray(self.settings.weights or [1.0] * len(names), np.float64)
