@@ -59,6 +59,7 @@ from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 from tlt_jax.cli import config_from_file, set_config_value, setup_devices  # noqa: E402
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.config import ConfigError  # noqa: E402
+from tlt_jax.rollout.pool import wait_for_compiles_ahead  # noqa: E402
 from tlt_jax.train import train  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -128,6 +129,7 @@ def _own_cache(path: pathlib.Path, fresh: bool):
   try:
     yield
   finally:
+    wait_for_compiles_ahead()  # a compile the run left running writes to the folder
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.rollout.pool import ExecutablePool, merge_bills
+from tlt_jax.rollout.pool import ExecutablePool, merge_bills, wait_for_compiles_ahead
 
 X = jax.ShapeDtypeStruct((4,), jnp.float32)
 
@@ -113,6 +113,27 @@ def test_a_queued_compile_does_not_keep_its_arrays_alive():
   _wait(pool)
   exe = pool.get("scaled", None, ())
   np.testing.assert_allclose(exe(jnp.arange(4.0), jnp.ones(4)), np.arange(4.0))
+
+
+def test_waiting_for_compiles_ahead_outlasts_the_compile_a_closed_pool_left_running():
+  """Closing a pool drops its queued compiles, not the one running; waiting returns only
+  after that one ended (what must happen before its compilation cache folder goes)."""
+  pool, gate, traced = ExecutablePool(), threading.Event(), []
+  pool.compile_ahead("running", _blocker(gate, traced, "running"), (X,))
+  pool.compile_ahead("queued", _program(traced, "queued"), (X,))
+  deadline = time.time() + 60
+  while not traced and time.time() < deadline:
+    time.sleep(0.01)
+  pool.close()
+  waiter = threading.Thread(target=wait_for_compiles_ahead)
+  waiter.start()
+  waiter.join(0.5)
+  assert waiter.is_alive()  # the running compile holds it
+  gate.set()
+  waiter.join(60)
+  assert not waiter.is_alive()
+  assert pool.ready("running") and not pool.pending()
+  assert traced == ["running"]  # the queued one was dropped, not compiled
 
 
 def test_a_failed_compile_ahead_is_raised_where_the_key_is_used():

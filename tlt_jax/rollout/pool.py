@@ -196,6 +196,7 @@ class _Background:
     self._heap: list = []
     self._order = itertools.count()
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+    self._running: concurrent.futures.Future | None = None
 
   def submit(self, priority: int, fn: Callable[[], None]) -> concurrent.futures.Future:
     future = concurrent.futures.Future()
@@ -217,13 +218,33 @@ class _Background:
       future.cancel()  # the interpreter is exiting: nobody will use the program
     if not future.set_running_or_notify_cancel():
       return  # cancelled while queued
+    self._running = future
     try:
       future.set_result(fn())
     except BaseException as e:  # noqa: BLE001 -- handed to whoever holds the future
       future.set_exception(e)
 
+  def wait_idle(self) -> None:
+    """Returns once no compile runs or waits in the queue."""
+    while True:
+      with self._lock:
+        pending = [f for _, _, f, _ in self._heap if not f.done()]
+        if self._running is not None and not self._running.done():
+          pending.append(self._running)
+      if not pending:
+        return
+      concurrent.futures.wait(pending)
+
 
 _BACKGROUND = _Background()
+
+
+def wait_for_compiles_ahead() -> None:
+  """Blocks until the process's background compile thread is idle: the compile in flight
+  and those still queued (a closed pool's were dropped) have finished. Call it before
+  removing or switching the persistent compilation cache, which a running compile would
+  otherwise write to once it ends (`experiments/rl_runs.py` gives each run its own)."""
+  _BACKGROUND.wait_idle()
 
 
 def abstract_arrays(tree):
