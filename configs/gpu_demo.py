@@ -11,8 +11,8 @@ Variants:
           slice of 128 rows.
   quick   a toy policy, a few steps of each stage (smoke tests), on one device (one rollout
           slice) like the one-GPU run, on CPU or GPU.
-The size is a first choice, not yet measured on a GPU: the decode step of this shape should be
-bound by the GPU, not by Python, which the run's busy share (metrics) shows.
+On one H100 an SFT step of this shape took 1.07 s (docs/results/gpu_h100_2026-11-27); the
+decode step's busy share (metrics) is not yet measured past the first, compile-bound RL step.
 """
 
 from tlt_jax.config import base_config, toy_settings

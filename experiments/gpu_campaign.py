@@ -16,12 +16,17 @@ against the plain-JAX floor, SD iterations with the full and a 32k draft vocabul
 -> OUT/1/decode_7b.json, .png).
 Commands 2-4: experiments/gpu_e2e.py with configs/gpu_demo.py in parts (-> OUT/e2e/...).
 Command 3 needs the files command 2 left in OUT, and 4 those of both, so they run on one
-machine, back to back. 2 (at most 6 minutes) and 3 (at most 7.7) fit a 15-minute lease with
-the machine's start: each job's time limit (E2E_PLAN: sft.max_minutes, drafter.warmup.
-max_minutes, rl.max_minutes per variant) ends its training early, then it evaluates and
-exports as at its last step, and the summaries say how many steps ran. After 3, gpu_e2e.json
-holds the end-to-end figures, with the cluster projection on illustrative costs; 4 (at most
-5 minutes) measures the cost table and makes the projection again on it.
+machine, back to back, with the same OUT (a folder that outlives each command). 2 (at most
+6.7 minutes) and 3 (at most 6.7) fit a 15-minute lease with the machine's start: each job's
+time limit (E2E_PLAN: sft.max_minutes, drafter.warmup.max_minutes, rl.max_minutes per
+variant) ends its training early, then it evaluates and exports as at its last step, and the
+summaries say how many steps ran. The limits follow what each stage cost beyond its limit on
+one H100 (H100_OVERHEAD_S, measured 2026-11-27). After 3, gpu_e2e.json holds the end-to-end
+figures, with the cluster projection on illustrative costs; 4 (at most 5 minutes) measures
+the cost table and makes the projection again on it. The RL runs of command 3 skip the
+held-out evaluation: on the first H100 run it compiled a second (greedy) ladder of decode
+programs, about 50 s per run, and at the few steps a lease allows the accuracy does not move;
+the step time is what command 3 measures.
 
 Each step runs under its own deadline (SIGTERM, then SIGKILL 30 s later), inside its
 command's; every step writes its JSON as it goes and is safe to rerun (gpu_e2e skips finished
@@ -46,18 +51,37 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"
 # Each command's deadline. 2 and 3 run on one machine, back to back, within one lease: about
 # 14 minutes with command 2's start; 4 only where device time is left after them.
-COMMAND_SECONDS = {"1": 540, "2": 360, "3": 460, "4": 300}
+COMMAND_SECONDS = {"1": 540, "2": 400, "3": 400, "4": 300}
 # gpu_e2e's stages per command, and the settings that bound their time. A job's limit counts
 # from its start (loading, compiles, the warm-up's generation, the first evaluation); it then
-# finishes the step in flight, evaluates and exports, so each command keeps a third or more
-# of its deadline for that and for starting Python. rl.max_minutes holds for each variant.
+# finishes the step in flight, evaluates and exports. rl.max_minutes holds for each variant.
 E2E_PLAN = {
-    "2": (["sft", "warmup"], ["sft:sft.max_minutes=1.5",
-                              "warmup:drafter.warmup.max_minutes=1.25",
+    "2": (["sft", "warmup"], ["sft:sft.max_minutes=1",
+                              "warmup:drafter.warmup.max_minutes=2",
                               "warmup:drafter.warmup.num_prompts=128"]),
-    "3": (["rl"], ["rl:rl.max_minutes=2.25", "rl:rl.eval_samples=0"]),
+    "3": (["rl"], ["rl:rl.max_minutes=1.75", "rl:rl.eval_samples=0",
+                   "rl:rl.num_eval_examples=0"]),
     "4": (["rollout"], []),
 }
+# Seconds a stage took on one H100 beyond its job's time limit (2026-11-27, configs/gpu_demo.py,
+# docs/results/gpu_h100_2026-11-27): SFT 218 s at a 90 s limit (loading, the tokenizer, the
+# held-out evaluation of 128 problems, the export); the warm-up ~170 s whatever its limit
+# above 2 minutes (generating 128 responses 59 s, 600 steps 19 s, the accept-length check, the
+# export); an RL run 56 s (baseline) and 80 s (TLT) beyond its 75 s limit, with two held-out
+# evaluations that command 3 no longer runs. The warm-up's limit is a cap it does not reach.
+H100_OVERHEAD_S = {"sft": 128, "warmup": 170, "rl": 80}
+
+
+def estimated_seconds(command: str) -> float:
+  """What command 2 or 3 should take on one H100: each stage's limit plus its measured
+  overhead (the RL stage runs two variants)."""
+  limit = {kv.split(":", 1)[1].split("=")[0]: float(kv.split("=")[1]) * 60
+           for kv in E2E_PLAN[command][1] if "max_minutes" in kv}
+  if command == "2":
+    return limit["sft.max_minutes"] + H100_OVERHEAD_S["sft"] + H100_OVERHEAD_S["warmup"]
+  return 2 * (limit["rl.max_minutes"] + H100_OVERHEAD_S["rl"])
+
+
 # import name -> how to get it (the GPU machine lacks ml_collections: carry its wheel)
 REQUIRED = {"jax": "jax[cuda12]", "flax": "flax", "optax": "optax",
             "orbax.checkpoint": "orbax-checkpoint", "transformers": "transformers",

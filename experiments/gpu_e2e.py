@@ -25,9 +25,12 @@ and writes the summary. --set KEY=VALUE overrides the config of every config-dri
 and rl.max_minutes (per variant) bound a stage's time (experiments/gpu_campaign.py sets them
 to fit a GPU lease).
 
-Estimated on one H100 at the default sizes (not yet measured): sft ~3-4 min (600 steps of
-32 x 1536 tokens, ~80M parameters, with rematerialisation), warmup ~2 min, rollout ~2-3 min,
-rl ~6-8 min (8 steps per variant, both variants, compiles included), simulate < 1 min.
+Measured on one H100 (2026-11-27, docs/results/gpu_h100_2026-11-27): SFT 1.07 s per step
+(32 x 1536 tokens, 76M parameters, rematerialised), so the full 600 steps take ~11 minutes
+and a lease allows about one; its loading, evaluation and export ~2 minutes more; warm-up
+~3 minutes (128 responses generated in 59 s, 600 steps in 19 s); an RL run's first step
+70-86 s, nearly all compiles. On one GPU there is one rollout slice and so no idle slice to
+train the drafter on: the TLT run is SD with the warmed drafter and the adaptive tuner.
 
 OUT/gpu_e2e.json: device, date, the commands and seconds per stage, the policy's held-out
 accuracy after SFT, the warmed drafter's accept length, the RL runs' end-to-end ratios

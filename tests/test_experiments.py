@@ -434,19 +434,27 @@ def test_gpu_campaign_quick_runs_its_commands_and_gpu_e2e_resumes(tmp_path):
 
 
 def test_gpu_campaign_fits_a_lease_and_bounds_each_stage(tmp_path):
-  """Commands 2 and 3 (gpu_e2e on one machine) fit 15 minutes with a start, and pass the
-  time limits that make them: each job's limit reaches its command line."""
+  """Commands 2 and 3 (gpu_e2e on one machine) fit 15 minutes with a start, each fits its
+  deadline at the stage costs measured on an H100, and they pass the time limits that make
+  them: each job's limit reaches its command line."""
   campaign = load_experiment("gpu_campaign")
   assert campaign.COMMAND_SECONDS["2"] + campaign.COMMAND_SECONDS["3"] + 60 <= 15 * 60
+  for command in ("2", "3"):  # the deadline less the step's 20 s of margin
+    assert campaign.estimated_seconds(command) <= campaign.COMMAND_SECONDS[command] - 20
+  # The plan of the first H100 run (1.5 minutes of SFT, 1.25 of warm-up) did not fit.
+  campaign.E2E_PLAN["2"] = (["sft", "warmup"], ["sft:sft.max_minutes=1.5"])
+  assert campaign.estimated_seconds("2") > 340
+  campaign = load_experiment("gpu_campaign")
   argv = {c: campaign.steps(c, tmp_path, quick=False)[0][1] for c in ("2", "3", "4")}
   assert argv["2"][argv["2"].index("--stages") + 1:][:2] == ["sft", "warmup"]
-  assert "sft:sft.max_minutes=1.5" in argv["2"] and "rl:rl.max_minutes=2.25" in argv["3"]
+  assert "sft:sft.max_minutes=1" in argv["2"] and "rl:rl.max_minutes=1.75" in argv["3"]
   e2e = load_experiment("gpu_e2e")
   sets = e2e.stage_overrides([a for a in argv["2"] + argv["3"] if ":" in a and "=" in a])
   cmds = e2e.stage_commands(tmp_path, False, sets)
-  assert "--config.sft.max_minutes=1.5" in cmds["sft"]
-  assert "--config.drafter.warmup.max_minutes=1.25" in cmds["warmup"]
-  assert cmds["rl"][-4:] == ["--set", "rl.max_minutes=2.25", "--set", "rl.eval_samples=0"]
+  assert "--config.sft.max_minutes=1" in cmds["sft"]
+  assert "--config.drafter.warmup.max_minutes=2" in cmds["warmup"]
+  assert cmds["rl"][-6:] == ["--set", "rl.max_minutes=1.75", "--set", "rl.eval_samples=0",
+                             "--set", "rl.num_eval_examples=0"]
   # Without the rollout stage's cost table the projection uses the built-in costs.
   assert "--costs-from-bench" not in e2e.simulate_command(tmp_path, False)
 
