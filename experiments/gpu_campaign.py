@@ -25,8 +25,9 @@ one H100 (H100_OVERHEAD_S, measured 2026-11-27). After 3, gpu_e2e.json holds the
 figures, with the cluster projection on illustrative costs; 4 (at most 5 minutes) measures
 the cost table and makes the projection again on it. The RL runs of command 3 skip the
 held-out evaluation: on the first H100 run it compiled a second (greedy) ladder of decode
-programs, about 50 s per run, and at the few steps a lease allows the accuracy does not move;
-the step time is what command 3 measures.
+programs, about 50 s per run (greedy decoding now runs the sampled programs, but its decoding
+still takes time), and at the few steps a lease allows the accuracy does not move; the step
+time is what command 3 measures.
 
 Each step runs under its own deadline (SIGTERM, then SIGKILL 30 s later), inside its
 command's; every step writes its JSON as it goes and is safe to rerun (gpu_e2e skips finished

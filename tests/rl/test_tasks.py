@@ -194,15 +194,17 @@ def test_evaluation_breaks_accuracy_down_by_the_task_s_groups():
   assert result["accuracy"] == 0.5
 
 
-@pytest.mark.parametrize("temperature,expected", [
-    (1.0, [(0.0, None), (1.0, 1)]),  # greedy programs would serve only later evaluations
-    (0.0, [(0.0, 1), (0.0, 1)]),     # a greedy rollout shares them
-])
-def test_only_the_rollout_s_programs_compile_ahead_for_an_evaluation(temperature, expected):
+@pytest.mark.parametrize("sampling", [(1.0, 0), (0.7, 5), (0.0, 0)])
+def test_both_evaluations_queue_the_rollouts_programs_to_compile_ahead(sampling):
+  """Greedy and sampled evaluation run the rollout's programs (the temperature is their
+  argument; greedy keeps the rollout's top-k): both queue the tail's programs behind the
+  rollout's (priority 1)."""
   from tlt_jax.rl.evaluate import heldout_accuracy
   from tlt_jax.speculative.sampling import SamplingParams
+  temperature, top_k = sampling
   examples = ArithmeticTask().examples(2)
   engine = _Engine()
   engine.examples = examples
-  heldout_accuracy(engine, _Tokenizer(examples), examples, SamplingParams(temperature), 2)
-  assert engine.calls == expected
+  heldout_accuracy(engine, _Tokenizer(examples), examples, SamplingParams(temperature, top_k),
+                   2)
+  assert engine.calls == [(0.0, 1), (temperature, 1)]

@@ -87,8 +87,9 @@ def test_a_prompts_samples_share_one_prefill_row(tiny_cfg, tiny_params, plain_re
   ec, ref = plain_reference
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec)
   assert engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0)).tokens == ref.tokens
-  assert (0, "prefill", 8, 4, 8, GREEDY) in engine.pool  # (slice, kind, rows, prompts, width)
-  assert (0, "prefill", 8, 8, 8, GREEDY) not in engine.pool
+  # (slice, kind, rows, prompts, width, sampling support)
+  assert (0, "prefill", 8, 4, 8, GREEDY.program_key) in engine.pool
+  assert (0, "prefill", 8, 8, 8, GREEDY.program_key) not in engine.pool
   refills = [k for k in engine.pool if k[1] == "prefill" and k[2] < 8]
   assert refills and all(k[2] == k[3] for k in refills), refills
   alone = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(ec, max_batch=1))
@@ -116,6 +117,27 @@ def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
   assert second.pool["compiles"] == first.pool["compiles"]
   assert second.pool["bill"] == bill
   assert second.tokens == first.tokens == ref.tokens
+
+
+def test_greedy_and_sampled_rollouts_share_programs_and_keep_their_tokens(tiny_cfg,
+                                                                         tiny_params):
+  """The temperature is an argument of the engine's programs, not part of their key: after
+  rollouts at two temperatures, a greedy one compiles nothing (its schedule, SD's accept
+  lengths included, needs a subset of their programs), and each gives what an engine that
+  ran only it gives."""
+  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=6, sd_threshold=2)
+
+  def engine():
+    return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
+                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+  shared, runs = engine(), {}
+  for sp in (SamplingParams(0.7), SamplingParams(1.3), GREEDY):
+    runs[sp] = shared.generate(PROMPTS, 2, sp, jax.random.key(0))
+  assert runs[GREEDY].pool["bill"]["rollout_decode_sd"]["programs"] >= 1
+  assert {r.pool["compiles"] for r in runs.values()} == {runs[GREEDY].pool["compiles"]}
+  assert len({str(r.tokens) for r in runs.values()}) == 3  # the temperature took effect
+  for sp, res in runs.items():
+    assert engine().generate(PROMPTS, 2, sp, jax.random.key(0)).tokens == res.tokens
 
 
 def test_a_slice_without_requests_is_idle_from_the_start(tiny_cfg, tiny_params):

@@ -10,7 +10,6 @@ with (the classic mistake: resampling from q instead of the residual), which sho
 power to notice.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,10 +57,14 @@ def _exact_joint(cfg, params, sp):
   return q2[:, None] * q3
 
 
-def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None, strategy=STRATEGY):
+def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None, strategy=STRATEGY,
+                  traced=False):
   """(t2, t3, accepted [2, N]) of N rows; shape: run `strategy` in that larger strategy's
   program (`sd_step`'s limits). A strategy with the suffix drafter copies from a random
-  corpus per row (matches of one token count, so its drafts are often wrong too)."""
+  corpus per row (matches of one token count, so its drafts are often wrong too). traced:
+  the steps take the temperature as an argument, as the rollout's compiled programs do."""
+  temperature = jnp.float32(sp.temperature)
+  step_sp = (lambda t: sp.with_temperature(t)) if traced else (lambda t: sp)
   prompts = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (N, 1))
   lengths = jnp.full((N,), len(PROMPT), jnp.int32)
   cap = len(PROMPT) + 8
@@ -78,14 +81,14 @@ def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None, strategy=STRATEGY
   if use_sd:
     limits = None if shape is None else jnp.asarray(
         [strategy.depth, strategy.verify_tokens], jnp.int32)
-    step = jax.jit(functools.partial(sd_step, sp=sp, eos_id=-1, strategy=shape or strategy,
-                                     limits=limits, corpus=corpus))
+    step = jax.jit(lambda policy, state, key, t: sd_step(
+        policy, drafters, state, key, step_sp(t), -1, shape or strategy, limits, corpus))
   else:
-    step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1))
+    step = jax.jit(lambda policy, state, key, t: plain_step(policy, state, key, step_sp(t), -1,
+                                                            drafters))
   key = jax.random.key(seed + 1)  # the rollout's key: the same for every step
   for _ in range(2):  # every step emits >= 1 token, so two give t2 and t3
-    state, st = step(policy, drafters, state, key) if use_sd else step(policy, state, key,
-                                                                       drafters=drafters)
+    state, st = step(policy, state, key, temperature)
     accepted.append(np.asarray(st.accepted))
   out = np.asarray(state.out)
   return out[:, 1], out[:, 2], np.stack(accepted)
@@ -127,6 +130,21 @@ def test_sd_emits_the_tokens_plain_decoding_emits(policy, sp):
   plain = _sample_pairs(cfg, params, sp, use_sd=False)
   np.testing.assert_array_equal(sd[0], plain[0])
   np.testing.assert_array_equal(sd[1], plain[1])
+
+
+@pytest.mark.parametrize("sp,use_sd", [(SamplingParams(0.0), True), (SamplingParams(0.0), False),
+                                       (SAMPLING[1], True), (SAMPLING[2], False)],
+                         ids=["greedy-sd", "greedy-plain", "t0.6-sd", "t1.0-top_p0.9-plain"])
+def test_a_temperature_given_at_run_time_draws_what_a_fixed_one_draws(policy, sp, use_sd):
+  """The rollout's programs take the temperature as an argument (greedy evaluation and
+  sampled rollouts share them): the same tokens and accepted counts as the temperature
+  fixed when the step is traced, greedy (0) included."""
+  cfg, params = policy
+  fixed = _sample_pairs(cfg, params, sp, use_sd)
+  traced = _sample_pairs(cfg, params, sp, use_sd, traced=True)
+  for a, b in zip(fixed, traced):
+    np.testing.assert_array_equal(a, b)
+  assert (len(np.unique(fixed[0])) == 1) == sp.greedy  # every greedy row draws the argmax
 
 
 def test_a_strategy_run_in_a_larger_programs_shapes_emits_and_accepts_the_same(policy):

@@ -69,19 +69,16 @@ def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
   without the noise of each step's prompt mix). One eval.jsonl row, without the step; with
   a breakdown (`evaluate`), the greedy accuracy per group too (greedy_accuracy_by).
 
-  Compiling ahead, only the sampled evaluation queues its tail programs: they are the
-  rollout's, so the first evaluation compiles them before the first RL step. The greedy
-  evaluation's (unless the rollout is greedy too) would serve only later evaluations, and on
-  a host with few cores compiling them would slow the steps; its tail decodes with what is
-  ready (SD or not, the tokens are the same)."""
+  Both run the rollout's programs (greedy keeps the rollout's top-k and top-p, and the
+  temperature is the programs' argument), so the first evaluation compiles them before the
+  first RL step and queues the tail's programs to compile ahead."""
   row = {}
   key = jax.random.key(1)
   for name, sp, n in (("greedy", dataclasses.replace(sampling, temperature=0.0), 1),
                       ("sampled", sampling, samples)):
     if n:
-      shared = sp == sampling  # the rollout's programs
       res = evaluate(engine, tokenizer, examples, sp, samples=n, key=key, answer_fn=answer_fn,
-                     breakdown=breakdown, compile_priority=1 if shared else None)
+                     breakdown=breakdown)
       row[f"{name}_accuracy"] = res["accuracy"]
       if name == "greedy" and res["accuracy_by"]:
         row["greedy_accuracy_by"] = {str(k): v for k, v in res["accuracy_by"].items()}

@@ -1,7 +1,8 @@
 """The compiled programs of one rollout slice, from the engine's executable pool.
 
-Each program is compiled ahead of time per (slice, program, shape bucket, strategy, sampling)
-and reused for the rest of the run (parameters are arguments, not constants). Outputs are laid
+Each program is compiled ahead of time per (slice, program, shape bucket, strategy, sampling
+support) and reused for the rest of the run (parameters are arguments, not constants; so is
+the temperature, so greedy evaluation and sampled rollouts share programs). Outputs are laid
 out on the slice by the logical axes that states and caches declare, so the result of any
 program can feed any other. Calling a program dispatches it and returns at once; the engine
 waits for results only when it needs them on the host.
@@ -93,8 +94,9 @@ class SlicePrograms:
       return (init_cache(cfg, b, self.capacity),
               {name: st for name, st in states.items() if st is not None})
 
-    def fn(params, dparams, prompts, lengths, source, requests, key, caches):
-      state = start(Policy(params, cfg), prompts, lengths, caches[0], key, sp,
+    def fn(params, dparams, prompts, lengths, source, requests, key, caches, temperature):
+      state = start(Policy(params, cfg), prompts, lengths, caches[0], key,
+                    sp.with_temperature(temperature),
                     self.max_new_tokens, self.eos_id, drafters=build_drafters(dcfg, dparams),
                     draft_states=caches[1], log_features=self.log_features, requests=requests,
                     source=source)
@@ -105,15 +107,19 @@ class SlicePrograms:
     # attention, which makes compiles slow.
     caches = self._get(("caches", b), empty_caches, ())()
     args = (params, dparams, self.put(prompts), self.put(lengths), self.put(source),
-            self.put(requests), key, caches)
-    return self._get(("prefill", b, *prompts.shape, sp), fn, args, donate=(7,))(*args)
+            self.put(requests), key, caches, self._temperature(sp))
+    return self._get(("prefill", b, *prompts.shape, sp.program_key), fn, args,
+                     donate=(7,))(*args)
+
+  def _temperature(self, sp: SamplingParams) -> jax.Array:
+    return self.put(np.float32(sp.temperature))
 
   def _decode_program(self, batch: int, strategy: Strategy | None, sp: SamplingParams):
     """(program key, the strategy that shapes the program, whether it takes `limits`)."""
     shape = None if strategy is None else self.shared_shape(batch, strategy)
     if shape is None:
-      return ("decode", batch, strategy, sp), strategy, False
-    return ("decode", batch, ("shared", shape), sp), shape, True
+      return ("decode", batch, strategy, sp.program_key), strategy, False
+    return ("decode", batch, ("shared", shape), sp.program_key), shape, True
 
   def decode(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
              strategy: Strategy | None, min_running: int, max_iterations: int,
@@ -125,7 +131,7 @@ class SlicePrograms:
     b = state.root.shape[0]
     key_b, shape, shared = self._decode_program(b, strategy, sp)
     args = (params, dparams, state, key, self.put(np.int32(min_running)),
-            self.put(np.int32(max_iterations)))
+            self.put(np.int32(max_iterations)), self._temperature(sp))
     if shared:
       args += (self.put(np.asarray([strategy.depth, strategy.verify_tokens], np.int32)),)
     if _copies(shape):
@@ -144,6 +150,7 @@ class SlicePrograms:
     (its rows are taken abstractly to each batch size)."""
     replicated = NamedSharding(self.mesh, P())
     scalar = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
+    temperature = jax.ShapeDtypeStruct((), np.float32, sharding=replicated)
     for b, strategy in plan:
       key_b, shape, shared = self._decode_program(b, strategy, sp)
       if self._key(key_b) in self.pool:
@@ -151,7 +158,7 @@ class SlicePrograms:
       shapes = jax.eval_shape(take_rows, state, jax.ShapeDtypeStruct((b,), np.int32))
       abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                               shapes, self._layout(shapes))
-      args = (params, dparams, abstract, key, scalar, scalar)
+      args = (params, dparams, abstract, key, scalar, scalar, temperature)
       if shared:
         args += (jax.ShapeDtypeStruct((2,), np.int32, sharding=replicated),)
       if _copies(shape):
@@ -166,16 +173,16 @@ class SlicePrograms:
 
   def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None, shared: bool):
     """The decode program's function. After (params, dparams, state, key, min_running,
-    max_iterations) come: for a shared program, the strategy it runs, limits = int32 [2] (steps,
-    verify_tokens); with the suffix drafter, its corpus."""
+    max_iterations, temperature) come: for a shared program, the strategy it runs, limits =
+    int32 [2] (steps, verify_tokens); with the suffix drafter, its corpus."""
     cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
 
-    def fn(params, dparams, state, key, min_running, max_iterations, *extra):
+    def fn(params, dparams, state, key, min_running, max_iterations, temperature, *extra):
       limits = extra[0] if shared else None
       corpus = extra[-1] if _copies(strategy) else None
       return decode_loop(Policy(params, cfg), build_drafters(dcfg, dparams), state, key,
-                         min_running, max_iterations, sp, eos, strategy=strategy, limits=limits,
-                         corpus=corpus)
+                         min_running, max_iterations, sp.with_temperature(temperature), eos,
+                         strategy=strategy, limits=limits, corpus=corpus)
     return fn
 
   def put_rows(self, state: GenState, fresh: GenState, rows: np.ndarray) -> GenState:

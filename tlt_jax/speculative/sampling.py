@@ -3,7 +3,9 @@ and the one way a token is drawn from it.
 
 Speculative decoding is exact when it draws from the same q as plain decoding, so both go
 through `target_probs`: temperature, then top-k, then top-p (nucleus), renormalised.
-Temperature 0 is greedy: q is one-hot at the argmax.
+Temperature 0 is greedy: q is one-hot at the argmax. A compiled rollout program takes the
+temperature as an argument (`with_temperature`), so greedy and sampled decoding at any
+temperature run the same programs; only the support (top-k, top-p) is compiled in.
 
 A token is drawn by Gumbel-max, argmax(log q + g), with noise g that depends only on (the
 rollout's key, the request, the position in the response). Plain decoding and speculative
@@ -27,7 +29,7 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if self.temperature < 0:
+    if not isinstance(self.temperature, jax.Array) and self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
@@ -36,14 +38,29 @@ class SamplingParams:
 
   @property
   def greedy(self) -> bool:
-    return self.temperature == 0.0
+    """Temperature 0, known before tracing. A traced temperature (`with_temperature`) is
+    not greedy here: q and the draws then select greedy at run time where it is 0."""
+    return not isinstance(self.temperature, jax.Array) and self.temperature == 0.0
+
+  @property
+  def program_key(self) -> tuple[int, float]:
+    """What a compiled program fixes of these parameters: the support (top_k, top_p)."""
+    return (self.top_k, self.top_p)
+
+  def with_temperature(self, temperature: jax.Array) -> SamplingParams:
+    """These parameters with a traced float32 scalar temperature (0 = greedy), as a
+    compiled program receives it."""
+    return dataclasses.replace(self, temperature=temperature)
 
 
 def support_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """float32 logits [..., V] -> logits / temperature with -inf outside the top-k / top-p
   support [..., V] float32: log q up to a constant, q being what a non-greedy sp samples from.
   The trainer scores sampled tokens under this same q (tlt_jax.rl.grpo.token_log_probs)."""
-  logits = logits.astype(jnp.float32) / sp.temperature
+  t = sp.temperature
+  if isinstance(t, jax.Array):  # traced: a 0 (greedy) selects the argmax in `target_probs`
+    t = jnp.where(t > 0, t, 1.0)
+  logits = logits.astype(jnp.float32) / t
   if sp.top_k:
     kth = jax.lax.top_k(logits, sp.top_k)[0][..., -1:]
     logits = jnp.where(logits >= kth, logits, -jnp.inf)
@@ -63,9 +80,14 @@ def support_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
 
 def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """float32 logits [..., V] -> probabilities q [..., V] (float32, rows sum to 1)."""
+  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
   if sp.greedy:
-    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-  return jax.nn.softmax(support_logits(logits, sp), axis=-1)
+    return greedy
+  q = jax.nn.softmax(support_logits(logits, sp), axis=-1)
+  if isinstance(sp.temperature, jax.Array):
+    # A draw from one-hot q is its token whatever the noise: greedy needs no branch of its own.
+    q = jnp.where(sp.temperature > 0, q, greedy)
+  return q
 
 
 def token_noise(key: jax.Array, requests: jax.Array, positions: jax.Array,
