@@ -191,12 +191,27 @@ def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
   sd_calls = [r for res in (first, second) for r in res.timeline
               if r.mode == "sd" or (r.mode == "plain" and r.active <= 2)]
   assert sum(row["pulls"] for row in tuner.summary()) <= sum(not r.compiled for r in sd_calls)
-  # A call that queues nothing ahead (a greedy evaluation beside a sampled rollout) decodes
-  # its tail with what is ready: no SD program for its sampling, none compiled.
-  unqueued = engine.generate(PROMPTS, 2, SamplingParams(0.5), jax.random.key(1),
-                             compile_priority=None)
-  assert not engine.pool.pending() and not any(r.mode == "sd" for r in unqueued.timeline)
-  assert engine.pool.report()["bill"]["rollout_decode_sd"] == sd
+  # A call that queues nothing ahead decodes its tail with what is ready: at another
+  # temperature, the same programs (the temperature is their argument), none compiled.
+  engine.generate(PROMPTS, 2, SamplingParams(0.5), jax.random.key(1), compile_priority=None)
+  assert not engine.pool.pending()
+  after = engine.pool.report()["bill"]
+  assert (after["rollout_decode"], after["rollout_decode_sd"]) == (plain, sd)
+
+
+def test_every_slice_compiles_its_tail_ahead(tiny_cfg, tiny_params):
+  """The rollout key is placed on each slice, so the programs compiled ahead for a slice
+  other than the key's device lower too (they failed, and the failure stopped the rollout
+  that asked for the program)."""
+  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
+                    compile_ahead=True)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2), ec,
+                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+  engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  pool_module.wait_for_compiles_ahead()
+  for s in (0, 1):
+    for batch, strategy in engine.tail_plan():
+      assert engine.programs[s].decode_ready(batch, strategy, GREEDY)  # raises if it failed
 
 
 def _beg_mab_engine(tiny_cfg, tiny_params, eos_id, slices, max_batch):

@@ -395,9 +395,12 @@ class _SliceRun:
     """finished_all: every request finished so far on this process (request id -> (tokens,
     reason)), shared by the slices and read for the corpus of suffix drafting."""
     ec = engine.econf
-    self.engine, self.slice, self.sampling, self.key = engine, s, sp, key
+    self.engine, self.slice, self.sampling = engine, s, sp
     self.compile_priority = compile_priority
     self.prog = engine.programs[s]
+    # On the slice's devices: a program compiled ahead takes its arguments' placement, and one
+    # for another slice than the key's device would not lower.
+    self.key = self.prog.put(key)
     self.requests = requests
     self.num_samples = num_samples
     self.finished_all = {} if finished_all is None else finished_all

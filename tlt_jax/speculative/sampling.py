@@ -80,13 +80,14 @@ def support_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
 
 def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """float32 logits [..., V] -> probabilities q [..., V] (float32, rows sum to 1)."""
-  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  def argmax_one_hot():
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
   if sp.greedy:
-    return greedy
+    return argmax_one_hot()
   q = jax.nn.softmax(support_logits(logits, sp), axis=-1)
   if isinstance(sp.temperature, jax.Array):
     # A draw from one-hot q is its token whatever the noise: greedy needs no branch of its own.
-    q = jnp.where(sp.temperature > 0, q, greedy)
+    q = jnp.where(sp.temperature > 0, q, argmax_one_hot())
   return q
 
 
