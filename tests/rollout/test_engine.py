@@ -124,7 +124,7 @@ def test_greedy_and_sampled_rollouts_share_programs_and_keep_their_tokens(tiny_c
   """The temperature is an argument of the engine's programs, not part of their key: after
   rollouts at two temperatures, a greedy one compiles nothing (its schedule, SD's accept
   lengths included, needs a subset of their programs), and each gives what an engine that
-  ran only it gives."""
+  ran them in the reverse order gives."""
   ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=6, sd_threshold=2)
 
   def engine():
@@ -136,8 +136,9 @@ def test_greedy_and_sampled_rollouts_share_programs_and_keep_their_tokens(tiny_c
   assert runs[GREEDY].pool["bill"]["rollout_decode_sd"]["programs"] >= 1
   assert {r.pool["compiles"] for r in runs.values()} == {runs[GREEDY].pool["compiles"]}
   assert len({str(r.tokens) for r in runs.values()}) == 3  # the temperature took effect
-  for sp, res in runs.items():
-    assert engine().generate(PROMPTS, 2, sp, jax.random.key(0)).tokens == res.tokens
+  reverse = engine()
+  for sp in reversed(runs):
+    assert reverse.generate(PROMPTS, 2, sp, jax.random.key(0)).tokens == runs[sp].tokens
 
 
 def test_a_slice_without_requests_is_idle_from_the_start(tiny_cfg, tiny_params):
