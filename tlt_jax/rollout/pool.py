@@ -214,11 +214,11 @@ class _Background:
       if not self._heap:
         return
       _, _, future, fn = heapq.heappop(self._heap)
+      self._running = future  # under the lock: `wait_idle` always sees it in one place or the other
     if not threading.main_thread().is_alive():
       future.cancel()  # the interpreter is exiting: nobody will use the program
     if not future.set_running_or_notify_cancel():
       return  # cancelled while queued
-    self._running = future
     try:
       future.set_result(fn())
     except BaseException as e:  # noqa: BLE001 -- handed to whoever holds the future
