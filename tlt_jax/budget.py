@@ -120,7 +120,7 @@ def job_meshes(config: ml_collections.ConfigDict, num_devices: int = 1) -> JobMe
     raise ValueError(f"the budget asks for {num_devices} devices but this machine has "
                      f"{len(devices)}; on CPU emulate them (jax_num_cpu_devices, set before "
                      f"JAX starts; experiments/gpu_budget.py --devices does it)")
-  axes = {name: size for name, size in config.mesh.axes.items()}
+  axes = dict(config.mesh.axes)
   for name in AXIS_ORDER:
     axes.setdefault(name, 1)
   mesh = make_mesh(axes, devices[:num_devices])
@@ -240,12 +240,12 @@ def _drafter_program(config, cfg, dcfg, state, params, warmup: bool,
   """The drafter's update on the first slice (spot training and the warm-up train there)."""
   section = config.drafter.warmup if warmup else config.drafter.spot
   rows, width = section.batch_rows, section.window
-  on_slice = functools.partial(_rows_on, meshes.rollout, meshes.rollout_rules)
-  i32 = lambda: on_slice(jax.ShapeDtypeStruct((rows, width), jnp.int32))  # noqa: E731
-  windows = Windows(tokens=i32(), segment_ids=i32(), positions=i32(),
-                    features=on_slice(jax.ShapeDtypeStruct((rows, width, cfg.feature_size),
-                                                           cfg.jnp_dtype)),
-                    loss_mask=on_slice(jax.ShapeDtypeStruct((rows, width), jnp.bool_)))
+
+  def on_slice(dtype, shape=(rows, width)):
+    return _rows_on(meshes.rollout, meshes.rollout_rules, jax.ShapeDtypeStruct(shape, dtype))
+  windows = Windows(tokens=on_slice(jnp.int32), segment_ids=on_slice(jnp.int32),
+                    positions=on_slice(jnp.int32), loss_mask=on_slice(jnp.bool_),
+                    features=on_slice(cfg.jnp_dtype, (rows, width, cfg.feature_size)))
   fn = functools.partial(train_step, cfg=training_model_config(config, cfg), dcfg=dcfg,
                          oc=drafter_opt_config(config, warmup=warmup))
   return Program("drafter_step", fn, (state, params, windows), (0,), (0, 1), meshes.rollout)
@@ -319,23 +319,20 @@ def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int =
   programs = _rollout_programs(config, cfg, rollout_params, dcfg if use_sd else None,
                                dparams if use_sd else None, config.drafter.spot_training,
                                meshes)
-  capacity = engine_config(config).capacity
   rows = rl.prompts_per_step * rl.num_samples
-  unit = rl.mini_batches * rl.micro_batch_rows
-  micro = -(-rows // unit) * unit // unit  # micro-batches per mini-batch
-  shape = (micro, rl.micro_batch_rows, capacity)
-  on_mesh_rows = functools.partial(_rows_on, meshes.train, meshes.rules, row_dim=1)
-  mini = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
-          "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
-          "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_),
-          "advantages": jax.ShapeDtypeStruct(shape[:2], jnp.float32),
-          "weight": jax.ShapeDtypeStruct(shape[:2], jnp.float32)}
-  if rl.ppo_epochs * rl.mini_batches > 1:
-    mini["old_logp"] = jax.ShapeDtypeStruct(shape, jnp.float32)
+  micro = -(-rows // (rl.mini_batches * rl.micro_batch_rows))  # micro-batches per mini-batch
+  shape = (micro, rl.micro_batch_rows, engine_config(config).capacity)
+  needs_old_logp = rl.ppo_epochs * rl.mini_batches > 1
+  mini = {"tokens": (shape, jnp.int32), "targets": (shape, jnp.int32),
+          "loss_mask": (shape, jnp.bool_), "advantages": (shape[:2], jnp.float32),
+          "weight": (shape[:2], jnp.float32)}
+  if needs_old_logp:
+    mini["old_logp"] = (shape, jnp.float32)
   if rl.kl_coef > 0:
-    mini["ref_logp"] = jax.ShapeDtypeStruct(shape, jnp.float32)
-  mini = {k: on_mesh_rows(v) for k, v in mini.items()}
-  if rl.ppo_epochs * rl.mini_batches > 1 or rl.kl_coef > 0:
+    mini["ref_logp"] = (shape, jnp.float32)
+  mini = {k: _rows_on(meshes.train, meshes.rules, jax.ShapeDtypeStruct(*v), row_dim=1)
+          for k, v in mini.items()}
+  if needs_old_logp or rl.kl_coef > 0:
     programs.append(Program("log_probs", make_log_probs(tcfg, algorithm.loss.sampling).__wrapped__,
                             (params, {k: mini[k] for k in ("tokens", "targets", "loss_mask")}),
                             (), (0,), meshes.train))

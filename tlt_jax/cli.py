@@ -33,14 +33,13 @@ def parse_flags(argv: list[str]) -> list[str]:
   current = [_current_override(arg) for arg in argv]
   if argv == sys.argv:  # config_flags finds its override flags in sys.argv
     sys.argv[:] = current
-  argv = current
   try:
-    rest = flags.FLAGS(argv)
+    rest = flags.FLAGS(current)
   except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
     # ml_collections reports unknown override keys as AttributeError/KeyError with a hint.
     sys.exit(f"config error: {_one_line(e)}")
   if len(rest) > 1:  # no job takes positional arguments
-    sys.exit(f"command line error: {_stray_arguments(argv, rest[1:])}")
+    sys.exit(f"command line error: {_stray_arguments(current, rest[1:])}")
   return rest
 
 
@@ -84,9 +83,7 @@ def _one_line(e: Exception) -> str:
   if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
     text = text[1:-1]  # KeyError/AttributeError repr-quote their message
   msg = text.replace("\\n", " ").replace("\\'", "'").replace("\n", " ")
-  if isinstance(e, (AttributeError, KeyError)):
-    msg = f"unknown config key {msg}"
-  return msg
+  return f"unknown config key {msg}" if isinstance(e, (AttributeError, KeyError)) else msg
 
 
 def load_config(flag):

@@ -152,8 +152,7 @@ def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None =
 
 def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
   """The GrpoConfig of config.rl."""
-  r = config.rl
-  return build_from(GrpoConfig, r, sampling=sampling_params(config))
+  return build_from(GrpoConfig, config.rl, sampling=sampling_params(config))
 
 
 def algorithm_from_config(config: ml_collections.ConfigDict) -> Grpo:
@@ -230,11 +229,10 @@ def load_policy(config: ml_collections.ConfigDict, mesh: Mesh) -> tuple[ModelCon
       return cfg, load_hf_params(config.model.path, cfg, mesh, rules)
     except (OSError, ValueError) as e:
       raise ConfigError(f"model.path={config.model.path!r}: {first_line(e)}") from None
-  shapes = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
-  shardings = logical_shardings(param_logical_axes(cfg), mesh, rules, shapes)
-  params = jax.jit(functools.partial(init_params, cfg), out_shardings=shardings)(
-      jax.random.key(config.seed))
-  return cfg, params
+  init = functools.partial(init_params, cfg)
+  shardings = logical_shardings(param_logical_axes(cfg), mesh, rules,
+                                jax.eval_shape(init, jax.random.key(0)))
+  return cfg, jax.jit(init, out_shardings=shardings)(jax.random.key(config.seed))
 
 
 def load_drafter_for(config: ml_collections.ConfigDict, cfg: ModelConfig,
@@ -311,8 +309,7 @@ TRAINED_FROM = "trained_from.json"
 
 def _tokenizer_settings(config: ml_collections.ConfigDict) -> dict:
   """The settings a trained tokenizer depends on: its own and the training problems'."""
-  settings = flat_settings(config)
-  return {k: v for k, v in settings.items()
+  return {k: v for k, v in flat_settings(config).items()
           if k in ("tokenizer.vocab_size", "tokenizer.num_train_examples")
           or (k.startswith("task.") and not k.startswith("task.eval_"))}
 

@@ -104,21 +104,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   # A local Hugging Face folder; empty = randomly initialised weights of the shape below.
   c.model.path = ""
-  c.model.model_type = "qwen2"
-  c.model.vocab_size = 512
-  c.model.hidden_size = 64
-  c.model.intermediate_size = 128
-  c.model.num_layers = 4
-  c.model.num_heads = 4
-  c.model.num_kv_heads = 2
-  c.model.head_dim = 16
-  c.model.rope_theta = 10000.0
-  c.model.rms_norm_eps = 1e-6
-  c.model.tie_embeddings = False
-  c.model.max_position_embeddings = 4096
-  c.model.dtype = "float32"
-  c.model.param_dtype = "float32"
-  c.model.attention_impl = "auto"
+  c.model.update(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                 rms_norm_eps=1e-6, tie_embeddings=False, max_position_embeddings=4096,
+                 dtype="float32", param_dtype="float32", attention_impl="auto")
   # Which forward passes run the layers as a lax.scan over the stacked weights instead of a
   # Python loop: "none", "train" (log-probs, policy and SFT updates; prefill/decode/verify
   # loop) or "all". The scan compiles faster and keeps training memory down; on GPU it copies
@@ -131,11 +120,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.remat = "none"
   c.model.attention_query_chunk = 0
 
-  c.generate = ml_collections.ConfigDict()
-  c.generate.num_prompts = 16
-  c.generate.prompt_len = 16
-  c.generate.max_new_tokens = 64
-  c.generate.temperature = 0.0
+  c.generate = ml_collections.ConfigDict(dict(num_prompts=16, prompt_len=16, max_new_tokens=64,
+                                              temperature=0.0))
 
   # The task (tlt_jax.rl.tasks): "arithmetic" (built in; its knobs are the keys below) or
   # "reasoning_gym" (pip install -e ".[reasoning]"; its knobs are task.reasoning_gym). Problem
@@ -158,10 +144,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.eval_data_path = ""
 
   # A local Hugging Face tokenizer folder, or '' to train a byte-level BPE on the task's text.
-  c.tokenizer = ml_collections.ConfigDict()
-  c.tokenizer.path = ""
-  c.tokenizer.vocab_size = 320
-  c.tokenizer.num_train_examples = 4000
+  c.tokenizer = ml_collections.ConfigDict(dict(path="", vocab_size=320, num_train_examples=4000))
 
   # Supervised fine-tuning on the task's worked solutions (python -m tlt_jax.sft).
   c.sft = ml_collections.ConfigDict()
@@ -169,21 +152,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.steps = 1000
   c.sft.rows = 16           # batch rows, split over the ('replica', 'fsdp') mesh axes
   c.sft.seq_len = 384       # tokens per row; several examples are packed into a row
-  c.sft.learning_rate = 3e-3
-  c.sft.lr_warmup_steps = 50
-  c.sft.end_lr_fraction = 0.05
-  c.sft.weight_decay = 0.1
-  c.sft.b1 = 0.9
-  c.sft.b2 = 0.98
-  c.sft.grad_clip = 1.0
-  c.sft.log_every = 10
+  c.sft.update(learning_rate=3e-3, lr_warmup_steps=50, end_lr_fraction=0.05, weight_decay=0.1,
+               b1=0.9, b2=0.98, grad_clip=1.0, log_every=10)
   c.sft.eval_every = 250    # held-out greedy accuracy every N steps (0 = only at the end)
-  c.sft.num_eval_examples = 256
-  c.sft.eval_batch_size = 64
-  c.sft.eval_max_new_tokens = 256
-  c.sft.checkpoint_every = 250
-  c.sft.keep_checkpoints = 2
-  c.sft.export_dtype = "float32"
+  c.sft.update(num_eval_examples=256, eval_batch_size=64, eval_max_new_tokens=256,
+               checkpoint_every=250, keep_checkpoints=2, export_dtype="float32")
   # Train for at most this many minutes of the job's run (0 = no limit), then evaluate and
   # export as after sft.steps (summary.json: time_limited, step): for a lease of fixed length.
   c.sft.max_minutes = 0.0
@@ -210,8 +183,7 @@ def base_config() -> ml_collections.ConfigDict:
   # ("table": one arm per bucket, in bucket order).
   c.rollout.speculative.bucket_thresholds = (1, 2, 5)
   c.rollout.speculative.arms = ("4,2,8", "3,2,6", "6,2,12")
-  c.rollout.speculative.epsilon = 0.1
-  c.rollout.speculative.window = 300
+  c.rollout.speculative.update(epsilon=0.1, window=300)
   # BEG-MAB also tries plain decoding in every bucket, so adaptive SD never runs slower than
   # plain decoding where no strategy pays (it learns that from the same goodput).
   c.rollout.speculative.plain_arm = True
@@ -236,21 +208,15 @@ def base_config() -> ml_collections.ConfigDict:
   for name, algorithm in ALGORITHMS.items():
     if defaults_of(algorithm.Settings):
       c.rl[name] = ml_collections.ConfigDict(defaults_of(algorithm.Settings))
-  c.rl.steps = 20
-  c.rl.prompts_per_step = 16
-  c.rl.num_samples = 8
+  c.rl.update(steps=20, prompts_per_step=16, num_samples=8)
   c.rl.num_train_examples = 1_000_000   # the prompt pool (training split of the task)
   c.rl.reward = "answer+format"         # or "answer"
   c.rl.format_bonus = 0.1
   # Judge a response that states no '#### x' or \boxed{x} by its last number (reward, accuracy
   # and evaluation alike): for a model that was never taught the answer format.
   c.rl.answer_fallback = False
-  c.rl.learning_rate = 1e-6
-  c.rl.lr_warmup_steps = 0
-  c.rl.weight_decay = 0.0
-  c.rl.b1 = 0.9
-  c.rl.b2 = 0.999
-  c.rl.grad_clip = 1.0
+  c.rl.update(learning_rate=1e-6, lr_warmup_steps=0, weight_decay=0.0, b1=0.9, b2=0.999,
+              grad_clip=1.0)
   # The loss's knobs, with their defaults, are GrpoConfig's fields (tlt_jax.rl.grpo):
   # clip_eps, clip_eps_high (clip-higher), scale_by_std, loss_agg, kl_coef, entropy_coef.
   c.rl.update(defaults_of(GrpoConfig, exclude=("sampling",)))
@@ -267,8 +233,7 @@ def base_config() -> ml_collections.ConfigDict:
   # the updates gained on exactly these prompts and samples' randomness (0 at step 1), free of
   # the prompt mix's noise. Costs one more rollout per step and a copy of the weights.
   c.rl.paired_control = False
-  c.rl.checkpoint_every = 5
-  c.rl.keep_checkpoints = 2
+  c.rl.update(checkpoint_every=5, keep_checkpoints=2)
   c.rl.export = True                     # export policy and drafter (HF layout) at the end
   c.rl.save_rollouts = False             # every response with its reward, in rollouts.jsonl
   # An update with a non-finite loss, gradient norm or parameter is never applied; "stop" ends
@@ -297,25 +262,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.drafter.spot_training = True
   # The hidden-state buffer: features of the last `keep_steps` RL steps, for a sample of
   # `sequences_per_step` responses per step (0 = all).
-  c.drafter.buffer = ml_collections.ConfigDict()
-  c.drafter.buffer.keep_steps = 2
-  c.drafter.buffer.sequences_per_step = 0
+  c.drafter.buffer = ml_collections.ConfigDict(dict(keep_steps=2, sequences_per_step=0))
   # Spot updates: packed windows of `window` slots; `windows` rows per snapshot of the buffer,
   # `batch_rows` per update; max_steps per slice and rollout (0 = until the rollout ends).
   c.drafter.spot = ml_collections.ConfigDict(defaults_of(SpotConfig))
   # Offline warm-up before RL (python -m tlt_jax.warmup_drafter): the policy generates
   # responses to `num_prompts` training prompts, the drafter trains on its features.
-  c.drafter.warmup = ml_collections.ConfigDict()
-  c.drafter.warmup.num_prompts = 256
-  c.drafter.warmup.samples_per_prompt = 1
-  c.drafter.warmup.temperature = 1.0
-  c.drafter.warmup.max_new_tokens = 256
-  c.drafter.warmup.steps = 400
-  c.drafter.warmup.batch_rows = 8
-  c.drafter.warmup.window = 256
-  c.drafter.warmup.learning_rate = 3e-3
-  c.drafter.warmup.lr_warmup_steps = 20
-  c.drafter.warmup.checkpoint_every = 100
+  c.drafter.warmup = ml_collections.ConfigDict(dict(
+      num_prompts=256, samples_per_prompt=1, temperature=1.0, max_new_tokens=256, steps=400,
+      batch_rows=8, window=256, learning_rate=3e-3, lr_warmup_steps=20, checkpoint_every=100))
   c.drafter.warmup.num_eval_prompts = 32  # held-out prompts for the accept-length check
   c.drafter.warmup.max_minutes = 0.0      # stop training after this long, then export (0 = no)
   return c
@@ -338,47 +293,27 @@ def flat_settings(config: ml_collections.ConfigDict) -> dict:
 def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
   """The model shape and task of the shipped tiny policy (assets/tiny-policy), which was
   fine-tuned on exactly this task: configs that train or load it share these values."""
-  c.model.vocab_size = 320
-  c.model.hidden_size = 128
-  c.model.intermediate_size = 256
-  c.model.num_layers = 6
-  c.model.num_heads = 4
-  c.model.num_kv_heads = 2
-  c.model.head_dim = 32
-  c.model.max_position_embeddings = 1024
-  c.model.attention_impl = "reference"
+  c.model.update(vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=6,
+                 num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1024,
+                 attention_impl="reference")
   # Two-digit values and operands up to 19 (multipliers up to 9): the policy slips on some
   # operations, so accuracy falls with their number and GRPO has signal. Up to 20 operations
   # keep every problem within one 320-token row (prompt + solution).
-  c.task.max_ops = 20
-  c.task.max_value = 99
-  c.task.max_operand = 19
-  c.task.max_multiplier = 9
-  c.task.body_p = 0.3
-  c.task.tail_prob = 0.15
+  c.task.update(max_ops=20, max_value=99, max_operand=19, max_multiplier=9, body_p=0.3,
+                tail_prob=0.15)
 
 
 def smoke_run_settings(c: ml_collections.ConfigDict) -> None:
   """The `:runlocal` sizes of a config's jobs, for smoke tests: 2 RL steps of 2 prompts x 4
   samples, 48-token responses, an 8-prompt, 6-step drafter warm-up and a 4-problem
   evaluation, programs compiled when first needed; the model and task stay the config's."""
-  c.rollout.max_batch = 8
-  c.rollout.max_new_tokens = 48
-  c.generate.num_prompts = 4
-  c.generate.max_new_tokens = 8
-  c.drafter.warmup.num_prompts = 8
-  c.drafter.warmup.steps = 6
-  c.drafter.warmup.max_new_tokens = 48
-  c.drafter.warmup.checkpoint_every = 3
-  c.drafter.warmup.num_eval_prompts = 2
-  c.drafter.spot.windows = 4
-  c.drafter.spot.window = 64
-  c.rl.steps = 2
-  c.rl.prompts_per_step = 2
-  c.rl.num_samples = 4
-  c.rl.micro_batch_rows = 4
-  c.rl.checkpoint_every = 1
-  c.rl.num_eval_examples = 4
+  c.rollout.update(max_batch=8, max_new_tokens=48)
+  c.generate.update(num_prompts=4, max_new_tokens=8)
+  c.drafter.warmup.update(num_prompts=8, steps=6, max_new_tokens=48, checkpoint_every=3,
+                          num_eval_prompts=2)
+  c.drafter.spot.update(windows=4, window=64)
+  c.rl.update(steps=2, prompts_per_step=2, num_samples=4, micro_batch_rows=4, checkpoint_every=1,
+              num_eval_examples=4)
   # Two short steps: programs compiled ahead would not be ready before the run ends, and a
   # smoke run should show SD working (compiling ahead is tested on its own).
   c.rollout.compile_ahead = False
@@ -387,23 +322,12 @@ def smoke_run_settings(c: ml_collections.ConfigDict) -> None:
 def toy_settings(c: ml_collections.ConfigDict) -> None:
   """The smallest model, task and SFT settings, for smoke runs: a 2-layer, 32-wide model,
   problems of up to 6 steps, a dozen SFT steps and an 8-problem evaluation."""
-  c.model.num_layers = 2
-  c.model.hidden_size = 32
-  c.model.intermediate_size = 64
-  c.model.num_heads = 2
-  c.model.num_kv_heads = 1
-  c.model.head_dim = 16
+  c.model.update(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                 num_kv_heads=1, head_dim=16)
   c.task.max_ops = 6
   c.tokenizer.num_train_examples = 300
-  c.sft.steps = 12
-  c.sft.rows = 8
-  c.sft.seq_len = 128
-  c.sft.lr_warmup_steps = 2
-  c.sft.learning_rate = 1e-2
-  c.sft.eval_every = 0
-  c.sft.num_eval_examples = 8
-  c.sft.eval_batch_size = 8
-  c.sft.eval_max_new_tokens = 48
+  c.sft.update(steps=12, rows=8, seq_len=128, lr_warmup_steps=2, learning_rate=1e-2,
+               eval_every=0, num_eval_examples=8, eval_batch_size=8, eval_max_new_tokens=48)
 
 
 def _check_keys(config, schema, prefix: str = "") -> None:
@@ -469,9 +393,8 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int | None = No
   if config.seed < 0:  # numpy's generators refuse negative seeds, and only once they run
     raise ConfigError(f"seed={config.seed} must be >= 0")
   _check_model(config.model)
-  _check_mesh(config.mesh, num_devices)
-  if num_devices is not None:
-    sizes = resolve_axis_sizes(dict(config.mesh.axes), num_devices)
+  sizes = _check_mesh(config.mesh, num_devices)
+  if sizes is not None:
     check_micro_batch_rows(config.rl.micro_batch_rows,
                            sizes.get("replica", 1) * sizes.get("fsdp", 1))
   _positive(config.generate, "generate", ("num_prompts", "prompt_len", "max_new_tokens"))
@@ -503,7 +426,8 @@ def _check_model(m: ml_collections.ConfigDict) -> None:
       raise ConfigError(f"model.path={m.path!r}: {e}") from None
 
 
-def _check_mesh(mesh: ml_collections.ConfigDict, num_devices: int | None) -> None:
+def _check_mesh(mesh: ml_collections.ConfigDict, num_devices: int | None) -> dict | None:
+  """The mesh's axis sizes on `num_devices` devices (None when not given)."""
   axes = dict(mesh.axes)
   if not axes:
     raise ConfigError("mesh.axes must name at least one axis, e.g. {'replica': 1, 'fsdp': -1}")
@@ -514,11 +438,10 @@ def _check_mesh(mesh: ml_collections.ConfigDict, num_devices: int | None) -> Non
     raise ConfigError(f"mesh.distributed.process_id={dist.process_id} must be below "
                       f"num_processes={dist.num_processes}")
   _one_of(dist.cpu_collectives, ("gloo", "mpi"), "mesh.distributed.cpu_collectives")
-  if num_devices is not None:
-    try:
-      resolve_axis_sizes(axes, num_devices)
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
+  try:
+    return None if num_devices is None else resolve_axis_sizes(axes, num_devices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _check_task(t: ml_collections.ConfigDict) -> None:
