@@ -138,14 +138,13 @@ class SpotTrainer:
                                 drafter_params)
     self.slices = replica_slices(home)
     self.local = local_slices(self.slices)
-    params = to_mesh(drafter_params, self._state_shardings(home).params)
+    home_sh = self._state_shardings(home)
+    params = to_mesh(drafter_params, home_sh.params)
     if opt_state is None:
-      opt_state = jax.jit(self._tx.init, out_shardings=self._state_shardings(home).opt_state)(
-          trainable_part(params))
-    self.state = to_mesh(
-        DrafterTrainState(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32)),
-        self._state_shardings(home))
-    self._average = jax.jit(_average_slices, out_shardings=self._state_shardings(home))
+      opt_state = jax.jit(self._tx.init, out_shardings=home_sh.opt_state)(trainable_part(params))
+    state = DrafterTrainState(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32))
+    self.state = to_mesh(state, home_sh)
+    self._average = jax.jit(_average_slices, out_shardings=home_sh)
     self._step = jax.jit(functools.partial(_rows_step, cfg=cfg, dcfg=dcfg, oc=oc),
                          donate_argnums=(0,))
     self._lock = threading.Lock()
@@ -164,8 +163,7 @@ class SpotTrainer:
     return self.state.params
 
   def _state_shardings(self, mesh: Mesh) -> DrafterTrainState:
-    """Shardings of the train state on `mesh`: params by their logical axes, Adam moments
-    like their params, counters replicated."""
+    """`train_state_shardings` of the train state on `mesh`, once per mesh."""
     if mesh not in self._shardings:
       self._shardings[mesh] = train_state_shardings(self._tx, self._shapes, self._axes, mesh,
                                                     self.rules)
@@ -188,19 +186,18 @@ class SpotTrainer:
     idle first waits for its compile). Returns the seconds it took."""
     t0 = time.perf_counter()
     sp = self.spot
-    f = self.cfg.feature_size
     for s, mesh in enumerate(meshes):
       if policy_on(s) is None:
         continue
-      def abstract(shape, dtype, names, mesh=mesh):
+      def abstract(dtype, *feature, mesh=mesh):
+        """[windows, window, *feature] on the slice, windows split over the batch axes."""
+        shape = (sp.windows, sp.window, *feature)
+        names = ("batch",) + (None,) * (len(shape) - 1)
         spec = logical_to_mesh_spec(P(*names), shape, mesh, self.rules)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-      rows2 = (sp.windows, sp.window)
-      windows = Windows(tokens=abstract(rows2, jnp.int32, ("batch", None)),
-                        features=abstract(rows2 + (f,), jnp.float32, ("batch", None, None)),
-                        segment_ids=abstract(rows2, jnp.int32, ("batch", None)),
-                        positions=abstract(rows2, jnp.int32, ("batch", None)),
-                        loss_mask=abstract(rows2, jnp.bool_, ("batch", None)))
+      ints = abstract(jnp.int32)
+      windows = Windows(tokens=ints, features=abstract(jnp.float32, self.cfg.feature_size),
+                        segment_ids=ints, positions=ints, loss_mask=abstract(jnp.bool_))
       state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                            self.state, self._state_shardings(mesh))
       rows = jax.ShapeDtypeStruct((sp.batch_rows,), jnp.int32,

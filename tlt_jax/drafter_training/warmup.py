@@ -29,14 +29,12 @@ from tlt_jax.speculative.sampling import SamplingParams
 
 def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[int]],
                     completions: list[list[int]], batch_size: int = 32) -> list[Sample]:
-  """Samples (tokens, policy features) of prompt + completion pairs; training starts at the
-  last prompt token, whose feature predicts the first completion token. As in the feature
-  buffer, a sample ends before the last token: its feature predicts what follows the response
-  (after its EOS), which is never drafted; the token itself is still the previous slot's
-  label."""
+  """Samples (tokens, policy features) of prompt + completion pairs; training starts at the last
+  prompt token, whose feature predicts the first completion token. As in the feature buffer, a
+  sample ends before the last token: its feature predicts what follows the response (after its EOS),
+  which is never drafted; the token itself is still the previous slot's label."""
   seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-  width = max(len(s) for s in seqs)
-  width = -(-width // 16) * 16  # a few shapes, not one per length
+  width = -(-max(map(len, seqs)) // 16) * 16  # a few shapes, not one per length
   # The empty cache is an argument, not a constant XLA would fold through the attention.
   run = jax.jit(lambda params, toks, lens, cache: prefill(params, toks, lens, cache, cfg)[1])
   samples = []
@@ -45,8 +43,7 @@ def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[in
     toks = np.zeros((batch_size, width), np.int32)
     lens = np.ones((batch_size,), np.int32)
     for i, s in enumerate(group):
-      toks[i, :len(s)] = s
-      lens[i] = len(s)
+      toks[i, :len(s)], lens[i] = s, len(s)
     feats = np.asarray(run(policy_params, jnp.asarray(toks), jnp.asarray(lens),
                            init_cache(cfg, batch_size, width)), np.float32)
     for i, s in enumerate(group):
@@ -69,7 +66,6 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
   should_stop: optional `fn() -> bool`, asked after on_step: True ends training there.
   """
   windows = pack_windows(samples, window)
-  n_rows = windows.tokens.shape[0]
   update = jit_train_step(cfg, dcfg, oc)
   state = init_train_state(drafter_params, oc) if state is None else state
   first = int(state.step)
@@ -78,7 +74,7 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
   bar = tqdm(range(first, steps), desc="drafter warm-up", disable=not progress,
              initial=first, total=steps)
   for step in bar:
-    rows = rng.integers(0, n_rows, batch_rows)
+    rows = rng.integers(0, windows.tokens.shape[0], batch_rows)
     batch = jax.tree.map(lambda x: jnp.asarray(x[rows]), windows)
     state, metrics = update(state, policy_params, batch)
     metrics = {k: float(v) for k, v in metrics.items()}
@@ -99,20 +95,18 @@ def cached_responses(engine, prompts, samples: int, temperature: float, seed: in
   rerun only when it holds these prompts and was made with these settings."""
   n = len(prompts) * samples
   made_by = dict(made_by, samples=samples, temperature=temperature, seed=seed)
+  asked = [list(prompts[i // samples]) for i in range(n)]  # each request's prompt
   if os.path.isfile(path) and os.path.isfile(path + ".json"):
-    with open(path) as f:
+    with open(path) as f, open(path + ".json") as g:
       rows = [json.loads(line) for line in f]
-    with open(path + ".json") as f:
-      recorded = json.load(f)
-    if (recorded == made_by
-        and [r["prompt"] for r in rows] == [list(prompts[i // samples]) for i in range(n)]):
+      recorded = json.load(g)
+    if recorded == made_by and [r["prompt"] for r in rows] == asked:
       job.say(f"reusing {n} responses from {path}")
       return [r["completion"] for r in rows]
     job.say(f"{path} holds other prompts or settings: generating again")
   result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed))
   if job.writer:  # never a half-written cache, and its settings only once it is whole
-    write_jsonl(path, ({"prompt": list(prompts[i // samples]), "completion": toks}
-                       for i, toks in enumerate(result.tokens)))
+    write_jsonl(path, ({"prompt": p, "completion": t} for p, t in zip(asked, result.tokens)))
     write_json(path + ".json", made_by)
   job.say(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
           f"{result.wall_s:.1f} s")

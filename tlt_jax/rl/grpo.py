@@ -128,10 +128,9 @@ def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_ma
 def grpo_loss(params: dict, batch: dict, cfg: ModelConfig, gc: GrpoConfig):
   """(scalar loss, metrics) of one (micro-)batch; see the module docstring. The loss is this
   batch's share of the mini-batch aggregate (rows weighted by batch['weight'])."""
-  mask = batch["loss_mask"]
-  maskf = mask.astype(jnp.float32)
-  logp, entropy = token_log_probs(params, batch["tokens"], batch["targets"], mask, cfg,
-                                  gc.sampling, with_entropy=gc.entropy_coef > 0)
+  maskf = batch["loss_mask"].astype(jnp.float32)
+  logp, entropy = token_log_probs(params, batch["tokens"], batch["targets"], batch["loss_mask"],
+                                  cfg, gc.sampling, with_entropy=gc.entropy_coef > 0)
   adv = batch["advantages"][:, None]
   # Without old_logp the batch was sampled by these very params (one update per step).
   old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
@@ -144,8 +143,7 @@ def grpo_loss(params: dict, batch: dict, cfg: ModelConfig, gc: GrpoConfig):
     per_token = per_token + gc.kl_coef * kl
   if gc.entropy_coef > 0:
     per_token = per_token - gc.entropy_coef * entropy
-  n = jnp.maximum(maskf.sum(axis=1), 1.0)
-  row = jnp.sum(per_token * maskf, axis=1) / n
+  row = jnp.sum(per_token * maskf, axis=1) / jnp.maximum(maskf.sum(axis=1), 1.0)
   loss = jnp.sum(batch["weight"] * row)
 
   def token_mean(x):

@@ -127,11 +127,12 @@ def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTr
     share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
     out = {k: jnp.sum(v * share) for k, v in metrics.items() if k != "pg_loss"}
     out.update(loss=jnp.sum(losses), grad_norm=optax.tree.norm(grads))
-    finite = (jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
-              & all_finite(new_params))
+    params_finite = all_finite(new_params)
+    finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"]) & params_finite
     out.update(nonfinite=(~finite).astype(jnp.float32),
-               params_finite=all_finite(new_params).astype(jnp.float32))
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+               params_finite=params_finite.astype(jnp.float32))
+    def keep(new, old):
+      return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     return keep(new_params, params), keep(new_opt_state, opt_state), out
 
   return update
@@ -158,8 +159,7 @@ class PolicyUpdater:
     check_micro_batch_rows(micro_batch_rows, data_parallel_size(mesh))
     self.loss_agg, self.mesh, self.rules = algorithm.loss.loss_agg, mesh, rules
     self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
-    self.micro_rows = micro_batch_rows
-    self.ref_params = ref_params
+    self.micro_rows, self.ref_params = micro_batch_rows, ref_params
     self.opt_state, opt_sharding = init_optimizer(tx, params, mesh)
     param_sharding = jax.tree.map(lambda x: x.sharding, params)
     self._update = make_policy_update(cfg, algorithm.loss_fn, tx, param_sharding, opt_sharding)
@@ -174,12 +174,11 @@ class PolicyUpdater:
   def __call__(self, params: dict, prompts: Sequence[Sequence[int]],
                completions: Sequence[Sequence[int]], advantages: np.ndarray, pad_id: int,
                max_width: int, min_rows: int = 0) -> tuple[dict, dict, float]:
-    """Updates `params` (donated) and the optimizer state on one step's responses
-    (prompts[i] + completions[i], advantage advantages[i]); returns (params, the updates'
-    mean metrics, seconds spent compiling). min_rows: pad the batch to at least the rows of
-    this many sequences (a step that trains on fewer responses than usual keeps the usual
-    batch shape, so it compiles nothing new, and takes one optimizer step per mini-batch
-    that holds responses)."""
+    """Updates `params` (donated) and the optimizer state on one step's responses (prompts[i] +
+    completions[i], advantage advantages[i]); returns (params, the updates' mean metrics, seconds
+    spent compiling). min_rows: pad the batch to at least the rows of this many sequences (a step
+    that trains on fewer responses than usual keeps the usual batch shape, so it compiles nothing
+    new, and takes one optimizer step per mini-batch that holds responses)."""
     rows = build_rows(prompts, completions, advantages,
                       self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width)
     batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
@@ -218,10 +217,9 @@ class PolicyUpdater:
 
   def _batch_log_probs(self, params: dict, batch: dict) -> jax.Array:
     """log-probs over the [mini_batches, micro_batches, rows, T] batch -> [.., T]."""
-    lead = batch["tokens"].shape[:2]
     flat = {k: batch[k].reshape(-1, *batch[k].shape[2:])
             for k in ("tokens", "targets", "loss_mask")}
     shapes = tuple(sorted((k, v.shape) for k, v in flat.items()))
     log_probs = self.pool.get(("log_probs", shapes), self._log_probs,
                               (params, flat), mesh=self.mesh, kind="log_probs")
-    return log_probs(params, flat).reshape(*lead, *batch["tokens"].shape[2:])
+    return log_probs(params, flat).reshape(batch["tokens"].shape)

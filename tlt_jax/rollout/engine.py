@@ -49,16 +49,14 @@ from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import Tuner
 
-# Decode iterations per compiled call, at most (a call also ends when the scheduler must act).
-DEFAULT_ITERATIONS_PER_CALL = 32
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """max_batch: rows per slice (a power of two), bounded by cache memory.
   max_prompt_len / max_new_tokens: fix the cache capacity and the output width.
   sd_threshold: switch to SD when running rows <= this (0 = never).
-  iterations_per_call: decode iterations per compiled call, at most.
+  iterations_per_call: decode iterations per compiled call, at most (a call also ends when the
+  scheduler must act).
   eos_id: end-of-sequence token (-1 = none); pad_id: prompt padding.
   compile_ahead: compile the tail's decode programs in the background from a slice's first
   prefill on; until a strategy's program is ready the tuner does not choose it (the tail
@@ -73,7 +71,7 @@ class EngineConfig:
   max_prompt_len: int = 128
   max_new_tokens: int = 256
   sd_threshold: int = 8
-  iterations_per_call: int = DEFAULT_ITERATIONS_PER_CALL
+  iterations_per_call: int = 32
   eos_id: int = -1
   pad_id: int = 0
   compile_ahead: bool = False
@@ -114,7 +112,7 @@ class StepRecord:
   wall_s: float             # from dispatch until the results were on the host (no compiling)
   t_end_s: float            # since the start of generate()
   iterations: int = 0       # decode iterations the call ran
-  row_iterations: int = 0        # iterations summed over the rows running in them
+  row_iterations: int = 0   # iterations summed over the rows running in them
   host_s: float = 0.0       # host time of the call: choosing, dispatching, bookkeeping
   compiled: bool = False    # the program's first run (compiled now or ahead; tuner skips it)
 
@@ -373,12 +371,12 @@ class _Call:
   mode: str
   active: int
   bucket: int
-  strategy: object
-  host_s: float
-  t_start: float
+  strategy: object = None
   stats: object = None
   iterations: object = None
   tail: bool = False
+  host_s: float = 0.0
+  t_start: float = 0.0
   cold: bool = False  # the call's program ran for the first time: it carries one-time costs
   # The pool's critical-path compile seconds when the call was dispatched: the host loop
   # compiles for other slices while this call runs, and that time is not this call's.
@@ -390,21 +388,17 @@ class _SliceRun:
 
   def __init__(self, engine: RolloutEngine, s: int, request_ids: list[int],
                requests: list[list[int]], sp: SamplingParams, key, logged: set[int],
-               compile_priority: int | None, num_samples: int = 1,
-               finished_all: dict | None = None):
+               compile_priority: int | None, num_samples: int, finished_all: dict):
     """finished_all: every request finished so far on this process (request id -> (tokens,
     reason)), shared by the slices and read for the corpus of suffix drafting."""
     ec = engine.econf
     self.engine, self.slice, self.sampling = engine, s, sp
-    self.compile_priority = compile_priority
+    self.compile_priority, self.num_samples = compile_priority, num_samples
+    self.requests, self.logged, self.finished_all = requests, logged, finished_all
     self.prog = engine.programs[s]
     # On the slice's devices: a program compiled ahead takes its arguments' placement, and one
     # for another slice than the key's device would not lower.
     self.key = self.prog.put(key)
-    self.requests = requests
-    self.num_samples = num_samples
-    self.finished_all = {} if finished_all is None else finished_all
-    self.logged = logged
     self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.iterations_per_call,
                                 self._choose if engine.speculative else None)
     n_logged = sum(r in logged for r in request_ids)
@@ -460,20 +454,20 @@ class _SliceRun:
           and self.compile_priority is not None):
         self.prog.decode_ahead(*self._params(), self.state, self.key, self.sampling,
                                self.engine.tail_plan(), self.compile_priority)
-      call = _Call("prefill", len(action.requests), action.batch, None, 0.0, 0.0)
+      call = _Call("prefill", len(action.requests), action.batch)
     elif isinstance(action, Refill):
       fresh = self._prefill(action.requests, action.group, share=False)
       target = np.full((action.group,), self.sched.batch, np.int32)  # past the batch: dropped
       target[:len(action.rows)] = action.rows
       self.state = self.prog.put_rows(self.state, fresh, target)
-      call = _Call("prefill", len(action.requests), action.group, None, 0.0, 0.0)
+      call = _Call("prefill", len(action.requests), action.group)
     else:
       assert isinstance(action, Decode), action
       self.state, stats, iterations = self.prog.decode(
           *self._params(), self.state, self.key, self.sampling, action.strategy,
           action.min_running, action.max_iterations, self._corpus(action.strategy))
       call = _Call("sd" if action.strategy is not None else "plain", action.running,
-                   self.sched.batch, action.strategy, 0.0, 0.0, stats, iterations, action.tail)
+                   self.sched.batch, action.strategy, stats, iterations, action.tail)
     call.host_s = t_start - t_host
     call.t_start = t_start + (pool.compile_seconds - compile_s)
     call.cold = pool.first_uses != first_uses
@@ -498,13 +492,11 @@ class _SliceRun:
     return corpus
 
   def _prefill(self, request_ids, batch: int, share: bool) -> GenState:
-    """Prefills the requests into a fresh batch of `batch` rows. With `share`, requests with
-    the same prompt (a GRPO group's samples) share one prefill row, the distinct prompts
-    padded to a power-of-two count: G samples of a prompt that start together prefill one
-    row. The start of a slice's batch shares; a refill does not: there each distinct count
-    would be a prefill program of its own per group size, for the few rows a refill
-    prefills (sharing in refills, the tiny default's 16 steps compiled 73 prefill programs;
-    without, 50)."""
+    """Prefills the requests into a fresh batch of `batch` rows. With `share`, requests with the
+    same prompt (a GRPO group's samples) share one prefill row, the distinct prompts padded to a
+    power-of-two count. The start of a slice's batch shares; a refill does not: there each distinct
+    count would be a prefill program of its own per group size, for the few rows a refill prefills
+    (sharing in refills, the tiny default's 16 steps compiled 73 prefill programs; without, 50)."""
     ec = self.engine.econf
     keys = [tuple(self.requests[r]) for r in request_ids]
     where = {p: i for i, p in enumerate(dict.fromkeys(keys))}  # prompt -> its prefill row
@@ -532,8 +524,8 @@ class _SliceRun:
         (self.state.done, self.state.num_out, call.stats, call.iterations))
     t_ready = time.perf_counter()
     wall = t_ready - call.t_start - (self.engine.pool.compile_seconds - call.compile_mark)
-    emitted, accept, iters, row_iterations = (
-        call.active if call.mode == "prefill" else 0), 0.0, 0, 0
+    # A prefill emits each row's first token; a decode call always has stats.
+    emitted, accept, iters, row_iterations = call.active, 0.0, 0, 0
     if stats is not None:
       iters = int(iterations)
       emitted = int(stats.emitted.sum())
@@ -560,8 +552,7 @@ class _SliceRun:
     return StepRecord(slice=self.slice, mode=call.mode, active=call.active, bucket=call.bucket,
                       strategy=strategy, emitted=emitted, accept_mean=accept, wall_s=wall,
                       t_end_s=t_end - t0, iterations=iters, row_iterations=row_iterations,
-                      compiled=call.cold,
-                      host_s=call.host_s + (t_end - t_ready))
+                      compiled=call.cold, host_s=call.host_s + (t_end - t_ready))
 
   def _harvest_features(self, rows: list[int]) -> None:
     """Copies the finished rows' feature logs into the store, on device."""

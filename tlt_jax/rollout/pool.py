@@ -50,12 +50,11 @@ class ExecutablePool:
           out_shardings: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
           kind: str = "program") -> object:
     """The executable for `key`, compiling fn for `args` (arrays or ShapeDtypeStructs with
-    shardings) on first use. `out_shardings(output_shapes)` pins the outputs' layout, so that
-    a program's results can feed any other program of the pool. `mesh`: traced under
-    `jax.set_mesh(mesh)`, so that the attention kernel runs per shard (kernels.per_shard).
-    `kind`: the line of the bill its compile goes on. A key whose compile ahead is running
-    is waited for (the wait is billed to the critical path); one still queued is compiled
-    here instead."""
+    shardings) on first use. `out_shardings(output_shapes)` pins the outputs' layout, so that a
+    program's results can feed any other program of the pool. `mesh`: traced under
+    `jax.set_mesh(mesh)`, so that the attention kernel runs per shard (kernels.per_shard). `kind`:
+    the line of the bill its compile goes on. A key whose compile ahead is running is waited for
+    (the wait is billed to the critical path); one still queued is compiled here instead."""
     with self._lock:  # both at once: a compile ahead moves its key from one to the other
       exe, future = self._exes.get(key), self._ahead.get(key)
     if exe is None:
@@ -112,8 +111,7 @@ class ExecutablePool:
       del self._ahead[key]
 
   def ready(self, key: Hashable) -> bool:
-    """Whether `key` is compiled (a call would not wait); raises if its compile ahead
-    failed."""
+    """Whether `key` is compiled (a call would not wait); raises if its compile ahead failed."""
     self._raise_failed(key)
     return key in self._exes
 
@@ -140,19 +138,18 @@ class ExecutablePool:
       raise RuntimeError(f"compiling {key!r} ahead failed: {error}") from error
 
   def _book(self, kind: str, seconds: float, programs: int = 1, ahead: bool = False) -> None:
+    prefix = "ahead_" if ahead else ""
     with self._lock:
       line = self.bill.setdefault(kind, {"programs": 0, "seconds": 0.0,
                                          "ahead_programs": 0, "ahead_seconds": 0.0})
+      line[prefix + "programs"] += programs
+      line[prefix + "seconds"] += seconds
       if ahead:
         self.ahead_compiles += programs
         self.ahead_seconds += seconds
-        line["ahead_programs"] += programs
-        line["ahead_seconds"] += seconds
       else:
         self.compiles += programs
         self.compile_seconds += seconds
-        line["programs"] += programs
-        line["seconds"] += seconds
 
   def __contains__(self, key: Hashable) -> bool:
     return key in self._exes

@@ -71,11 +71,11 @@ class SlicePrograms:
     """The pool's key of this slice's program `key` = (kind, shape and setting ...)."""
     return (self.s, *key)
 
-  def _get(self, key, fn, args, donate=()):
-    """The pool's program for key = (kind, shape and setting ...) on this slice; its compile
-    is billed as `rollout_<kind>` (SD decode calls as `rollout_decode_sd`)."""
+  def _run(self, key, fn, args, donate=()):
+    """Runs the pool's program for key = (kind, shape and setting ...) on this slice on args;
+    its compile is billed as `rollout_<kind>` (SD decode calls as `rollout_decode_sd`)."""
     return self.pool.get(self._key(key), fn, args, donate_argnums=donate,
-                         out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key))
+                         out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key))(*args)
 
   # ---------------------------------------------------------------- programs
 
@@ -105,11 +105,10 @@ class SlicePrograms:
     # The empty caches are made by their own program and passed in (donated): built inside
     # the prefill, they would be compile-time constants that XLA tries to fold through the
     # attention, which makes compiles slow.
-    caches = self._get(("caches", b), empty_caches, ())()
+    caches = self._run(("caches", b), empty_caches, ())
     args = (params, dparams, self.put(prompts), self.put(lengths), self.put(source),
             self.put(requests), key, caches, self._temperature(sp))
-    return self._get(("prefill", b, *prompts.shape, sp.program_key), fn, args,
-                     donate=(7,))(*args)
+    return self._run(("prefill", b, *prompts.shape, sp.program_key), fn, args, donate=(7,))
 
   def _temperature(self, sp: SamplingParams) -> jax.Array:
     return self.put(np.float32(sp.temperature))
@@ -138,7 +137,7 @@ class SlicePrograms:
       if corpus is None:
         corpus = np.full(self._corpus_shape(b), -1, np.int32)
       args += (self.put(np.asarray(corpus, np.int32)),)
-    return self._get(key_b, self._decode_fn(sp, shape, shared), args, donate=(2,))(*args)
+    return self._run(key_b, self._decode_fn(sp, shape, shared), args, donate=(2,))
 
   def _corpus_shape(self, batch: int) -> tuple[int, int, int]:
     return (batch, self.corpus_rows, self.max_new_tokens)
@@ -187,31 +186,28 @@ class SlicePrograms:
 
   def put_rows(self, state: GenState, fresh: GenState, rows: np.ndarray) -> GenState:
     """state with rows `rows` replaced by fresh's rows (out-of-range indices dropped)."""
-    args = (state, fresh, self.put(rows))
-    key = ("put", state.root.shape[0], fresh.root.shape[0])
-    return self._get(key, put_rows, args, donate=(0,))(*args)
+    return self._run(("put", state.root.shape[0], fresh.root.shape[0]), put_rows,
+                     (state, fresh, self.put(rows)), donate=(0,))
 
   def take_rows(self, state: GenState, order: np.ndarray) -> GenState:
     """A smaller state of state's rows `order`."""
-    args = (state, self.put(order))
-    return self._get(("take", state.root.shape[0], len(order)), take_rows, args)(*args)
+    return self._run(("take", state.root.shape[0], len(order)), take_rows,
+                     (state, self.put(order)))
 
   def empty_store(self, rows: int) -> jax.Array:
     """An empty feature store [rows, C, F] on the slice."""
     shape = (rows, self.capacity, self.cfg.feature_size)
-    return self._get(("store", rows), lambda: jnp.zeros(shape, self.cfg.jnp_dtype), ())()
+    return self._run(("store", rows), lambda: jnp.zeros(shape, self.cfg.jnp_dtype), ())
 
   def harvest(self, store: jax.Array, log: jax.Array, src: np.ndarray,
               dst: np.ndarray) -> jax.Array:
     """store with rows dst set to log's rows src (dst past the store: dropped); donated."""
-    args = (store, log, self.put(src), self.put(dst))
-    key = ("harvest", store.shape[0], log.shape[0], len(src))
-    return self._get(key, store_rows, args, donate=(0,))(*args)
+    return self._run(("harvest", store.shape[0], log.shape[0], len(src)), store_rows,
+                     (store, log, self.put(src), self.put(dst)), donate=(0,))
 
 
 def _copies(strategy: Strategy | None) -> bool:
-  """Whether the strategy's program drafts with a drafter that reads a corpus (and so takes
-  one)."""
+  """Whether the strategy's program drafts with a drafter that reads a corpus (and so takes one)."""
   return strategy is not None and reads_corpus(strategy.drafts)
 
 
