@@ -42,7 +42,6 @@ def main(argv):
 
 
 def _generate(config, job: Job, num_devices: int) -> None:
-
   # ---------------------------------------------------------------- mesh and model
   mesh = make_mesh(dict(config.mesh.axes))
   rules = tuple(config.mesh.rollout_rules)  # decoding: whole weights per device
@@ -56,11 +55,10 @@ def _generate(config, job: Job, num_devices: int) -> None:
   rng = np.random.default_rng(config.seed)
   lengths = rng.integers(1, g.prompt_len + 1, g.num_prompts).astype(np.int32)
   tokens = rng.integers(0, cfg.vocab_size, (g.num_prompts, g.prompt_len)).astype(np.int32)
-  capacity = g.prompt_len + g.max_new_tokens
-  cache_shapes = jax.eval_shape(lambda: init_cache(cfg, g.num_prompts, capacity))
-  cache_sharding = logical_shardings(cache_shapes.logical_axes(), mesh, rules, cache_shapes)
-  cache = jax.jit(lambda: init_cache(cfg, g.num_prompts, capacity),
-                  out_shardings=cache_sharding)()
+  new_cache = functools.partial(init_cache, cfg, g.num_prompts, g.prompt_len + g.max_new_tokens)
+  cache_shapes = jax.eval_shape(new_cache)
+  cache = jax.jit(new_cache, out_shardings=logical_shardings(
+      cache_shapes.logical_axes(), mesh, rules, cache_shapes))()
 
   # ---------------------------------------------------------------- compiled steps
   # The rollout's pure steps, one jitted call per token so that decode time is measured

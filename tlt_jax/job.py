@@ -118,9 +118,8 @@ class Job:
   def write_json(self, name: str, obj: dict, folder: str | None = None) -> None:
     """WORKDIR/name (or folder/name) as indented JSON, written whole (never half a file),
     by the writing process."""
-    if not self.writer:
-      return
-    write_json(os.path.join(folder or self.workdir, name), obj)
+    if self.writer:
+      write_json(os.path.join(folder or self.workdir, name), obj)
 
   @property
   def wall_s(self) -> float:

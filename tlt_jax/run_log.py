@@ -38,8 +38,7 @@ def read_jsonl(path: str) -> tuple[list[dict], int]:
       try:
         row = json.loads(line)
       except json.JSONDecodeError:
-        bad += 1
-        continue
+        row = None
       if isinstance(row, dict) and "step" in row:
         rows.append(row)
       else:
@@ -53,16 +52,12 @@ def resume_jsonl(path: str, up_to: int, key: Callable[[dict], object] = step_key
   rows, bad = read_jsonl(path)
   if not rows and not bad:
     return []
-  kept, seen, duplicates = [], set(), 0
+  first: dict = {}  # key -> the first row written with it
   for row in rows:
-    if row["step"] > up_to:
-      continue
-    k = key(row)
-    if k in seen:
-      duplicates += 1
-      continue
-    seen.add(k)
-    kept.append(row)
+    if row["step"] <= up_to:
+      first.setdefault(key(row), row)
+  kept = list(first.values())
+  duplicates = sum(row["step"] <= up_to for row in rows) - len(kept)
   if bad or duplicates:
     logging.warning("%s: dropped %d unreadable line(s) (a crash mid-write) and %d duplicate "
                     "row(s); kept %d row(s) up to step %d", path, bad, duplicates, len(kept),

@@ -44,27 +44,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_sft.py", "Conf
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sft", "Output folder (resumes from it).")
 
 
-# ---------------------------------------------------------------- pieces
-
-
-def _encoder(tokenizer):
-  def encode(example):
-    return prompt_ids(tokenizer, example.prompt), response_ids(tokenizer, example.solution)
-  return encode
-
-
 def _eval_line(step: int, result: dict) -> str:
-  by = result["accuracy_by"]
-  short = sum(c for n, (c, _) in by.items() if n <= 3) / max(
-      sum(t for n, (_, t) in by.items() if n <= 3), 1)
-  long_ = sum(c for n, (c, _) in by.items() if n > 3) / max(
-      sum(t for n, (_, t) in by.items() if n > 3), 1)
+  def accuracy(over_3_ops: bool) -> float:
+    cells = [cell for n, cell in result["accuracy_by"].items() if (n > 3) == over_3_ops]
+    return sum(c for c, _ in cells) / max(sum(t for _, t in cells), 1)
   return (f"step {step}: held-out greedy accuracy {result['accuracy']:.3f} on "
-          f"{result['num_examples']} problems (<= 3 operations {short:.3f}, > 3 "
-          f"operations {long_:.3f}); mean completion {np.mean(result['lengths']):.1f} tokens")
-
-
-# ---------------------------------------------------------------- main
+          f"{result['num_examples']} problems (<= 3 operations {accuracy(False):.3f}, > 3 "
+          f"operations {accuracy(True):.3f}); mean completion "
+          f"{np.mean(result['lengths']):.1f} tokens")
 
 
 def main(argv):
@@ -100,7 +87,9 @@ def _sft(config, job: Job, num_devices: int) -> bool:
   check_prompt_lengths(config, tokenizer, data_files=False)  # the held-out evaluation decodes
   iterator = PromptIterator(TaskSlice(task, s.num_train_examples), seed=config.seed)
   eval_set = task_from_config(config, eval_split=True).examples(s.num_eval_examples)
-  encode = _encoder(tokenizer)
+
+  def encode(example):
+    return prompt_ids(tokenizer, example.prompt), response_ids(tokenizer, example.solution)
 
   # ---------------------------------------------------------------- model and optimizer
   cfg, params = load_policy(config, mesh)

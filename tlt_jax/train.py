@@ -196,11 +196,10 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
       if step < end and job.time_up():
         end = step
         say(f"rl.max_minutes={rl.max_minutes} reached: step {step} is the last")
-      compile_s = sum(pool.compile_seconds for pool in pools) - compile_before
       metrics = step_metrics(step, samples, update_metrics, algorithm, engine.speculative,
+                             compile_s=sum(p.compile_seconds for p in pools) - compile_before,
                              update_s=time.perf_counter() - t_update,
-                             step_s=time.perf_counter() - t_step - paired.get("control_s", 0),
-                             compile_s=compile_s)
+                             step_s=time.perf_counter() - t_step - paired.get("control_s", 0))
       metrics.update(paired)
       log.write("metrics", [metrics])
       if rl.save_rollouts:

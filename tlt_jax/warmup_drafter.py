@@ -131,8 +131,8 @@ def _warmup(config, job: Job) -> bool:
                             sd_threshold=config.rollout.max_batch,
                             max_new_tokens=w.max_new_tokens,
                             compile_ahead=False)  # every call SD: what is measured
-    res = sd_engine.generate(eval_prompts, 1, SamplingParams(0.0), jax.random.key(0))
-    accept[name] = accept_length(res)
+    accept[name] = accept_length(sd_engine.generate(eval_prompts, 1, SamplingParams(0.0),
+                                                    jax.random.key(0)))
   job.say(f"greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "
           f"{strategy}: untrained {accept['untrained']:.2f}, warmed {accept['warmed']:.2f}")
 

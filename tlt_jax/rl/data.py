@@ -145,11 +145,8 @@ class PromptIterator(Generic[T], Iterator[T]):
   def __init__(self, items: Sequence[T], seed: int = 0, shuffle: bool = True):
     if len(items) == 0:
       raise ValueError("PromptIterator needs at least one item")
-    self.items = items
-    self.seed = seed
-    self.shuffle = shuffle
-    self.epoch = 0
-    self.index = 0
+    self.items, self.seed, self.shuffle = items, seed, shuffle
+    self.epoch, self.index = 0, 0
     self._order = self._order_for(0)
 
   def _order_for(self, epoch: int) -> np.ndarray:

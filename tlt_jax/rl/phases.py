@@ -66,11 +66,9 @@ def rollout(engine: RolloutEngine, spot, prompts: list[list[int]], sampling, key
                            rollout_key(key, round_index),
                            on_slice_idle=spot.on_slice_idle if spot else None,
                            log_requests=logged)
-  spot_metrics = {}
-  if spot is not None:
-    spot_metrics = spot.finish()
-    if engine.speculative:
-      engine.update_params(drafter_params=spot.params)
+  spot_metrics = spot.finish() if spot is not None else {}
+  if spot is not None and engine.speculative:
+    engine.update_params(drafter_params=spot.params)
   return Rollout(result, time.perf_counter() - t0, spot_metrics)
 
 
@@ -90,12 +88,11 @@ def score(examples: list, result, tokenizer, reward_fn, num_samples: int,
   completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(num_samples)]
   prompts = [ex.prompt for ex in repeated]
-  answers = [ex.answer for ex in repeated]
-  rewards = np.asarray(reward_fn(prompts, completions, answer=answers,
-                                 metadata=[ex.metadata for ex in repeated]), np.float32)
-  correct = np.asarray(answer_fn(prompts, completions, answer=answers,
-                                 metadata=[ex.metadata for ex in repeated]))
-  return Scored(completions, rewards, correct)
+  columns = {"answer": [ex.answer for ex in repeated],
+             "metadata": [ex.metadata for ex in repeated]}
+  return Scored(completions,
+                np.asarray(reward_fn(prompts, completions, **columns), np.float32),
+                np.asarray(answer_fn(prompts, completions, **columns)))
 
 
 @dataclasses.dataclass
@@ -124,9 +121,8 @@ def sample_step(engine: RolloutEngine, spot, prompts_iter: PromptIterator, token
     prompts = rl_prompts(tokenizer, examples, config)
     rolled = rollout(engine, spot, prompts, sampling, key, step, config, round_index=r)
     scored = score(examples, rolled.result, tokenizer, reward_fn, rl.num_samples, answer_fn)
-    first = r * rl.prompts_per_step
-    kept += [first + g for g in np.flatnonzero(algorithm.keep_groups(scored.rewards,
-                                                                     rl.num_samples))]
+    kept += [r * rl.prompts_per_step + g
+             for g in np.flatnonzero(algorithm.keep_groups(scored.rewards, rl.num_samples))]
     rounds.append((examples, prompts, rolled, scored))
     if len(kept) >= rl.prompts_per_step:
       break

@@ -18,13 +18,6 @@ RewardFn = Callable[..., list[float]]
 _FINAL_LINE = re.compile(r"^#### (\S+)$")
 
 
-def _check_lengths(completions: Sequence[str], **columns) -> None:
-  for name, values in columns.items():
-    if len(values) != len(completions):
-      raise ValueError(f"reward column {name!r} has {len(values)} entries for "
-                       f"{len(completions)} completions; pass one entry per completion")
-
-
 def make_answer_reward(fallback: bool = False) -> RewardFn:
   """The answer reward: 1.0 when the completion's final answer matches `answer`, else 0.0.
 
@@ -36,7 +29,9 @@ def make_answer_reward(fallback: bool = False) -> RewardFn:
   def answer_reward(prompts: Sequence[str], completions: Sequence[str], *,
                     answer: Sequence[str], **columns) -> list[float]:
     del prompts, columns
-    _check_lengths(completions, answer=answer)
+    if len(answer) != len(completions):
+      raise ValueError(f"reward column 'answer' has {len(answer)} entries for "
+                       f"{len(completions)} completions; pass one entry per completion")
     return [float(answers_match(extract_answer(c, fallback=fallback), a))
             for c, a in zip(completions, answer)]
 

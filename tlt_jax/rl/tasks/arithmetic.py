@@ -18,6 +18,7 @@ range of indices: resumable, shardable, and the same on every machine.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import ClassVar
 
 import numpy as np
@@ -29,6 +30,7 @@ from tlt_jax.rl.tasks.example import Example
 OPS = ("add", "subtract", "multiply")
 _SYMBOL = {"add": "+", "subtract": "-", "multiply": "*"}
 _WORDS = {"add": "Add {k}.", "subtract": "Subtract {k}.", "multiply": "Multiply by {k}."}
+_APPLY = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mul}
 
 
 def sample_num_ops(rng: np.random.Generator, min_ops: int, max_ops: int, body_p: float,
@@ -155,13 +157,9 @@ class ArithmeticTask(Task):
 
 def apply_op(value: int, op: str, operand: int) -> int:
   """The result of one step; raises ValueError for an unknown op."""
-  if op == "add":
-    return value + operand
-  if op == "subtract":
-    return value - operand
-  if op == "multiply":
-    return value * operand
-  raise ValueError(f"unknown op {op!r}; allowed: {OPS}")
+  if op not in _APPLY:
+    raise ValueError(f"unknown op {op!r}; allowed: {OPS}")
+  return _APPLY[op](value, operand)
 
 
 @dataclasses.dataclass(frozen=True)
