@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+from tests import cheap_compiles
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiles dominate test time on CPU. A persistent compilation cache, fresh for each session
 # and shared with the command-line runs that tests start (they inherit the environment),
@@ -18,6 +20,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # compiles (most optimisation passes off) take about 40% less time. The command-line runs
 # that tests start inherit it; the jobs and benchmarks themselves keep XLA's defaults.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# XLA:CPU's older emitters, where this XLA has them: cheaper compiles again (see there).
+os.environ["XLA_FLAGS"] = cheap_compiles.xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from tests import cheap_compiles
 from tlt_jax import xla_flags
 
 
@@ -26,3 +27,15 @@ def test_importing_the_package_sets_flags_that_this_xla_accepts():
                         timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.split() == ["--xla_gpu_exclude_nondeterministic_ops=true", "6.0"]
+
+
+def test_the_suites_cheap_compile_flag_is_one_this_xla_knows():
+  # tests/conftest.py adds it for every test and .ci/run for its smoke run: a flag this XLA
+  # does not know would abort every process of the suite.
+  env = dict(os.environ, XLA_FLAGS=cheap_compiles.xla_flags(""))
+  done = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(jnp.ones(3).sum())"],
+                        env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split() == ["3.0"]
+  assert cheap_compiles.xla_flags(f"{cheap_compiles.FLAG.split('=')[0]}=true") == \
+      f"{cheap_compiles.FLAG.split('=')[0]}=true"  # a setting of its own wins
