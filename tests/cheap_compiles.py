@@ -10,13 +10,14 @@ import importlib.metadata
 import os
 
 FLAG = "--xla_cpu_use_fusion_emitters=false"
+NAME = FLAG.split("=")[0]
 
 
 def xla_flags(current: str) -> str:
   """`current` (an XLA_FLAGS string) plus FLAG where jaxlib knows it and `current` does not
   set it already."""
   major_minor = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
-  if major_minor >= (0, 11) or FLAG.split("=")[0] in current:
+  if major_minor >= (0, 11) or NAME in current:
     return current
   return f"{current} {FLAG}".strip()
 

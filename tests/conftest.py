@@ -20,7 +20,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # compiles (most optimisation passes off) take about 40% less time. The command-line runs
 # that tests start inherit it; the jobs and benchmarks themselves keep XLA's defaults.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# XLA:CPU's older emitters, where this XLA has them: cheaper compiles again (see there).
+# XLA:CPU's older emitters, where this XLA has them: cheaper compiles still
+# (tests/cheap_compiles.py).
 os.environ["XLA_FLAGS"] = cheap_compiles.xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402

@@ -37,5 +37,5 @@ def test_the_suites_cheap_compile_flag_is_one_this_xla_knows():
                         env=env, capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.split() == ["3.0"]
-  assert cheap_compiles.xla_flags(f"{cheap_compiles.FLAG.split('=')[0]}=true") == \
-      f"{cheap_compiles.FLAG.split('=')[0]}=true"  # a setting of its own wins
+  own = f"{cheap_compiles.NAME}=true"
+  assert cheap_compiles.xla_flags(own) == own  # a setting of its own wins
