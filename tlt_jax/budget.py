@@ -11,14 +11,11 @@ update, drafter update) are built here at the shapes its config gives, with abst
   - lowered for CUDA under an abstract H100 (`lower_for_cuda`), which runs the whole Pallas ->
     Triton lowering of the attention kernel without a GPU.
 
-A job's peak is its resident state (weights, optimizer states, reference weights: what lives
-between programs) plus, for its hungriest program, the arguments that are not resident, the
-temporaries and the outputs that do not reuse a donated buffer, all per device. On a mesh of
-several devices (`num_devices`; on CPU emulated with `jax_num_cpu_devices`), the programs are
-laid out as the job lays them out: training programs over the whole mesh in the training
-layout (`mesh.rules`), rollout programs on the first replica slice in the rollout layout
-(`mesh.rollout_rules`), and each device's share is what counts; the rollout's own copy of the
-weights is then resident beside the training state.
+A job's peak (`job_budget`) is per device: its resident state (what lives between programs)
+plus its hungriest program's own needs. On a mesh of several devices (`num_devices`; on CPU
+emulated with `jax_num_cpu_devices`) the programs are laid out as the job lays them out
+(`job_meshes`), and the rollout's own copy of the weights is resident beside the training
+state.
 """
 
 from __future__ import annotations
@@ -93,8 +90,7 @@ def _placed(tree, shardings):
 
 def _rows_on(mesh: Mesh, rules, x: jax.ShapeDtypeStruct, row_dim: int = 0):
   """x with its dimension `row_dim` split like rows (`batch`) on mesh."""
-  names = [None] * len(x.shape)
-  names[row_dim] = "batch"
+  names = ["batch" if dim == row_dim else None for dim in range(len(x.shape))]
   spec = logical_to_mesh_spec(P(*names), x.shape, mesh, rules)
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
@@ -108,10 +104,6 @@ class JobMeshes:
   rules: tuple
   rollout_rules: tuple
 
-  @property
-  def several(self) -> bool:
-    return self.train.devices.size > 1
-
 
 def job_meshes(config: ml_collections.ConfigDict, num_devices: int = 1) -> JobMeshes:
   """The config's mesh over this machine's first `num_devices` devices, and its first slice."""
@@ -120,9 +112,7 @@ def job_meshes(config: ml_collections.ConfigDict, num_devices: int = 1) -> JobMe
     raise ValueError(f"the budget asks for {num_devices} devices but this machine has "
                      f"{len(devices)}; on CPU emulate them (jax_num_cpu_devices, set before "
                      f"JAX starts; experiments/gpu_budget.py --devices does it)")
-  axes = dict(config.mesh.axes)
-  for name in AXIS_ORDER:
-    axes.setdefault(name, 1)
+  axes = dict(config.mesh.axes) | {n: 1 for n in AXIS_ORDER if n not in config.mesh.axes}
   mesh = make_mesh(axes, devices[:num_devices])
   return JobMeshes(mesh, replica_slices(mesh)[0], tuple(config.mesh.rules),
                    tuple(config.mesh.rollout_rules))
@@ -183,8 +173,7 @@ class RecordingPool(ExecutablePool):
     super().__init__()
     self.programs: dict = {}
 
-  def get(self, key, fn, args, donate_argnums=(), out_shardings=None, mesh=None,
-          kind="program"):
+  def get(self, key, fn, args, donate_argnums=(), out_shardings=None, mesh=None, kind="program"):
     if out_shardings is not None:
       fn = with_output_layout(fn, out_shardings)
     self.programs[key] = (fn, tuple(args), tuple(donate_argnums), mesh)
@@ -235,8 +224,7 @@ def _rollout_programs(config, cfg, params, dcfg, dparams, log_features: bool,
   return out
 
 
-def _drafter_program(config, cfg, dcfg, state, params, warmup: bool,
-                     meshes: JobMeshes) -> Program:
+def _drafter_program(config, cfg, dcfg, state, params, warmup: bool, meshes: JobMeshes) -> Program:
   """The drafter's update on the first slice (spot training and the warm-up train there)."""
   section = config.drafter.warmup if warmup else config.drafter.spot
   rows, width = section.batch_rows, section.window
@@ -258,10 +246,8 @@ def _policy_optimizer(config, job: str):
 def job_resident(config: ml_collections.ConfigDict, job: str, meshes: JobMeshes | None = None
                  ) -> dict:
   """What `job` holds on the device between its programs, by name -> abstract pytree laid out
-  on `meshes` (default: one device): the policy's weights, its optimizer state (sft, train),
-  the reference weights (train with a KL term), the rollout's copy of the weights (on several
-  devices, where the rollout layout differs from the training one) and the drafter's weights
-  and optimizer state (warmup; train with spot training)."""
+  on `meshes` (default: one device): policy, optimizer, reference, rollout and drafter state,
+  each where the job needs it."""
   if job not in JOBS:
     raise ValueError(f"unknown job {job!r}; allowed: {JOBS}")
   meshes = meshes or job_meshes(config)
@@ -277,7 +263,7 @@ def job_resident(config: ml_collections.ConfigDict, job: str, meshes: JobMeshes 
         jax.eval_shape(tx.init, shapes), optimizer_shardings(tx, shapes, train_sh, meshes.train))
   if job == "train" and config.rl.kl_coef > 0:
     resident["reference params"] = params
-  if job != "sft" and meshes.several:
+  if job != "sft" and meshes.train.devices.size > 1:
     resident["rollout params"] = _placed(shapes, logical_shardings(
         axes, meshes.rollout, meshes.rollout_rules, shapes))
   if job == "warmup" or (job == "train" and config.drafter.spot_training):
@@ -317,8 +303,7 @@ def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int =
   tcfg, algorithm = training_model_config(config, cfg), algorithm_from_config(config)
   params = resident["policy params"]
   programs = _rollout_programs(config, cfg, rollout_params, dcfg if use_sd else None,
-                               dparams if use_sd else None, config.drafter.spot_training,
-                               meshes)
+                               dparams if use_sd else None, config.drafter.spot_training, meshes)
   rows = rl.prompts_per_step * rl.num_samples
   micro = -(-rows // (rl.mini_batches * rl.micro_batch_rows))  # micro-batches per mini-batch
   shape = (micro, rl.micro_batch_rows, engine_config(config).capacity)
@@ -358,12 +343,9 @@ def program_memory(program: Program) -> dict:
   seconds = time.perf_counter() - t0
   m = compiled.memory_analysis()
   own = [a for i, a in enumerate(program.args) if i not in program.resident]
-  return {"argument_bytes": int(m.argument_size_in_bytes),
-          "output_bytes": int(m.output_size_in_bytes),
-          "alias_bytes": int(m.alias_size_in_bytes),
-          "temp_bytes": int(m.temp_size_in_bytes),
-          "nonresident_argument_bytes": tree_bytes(own),
-          "compile_s": seconds}
+  return {**{f"{k}_bytes": int(getattr(m, f"{k}_size_in_bytes"))
+             for k in ("argument", "output", "alias", "temp")},
+          "nonresident_argument_bytes": tree_bytes(own), "compile_s": seconds}
 
 
 def needs_rollout_stand_in(config: ml_collections.ConfigDict) -> bool:
@@ -382,8 +364,7 @@ def rollout_stand_in(config: ml_collections.ConfigDict) -> ml_collections.Config
   reads its static per-layer slices in place)."""
   out = config.copy_and_resolve_references()
   with out.unlocked():
-    out.model.dtype = out.model.param_dtype = "float32"
-    out.model.scan_layers = "all"
+    out.model.update(dtype="float32", param_dtype="float32", scan_layers="all")
   return out
 
 
@@ -398,8 +379,7 @@ def job_budget(config: ml_collections.ConfigDict, job: str, progress: Callable =
   `temp_source`; the program's own compile is kept as `temp_bytes_as_compiled`); everything
   else is the config's own."""
   resident, programs = job_programs(config, job, num_devices)
-  if stand_in is None:
-    stand_in = needs_rollout_stand_in(config)
+  stand_in = needs_rollout_stand_in(config) if stand_in is None else stand_in
   stand_in = {p.name: p for p in job_programs(rollout_stand_in(config), job, num_devices)[1]
               if p.name.startswith("rollout_")} if stand_in else {}
   resident_bytes = {k: tree_bytes(v) for k, v in resident.items()}

@@ -44,12 +44,9 @@ from tlt_jax.speculative.tuner import Tuner, make_tuner
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-  """Checks keys and values: `check_config`, then every component below is built once (their
-  dataclasses check their own ranges). Raises ConfigError naming the key and the fix.
-
-  Args:
-    num_devices: when given, the mesh shape must fit this many devices.
-  """
+  """`check_config` (the mesh must fit `num_devices` devices, when given), then every component
+  below is built once (their dataclasses check their own ranges). Raises ConfigError naming the
+  key and the fix."""
   check_config(config, num_devices)
   builders = (model_config, engine_config, sampling_params, drafter_config, spot_config,
               make_tuner_from_config, algorithm_from_config, reward_from_config, policy_adamw,
@@ -91,8 +88,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   if m.path:
     return load_hf_config(m.path, **runtime)
   try:
-    return build_from(ModelConfig, m, rope=RopeConfig(theta=m.rope_theta,
-                                                      rope_type=ROPE_TYPES[0]),
+    return build_from(ModelConfig, m, rope=RopeConfig(theta=m.rope_theta, rope_type=ROPE_TYPES[0]),
                       qkv_bias=m.model_type == "qwen2", **runtime)
   except ValueError as e:
     raise ConfigError(str(e)) from None
@@ -122,8 +118,7 @@ def drafter_config(config: ml_collections.ConfigDict) -> DrafterConfig:
   return build_from(DrafterConfig, config.drafter)
 
 
-def drafter_opt_config(config: ml_collections.ConfigDict,
-                       warmup: bool = False) -> DrafterOptConfig:
+def drafter_opt_config(config: ml_collections.ConfigDict, warmup: bool = False) -> DrafterOptConfig:
   """The drafter's AdamW settings and loss: online (spot training) or offline warm-up."""
   d = config.drafter
   if not warmup:
@@ -137,17 +132,16 @@ def spot_config(config: ml_collections.ConfigDict) -> SpotConfig:
   return build_from(SpotConfig, config.drafter.spot)
 
 
-def make_tuner_from_config(config: ml_collections.ConfigDict, seed: int | None = None) -> Tuner:
-  """The strategy tuner that rollout.speculative describes."""
+def make_tuner_from_config(config: ml_collections.ConfigDict) -> Tuner:
+  """The strategy tuner that rollout.speculative describes (seeded by config.seed)."""
   sd = config.rollout.speculative
-  seed = config.seed if seed is None else seed
   if sd.tuner == "fixed":
     return make_tuner("fixed", strategy=sd.strategy)
   thresholds = tuple(sd.bucket_thresholds)
   if sd.tuner == "table":
     return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
   return make_tuner(sd.tuner, thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
-                    epsilon=sd.epsilon, window=sd.window, seed=seed, plain_arm=sd.plain_arm)
+                    epsilon=sd.epsilon, window=sd.window, seed=config.seed, plain_arm=sd.plain_arm)
 
 
 def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
@@ -276,8 +270,7 @@ def make_engine(config: ml_collections.ConfigDict, cfg: ModelConfig, params: dic
   """The rollout engine of config.rollout; SD when a drafter is given and
   rollout.speculative.enable (or `speculative`) says so. engine_overrides replace
   EngineConfig fields (e.g. max_new_tokens); tuner replaces the configured one."""
-  ec = dataclasses.replace(engine_config(config), eos_id=eos_id, pad_id=pad_id,
-                           **engine_overrides)
+  ec = dataclasses.replace(engine_config(config), eos_id=eos_id, pad_id=pad_id, **engine_overrides)
   use_sd = config.rollout.speculative.enable if speculative is None else speculative
   if not use_sd or drafter is None:
     ec = dataclasses.replace(ec, sd_threshold=0)
@@ -347,10 +340,9 @@ def sft_tokenizer(config: ml_collections.ConfigDict, workdir: str, write: bool =
 def check_prompt_lengths(config: ml_collections.ConfigDict, tokenizer,
                          data_files: bool = True) -> None:
   """Once, at a job's start, before anything compiles: ConfigError when a problem the job may
-  draw has more prompt tokens (chat template included) than rollout.max_prompt_len. Every
-  record of task.data_path and task.eval_data_path is measured, and the error names the file,
-  the line and the length; a task is measured by `Task.longest_prompts` (the arithmetic
-  task's longest possible prompt). data_files=False: the task only (SFT)."""
+  draw has more prompt tokens (chat template included) than rollout.max_prompt_len: every
+  record of task.data_path and task.eval_data_path, else the task's `Task.longest_prompts`.
+  data_files=False: the task only (SFT)."""
   limit = config.rollout.max_prompt_len
   if data_files and config.task.data_path:
     for key in ("data_path", "eval_data_path"):

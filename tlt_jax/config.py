@@ -63,8 +63,7 @@ def current_key(dotted: str) -> str:
 def with_current_keys(section: str, values: dict) -> dict:
   """A config section as an older run saved it (its summary.json's), with the keys renamed
   since under their current names."""
-  return {RENAMED_KEYS.get(f"{section}.{k}", k).rpartition(".")[2]: v
-          for k, v in values.items()}
+  return {RENAMED_KEYS.get(f"{section}.{k}", k).rpartition(".")[2]: v for k, v in values.items()}
 
 
 def renamed_hint(message: str) -> str:
@@ -89,9 +88,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.axes = ml_collections.ConfigDict({"replica": 1, "fsdp": -1, "tensor": 1})
   # On CPU, emulate this many devices (0 = leave JAX's default). Ignored on GPU.
   c.mesh.num_cpu_devices = 0
-  # The training layout (policy update, SFT: FSDP over every data axis) and the rollout
-  # layout on each replica slice (whole weights, or tensor-parallel: decoding gathers no
-  # weights); tlt_jax.mesh explains both.
+  # The training layout (FSDP over every data axis) and the rollout layout on each replica
+  # slice (whole weights, or tensor-parallel); tlt_jax.mesh explains both.
   c.mesh.rules = DEFAULT_RULES
   c.mesh.rollout_rules = ROLLOUT_RULES
   # Multi-host (jax.distributed): empty/0/-1 fall back to JAX_COORDINATOR_ADDRESS,
@@ -101,9 +99,8 @@ def base_config() -> ml_collections.ConfigDict:
       "coordinator_address": "", "num_processes": 0, "process_id": -1,
       "auto_detect": False, "cpu_collectives": "gloo"})
 
-  c.model = ml_collections.ConfigDict()
-  # A local Hugging Face folder; empty = randomly initialised weights of the shape below.
-  c.model.path = ""
+  # model.path: a local Hugging Face folder; empty = random weights of the shape below.
+  c.model = ml_collections.ConfigDict(dict(path=""))
   c.model.update(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                  rms_norm_eps=1e-6, tie_embeddings=False, max_position_embeddings=4096,
@@ -117,8 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
   # ("none", "full": save each layer's input only, "dots": also its matmul outputs) and
   # attention over at most this many queries at a time, each chunk rematerialised (0 = all
   # at once). Exact either way; both trade compute for memory (see the README's GPU notes).
-  c.model.remat = "none"
-  c.model.attention_query_chunk = 0
+  c.model.update(remat="none", attention_query_chunk=0)
 
   c.generate = ml_collections.ConfigDict(dict(num_prompts=16, prompt_len=16, max_new_tokens=64,
                                               temperature=0.0))
@@ -126,30 +122,24 @@ def base_config() -> ml_collections.ConfigDict:
   # The task (tlt_jax.rl.tasks): "arithmetic" (built in; its knobs are the keys below) or
   # "reasoning_gym" (pip install -e ".[reasoning]"; its knobs are task.reasoning_gym). Problem
   # i depends only on (seed, i).
-  c.task = ml_collections.ConfigDict()
-  c.task.name = "arithmetic"
+  c.task = ml_collections.ConfigDict(dict(name="arithmetic"))
   for name, task in TASKS.items():
     if defaults_of(task.Settings):
       c.task[name] = ml_collections.ConfigDict(defaults_of(task.Settings))
   c.task.seed = 0           # training problems
   c.task.eval_seed = 1      # held-out problems (a different stream)
-  # The arithmetic task's knobs (operations per problem, their long-tailed distribution,
-  # value ranges, and `instruction`: a sentence appended to every prompt, e.g. how to state
-  # the answer for a model that was not fine-tuned on the task; the reasoning_gym task reads
-  # it too): see ArithmeticTask.
+  # The arithmetic task's knobs: ArithmeticTask's fields (the reasoning_gym task reads
+  # `instruction` too).
   c.task.update(defaults_of(ArithmeticTask, exclude=("seed",)))
   # Your own problems instead of the built-in task: JSON lines of GSM8K / MATH / verl-style
   # records (tlt_jax.rl.data.load_jsonl); eval_data_path holds the held-out problems.
-  c.task.data_path = ""
-  c.task.eval_data_path = ""
+  c.task.update(data_path="", eval_data_path="")
 
   # A local Hugging Face tokenizer folder, or '' to train a byte-level BPE on the task's text.
   c.tokenizer = ml_collections.ConfigDict(dict(path="", vocab_size=320, num_train_examples=4000))
 
   # Supervised fine-tuning on the task's worked solutions (python -m tlt_jax.sft).
-  c.sft = ml_collections.ConfigDict()
-  c.sft.num_train_examples = 1_000_000
-  c.sft.steps = 1000
+  c.sft = ml_collections.ConfigDict(dict(num_train_examples=1_000_000, steps=1000))
   c.sft.rows = 16           # batch rows, split over the ('replica', 'fsdp') mesh axes
   c.sft.seq_len = 384       # tokens per row; several examples are packed into a row
   c.sft.update(learning_rate=3e-3, lr_warmup_steps=50, end_lr_fraction=0.05, weight_decay=0.1,
@@ -162,21 +152,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.max_minutes = 0.0
 
   # The rollout engine (tlt_jax.rollout.engine): rows per replica slice, cache sizes, sampling.
-  c.rollout = ml_collections.ConfigDict()
-  c.rollout.max_batch = 64          # power of two, bounded by cache memory
-  c.rollout.max_prompt_len = 128
-  c.rollout.max_new_tokens = 256
+  c.rollout = ml_collections.ConfigDict(dict(max_batch=64))  # power of two, bounded by cache memory
+  c.rollout.update(max_prompt_len=128, max_new_tokens=256)
   c.rollout.sd_threshold = 4        # SD once this few sequences are still running
-  # Decode iterations per compiled call, at most: a call also returns as soon as the host
-  # has something to decide (a row finished while requests wait, a smaller batch bucket, the
-  # switch to SD), so this only bounds how long the host goes unheard.
+  # Decode iterations per compiled call, at most: a call also returns as soon as the host has
+  # something to decide, so this only bounds how long the host goes unheard.
   c.rollout.iterations_per_call = 32
   # Compile the tail's SD programs in a background thread while the batch decodes plainly;
   # the tuner uses a strategy once its program is ready (see EngineConfig.compile_ahead).
   c.rollout.compile_ahead = True
   c.rollout.update(defaults_of(SamplingParams))  # temperature, top_k, top_p
-  c.rollout.speculative = ml_collections.ConfigDict()
-  c.rollout.speculative.enable = True
+  c.rollout.speculative = ml_collections.ConfigDict(dict(enable=True))
   c.rollout.speculative.tuner = "beg_mab"   # or "table" (one arm per bucket) or "fixed"
   c.rollout.speculative.strategy = "4,2,8"  # the "fixed" tuner's (depth, topk, verify[, drafts])
   # Batch-size buckets (first batch size of each) and the arms every bucket explores
@@ -187,10 +173,8 @@ def base_config() -> ml_collections.ConfigDict:
   # BEG-MAB also tries plain decoding in every bucket, so adaptive SD never runs slower than
   # plain decoding where no strategy pays (it learns that from the same goodput).
   c.rollout.speculative.plain_arm = True
-  # Program batch sizes up to this (0: none) run the arms of one top-k in one SD program
-  # shaped for their largest (depth, verify_tokens), each drawing its own tree in it: a third
-  # of the SD compiles for the default arms, for a padded iteration (same tokens; see
-  # EngineConfig.shared_sd_max_batch and `bench_sd_step.py --shared-shape`).
+  # Program batch sizes up to this (0: none) run the arms of one top-k in one SD program: a
+  # third of the SD compiles for the default arms (EngineConfig.shared_sd_max_batch).
   c.rollout.speculative.shared_max_batch = 0
   # Arms may name their drafters: "6,2,12" is EAGLE's tree, "6,1,7,suffix" a chain copied
   # from the group's finished responses (no training), "6,2,12,eagle+suffix" both merged in
@@ -200,11 +184,10 @@ def base_config() -> ml_collections.ConfigDict:
 
   # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
   # num_samples responses each, advantages normalised within each prompt's group.
-  c.rl = ml_collections.ConfigDict()
   # The algorithm (tlt_jax.rl.algorithms): "grpo" or "dapo" (dynamic sampling and overlong
   # shaping on top of GRPO's loss); its own knobs are the section rl.<name> (e.g. rl.dapo),
   # made from its Settings dataclass.
-  c.rl.algorithm = "grpo"
+  c.rl = ml_collections.ConfigDict(dict(algorithm="grpo"))
   for name, algorithm in ALGORITHMS.items():
     if defaults_of(algorithm.Settings):
       c.rl[name] = ml_collections.ConfigDict(defaults_of(algorithm.Settings))
@@ -217,8 +200,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.answer_fallback = False
   c.rl.update(learning_rate=1e-6, lr_warmup_steps=0, weight_decay=0.0, b1=0.9, b2=0.999,
               grad_clip=1.0)
-  # The loss's knobs, with their defaults, are GrpoConfig's fields (tlt_jax.rl.grpo):
-  # clip_eps, clip_eps_high (clip-higher), scale_by_std, loss_agg, kl_coef, entropy_coef.
+  # The loss's knobs (clip_eps, clip_eps_high, ...): GrpoConfig's fields (tlt_jax.rl.grpo).
   c.rl.update(defaults_of(GrpoConfig, exclude=("sampling",)))
   c.rl.ppo_epochs = 1
   c.rl.mini_batches = 1                  # optimizer steps per epoch
@@ -244,16 +226,11 @@ def base_config() -> ml_collections.ConfigDict:
   # if that step were rl.steps: evaluation, checkpoint, export (summary: time_limited).
   c.rl.max_minutes = 0.0
 
-  # The EAGLE drafter: its architecture is DrafterConfig's fields (tlt_jax.models.drafter:
-  # num_layers, use_features, intermediate_size, norm_input, norm_output, feature_layers: the
-  # policy layers fused into the features, EAGLE-3 style, e.g. (1, 3); draft_vocab_size: a
-  # reduced draft vocabulary with the drafter's own head, its tokens those the policy
-  # generates most in the warm-up, EAGLE-3; 0 = the policy's), and its AdamW and loss are
-  # DrafterOptConfig's (tlt_jax.drafter_training.train_step: EAGLE's betas 0.9/0.95, weight
-  # decay 0.01, grad_clip 1.0; ce_weight of the soft cross-entropy next to SmoothL1;
-  # train_depth: EAGLE-3's training-time test, the draft depth unrolled per slot in the loss,
-  # depth k weighted train_step_decay ** (k - 1)), for spot training (drafter.warmup has its
-  # own learning rate and warm-up).
+  # The EAGLE drafter: its architecture is DrafterConfig's fields (tlt_jax.models.drafter;
+  # feature_layers and draft_vocab_size are EAGLE-3's fused features and reduced vocabulary,
+  # whose tokens the warm-up picks), its AdamW and loss DrafterOptConfig's
+  # (tlt_jax.drafter_training.train_step; train_depth is EAGLE-3's training-time test), for
+  # spot training (drafter.warmup has its own learning rate and warm-up).
   c.drafter = ml_collections.ConfigDict(defaults_of(DrafterConfig))
   c.drafter.update(defaults_of(DrafterOptConfig, exclude=("section",)))
   # A drafter folder (python -m tlt_jax.warmup_drafter exports one); '' = random weights.
@@ -263,8 +240,7 @@ def base_config() -> ml_collections.ConfigDict:
   # The hidden-state buffer: features of the last `keep_steps` RL steps, for a sample of
   # `sequences_per_step` responses per step (0 = all).
   c.drafter.buffer = ml_collections.ConfigDict(dict(keep_steps=2, sequences_per_step=0))
-  # Spot updates: packed windows of `window` slots; `windows` rows per snapshot of the buffer,
-  # `batch_rows` per update; max_steps per slice and rollout (0 = until the rollout ends).
+  # Spot updates: SpotConfig's fields (tlt_jax.drafter_training.spot).
   c.drafter.spot = ml_collections.ConfigDict(defaults_of(SpotConfig))
   # Offline warm-up before RL (python -m tlt_jax.warmup_drafter): the policy generates
   # responses to `num_prompts` training prompts, the drafter trains on its features.
@@ -278,16 +254,13 @@ def base_config() -> ml_collections.ConfigDict:
 
 def flat_settings(config: ml_collections.ConfigDict) -> dict:
   """{dotted key: JSON value} of every setting (what a checkpoint records of its run)."""
-  flat = {}
-
   def walk(node, prefix):
     for key, value in node.items():
       if isinstance(value, dict):
-        walk(value, f"{prefix}{key}.")
+        yield from walk(value, f"{prefix}{key}.")
       else:
-        flat[f"{prefix}{key}"] = value
-  walk(json.loads(config.to_json()), "")
-  return flat
+        yield f"{prefix}{key}", value
+  return dict(walk(json.loads(config.to_json()), ""))
 
 
 def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
@@ -304,9 +277,8 @@ def tiny_task_settings(c: ml_collections.ConfigDict) -> None:
 
 
 def smoke_run_settings(c: ml_collections.ConfigDict) -> None:
-  """The `:runlocal` sizes of a config's jobs, for smoke tests: 2 RL steps of 2 prompts x 4
-  samples, 48-token responses, an 8-prompt, 6-step drafter warm-up and a 4-problem
-  evaluation, programs compiled when first needed; the model and task stay the config's."""
+  """The `:runlocal` sizes of a config's jobs, for smoke tests, programs compiled when first
+  needed; the model and task stay the config's."""
   c.rollout.update(max_batch=8, max_new_tokens=48)
   c.generate.update(num_prompts=4, max_new_tokens=8)
   c.drafter.warmup.update(num_prompts=8, steps=6, max_new_tokens=48, checkpoint_every=3,
@@ -320,8 +292,7 @@ def smoke_run_settings(c: ml_collections.ConfigDict) -> None:
 
 
 def toy_settings(c: ml_collections.ConfigDict) -> None:
-  """The smallest model, task and SFT settings, for smoke runs: a 2-layer, 32-wide model,
-  problems of up to 6 steps, a dozen SFT steps and an 8-problem evaluation."""
+  """The smallest model, task and SFT settings, for smoke runs."""
   c.model.update(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=2,
                  num_kv_heads=1, head_dim=16)
   c.task.max_ops = 6
@@ -382,12 +353,8 @@ def _check_finite(section: ml_collections.ConfigDict, prefix: str) -> None:
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-  """Checks the keys, the mesh, and the values of sections that no dataclass checks (paths,
-  counts); raises ConfigError naming the key and the fix.
-
-  Args:
-    num_devices: when given, the mesh shape must fit this many devices.
-  """
+  """Checks the keys, the mesh (it must fit `num_devices` devices, when given) and the values
+  that no dataclass checks (paths, counts); raises ConfigError naming the key and the fix."""
   _check_keys(config, base_config())
   _check_finite(config, "")
   if config.seed < 0:  # numpy's generators refuse negative seeds, and only once they run
@@ -411,11 +378,9 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int | None = No
 
 
 def _check_model(m: ml_collections.ConfigDict) -> None:
-  _one_of(m.dtype, DTYPES, "model.dtype")
-  _one_of(m.param_dtype, DTYPES, "model.param_dtype")
-  _one_of(m.model_type, MODEL_TYPES, "model.model_type")
-  _one_of(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
-  _one_of(m.scan_layers, SCAN_LAYERS, "model.scan_layers")
+  for key, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("model_type", MODEL_TYPES),
+                       ("attention_impl", ATTENTION_IMPLS), ("scan_layers", SCAN_LAYERS)):
+    _one_of(m[key], allowed, f"model.{key}")
   if m.path:
     if not os.path.isdir(m.path):
       raise ConfigError(f"model.path={m.path!r} does not exist; give a local Hugging Face "
@@ -511,7 +476,6 @@ def _check_drafter(d: ml_collections.ConfigDict) -> None:
       raise ConfigError(f"drafter.path={d.path!r}: {e}") from None
   _positive(d.buffer, "drafter.buffer", ("keep_steps",))
   _non_negative(d.buffer, "drafter.buffer", ("sequences_per_step",))
-  _positive(d.warmup, "drafter.warmup", ("num_prompts", "samples_per_prompt",
-                                         "max_new_tokens", "steps", "batch_rows", "window",
-                                         "num_eval_prompts"))
+  _positive(d.warmup, "drafter.warmup", ("num_prompts", "samples_per_prompt", "max_new_tokens",
+                                         "steps", "batch_rows", "window", "num_eval_prompts"))
   _non_negative(d.warmup, "drafter.warmup", ("temperature", "checkpoint_every", "max_minutes"))

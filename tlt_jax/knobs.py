@@ -21,10 +21,9 @@ def defaults_of(cls: type, exclude: tuple[str, ...] = ()) -> dict:
           if f.name not in exclude}
 
 
-def build_from(cls: type, knobs: Mapping, exclude: tuple[str, ...] = (), **given):
-  """cls(**the values in `knobs` (a config section) of its fields, less `exclude` (a field
-  the section lacks keeps its default), **given); the dataclass checks them (ValueError
-  naming the knob)."""
-  names = [f.name for f in dataclasses.fields(cls) if f.name not in exclude]
-  values = {k: knobs[k] for k in names if k in knobs and k not in given}
+def build_from(cls: type, knobs: Mapping, **given):
+  """cls(**the values in `knobs` (a config section) of its fields (a field the section lacks
+  keeps its default), **given); the dataclass checks them (ValueError naming the knob)."""
+  values = {f.name: knobs[f.name] for f in dataclasses.fields(cls)
+            if f.name in knobs and f.name not in given}
   return cls(**values, **given)
