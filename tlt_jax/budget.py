@@ -20,7 +20,6 @@ state.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -129,12 +128,10 @@ def gpu_mesh(device_kind: str = H100, axes: Sequence[str] = AXIS_ORDER,
                       abstract_device=AbstractDevice(device_kind, None, "cuda"))
 
 
-@contextlib.contextmanager
 def abstract_gpu(device_kind: str = H100, axes: Sequence[str] = AXIS_ORDER):
-  """Traces inside run on a one-device abstract mesh of `device_kind` (every axis of `axes`
-  of size 1), so that Pallas lowers for CUDA without a GPU (jax 0.11 refuses otherwise)."""
-  with jax.sharding.use_abstract_mesh(gpu_mesh(device_kind, axes)):
-    yield
+  """A context: traces inside run on a one-device abstract mesh of `device_kind` (`axes` all of
+  size 1), so that Pallas lowers for CUDA without a GPU (jax 0.11 refuses otherwise)."""
+  return jax.sharding.use_abstract_mesh(gpu_mesh(device_kind, axes))
 
 
 def lower_for_cuda(program: Program, device_kind: str = H100) -> jax.stages.Lowered:

@@ -150,8 +150,7 @@ def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
 
 
 def algorithm_from_config(config: ml_collections.ConfigDict) -> Grpo:
-  """The RL algorithm rl.algorithm names, with the loss of config.rl and its knobs
-  (rl.<name>)."""
+  """The RL algorithm rl.algorithm names, with the loss of config.rl and its knobs (rl.<name>)."""
   name = config.rl.algorithm
   return make_algorithm(name, grpo_config(config), config.rollout.max_new_tokens,
                         config.rl.get(name))

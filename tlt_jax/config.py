@@ -176,10 +176,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Program batch sizes up to this (0: none) run the arms of one top-k in one SD program: a
   # third of the SD compiles for the default arms (EngineConfig.shared_sd_max_batch).
   c.rollout.speculative.shared_max_batch = 0
-  # Arms may name their drafters: "6,2,12" is EAGLE's tree, "6,1,7,suffix" a chain copied
-  # from the group's finished responses (no training), "6,2,12,eagle+suffix" both merged in
-  # one tree (tlt_jax.drafters). A row copies from up to corpus_rows of its group's finished
-  # responses.
+  # Arms may name their drafters: "6,2,12" is EAGLE's tree, "6,1,7,suffix" a chain copied from
+  # the group's finished responses (no training), "6,2,12,eagle+suffix" both merged in one tree
+  # (tlt_jax.drafters). A row copies from up to corpus_rows of its group's finished responses.
   c.rollout.speculative.corpus_rows = 8
 
   # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
