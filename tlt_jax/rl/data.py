@@ -1,11 +1,5 @@
-"""Real data sets as `Example`s, and a deterministic, resumable prompt iterator.
-
-  load_examples(path)              a training or held-out data file (JSON lines; see load_jsonl)
-  load_numbered_examples(path)     the same as (line number, Example) pairs
-  load_jsonl(path)                 GSM8K / MATH / DAPO-style JSON lines
-  PromptIterator(examples, seed)   shuffled per epoch from the seed; `state_dict()` ->
-                                   {"epoch", "index"} goes into checkpoints
-"""
+"""Real data sets (GSM8K / MATH / DAPO-style JSON lines) as `Example`s, and a deterministic,
+resumable prompt iterator (its `state_dict()` goes into checkpoints)."""
 
 from __future__ import annotations
 
@@ -26,11 +20,9 @@ _PROMPT_KEYS = ("question", "prompt", "problem")
 
 def _final_answer(raw: str) -> str:
   """GSM8K answers end in '#### x' and MATH/DAPO answers may be '\\boxed{x}': keep x."""
-  for extract in (extract_hash_answer, extract_boxed):
-    found = extract(raw)
-    if found is not None:
-      return found
-  return raw.strip()
+  found = extract_hash_answer(raw)
+  found = extract_boxed(raw) if found is None else found
+  return raw.strip() if found is None else found
 
 
 def _prompt_text(value: Any, where: str) -> str:
@@ -79,12 +71,9 @@ def example_from_record(record: dict, where: str = "record") -> Example:
 
 
 def load_examples(path: str, limit: int | None = None) -> list[Example]:
-  """The examples of a data file (task.data_path / task.eval_data_path): JSON lines of
-  GSM8K / MATH / verl-style records (see `load_jsonl`). Parquet is not read (it would need
-  pyarrow, a large dependency): convert such a file to JSON lines first.
-
-  Raises FileNotFoundError or ValueError with one line naming the file (and the line).
-  """
+  """The examples of a data file (task.data_path / task.eval_data_path; see `load_jsonl`).
+  Parquet is not read (it would need pyarrow, a large dependency). Raises FileNotFoundError
+  or ValueError with one line naming the file (and the line)."""
   return [example for _, example in load_numbered_examples(path, limit)]
 
 
@@ -101,11 +90,9 @@ def load_numbered_examples(path: str, limit: int | None = None) -> list[tuple[in
 
 
 def load_jsonl(path: str, limit: int | None = None) -> list[Example]:
-  """Reads a JSON-lines file of records (see `example_from_record`); blank lines are skipped.
-
+  """The records of a JSON-lines file (see `example_from_record`); blank lines are skipped.
   Raises FileNotFoundError for a missing file and ValueError naming the file and line of a bad
-  record or of bytes that are not UTF-8.
-  """
+  record or of bytes that are not UTF-8."""
   return [example for _, example in _jsonl_records(path, limit)]
 
 
@@ -146,19 +133,16 @@ class PromptIterator(Generic[T], Iterator[T]):
     if len(items) == 0:
       raise ValueError("PromptIterator needs at least one item")
     self.items, self.seed, self.shuffle = items, seed, shuffle
-    self.epoch, self.index = 0, 0
-    self._order = self._order_for(0)
+    self._seek(0, 0)
 
-  def _order_for(self, epoch: int) -> np.ndarray:
-    if not self.shuffle:
-      return np.arange(len(self.items))
-    return np.random.default_rng([self.seed, epoch]).permutation(len(self.items))
+  def _seek(self, epoch: int, index: int) -> None:
+    self.epoch, self.index = epoch, index
+    self._order = (np.random.default_rng([self.seed, epoch]).permutation(len(self.items))
+                   if self.shuffle else np.arange(len(self.items)))
 
   def __next__(self) -> T:
     if self.index >= len(self.items):
-      self.epoch += 1
-      self.index = 0
-      self._order = self._order_for(self.epoch)
+      self._seek(self.epoch + 1, 0)
     item = self.items[int(self._order[self.index])]
     self.index += 1
     return item
@@ -174,5 +158,4 @@ class PromptIterator(Generic[T], Iterator[T]):
     if epoch < 0 or not 0 <= index <= len(self.items):
       raise ValueError(f"bad iterator state {state!r} for {len(self.items)} items: need "
                        f"epoch >= 0 and 0 <= index <= {len(self.items)}")
-    self.epoch, self.index = epoch, index
-    self._order = self._order_for(epoch)
+    self._seek(epoch, index)

@@ -18,28 +18,22 @@ from tlt_jax.speculative.sampling import SamplingParams
 def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
              sampling: SamplingParams, samples: int = 1, key: jax.Array | None = None,
              answer_fn: RewardFn = answer_reward,
-             breakdown: Callable[[Example], object] | None = None,
-             compile_priority: int | None = 1) -> dict:
-  """Samples `samples` completions per example with the engine's current policy and scores
-  their final answers with `answer_fn` (the answer reward: stated as '#### x' or
-  '\\boxed{x}', see `rewards.make_answer_reward`) (temperature 0 = greedy; SD, when the
-  engine runs it, is exact).
+             breakdown: Callable[[Example], object] | None = None) -> dict:
+  """Samples `samples` completions per example with the engine's current policy (temperature
+  0 = greedy; SD, when the engine runs it, is exact) and scores their answers with `answer_fn`.
 
   Returns a dict over the N = len(examples) * samples completions (example i's are
   i * samples .. i * samples + samples - 1): accuracy (float), num_examples, samples,
   correct (N bools), texts (decoded, special tokens dropped), lengths (N generated tokens,
   EOS included), finished (N bools: EOS before the token budget), response_len_mean, and
   accuracy_by ({group: [correct, total]}) over the groups `breakdown(example)` names (a
-  task's `Task.breakdown`; examples it gives None are left out; {} without one).
-  compile_priority: compiling ahead, where its tail programs queue (`RolloutEngine.generate`;
-  by default behind the rollout's, as an evaluation runs rarely); None queues none.
-  """
+  task's `Task.breakdown`; examples it gives None are left out; {} without one)."""
   if not examples:
     raise ValueError("evaluate needs at least one example")
   key = jax.random.key(0) if key is None else key
   ids = [prompt_ids(tokenizer, ex.prompt) for ex in examples]
-  result = engine.generate(ids, samples, sampling, key, log_requests=(),
-                           compile_priority=compile_priority)
+  # Its tail programs queue to compile behind the rollout's: an evaluation runs rarely.
+  result = engine.generate(ids, samples, sampling, key, log_requests=(), compile_priority=1)
   texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(samples)]
   correct = [bool(ok) for ok in answer_fn([ex.prompt for ex in repeated], texts,
@@ -72,8 +66,7 @@ def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
   Both run the rollout's programs (greedy keeps the rollout's top-k and top-p, and the
   temperature is the programs' argument), so the first evaluation compiles them before the
   first RL step and queues the tail's programs to compile ahead."""
-  row = {}
-  key = jax.random.key(1)
+  row, key = {}, jax.random.key(1)
   for name, sp, n in (("greedy", dataclasses.replace(sampling, temperature=0.0), 1),
                       ("sampled", sampling, samples)):
     if n:

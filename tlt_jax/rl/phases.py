@@ -62,8 +62,7 @@ def rollout(engine: RolloutEngine, spot, prompts: list[list[int]], sampling, key
     if keep:
       logged = np.random.default_rng([config.seed, step]).choice(
           n, min(n, keep), replace=False).tolist()
-  result = engine.generate(prompts, config.rl.num_samples, sampling,
-                           rollout_key(key, round_index),
+  result = engine.generate(prompts, config.rl.num_samples, sampling, rollout_key(key, round_index),
                            on_slice_idle=spot.on_slice_idle if spot else None,
                            log_requests=logged)
   spot_metrics = spot.finish() if spot is not None else {}
@@ -132,8 +131,7 @@ def sample_step(engine: RolloutEngine, spot, prompts_iter: PromptIterator, token
                      scored=Scored([c for x in rounds for c in x[3].completions],
                                    np.concatenate([x[3].rewards for x in rounds]),
                                    np.concatenate([x[3].correct for x in rounds])),
-                     train_groups=[int(g) for g in kept[:rl.prompts_per_step]],
-                     rounds=len(rounds))
+                     train_groups=[int(g) for g in kept[:rl.prompts_per_step]], rounds=len(rounds))
 
 
 # Spot-training metrics that are means over the drafter's steps; the others add up.
@@ -174,8 +172,7 @@ def update_policy(updater: PolicyUpdater, algorithm: Grpo, params: dict,
   advantages = algorithm.advantages(samples.scored.rewards, result.lengths, n)
   params, metrics, _ = updater(params, [samples.prompts[r // n] for r in rows],
                                [result.tokens[r] for r in rows], advantages[rows], pad_id,
-                               max_width=max_width,
-                               min_rows=config.rl.prompts_per_step * n)
+                               max_width=max_width, min_rows=config.rl.prompts_per_step * n)
   return params, metrics
 
 
@@ -205,8 +202,7 @@ def step_metrics(step: int, samples: StepSamples, update: dict, algorithm: Grpo,
   """One line of metrics.jsonl (train_report.METRIC_KEYS, the update's losses and the
   algorithm's own metrics), over every response of the step's rounds."""
   scored, rollout = samples.scored, samples.rolled
-  result, spot = rollout.result, rollout.spot
-  lengths = result.lengths
+  result, lengths = rollout.result, rollout.result.lengths
   metrics = {
       "step": step, "reward_mean": float(scored.rewards.mean()),
       "accuracy": float(scored.correct.mean()),
@@ -214,12 +210,10 @@ def step_metrics(step: int, samples: StepSamples, update: dict, algorithm: Grpo,
       "rollout_s": rollout.seconds, "update_s": update_s, "step_s": step_s,
       "rollout_tokens": int(lengths.sum()), "sd_enabled": sd_enabled,
       "sd_accept_len_mean": accept_length(result),
-      "drafter_steps": spot.get("drafter_steps", 0),
-      "drafter_loss": spot.get("drafter_loss"),
-      "drafter_nonfinite": spot.get("drafter_nonfinite", 0),
-      "drafter_tokens": spot.get("drafter_tokens", 0.0),
-      "idle_slice_s": spot.get("idle_slice_s", _idle_slice_s(result)),
-      "reclaimed_slice_s": spot.get("reclaimed_slice_s", 0.0),
+      **{k: rollout.spot.get(k, default) for k, default in (
+          ("drafter_steps", 0), ("drafter_loss", None), ("drafter_nonfinite", 0),
+          ("drafter_tokens", 0.0), ("idle_slice_s", _idle_slice_s(result)),
+          ("reclaimed_slice_s", 0.0))},
       "compile_s": compile_s,
       "policy_loss": update["loss"], "grad_norm": update["grad_norm"],
       "clip_frac": update["clip_frac"], "nonfinite_updates": update.get("nonfinite", 0.0),

@@ -47,14 +47,13 @@ def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[
   tokens = np.full((rows, width), pad_id, np.int32)
   targets = np.zeros((rows, width), np.int32)
   mask = np.zeros((rows, width), bool)
-  adv = np.zeros((rows,), np.float32)
   for i, (p, c) in enumerate(zip(prompts, completions)):
     seq = list(p) + list(c)
     tokens[i, :len(seq)] = seq
     targets[i, :len(seq) - 1] = seq[1:]
     # Position t predicts token t + 1: the response tokens are predicted from len(p) - 1 on.
     mask[i, len(p) - 1:len(seq) - 1] = True
-    adv[i] = advantages[i]
+  adv = np.pad(np.asarray(advantages[:n], np.float32), (0, rows - n))
   return {"tokens": tokens, "targets": targets, "loss_mask": mask, "advantages": adv}
 
 

@@ -95,10 +95,7 @@ def make_reward(name: str, format_bonus: float = 0.1, answer_fallback: bool = Fa
     raise ValueError(f"rl.reward={name!r} is not allowed; allowed values: {REWARDS}")
   if format_bonus < 0:
     raise ValueError(f"rl.format_bonus={format_bonus} must be >= 0")
-  answer = (task.answer_reward(answer_fallback) if task is not None else
-            make_answer_reward(answer_fallback))
-  if name == "answer":
-    return answer
-  fmt = task.format_reward(format_bonus) if task is not None else make_format_reward(
-      format_bonus)
-  return combine_rewards(answer, fmt)
+  answer_of, format_of = ((make_answer_reward, make_format_reward) if task is None else
+                          (task.answer_reward, task.format_reward))
+  answer = answer_of(answer_fallback)
+  return answer if name == "answer" else combine_rewards(answer, format_of(format_bonus))

@@ -1,9 +1,5 @@
-"""RL algorithms behind one interface (`base.Grpo` documents it): GRPO and DAPO.
-
-A new algorithm is a module here (a frozen dataclass, usually a `Grpo` subclass, with its
-knobs in a `Settings` dataclass) and its line in `ALGORITHMS`; `rl.algorithm` selects it and
-`rl.<name>` holds its knobs.
-"""
+"""RL algorithms behind one interface (`base.Grpo` documents it, and how to add one): GRPO
+and DAPO; `rl.algorithm` selects one and `rl.<name>` holds its knobs."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ ALGORITHMS = {"grpo": Grpo, "dapo": Dapo}
 
 def make_algorithm(name: str, loss: GrpoConfig, max_new_tokens: int,
                    settings: Mapping | None = None) -> Grpo:
-  """The algorithm `name` (rl.algorithm) with the loss settings and its own knobs
-  (`settings`: its config section rl.<name>; None = the defaults)."""
+  """The algorithm rl.algorithm=`name`; settings: its section rl.<name> (None: defaults)."""
   if name not in ALGORITHMS:
     raise ValueError(f"rl.algorithm={name!r} is not allowed; allowed values: "
                      f"{tuple(ALGORITHMS)}")

@@ -36,14 +36,10 @@ class Grpo:
   loss: the loss's settings. max_new_tokens: the rollout's response budget (for algorithms
   that shape rewards by length). settings: the algorithm's own knobs (`Settings`)."""
   Settings: ClassVar[type] = NoSettings
+  rounds: ClassVar[int] = 1  # the most rollouts one step may take
   loss: GrpoConfig = GrpoConfig()
   max_new_tokens: int = 256
   settings: object = NoSettings()
-
-  @property
-  def rounds(self) -> int:
-    """The most rollouts one step may take."""
-    return 1
 
   def keep_groups(self, rewards: np.ndarray, group_size: int) -> np.ndarray:
     """bool [G]: which of the G = len(rewards) / group_size groups the update trains on."""
@@ -57,8 +53,7 @@ class Grpo:
     return group_advantages(rewards, group_size, self.loss.scale_by_std)
 
   def loss_fn(self, params: dict, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, dict]:
-    """(scalar loss, metrics) of one (micro-)batch; the batch's keys are
-    `tlt_jax.rl.grpo`'s."""
+    """(scalar loss, metrics) of one (micro-)batch with `tlt_jax.rl.grpo`'s keys."""
     return grpo_loss(params, batch, cfg, self.loss)
 
   def step_metrics(self, rewards: np.ndarray, lengths: np.ndarray) -> dict:

@@ -1,10 +1,5 @@
-"""Tasks behind one interface (`base.Task` documents it): the built-in arithmetic chains and
-reasoning_gym's procedural problems.
-
-A new task is a module here (a frozen dataclass subclassing `Task`, with `from_config` and its
-knobs in a `Settings` dataclass) and its line in `TASKS`; `task.name` selects it and
-`task.<name>` holds its knobs.
-"""
+"""Tasks behind one interface (`base.Task` documents it, and how to add one): the built-in
+arithmetic chains and reasoning_gym's procedural problems; `task.name` selects one."""
 
 from __future__ import annotations
 

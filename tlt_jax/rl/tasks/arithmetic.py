@@ -133,9 +133,7 @@ class ArithmeticTask(Task):
       words.append(_WORDS[op].format(k=k))
       lines.append(f"{value}{_SYMBOL[op]}{k}={new}")
       value = new
-    words.append("What is the result?")
-    if self.instruction:
-      words.append(self.instruction)
+    words += ["What is the result?"] + [self.instruction] * bool(self.instruction)
     solution = "\n".join(lines + [f"#### {value}"])
     return Example(prompt=" ".join(words), answer=str(value), solution=solution,
                    metadata={"task": "arithmetic", "seed": self.seed, "index": index,

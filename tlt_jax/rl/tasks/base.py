@@ -1,16 +1,6 @@
-"""What a task is to the jobs: problems by index, the prompt, the answer check, and the
-held-out evaluation's breakdown.
-
-A task is a frozen dataclass with
-
-  example(index)       problem `index` (an `Example`), a pure function of (seed, index)
-  examples(count, start)
-  longest_prompts()    prompts at least as long as any the task makes (or a sample of them),
-                       for the start-of-job prompt-length check
-  answer_reward(fallback)   RewardFn: how right each response's answer is, in [0, 1]
-  format_reward(bonus)      RewardFn: `bonus` for a response that states its answer in the
-                            task's format
-  breakdown_name, breakdown(example)   what the held-out accuracy is broken down by
+"""What a task is to the jobs: a frozen dataclass that gives problems by index (a pure
+function of (seed, index)), prompts for the start-of-job length check, its answer check (a
+RewardFn in [0, 1]), its format bonus, and what the held-out accuracy is broken down by.
 
 The defaults below judge '#### x' / '\\boxed{x}' answers by `answers_match` (the built-in
 task's and the data files' format). A task's own knobs are its `Settings` dataclass: the
@@ -37,6 +27,7 @@ class Task:
   breakdown_name: ClassVar[str] = "source"
 
   def example(self, index: int) -> Example:
+    """Problem `index`, a pure function of (seed, index)."""
     raise NotImplementedError
 
   def examples(self, count: int, start: int = 0) -> list[Example]:
@@ -44,7 +35,8 @@ class Task:
     return [self.example(i) for i in range(start, start + count)]
 
   def longest_prompts(self) -> list[str]:
-    """The prompts of the first PROMPTS_MEASURED problems."""
+    """Prompts at least as long as any the task makes, where it can bound them; here those of
+    the first PROMPTS_MEASURED problems."""
     return [ex.prompt for ex in self.examples(PROMPTS_MEASURED)]
 
   def answer_reward(self, fallback: bool = False) -> RewardFn:

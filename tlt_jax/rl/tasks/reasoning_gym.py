@@ -95,9 +95,7 @@ class ReasoningGymTask(Task):
       raise ValueError(f"task.reasoning_gym.options is not valid JSON ({e.msg})") from None
     if not isinstance(options, dict):
       raise ValueError("task.reasoning_gym.options must be a JSON object {data set: {...}}")
-    known = _import_reasoning_gym().factory.DATASETS
-    unknown = sorted(set(options) - set(known))
-    if unknown:
+    if unknown := sorted(set(options) - set(_import_reasoning_gym().factory.DATASETS)):
       raise ValueError(f"task.reasoning_gym.options names {unknown}, which reasoning_gym does "
                        f"not have (options for data sets outside the mix are ignored)")
     self._datasets()  # unknown names and bad options fail here, not at the first problem
@@ -175,6 +173,3 @@ class ReasoningGymTask(Task):
       return [bonus if extract_hash_answer(c) else 0.0 for c in completions]
 
     return reasoning_gym_format
-
-  def breakdown(self, example: Example):
-    return example.metadata.get("source")
