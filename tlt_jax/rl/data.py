@@ -38,12 +38,9 @@ def _prompt_text(value: Any, where: str) -> str:
 
 
 def example_from_record(record: dict, where: str = "record") -> Example:
-  """One JSON record -> Example.
-
-  Prompt: the first of 'question', 'prompt', 'problem'. Answer: 'answer' (its '#### x' or
-  '\\boxed{x}' part when present), else 'reward_model.ground_truth' (verl/DAPO), else the
-  boxed answer of 'solution' (MATH). The worked solution is kept when the record has one.
-  """
+  """One JSON record -> Example. Prompt: the first of 'question', 'prompt', 'problem'. Answer:
+  'answer' (its '#### x' or '\\boxed{x}' part when present), else 'reward_model.ground_truth'
+  (verl/DAPO), else the boxed answer of 'solution' (MATH); its worked solution, if any, is kept."""
   if not isinstance(record, dict):
     raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
   key = next((k for k in _PROMPT_KEYS if k in record), None)
@@ -126,8 +123,7 @@ class PromptIterator(Generic[T], Iterator[T]):
 
   Epoch e visits the items in the order `default_rng([seed, e]).permutation(len(items))`
   (or in order when shuffle=False), so the sequence is a pure function of (seed, position):
-  restoring {"epoch", "index"} continues exactly where a run stopped.
-  """
+  restoring {"epoch", "index"} continues exactly where a run stopped."""
 
   def __init__(self, items: Sequence[T], seed: int = 0, shuffle: bool = True):
     if len(items) == 0:

@@ -22,12 +22,11 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
   """Samples `samples` completions per example with the engine's current policy (temperature
   0 = greedy; SD, when the engine runs it, is exact) and scores their answers with `answer_fn`.
 
-  Returns a dict over the N = len(examples) * samples completions (example i's are
-  i * samples .. i * samples + samples - 1): accuracy (float), num_examples, samples,
-  correct (N bools), texts (decoded, special tokens dropped), lengths (N generated tokens,
-  EOS included), finished (N bools: EOS before the token budget), response_len_mean, and
-  accuracy_by ({group: [correct, total]}) over the groups `breakdown(example)` names (a
-  task's `Task.breakdown`; examples it gives None are left out; {} without one)."""
+  Returns a dict over the N = len(examples) * samples completions (example i's from i * samples on):
+  accuracy (float), num_examples, samples, correct (N bools), texts (decoded, special tokens
+  dropped), lengths (N generated tokens, EOS included), finished (N bools: EOS before the token
+  budget), response_len_mean, and accuracy_by ({group: [correct, total]}) over the groups
+  `breakdown(example)` names (a task's `Task.breakdown`; None: left out; {} without one)."""
   if not examples:
     raise ValueError("evaluate needs at least one example")
   key = jax.random.key(0) if key is None else key
@@ -41,8 +40,7 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
                                              metadata=[ex.metadata for ex in repeated])]
   by: dict = {}
   for ex, ok in zip(repeated, correct):
-    group = breakdown(ex) if breakdown is not None else None
-    if group is not None:
+    if breakdown is not None and (group := breakdown(ex)) is not None:
       cell = by.setdefault(group, [0, 0])
       cell[0] += int(ok)
       cell[1] += 1
@@ -55,17 +53,15 @@ def evaluate(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
 
 
 def heldout_accuracy(engine: RolloutEngine, tokenizer, examples: Sequence[Example],
-                     sampling: SamplingParams, samples: int,
-                     answer_fn: RewardFn = answer_reward,
+                     sampling: SamplingParams, samples: int, answer_fn: RewardFn = answer_reward,
                      breakdown: Callable[[Example], object] | None = None) -> dict:
   """Held-out accuracy with the rollout engine: greedy (SD is exact, so it is unchanged), and
   with `samples` samples per problem at the rollout temperature (what the reward measures,
   without the noise of each step's prompt mix). One eval.jsonl row, without the step; with
-  a breakdown (`evaluate`), the greedy accuracy per group too (greedy_accuracy_by).
-
-  Both run the rollout's programs (greedy keeps the rollout's top-k and top-p, and the
-  temperature is the programs' argument), so the first evaluation compiles them before the
-  first RL step and queues the tail's programs to compile ahead."""
+  a breakdown (`evaluate`), the greedy accuracy per group too (greedy_accuracy_by). Both run
+  the rollout's programs (greedy keeps the rollout's top-k and top-p, and the temperature is
+  the programs' argument), so the first evaluation compiles them before the first RL step and
+  queues the tail's programs to compile ahead."""
   row, key = {}, jax.random.key(1)
   for name, sp, n in (("greedy", dataclasses.replace(sampling, temperature=0.0), 1),
                       ("sampled", sampling, samples)):

@@ -96,10 +96,8 @@ def loss_weights(loss_mask: np.ndarray, loss_agg: str) -> np.ndarray:
   the whole mini-batch up front makes gradient accumulation over micro-batches exact."""
   n = loss_mask.sum(axis=1).astype(np.float64)
   if loss_agg == "token_mean":
-    w = n / max(n.sum(), 1.0)
-  else:
-    w = (n > 0) / max(float((n > 0).sum()), 1.0)
-  return w.astype(np.float32)
+    return (n / max(n.sum(), 1.0)).astype(np.float32)
+  return ((n > 0) / max(float((n > 0).sum()), 1.0)).astype(np.float32)
 
 
 def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_mask: jax.Array,

@@ -63,8 +63,7 @@ def rollout(engine: RolloutEngine, spot, prompts: list[list[int]], sampling, key
       logged = np.random.default_rng([config.seed, step]).choice(
           n, min(n, keep), replace=False).tolist()
   result = engine.generate(prompts, config.rl.num_samples, sampling, rollout_key(key, round_index),
-                           on_slice_idle=spot.on_slice_idle if spot else None,
-                           log_requests=logged)
+                           on_slice_idle=spot.on_slice_idle if spot else None, log_requests=logged)
   spot_metrics = spot.finish() if spot is not None else {}
   if spot is not None and engine.speculative:
     engine.update_params(drafter_params=spot.params)
@@ -87,10 +86,8 @@ def score(examples: list, result, tokenizer, reward_fn, num_samples: int,
   completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   repeated = [ex for ex in examples for _ in range(num_samples)]
   prompts = [ex.prompt for ex in repeated]
-  columns = {"answer": [ex.answer for ex in repeated],
-             "metadata": [ex.metadata for ex in repeated]}
-  return Scored(completions,
-                np.asarray(reward_fn(prompts, completions, **columns), np.float32),
+  columns = {"answer": [ex.answer for ex in repeated], "metadata": [ex.metadata for ex in repeated]}
+  return Scored(completions, np.asarray(reward_fn(prompts, completions, **columns), np.float32),
                 np.asarray(answer_fn(prompts, completions, **columns)))
 
 

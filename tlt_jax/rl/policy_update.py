@@ -102,11 +102,10 @@ def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTr
   """jitted (params, opt_state, mini_batch [M, b, T] dict) -> (params, opt_state, metrics):
   gradients of loss_fn(params, micro_batch, cfg) -> (loss, metrics) (an algorithm's
   `loss_fn`) summed over the M micro-batches (each already weighted by its share of the
-  mini-batch), then one optimizer step. params and opt_state are donated.
-
-  An update whose loss, gradient norm or new parameters are not finite is not applied (the
-  old params and optimizer state come back) and reports metrics["nonfinite"] = 1, so the
-  caller can stop before anything non-finite reaches a checkpoint, or go on without it."""
+  mini-batch), then one optimizer step. params and opt_state are donated. An update whose
+  loss, gradient norm or new parameters are not finite is not applied (the old params and
+  optimizer state come back) and reports metrics["nonfinite"] = 1, so the caller can stop
+  before anything non-finite reaches a checkpoint, or go on without it."""
 
   @functools.partial(jax.jit, donate_argnums=(0, 1),
                      out_shardings=(param_sharding, opt_sharding, None))
@@ -117,8 +116,7 @@ def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTr
       (loss, metrics), grads = grad_fn(params, mb, cfg)
       return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (losses, metrics) = jax.lax.scan(body, zeros, mini_batch)
+    grads, (losses, metrics) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), mini_batch)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     # Token means of micro-batches, weighted by their tokens (a padding one holds none).
@@ -146,11 +144,9 @@ def all_finite(tree) -> jax.Array:
 class PolicyUpdater:
   """One RL step's update of the policy: `ppo_epochs` passes over the step's responses, each
   `mini_batches` optimizer steps of gradients accumulated over micro-batches of
-  `micro_batch_rows` rows, on the whole mesh.
-
-  The update is compiled ahead of time once per batch shape (a handful of widths per run), so
-  the seconds spent compiling are reported apart from the update's.
-  """
+  `micro_batch_rows` rows, on the whole mesh. The update is compiled ahead of time once per
+  batch shape (a handful of widths per run), so the seconds spent compiling are reported apart
+  from the update's."""
 
   def __init__(self, cfg: ModelConfig, algorithm: Grpo, tx: optax.GradientTransformation,
                params: dict, mesh: Mesh, rules, ppo_epochs: int, mini_batches: int,
@@ -180,8 +176,7 @@ class PolicyUpdater:
     new, and takes one optimizer step per mini-batch that holds responses)."""
     rows = build_rows(prompts, completions, advantages,
                       self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width)
-    batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
-                                          self.loss_agg))
+    batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows, self.loss_agg))
     compile_before = self.pool.compile_seconds
     if self.ppo_epochs * self.mini_batches > 1:  # with one update the ratio is 1: not needed
       batch["old_logp"] = self._batch_log_probs(params, batch)

@@ -19,12 +19,11 @@ _FINAL_LINE = re.compile(r"^#### (\S+)$")
 
 
 def make_answer_reward(fallback: bool = False) -> RewardFn:
-  """The answer reward: 1.0 when the completion's final answer matches `answer`, else 0.0.
-
-  The answer is the one stated in the task's format ('#### x' or '\\boxed{x}',
-  `extract_answer`): a response that skips the format earns nothing, even when its last number
-  is right. fallback=True also takes a format-less response's last number (for a model that
-  was never taught the format, e.g. a pretrained instruct model on the built-in task)."""
+  """The answer reward: 1.0 when the completion's final answer, stated in the task's format
+  ('#### x' or '\\boxed{x}', `extract_answer`), matches `answer`, else 0.0: a response that
+  skips the format earns nothing, even when its last number is right. fallback=True also takes
+  a format-less response's last number (for a model that was never taught the format, e.g. a
+  pretrained instruct model on the built-in task)."""
 
   def answer_reward(prompts: Sequence[str], completions: Sequence[str], *,
                     answer: Sequence[str], **columns) -> list[float]:

@@ -17,8 +17,7 @@ def make_algorithm(name: str, loss: GrpoConfig, max_new_tokens: int,
                    settings: Mapping | None = None) -> Grpo:
   """The algorithm rl.algorithm=`name`; settings: its section rl.<name> (None: defaults)."""
   if name not in ALGORITHMS:
-    raise ValueError(f"rl.algorithm={name!r} is not allowed; allowed values: "
-                     f"{tuple(ALGORITHMS)}")
+    raise ValueError(f"rl.algorithm={name!r} is not allowed; allowed values: {tuple(ALGORITHMS)}")
   cls = ALGORITHMS[name]
   return cls(loss=loss, max_new_tokens=max_new_tokens,
              settings=cls.Settings() if settings is None else build_from(cls.Settings, settings))

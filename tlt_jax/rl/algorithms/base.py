@@ -6,13 +6,12 @@ An algorithm is a frozen dataclass with four parts, each called at one point of 
   keep_groups   which groups of a step's samples are worth an update (all; DAPO drops the
                 groups whose rewards are all equal, whose advantages would be 0)
   advantages    one float per response from the rewards and response lengths
-  loss          the per-(micro-)batch loss the update differentiates, jittable
+  loss_fn       the per-(micro-)batch loss the update differentiates, jittable
 
-`loss` holds the clipped-surrogate settings (`GrpoConfig`: clip range, aggregation, KL,
-entropy, the sampling distribution the tokens are scored under), which every algorithm
-here shares. An algorithm's own knobs are its `Settings` dataclass: the config schema's
-section `rl.<name>` is made from its fields and defaults (tlt_jax.config), so adding one is
-its module and a line in `tlt_jax.rl.algorithms.ALGORITHMS`.
+`loss` holds the clipped-surrogate settings (`GrpoConfig`), which every algorithm here shares.
+An algorithm's own knobs are its `Settings` dataclass: the config schema's section `rl.<name>`
+is made from its fields and defaults (tlt_jax.config), so adding one is its module and a line
+in `tlt_jax.rl.algorithms.ALGORITHMS`.
 """
 
 from __future__ import annotations
@@ -31,10 +30,8 @@ from tlt_jax.rl.grpo import GrpoConfig, group_advantages, grpo_loss
 @dataclasses.dataclass(frozen=True)
 class Grpo:
   """GRPO: one rollout per step, every group trained on, advantages normalised within each
-  prompt's group (`group_advantages`), the PPO-clip loss (`grpo_loss`).
-
-  loss: the loss's settings. max_new_tokens: the rollout's response budget (for algorithms
-  that shape rewards by length). settings: the algorithm's own knobs (`Settings`)."""
+  prompt's group (`group_advantages`), the PPO-clip loss (`grpo_loss`). max_new_tokens: the
+  rollout's response budget (for algorithms that shape rewards by length)."""
   Settings: ClassVar[type] = NoSettings
   rounds: ClassVar[int] = 1  # the most rollouts one step may take
   loss: GrpoConfig = GrpoConfig()
@@ -45,8 +42,7 @@ class Grpo:
     """bool [G]: which of the G = len(rewards) / group_size groups the update trains on."""
     return np.ones(len(rewards) // group_size, bool)
 
-  def advantages(self, rewards: np.ndarray, lengths: np.ndarray,
-                 group_size: int) -> np.ndarray:
+  def advantages(self, rewards: np.ndarray, lengths: np.ndarray, group_size: int) -> np.ndarray:
     """float32 [N] from rewards [N] float32 and response lengths [N] int (tokens, EOS
     included); groups are consecutive runs of group_size."""
     del lengths

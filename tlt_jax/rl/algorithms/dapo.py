@@ -68,11 +68,9 @@ class Dapo(Grpo):
     if not s.overlong_buffer:
       return np.zeros(len(lengths), np.float32)
     over = np.asarray(lengths, np.float64) - (self.max_new_tokens - s.overlong_buffer)
-    return (-s.overlong_penalty * np.clip(over / s.overlong_buffer, 0.0, 1.0)).astype(
-        np.float32)
+    return (-s.overlong_penalty * np.clip(over / s.overlong_buffer, 0.0, 1.0)).astype(np.float32)
 
-  def advantages(self, rewards: np.ndarray, lengths: np.ndarray,
-                 group_size: int) -> np.ndarray:
+  def advantages(self, rewards: np.ndarray, lengths: np.ndarray, group_size: int) -> np.ndarray:
     shaped = np.asarray(rewards, np.float32) + self.overlong_penalty(lengths)
     return group_advantages(shaped, group_size, self.loss.scale_by_std)
 

@@ -10,9 +10,6 @@ so one step only needs the line above and the matching instruction. The number o
 heavy-tailed (see `sample_num_ops`), so solution lengths are long-tailed like reasoning
 rollouts: most problems take a few lines, a few take ten times as many, and accuracy falls with
 length because every step is a chance to slip.
-
-Problem `index` of a task is a pure function of (seed, index), so a data set is a seed plus a
-range of indices: resumable, shardable, and the same on every machine.
 """
 
 from __future__ import annotations
@@ -35,14 +32,12 @@ _APPLY = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mu
 
 def sample_num_ops(rng: np.random.Generator, min_ops: int, max_ops: int, body_p: float,
                    tail_prob: float, tail_alpha: float) -> int:
-  """Draws a number of operations from a truncated geometric body mixed with a truncated
-  Zipf tail.
+  """A number of operations from a truncated geometric body mixed with a truncated Zipf tail.
 
   With probability 1 - tail_prob: min_ops + Geometric(body_p) - 1 (mean about 1 / body_p
   above min_ops - 1); with probability tail_prob: n in [min_ops, max_ops] with
   P(n) proportional to (n - min_ops + 1) ** -tail_alpha. Both are cut at max_ops
-  (geometric draws past it are redrawn, so the cap does not pile up mass at max_ops).
-  """
+  (geometric draws past it are redrawn, so the cap does not pile up mass at max_ops)."""
   if rng.random() < tail_prob:
     support = np.arange(min_ops, max_ops + 1)
     weights = (support - min_ops + 1.0) ** -tail_alpha
@@ -58,7 +53,8 @@ class ArithmeticTask(Task):
   """Generator of arithmetic chains; held-out accuracy is broken down by number of operations.
 
   Attributes:
-    seed: the data set's seed; problem i depends only on (seed, i).
+    seed: the data set's seed; problem i depends only on (seed, i), so a data set is a seed
+      plus a range of indices: resumable, shardable, and the same on every machine.
     min_ops, max_ops: bounds on the number of operations.
     body_p, tail_prob, tail_alpha: the operation-count distribution (`sample_num_ops`).
     max_value: every value (start, intermediate, answer) is in [0, max_value].
@@ -136,8 +132,7 @@ class ArithmeticTask(Task):
     words += ["What is the result?"] + [self.instruction] * bool(self.instruction)
     solution = "\n".join(lines + [f"#### {value}"])
     return Example(prompt=" ".join(words), answer=str(value), solution=solution,
-                   metadata={"task": "arithmetic", "seed": self.seed, "index": index,
-                             "num_ops": n})
+                   metadata={"task": "arithmetic", "seed": self.seed, "index": index, "num_ops": n})
 
   def longest_prompts(self) -> list[str]:
     """Prompts at least as long as any this task makes, one per operation: max_ops of

@@ -3,10 +3,9 @@ function of (seed, index)), prompts for the start-of-job length check, its answe
 RewardFn in [0, 1]), its format bonus, and what the held-out accuracy is broken down by.
 
 The defaults below judge '#### x' / '\\boxed{x}' answers by `answers_match` (the built-in
-task's and the data files' format). A task's own knobs are its `Settings` dataclass: the
-config schema's section `task.<name>` is made from its fields and defaults, and
-`from_config(task_section, seed)` builds it; adding a task is its module and a line in
-`tlt_jax.rl.tasks.TASKS`.
+task's and the data files' format). A task's knobs are its `Settings` dataclass, whose fields
+and defaults make the config section `task.<name>`; `from_config(task_section, seed)` builds
+the task, and adding one is its module and a line in `tlt_jax.rl.tasks.TASKS`.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ class Task:
     return [self.example(i) for i in range(start, start + count)]
 
   def longest_prompts(self) -> list[str]:
-    """Prompts at least as long as any the task makes, where it can bound them; here those of
-    the first PROMPTS_MEASURED problems."""
+    """Prompts for the length check: here those of the first PROMPTS_MEASURED problems."""
     return [ex.prompt for ex in self.examples(PROMPTS_MEASURED)]
 
   def answer_reward(self, fallback: bool = False) -> RewardFn:

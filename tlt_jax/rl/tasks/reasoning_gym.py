@@ -6,10 +6,8 @@ weights[k] (a pure function of (seed, i)) and is that data set's problem i. The 
 data set's question and an instruction to end with a '#### <answer>' line (task.instruction
 replaces it); the answer on that line goes to the data set's `score_answer`, whose score in
 [0, 1] is the reward (partial credit where the data set gives it) and whose 1.0 is a right
-answer. The held-out accuracy is broken down by data set.
-
-The default mix has long-tailed solution lengths, like reasoning rollouts: chains of 2 to 12
-additions (`chain_sum`) and leg counts over 2 to 15 kinds of animal (`leg_counting`).
+answer. The held-out accuracy is broken down by data set. The default mix has long-tailed
+solution lengths, like reasoning rollouts (see `ReasoningGymSettings`).
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ ANSWER_FORMAT = "End your response with a line '#### <answer>'."
 @dataclasses.dataclass(frozen=True)
 class ReasoningGymSettings:
   """datasets: reasoning_gym data set names; weights: their shares of the problems (empty =
-  equal); options: a JSON object {name: {reasoning_gym config key: value}} for their
-  generators (the default makes the mix long-tailed; data sets outside the mix are
-  ignored)."""
+  equal); options: a JSON object {name: {reasoning_gym config key: value}} for their generators
+  (the default makes the mix long-tailed; data sets outside the mix are ignored)."""
   datasets: tuple = ("chain_sum", "leg_counting")
   weights: tuple = ()
   options: str = json.dumps({"chain_sum": {"min_terms": 2, "max_terms": 12, "max_digits": 2},
@@ -52,9 +49,9 @@ SEED_BLOCK = 2 ** 32  # seeds (so problems) of one data set of one task seed; bl
 
 
 def dataset_seed(task_seed: int, position: int) -> int:
-  """The reasoning_gym seed of the data set at `position` in the mix of the task seeded
-  `task_seed`: the start of a block of SEED_BLOCK seeds that no other (seed, position)
-  reaches."""
+  """The reasoning_gym seed of data set `position` of the task seeded `task_seed`. reasoning_gym
+  draws problem i from seed + i, so data sets whose seeds lie closer than the problems drawn
+  share problems (held-out ones would be training ones): each gets a block of SEED_BLOCK seeds."""
   return (task_seed * MAX_DATASETS + position) * SEED_BLOCK
 
 
@@ -108,11 +105,7 @@ class ReasoningGymTask(Task):
 
   @functools.cache
   def _datasets(self) -> dict[str, Any]:
-    """{name: reasoning_gym data set}, each seeded from the task's seed and its position.
-
-    reasoning_gym draws problem i from the seed + i, so data sets whose seeds lie closer than
-    the problems drawn share problems: the held-out task (eval_seed) would hold training
-    problems. Each (seed, position) gets a block of SEED_BLOCK seeds of its own instead."""
+    """{name: reasoning_gym data set}, each seeded by `dataset_seed`."""
     rg = _import_reasoning_gym()
     options = json.loads(self.settings.options)
     out = {}
@@ -158,9 +151,8 @@ class ReasoningGymTask(Task):
       out = []
       for c, a, meta in zip(completions, answer, metadata, strict=True):
         stated = self.stated_answer(c, fallback)
-        entry = {"answer": a, "metadata": meta}
-        out.append(0.0 if stated is None else
-                   float(datasets[meta["source"]].score_answer(stated, entry)))
+        out.append(0.0 if stated is None else float(datasets[meta["source"]].score_answer(
+            stated, {"answer": a, "metadata": meta})))
       return out
 
     return reasoning_gym_reward
