@@ -20,12 +20,12 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from tlt_jax import cli
 from tlt_jax.components import load_policy
-from tlt_jax.job import Job
+from tlt_jax.job import Job, run_job
 from tlt_jax.mesh import host_copy, logical_shardings, make_mesh, to_mesh
 from tlt_jax.models import init_cache, param_logical_axes
 from tlt_jax.models.policy import Policy
+from tlt_jax.run_log import write_jsonl
 from tlt_jax.speculative.decoding import plain_step, start
 from tlt_jax.speculative.sampling import SamplingParams
 
@@ -33,22 +33,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Confi
 _WORKDIR = flags.DEFINE_string("workdir", "runs/generate", "Output folder.")
 
 
-def main(argv):
-  del argv
-  config = cli.load_config(_CONFIG)
-  num_devices = cli.setup_devices(config)
-  with Job(_WORKDIR.value) as job:
-    _generate(config, job, num_devices)
-
-
-def _generate(config, job: Job, num_devices: int) -> None:
+def _generate(config, job: Job) -> None:
   # ---------------------------------------------------------------- mesh and model
   mesh = make_mesh(dict(config.mesh.axes))
   rules = tuple(config.mesh.rollout_rules)  # decoding: whole weights per device
   cfg, params = load_policy(config, mesh)
   params = to_mesh(params, logical_shardings(param_logical_axes(cfg), mesh, rules, params))
-  job.say(f"mesh {dict(mesh.shape)} on {num_devices} devices; model {cfg.num_layers} layers, "
-          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+  job.say(f"mesh {dict(mesh.shape)} on {jax.device_count()} devices; model {cfg.num_layers} "
+          f"layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
 
   # ---------------------------------------------------------------- prompts
   g = config.generate
@@ -61,9 +53,8 @@ def _generate(config, job: Job, num_devices: int) -> None:
       cache_shapes.logical_axes(), mesh, rules, cache_shapes))()
 
   # ---------------------------------------------------------------- compiled steps
-  # The rollout's pure steps, one jitted call per token so that decode time is measured
-  # per step (what this job reports); no EOS (random prompts), every row decodes the whole
-  # budget.
+  # The rollout's pure steps, one jitted call per token so that decode time is measured per step
+  # (what this job reports); no EOS (random prompts), every row decodes the whole budget.
   sp = SamplingParams(g.temperature)
   begin = jax.jit(functools.partial(start, sp=sp, max_new_tokens=g.max_new_tokens, eos_id=-1),
                   donate_argnums=(3,))
@@ -84,12 +75,11 @@ def _generate(config, job: Job, num_devices: int) -> None:
   decode_s = time.perf_counter() - t1
 
   if job.writer:
-    with open(job.path("generations.jsonl"), "w") as f:
-      for b in range(g.num_prompts):
-        f.write(json.dumps({"prompt": tokens[b, :lengths[b]].tolist(),
-                            "completion": generated[b].tolist()}) + "\n")
+    write_jsonl(job.path("generations.jsonl"), ({"prompt": tokens[b, :lengths[b]].tolist(),
+                                                 "completion": generated[b].tolist()}
+                                                for b in range(g.num_prompts)))
   summary = {"num_prompts": int(g.num_prompts), "max_new_tokens": int(g.max_new_tokens),
-             "devices": num_devices, "mesh": dict(mesh.shape),
+             "devices": jax.device_count(), "mesh": dict(mesh.shape),
              "prefill_s_incl_compile": prefill_s, "decode_s_incl_compile": decode_s,
              "decode_tokens_per_s": g.num_prompts * (g.max_new_tokens - 1) / decode_s,
              **job.compiles()}
@@ -99,7 +89,7 @@ def _generate(config, job: Job, num_devices: int) -> None:
 
 def run():
   """Console-script entry point (`tlt-generate`)."""
-  cli.run_main(main)
+  run_job(_CONFIG, _WORKDIR, _generate, quiet_logs=False)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What every job (train, sft, warmup_drafter, generate) does around its own work, in one
-place: the workdir lock, which process writes, a clean stop on SIGINT/SIGTERM, progress and
-messages on the writing process only, the run log, JSON files written whole, the job's
-compile account, and an optional time limit.
+place: the command line, the workdir lock, which process writes, a clean stop on SIGINT/SIGTERM,
+progress and messages on the writing process only, the run log, checkpoints, exports and JSON
+files written whole, the job's compile account, and an optional time limit.
 
   with Job(workdir) as job:
     log = job.run_log(resume_step)            # metrics.jsonl & co., written by process 0
@@ -26,10 +26,15 @@ from typing import NoReturn
 
 import jax
 import numpy as np
+from absl import logging
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from tlt_jax import cli
+from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.compile_cache import COMPILES
+from tlt_jax.config import flat_settings
+from tlt_jax.mesh import host_copy
 from tlt_jax.run_log import RunLog, write_json
 from tlt_jax.workdir import claim_workdir
 
@@ -121,6 +126,17 @@ class Job:
     if self.writer:
       write_json(os.path.join(folder or self.workdir, name), obj)
 
+  def export(self, save, folder: str, tree, *args, **kwargs) -> None:
+    """`save(folder, host copy of tree, *args, **kwargs)` on the writing process; every
+    process takes part in the gather."""
+    tree = host_copy(tree)
+    if self.writer:
+      save(folder, tree, *args, **kwargs)
+
+  def checkpointer(self, config, keep: int = 2) -> Checkpointer:
+    """WORKDIR/checkpoints, keeping the latest `keep`, each with the config's settings."""
+    return Checkpointer(self.path("checkpoints"), keep=keep, settings=flat_settings(config))
+
   @property
   def wall_s(self) -> float:
     """Seconds since the job began."""
@@ -136,6 +152,34 @@ class Job:
       up = bool(multihost_utils.broadcast_one_to_all(np.asarray(up)))
     return up
 
+  def last_step(self, step: int, end: int, setting: str) -> int:
+    """The last step once `step` is done: `end`, or `step` when it comes before `end` and
+    time_up() (which it says; `setting`: the config key that set max_minutes)."""
+    if step < end and self.time_up():
+      self.say(f"{setting}={self.max_minutes} reached: step {step} is the last")
+      return step
+    return end
+
   def compiles(self) -> dict:
     """The job's XLA compiles so far (`COMPILES.report()` since the job began)."""
     return {k: v - self._compiles_before[k] for k, v in COMPILES.report().items()}
+
+
+def run_job(config_flag, workdir_flag, body, max_minutes=lambda config: 0.0,
+            quiet_logs: bool = True) -> None:
+  """A job's command line (`python -m`, console script): loads --config (errors exit in one
+  line), sets the devices up and runs `body(config, job)` in a Job over --workdir with
+  max_minutes(config); exits with EXIT_STOPPED when body returns True (a signal stopped it,
+  after its checkpoint). quiet_logs: absl logs from WARNING up (orbax logs every save at INFO)."""
+
+  def main(argv):
+    del argv
+    if quiet_logs:
+      logging.set_verbosity(logging.WARNING)
+    config = cli.load_config(config_flag)
+    cli.setup_devices(config)
+    with Job(workdir_flag.value, max_minutes=max_minutes(config)) as job:
+      stopped = body(config, job)
+    if stopped:
+      exit_stopped("before the last step")
+  cli.run_main(main)

@@ -13,23 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 
 import jax
 import numpy as np
-from absl import flags, logging
+from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
-from tlt_jax import cli
-from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.components import (check_prompt_lengths, load_policy, make_engine,
                                 sft_tokenizer, task_from_config, training_model_config)
-from tlt_jax.config import ConfigError, flat_settings
-from tlt_jax.job import Job, exit_stopped
-from tlt_jax.mesh import (data_parallel_size, host_copy, logical_to_mesh_spec, make_mesh,
-                          on_mesh)
+from tlt_jax.config import ConfigError
+from tlt_jax.job import Job, run_job
+from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, make_mesh, on_mesh
 from tlt_jax.models.hf import save_hf_checkpoint
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.data import PromptIterator
@@ -54,20 +50,9 @@ def _eval_line(step: int, result: dict) -> str:
           f"{np.mean(result['lengths']):.1f} tokens")
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  config = cli.load_config(_CONFIG)
-  num_devices = cli.setup_devices(config)
-  with Job(_WORKDIR.value, max_minutes=config.sft.max_minutes) as job:
-    stopped = _sft(config, job, num_devices)
-  if stopped:
-    exit_stopped("before the last step")
-
-
-def _sft(config, job: Job, num_devices: int) -> bool:
+def _sft(config, job: Job) -> bool:
   """The job; True when a signal stopped it (after a checkpoint) before sft.steps."""
-  workdir, s = job.workdir, config.sft
+  s, num_devices = config.sft, jax.device_count()
   task = task_from_config(config)
   if task.example(0).solution is None:
     raise ConfigError(f"SFT trains on worked solutions, which task.name={config.task.name!r} "
@@ -83,7 +68,7 @@ def _sft(config, job: Job, num_devices: int) -> bool:
                       f"(replica x fsdp = {data_ways})")
   batch_sharding = NamedSharding(mesh, logical_to_mesh_spec(P("batch", None),
                                                             (s.rows, s.seq_len), mesh, rules))
-  tokenizer = sft_tokenizer(config, workdir, write=job.writer)
+  tokenizer = sft_tokenizer(config, job.workdir, write=job.writer)
   check_prompt_lengths(config, tokenizer, data_files=False)  # the held-out evaluation decodes
   iterator = PromptIterator(TaskSlice(task, s.num_train_examples), seed=config.seed)
   eval_set = task_from_config(config, eval_split=True).examples(s.num_eval_examples)
@@ -110,8 +95,7 @@ def _sft(config, job: Job, num_devices: int) -> bool:
           f"{num_params / 1e6:.2f}M params")
 
   # ---------------------------------------------------------------- checkpoint and log
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=s.keep_checkpoints,
-                      settings=flat_settings(config))
+  ckpt = job.checkpointer(config, s.keep_checkpoints)
   step = 0
   restored = ckpt.restore_latest({"params": params, "opt_state": opt_state})
   if restored is not None:
@@ -127,8 +111,7 @@ def _sft(config, job: Job, num_devices: int) -> bool:
 
   def run_eval(step):
     engine.update_params(policy_params=params)  # the update donates the previous params
-    result = evaluate(engine, tokenizer, eval_set, SamplingParams(0.0),
-                      breakdown=task.breakdown)
+    result = evaluate(engine, tokenizer, eval_set, SamplingParams(0.0), breakdown=task.breakdown)
     job.say(_eval_line(step, result))
     return result
 
@@ -144,9 +127,7 @@ def _sft(config, job: Job, num_devices: int) -> bool:
                                                 jax.device_put(batch, batch_sharding))
       step += 1
       bar.update(1)
-      if step < end and job.time_up():
-        end = step
-        job.say(f"sft.max_minutes={s.max_minutes} reached: step {step} is the last")
+      end = job.last_step(step, end, "sft.max_minutes")
       if step % s.log_every == 0 or step == end:
         last = {k: float(v) for k, v in metrics.items()}
         bar.set_postfix(loss=f"{last['loss']:.4f}")
@@ -164,18 +145,15 @@ def _sft(config, job: Job, num_devices: int) -> bool:
 
   # ---------------------------------------------------------------- final eval and export
   result = run_eval(step)
-  export_dir = os.path.join(workdir, "export")
+  export_dir = job.path("export")
   export_cfg = cfg.replace(param_dtype=s.export_dtype)
-  export_params = host_copy(jax.tree.map(lambda x: x.astype(export_cfg.jnp_param_dtype),
-                                         params))  # every process takes part in the gather
-  if job.writer:
-    save_hf_checkpoint(export_dir, export_params, export_cfg, tokenizer)
+  job.export(save_hf_checkpoint, export_dir, jax.tree.map(
+      lambda x: x.astype(export_cfg.jnp_param_dtype), params), export_cfg, tokenizer)
   summary = {"step": step, "time_limited": step < s.steps,
              "final_loss": last["loss"] if last else None,
              "heldout_greedy_accuracy": result["accuracy"],
              "heldout_examples": result["num_examples"],
-             "heldout_accuracy_by_ops": {str(k): v for k, v in
-                                           result["accuracy_by"].items()},
+             "heldout_accuracy_by_ops": {str(k): v for k, v in result["accuracy_by"].items()},
              "heldout_mean_completion_tokens": result["response_len_mean"],
              "wall_s": job.wall_s, "train_s_incl_compile": train_s,
              "num_params": int(num_params), "devices": num_devices, **job.compiles(),
@@ -189,7 +167,7 @@ def _sft(config, job: Job, num_devices: int) -> bool:
 
 def run():
   """Console-script entry point (`tlt-sft`)."""
-  cli.run_main(main)
+  run_job(_CONFIG, _WORKDIR, _sft, max_minutes=lambda config: config.sft.max_minutes)
 
 
 if __name__ == "__main__":

@@ -36,22 +36,20 @@ from tlt_jax import cli
 from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer
 from tlt_jax.components import (algorithm_from_config, answer_check, check_prompt_lengths,
                                 drafter_opt_config, load_drafter_for, load_policy,
-                                load_tokenizer_for, make_engine, policy_adamw,
-                                reward_from_config, sampling_params, scoring_task,
-                                spot_config, task_examples, training_model_config,
-                                training_set)
-from tlt_jax.config import ConfigError, RunStopped, flat_settings
+                                load_tokenizer_for, make_engine, policy_adamw, reward_from_config,
+                                sampling_params, scoring_task, spot_config, task_examples,
+                                training_model_config, training_set)
+from tlt_jax.config import ConfigError, RunStopped
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer
 from tlt_jax.job import Job, exit_stopped
-from tlt_jax.mesh import host_copy, make_mesh
+from tlt_jax.mesh import make_mesh
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.models.hf import save_hf_checkpoint
 from tlt_jax.optim import make_adamw
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import heldout_accuracy
-from tlt_jax.rl.phases import (paired_control, rollout_rows, sample_step, step_metrics,
-                               update_policy)
+from tlt_jax.rl.phases import paired_control, rollout_rows, sample_step, step_metrics, update_policy
 from tlt_jax.rl.policy_update import PolicyUpdater, nonfinite_update_message
 from tlt_jax.rollout.pool import merge_bills
 from tlt_jax.run_log import read_jsonl
@@ -107,11 +105,10 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
                        drafter=(dcfg, dparams) if use_sd else None,
                        log_features=config.drafter.spot_training)
   sampling = sampling_params(config)
-  spot = None
-  if config.drafter.spot_training:
-    spot = SpotTrainer(cfg, dcfg, drafter_opt_config(config), dparams, mesh,
-                       spot_config(config), FeatureBuffer(config.drafter.buffer.keep_steps),
-                       rules=tuple(config.mesh.rollout_rules), seed=config.seed)
+  spot = (SpotTrainer(cfg, dcfg, drafter_opt_config(config), dparams, mesh, spot_config(config),
+                      FeatureBuffer(config.drafter.buffer.keep_steps),
+                      rules=tuple(config.mesh.rollout_rules), seed=config.seed)
+          if config.drafter.spot_training else None)
   algorithm = algorithm_from_config(config)
   updater = PolicyUpdater(training_model_config(config, cfg), algorithm,
                           make_adamw(policy_adamw(config)), params, mesh, rules,
@@ -126,10 +123,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   pools = [engine.pool, updater.pool] + ([spot.pool] if spot is not None else [])
 
   # ---------------------------------------------------------------- checkpoint and logs
-  def checkpointer():
-    return Checkpointer(os.path.join(workdir, "checkpoints"), keep=rl.keep_checkpoints,
-                        settings=flat_settings(config))
-  ckpt = checkpointer()
+  ckpt = job.checkpointer(config, rl.keep_checkpoints)
   run = _RunState(params, updater, spot, engine, prompts_iter)
   try:
     step = run.restore(ckpt)
@@ -147,7 +141,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   elif job.writer:
     _start_fresh(workdir, failures, start_over, say, also=set_aside)
   if set_aside:
-    ckpt = checkpointer()
+    ckpt = job.checkpointer(config, rl.keep_checkpoints)
   log = job.run_log(resume_step=step)
   if spot is not None:  # the drafter update for every slice, before a slice goes idle
     spot.precompile(engine.slices, engine.policy_on, ahead=config.rollout.compile_ahead)
@@ -193,9 +187,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
         raise RunStopped(nonfinite_update_message(step + 1, update_metrics, ckpt.latest_step))
       engine.update_params(policy_params=run.params)  # a reshard onto the rollout slices
       step += 1
-      if step < end and job.time_up():
-        end = step
-        say(f"rl.max_minutes={rl.max_minutes} reached: step {step} is the last")
+      end = job.last_step(step, end, "rl.max_minutes")
       metrics = step_metrics(step, samples, update_metrics, algorithm, engine.speculative,
                              compile_s=sum(p.compile_seconds for p in pools) - compile_before,
                              update_s=time.perf_counter() - t_update,
@@ -212,19 +204,18 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
         run.save(ckpt, step)
       bar.update(1)
       bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.2f}",
-                      len=f"{metrics['response_len_mean']:.0f}",
-                      step_s=f"{metrics['step_s']:.1f}",
+                      len=f"{metrics['response_len_mean']:.0f}", step_s=f"{metrics['step_s']:.1f}",
                       accept=f"{metrics['sd_accept_len_mean'] or 0:.2f}")
   bar.close()
 
   # ---------------------------------------------------------------- export and summary
-  if step >= end and rl.export:
-    _export(os.path.join(workdir, "export"), run.params, cfg, tokenizer,
-            (spot.params if spot is not None else dparams) if use_drafter else None, dcfg,
-            write=job.writer)
+  if step >= end and rl.export:  # Hugging Face layout
+    job.export(save_hf_checkpoint, job.path("export", "policy"), run.params, cfg, tokenizer)
+    if use_drafter:
+      job.export(save_drafter, job.path("export", "drafter"),
+                 spot.params if spot is not None else dparams, cfg, dcfg)
   return write_summary(workdir, log.rows["metrics"], config, wall_s=job.wall_s,
-                       stopped_early=step < end, evals=log.rows["eval"],
-                       write=job.writer,
+                       stopped_early=step < end, evals=log.rows["eval"], write=job.writer,
                        extra={"time_limited": end < rl.steps, **job.compiles(),
                               "compile_bill": merge_bills(pools),
                               **({"compile_bill_control": merge_bills([control.pool])}
@@ -242,8 +233,7 @@ class _RunState:
   def tree(self) -> dict:
     tree = {"policy": self.params, "opt_state": self.updater.opt_state}
     if self.spot is not None:
-      st = self.spot.state
-      tree["drafter"] = {"params": st.params, "opt_state": st.opt_state, "step": st.step}
+      tree["drafter"] = {k: getattr(self.spot.state, k) for k in ("params", "opt_state", "step")}
     return tree
 
   def save(self, ckpt: Checkpointer, step: int) -> None:
@@ -263,21 +253,8 @@ class _RunState:
     if self.engine.tuner is not None and "tuner" in meta:
       self.engine.tuner.load_state_dict(meta["tuner"])
     if self.spot is not None:
-      d = tree["drafter"]
-      self.spot.state = self.spot.state.replace(params=d["params"], opt_state=d["opt_state"],
-                                                step=d["step"])
+      self.spot.state = self.spot.state.replace(**tree["drafter"])
     return step
-
-
-def _export(folder: str, params, cfg, tokenizer, dparams, dcfg, write: bool) -> None:
-  """The policy (and the drafter, when there is one) in Hugging Face layout; every process
-  takes part in the gathers, process 0 writes."""
-  policy = host_copy(params)
-  drafter = host_copy(dparams) if dparams is not None else None
-  if write:
-    save_hf_checkpoint(os.path.join(folder, "policy"), policy, cfg, tokenizer)
-    if drafter is not None:
-      save_drafter(os.path.join(folder, "drafter"), drafter, cfg, dcfg)
 
 
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "summary.json", "summary.png",

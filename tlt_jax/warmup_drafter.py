@@ -24,18 +24,16 @@ import json
 
 import jax
 import numpy as np
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from tlt_jax import cli
-from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_drafter_for,
                                 load_policy, load_tokenizer_for, make_engine, task_prompts)
 from tlt_jax.config import flat_settings
-from tlt_jax.job import Job, exit_stopped
+from tlt_jax.job import Job, run_job
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
-from tlt_jax.mesh import host_copy, make_mesh
+from tlt_jax.mesh import make_mesh
 from tlt_jax.models.draft_vocab import frequent_tokens
 from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
@@ -45,17 +43,6 @@ from tlt_jax.speculative.tuner import FixedTuner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/warmup_drafter", "Output folder (resumes).")
-
-
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)
-  config = cli.load_config(_CONFIG)
-  cli.setup_devices(config)
-  with Job(_WORKDIR.value, max_minutes=config.drafter.warmup.max_minutes) as job:
-    stopped = _warmup(config, job)
-  if stopped:
-    exit_stopped("before the last step")
 
 
 def _warmup(config, job: Job) -> bool:
@@ -91,21 +78,19 @@ def _warmup(config, job: Job) -> bool:
   untrained = jax.device_get(init_params)  # host copy: training donates the device arrays
   oc = drafter_opt_config(config, warmup=True)
   state = init_train_state(init_params, oc)
-  ckpt = Checkpointer(job.path("checkpoints"), settings=flat_settings(config))
-  restored = ckpt.restore_latest(state)
-  if restored is not None:
-    state = restored[1]
-    job.say(f"resumed the drafter from step {restored[0]}")
-  log = job.run_log(resume_step=restored[0] if restored is not None else 0)
+  ckpt = job.checkpointer(config)
+  resumed, state, _ = ckpt.restore_latest(state) or (0, state, None)
+  if resumed:  # checkpoints are saved after a step, never at step 0
+    job.say(f"resumed the drafter from step {resumed}")
+  log = job.run_log(resume_step=resumed)
   first = int(state.step)
 
   time_up = []  # the step at which drafter.warmup.max_minutes ran out, once it has
 
   def on_step(step, st, metrics):
     log.write("metrics", [{"step": step, **metrics}])
-    if step < w.steps and job.time_up():
+    if job.last_step(step, w.steps, "drafter.warmup.max_minutes") < w.steps:
       time_up.append(step)
-      job.say(f"drafter.warmup.max_minutes={w.max_minutes} reached: step {step} is the last")
     if step == w.steps or job.stop.requested or time_up or (w.checkpoint_every and
                                                             step % w.checkpoint_every == 0):
       ckpt.save(step, st, {"step": step})
@@ -128,8 +113,7 @@ def _warmup(config, job: Job) -> bool:
   for name, d in (("untrained", untrained), ("warmed", dparams)):
     sd_engine = make_engine(config, cfg, params, mesh, eos, pad, drafter=(dcfg, d),
                             speculative=True, tuner=FixedTuner(strategy),
-                            sd_threshold=config.rollout.max_batch,
-                            max_new_tokens=w.max_new_tokens,
+                            sd_threshold=config.rollout.max_batch, max_new_tokens=w.max_new_tokens,
                             compile_ahead=False)  # every call SD: what is measured
     accept[name] = accept_length(sd_engine.generate(eval_prompts, 1, SamplingParams(0.0),
                                                     jax.random.key(0)))
@@ -146,11 +130,9 @@ def _warmup(config, job: Job) -> bool:
       "accept_len_untrained": accept["untrained"], "accept_len_warmed": accept["warmed"],
       "strategy": strategy, **job.compiles(), "config": json.loads(config.to_json())}
   export = job.path("export")
-  dparams = host_copy(dparams)  # every process takes part in the gather
-  if job.writer:
-    save_drafter(export, dparams, cfg, dcfg, metadata={"warmup": {
-        k: summary[k] for k in ("steps", "responses", "loss_last", "top1_last",
-                                "accept_len_untrained", "accept_len_warmed", "strategy")}})
+  job.export(save_drafter, export, dparams, cfg, dcfg, metadata={"warmup": {
+      k: summary[k] for k in ("steps", "responses", "loss_last", "top1_last",
+                              "accept_len_untrained", "accept_len_warmed", "strategy")}})
   job.write_json("summary.json", summary)
   job.say(f"exported the drafter to {export}; {summary['wall_s']:.0f} s")
   return False
@@ -158,7 +140,8 @@ def _warmup(config, job: Job) -> bool:
 
 def run():
   """Console-script entry point (`tlt-warmup-drafter`)."""
-  cli.run_main(main)
+  run_job(_CONFIG, _WORKDIR, _warmup,
+          max_minutes=lambda config: config.drafter.warmup.max_minutes)
 
 
 if __name__ == "__main__":
