@@ -7,18 +7,12 @@ time: it dispatches a step, waits for it, and checks the stop flag before the ne
 whole rollout ends, `finish()` sets the flag (under the lock that guards every dispatch, so no
 step starts after it) and joins the threads, which costs at most the one step in flight.
 
-Several idle slices train independent copies of the drafter, each from the state it had at the
-start of the rollout, on its own random windows; `finish()` averages them, weighted by the
-number of steps each ran (float leaves; integer counters take the maximum). Independent copies
-need no collective between slices that finish at different times and no re-layout when
-another slice joins, and each slice compiles its update once for the whole run. The averaged
-state lives on the trainer's home mesh; the engine then places the new drafter weights (only
-the drafter's own) on every rollout slice.
-
-The average is one jitted reduction over the slices' copies stacked along the `replica` axis
-(`tlt_jax.mesh.stack_slices`): with several processes each contributes its own slices' copies
-and the reduction is the only exchange. A process stops training when its own slices are all
-done; waiting for other processes' rollouts is not reclaimed.
+Idle slices train independent copies of the drafter (no collective between slices that finish
+at different times, no re-layout when one joins, one compile per slice for the run), each from
+the state at the start of the rollout, on its own random windows. `finish()` averages them,
+weighted by steps, in one jitted reduction over the copies stacked along the `replica` axis
+(`tlt_jax.mesh.stack_slices`), the only exchange between processes. A process stops training
+when its own slices are all done; waiting for other processes' rollouts is not reclaimed.
 """
 
 from __future__ import annotations
@@ -58,11 +52,9 @@ class SpotConfig:
   max_steps: int = 0
 
   def __post_init__(self):
-    for name in ("window", "windows", "batch_rows"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"drafter.spot.{name} must be >= 1, got {getattr(self, name)}")
-    if self.max_steps < 0:
-      raise ValueError(f"drafter.spot.max_steps must be >= 0, got {self.max_steps}")
+    for name, low in (("window", 1), ("windows", 1), ("batch_rows", 1), ("max_steps", 0)):
+      if (value := getattr(self, name)) < low:
+        raise ValueError(f"drafter.spot.{name} must be >= {low}, got {value}")
 
 
 @dataclasses.dataclass
@@ -82,8 +74,7 @@ class DrafterStepRecord:
 def _rows_step(state: DrafterTrainState, policy_params: dict, windows: Windows, rows,
                cfg, dcfg, oc):
   """train_step on the windows' rows `rows` [batch_rows] int32."""
-  batch = jax.tree.map(lambda x: x[rows], windows)
-  return train_step(state, policy_params, batch, cfg, dcfg, oc)
+  return train_step(state, policy_params, jax.tree.map(lambda x: x[rows], windows), cfg, dcfg, oc)
 
 
 def train_state_shardings(tx, param_shapes: dict, param_axes: dict, mesh: Mesh, rules
@@ -134,8 +125,7 @@ class SpotTrainer:
     self._axes = drafter_logical_axes(cfg, dcfg)
     self._tx = make_optimizer(oc)
     self._shardings: dict = {}
-    self._shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                drafter_params)
+    self._shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), drafter_params)
     self.slices = replica_slices(home)
     self.local = local_slices(self.slices)
     home_sh = self._state_shardings(home)
@@ -192,20 +182,16 @@ class SpotTrainer:
       def abstract(dtype, *feature, mesh=mesh):
         """[windows, window, *feature] on the slice, windows split over the batch axes."""
         shape = (sp.windows, sp.window, *feature)
-        names = ("batch",) + (None,) * (len(shape) - 1)
-        spec = logical_to_mesh_spec(P(*names), shape, mesh, self.rules)
+        spec = logical_to_mesh_spec(P("batch", *[None] * (len(shape) - 1)), shape, mesh, self.rules)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
       ints = abstract(jnp.int32)
       windows = Windows(tokens=ints, features=abstract(jnp.float32, self.cfg.feature_size),
                         segment_ids=ints, positions=ints, loss_mask=abstract(jnp.bool_))
       state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                            self.state, self._state_shardings(mesh))
-      rows = jax.ShapeDtypeStruct((sp.batch_rows,), jnp.int32,
-                                  sharding=NamedSharding(mesh, P()))
+      rows = jax.ShapeDtypeStruct((sp.batch_rows,), jnp.int32, sharding=NamedSharding(mesh, P()))
       self._executable(mesh, (state, policy_on(s), windows, rows), ahead=ahead)
     return time.perf_counter() - t0
-
-  # ---------------------------------------------------------------- one rollout
 
   def begin(self, rl_step: int, policy_on: Callable[[int], dict]) -> None:
     """Starts a rollout session: policy_on(s) gives the policy params placed on slice s (their
@@ -246,8 +232,7 @@ class SpotTrainer:
       while not sp.max_steps or n < sp.max_steps:
         if self.buffer.version != version:  # new sequences arrived: re-pack
           version = self.buffer.version
-          windows, real = self.buffer.windows_on(mesh, sp.window, sp.windows, rng,
-                                                 rules=self.rules)
+          windows, real = self.buffer.windows_on(mesh, sp.window, sp.windows, rng, rules=self.rules)
         rows = jax.device_put(rng.integers(0, real, sp.batch_rows).astype(np.int32), rep)
         args = (state, policy_params, windows, rows)
         exe = self._executable(mesh, args)  # outside the lock: finish() never waits for it
@@ -277,16 +262,13 @@ class SpotTrainer:
   def finish(self) -> dict:
     """Stops training (if the last slice has not already: no step starts after that), joins
     the slices' threads, averages their states into the trainer's state and returns this
-    rollout's metrics, summed over every process's slices:
-
-    drafter_steps, drafter_tokens, drafter_loss / drafter_top1 (means over the steps with a
-    finite loss; None without any), drafter_nonfinite (steps skipped for a non-finite loss or
-    gradient), idle_slice_s (slice-seconds between each slice's idle moment and the end
-    of the rollout), reclaimed_slice_s (slice-seconds spent in drafter steps in that window),
-    drafter_compile_s (compiling the update for a slice the first time it trains).
-    """
+    rollout's metrics, summed over every process's slices: drafter_steps, drafter_tokens,
+    drafter_loss / drafter_top1 (means over the steps with a finite loss; None without any),
+    drafter_nonfinite (steps skipped for a non-finite loss or gradient), idle_slice_s
+    (slice-seconds between each slice's idle moment and the end of the rollout),
+    reclaimed_slice_s (slice-seconds spent in drafter steps in that window), drafter_compile_s
+    (compiling the update for a slice the first time it trains), rollout_end (that end)."""
     t_end = self._stop_now()
-    compile_before = self._compile_at_begin
     for t in self._threads.values():
       t.join()
     self._threads = {}
@@ -305,21 +287,15 @@ class SpotTrainer:
     sums = np.asarray([
         sum(n for _, n in self._results.values()), sum(r.tokens for r in recs),
         sum(r.loss for r in finite), sum(r.top1 for r in finite), len(finite),
-        len(recs) - len(finite),
-        sum(t_end - t for t in self.idle_since.values()),
+        len(recs) - len(finite), sum(t_end - t for t in self.idle_since.values()),
         sum(min(r.t_done, t_end) - r.t_dispatch for r in recs)], np.float32)
     if jax.process_count() > 1:  # every process's slices count
       from jax.experimental import multihost_utils
       sums = multihost_utils.process_allgather(sums).sum(axis=0)
     steps, tokens, loss, top1, n_recs, nonfinite, idle, reclaimed = sums.tolist()
-    return {
-        "drafter_steps": int(steps),
-        "drafter_tokens": tokens,
-        "drafter_loss": loss / n_recs if n_recs else None,
-        "drafter_top1": top1 / n_recs if n_recs else None,
-        "drafter_nonfinite": int(nonfinite),
-        "idle_slice_s": idle,
-        "reclaimed_slice_s": reclaimed,
-        "drafter_compile_s": self.compile_s - compile_before,
-        "rollout_end": t_end,
-    }
+    return {"drafter_steps": int(steps), "drafter_tokens": tokens,
+            "drafter_loss": loss / n_recs if n_recs else None,
+            "drafter_top1": top1 / n_recs if n_recs else None,
+            "drafter_nonfinite": int(nonfinite), "idle_slice_s": idle,
+            "reclaimed_slice_s": reclaimed,
+            "drafter_compile_s": self.compile_s - self._compile_at_begin, "rollout_end": t_end}

@@ -1,29 +1,20 @@
 """The rollout engine: batched generation that turns speculative once the batch runs dry.
 
 `RolloutEngine.generate` serves a list of requests (prompts x samples) on every replica slice
-of the mesh. Three parts, one file each:
-
-  scheduler  (`tlt_jax.rollout.scheduler`) decides, per slice, on the host and without JAX:
-             start, refill, compact, or decode for up to `iterations_per_call` iterations (plain,
-             or SD with the tuner's strategy once few rows run);
-  programs   (`tlt_jax.rollout.programs`) are the slice's compiled calls that carry a
-             decision out; a decode call runs its iterations in one `lax.while_loop` and
-             returns as soon as the scheduler would decide differently;
-  engine     (this module) runs the loop: every busy slice dispatches its next call, then
-             each waits for its own result (one host sync per call: done flags and counts),
-             harvests finished rows and tells its scheduler. Slices on different devices run
-             at the same time.
+of the mesh. Per slice, the scheduler (`tlt_jax.rollout.scheduler`, on the host, without JAX)
+decides to start, refill, compact, or decode (plain, or SD with the tuner's strategy once few
+rows run), and the slice's compiled programs (`tlt_jax.rollout.programs`) carry it out; a
+decode call runs up to `iterations_per_call` iterations in one `lax.while_loop` and returns as
+soon as the scheduler would decide differently. This module runs the loop: every busy slice
+dispatches its next call, then each waits for its own result (one host sync per call), so
+slices on different devices run at the same time.
 
 Tokens are drawn with noise fixed by (the rollout key, request id, position in the response),
 so the same key gives the same responses whatever the schedule, strategy, tuner or slice: a
-speculative rollout returns exactly what a plain one does, under sampling too.
-
-The drafter's cache is kept in step during plain decoding (one small drafter layer per step),
-so switching to SD needs no re-prefill. With several processes (jax.distributed), each drives
-its own slices and the finished tokens are gathered at the end, so every process returns the
-whole result. With `log_features`, the policy's features of (a chosen subset of) the
-sequences stay on the slice's devices as they are decoded (tlt_jax.rollout.feature_log), for
-drafter training.
+speculative rollout returns exactly what a plain one does, under sampling too. The drafter's
+cache is kept in step during plain decoding, so switching to SD needs no re-prefill. With
+several processes (jax.distributed), each drives its own slices and the finished tokens are
+gathered at the end.
 """
 
 from __future__ import annotations
@@ -59,14 +50,14 @@ class EngineConfig:
   scheduler must act).
   eos_id: end-of-sequence token (-1 = none); pad_id: prompt padding.
   compile_ahead: compile the tail's decode programs in the background from a slice's first
-  prefill on; until a strategy's program is ready the tuner does not choose it (the tail
-  decodes plainly meanwhile), so no call waits for a compile. Tokens do not change.
+  prefill on; the tuner chooses only strategies whose program is ready (the tail decodes
+  plainly meanwhile), so no call waits for a compile. Tokens do not change.
   shared_sd_max_batch: at program batch sizes up to this (0: none), the tuner's arms of one
-  top-k share one SD program, shaped for their largest depth and verify_tokens, in which each
-  draws its own tree (padded): fewer compiles for a costlier iteration (bench_sd_step.py
-  --shared-shape measures it). Tokens and accept lengths do not change.
-  corpus_rows: for strategies that draft with the suffix drafter, how many of a row's group's
-  finished responses (the G - 1 siblings in GRPO; the most recent first) it may copy from."""
+  top-k share one SD program shaped for their largest depth and verify_tokens, each drawing
+  its own (padded) tree: fewer compiles for a costlier iteration (bench_sd_step.py
+  --shared-shape). Tokens and accept lengths do not change.
+  corpus_rows: for suffix-drafter strategies, how many of a row's group's finished responses
+  (the G - 1 siblings in GRPO; the most recent first) it may copy from."""
   max_batch: int = 32
   max_prompt_len: int = 128
   max_new_tokens: int = 256
@@ -81,16 +72,12 @@ class EngineConfig:
   def __post_init__(self):
     if self.max_batch < 1 or self.max_batch & (self.max_batch - 1):
       raise ValueError(f"rollout.max_batch={self.max_batch} must be a power of two")
-    for name in ("max_prompt_len", "max_new_tokens", "iterations_per_call"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-    if self.sd_threshold < 0:
-      raise ValueError(f"rollout.sd_threshold must be >= 0, got {self.sd_threshold}")
-    if self.corpus_rows < 1:
-      raise ValueError(f"rollout.speculative.corpus_rows must be >= 1, got {self.corpus_rows}")
-    if self.shared_sd_max_batch < 0:
-      raise ValueError(f"rollout.speculative.shared_max_batch must be >= 0, got "
-                       f"{self.shared_sd_max_batch}")
+    keys = {"corpus_rows": "speculative.corpus_rows",  # config keys that differ from the name
+            "shared_sd_max_batch": "speculative.shared_max_batch"}
+    for name, low in (("max_prompt_len", 1), ("max_new_tokens", 1), ("iterations_per_call", 1),
+                      ("sd_threshold", 0), ("corpus_rows", 1), ("shared_sd_max_batch", 0)):
+      if (value := getattr(self, name)) < low:
+        raise ValueError(f"rollout.{keys.get(name, name)} must be >= {low}, got {value}")
 
   @property
   def capacity(self) -> int:
@@ -194,11 +181,9 @@ class RolloutEngine:
     self.mesh, self.slices = mesh, replica_slices(mesh)
     self.local = local_slices(self.slices)  # the slices this process drives (all, with one)
     self.pool = ExecutablePool(max_size=512 * len(self.local))  # each slice keys its own
-    self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg,
-                                      econf.capacity, econf.max_new_tokens, econf.eos_id,
-                                      self.rules, log_features, self.shared_shape,
-                                      econf.corpus_rows)
-                     for s in self.local}
+    self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg, econf.capacity,
+                                      econf.max_new_tokens, econf.eos_id, self.rules, log_features,
+                                      self.shared_shape, econf.corpus_rows) for s in self.local}
     self._policy_axes = param_logical_axes(cfg)
     self._drafter_axes = drafter_logical_axes(cfg, self.dcfg) if drafter else None
     self._drafter = [None] * len(self.slices)
@@ -219,13 +204,12 @@ class RolloutEngine:
       self._drafter = place(drafter_params, self._drafter_axes)
 
   def policy_on(self, s: int) -> dict:
-    """The policy params as placed on slice s (what drafter training on that slice reads);
-    None for a slice of another process."""
+    """The policy params as placed on slice s (drafter training there reads them); None for
+    another process's slice."""
     return self._policy[s]
 
   def drafter_on(self, s: int) -> dict | None:
-    """The drafter params as placed on slice s; None without a drafter or for a slice of
-    another process."""
+    """The drafter params as placed on slice s; None without a drafter or on another process."""
     return self._drafter[s]
 
   @property
@@ -275,15 +259,13 @@ class RolloutEngine:
     key: the rollout's key. Request i (prompt i // num_samples, sample i % num_samples) draws
     the token at response position p with noise of (key, i, p) only, so the result depends on
     the key, the prompts and the policy, not on the schedule or whether SD ran.
-    on_slice_idle: optional callback `fn(slice_index, mesh, feature_block)`, called from this
-    host loop the moment a slice has no work left while others may still be decoding (spot
-    training starts there). feature_block is the slice's FeatureBlock (None without feature
-    logging). It must return quickly: the loop waits for it.
+    on_slice_idle: optional `fn(slice_index, mesh, feature_block)` (the slice's FeatureBlock,
+    None without feature logging), called from this host loop the moment a slice has no work
+    left (spot training starts there). It must return quickly: the loop waits for it.
     log_requests: with log_features, the request ids whose features are kept; None = all.
     compile_priority: compiling ahead, where this call's tail programs queue (lower first;
     `ExecutablePool.compile_ahead`): e.g. 1 for a held-out evaluation, behind the rollout's;
-    None queues none (its tail decodes with the programs that are ready).
-    """
+    None queues none (its tail decodes with the programs that are ready)."""
     self._check_requests(prompts, num_samples)
     requests = [p for p in prompts for _ in range(num_samples)]
     n = len(requests)
@@ -329,8 +311,7 @@ class RolloutEngine:
     """Every process's finished requests and slice end times, on every process (one
     all-gather of [n, 1 + max_new_tokens] ids; -1 marks what another process served)."""
     from jax.experimental import multihost_utils
-    width = self.econf.max_new_tokens
-    table = np.full((n, 1 + width), -1, np.int32)
+    table = np.full((n, 1 + self.econf.max_new_tokens), -1, np.int32)
     for i, (toks, _) in results.items():
       table[i, 0] = len(toks)
       table[i, 1:1 + len(toks)] = toks
@@ -358,8 +339,7 @@ class RolloutEngine:
       if len(p) > self.econf.max_prompt_len:
         raise ValueError(f"prompt {i} has {len(p)} tokens, more than rollout.max_prompt_len="
                          f"{self.econf.max_prompt_len}; raise it or truncate the prompt")
-      bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
-      if bad:
+      if bad := [t for t in p if not 0 <= t < self.cfg.vocab_size]:
         raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): "
                          f"{bad[:5]}")
 
@@ -432,8 +412,6 @@ class _SliceRun:
     batch = bucket(running, self.engine.econf.max_batch)
     return tuner.choose(running, lambda s: self.prog.decode_ready(batch, s, self.sampling))
 
-  # ---------------------------------------------------------------- one call
-
   def dispatch(self) -> _Call:
     """Carries out the scheduler's next decisions up to one prefill or decode call, and
     dispatches it (returns before the device is done)."""
@@ -492,11 +470,11 @@ class _SliceRun:
     return corpus
 
   def _prefill(self, request_ids, batch: int, share: bool) -> GenState:
-    """Prefills the requests into a fresh batch of `batch` rows. With `share`, requests with the
-    same prompt (a GRPO group's samples) share one prefill row, the distinct prompts padded to a
-    power-of-two count. The start of a slice's batch shares; a refill does not: there each distinct
-    count would be a prefill program of its own per group size, for the few rows a refill prefills
-    (sharing in refills, the tiny default's 16 steps compiled 73 prefill programs; without, 50)."""
+    """Prefills the requests into a fresh batch of `batch` rows. With `share` (a slice's first
+    batch), requests with the same prompt (a GRPO group's samples) share one prefill row, the
+    distinct prompts padded to a power-of-two count. A refill does not share: each distinct
+    count would be a prefill program of its own per group size, for a few rows (sharing in
+    refills, the tiny default's 16 steps compiled 73 prefill programs; without, 50)."""
     ec = self.engine.econf
     keys = [tuple(self.requests[r]) for r in request_ids]
     where = {p: i for i, p in enumerate(dict.fromkeys(keys))}  # prompt -> its prefill row
@@ -510,8 +488,7 @@ class _SliceRun:
     source[:len(keys)] = [where[p] for p in keys]
     ids = np.full((batch,), -1, np.int32)
     ids[:len(keys)] = request_ids
-    return self.prog.start(*self._params(), prompts, lengths, source, ids, self.key,
-                           self.sampling)
+    return self.prog.start(*self._params(), prompts, lengths, source, ids, self.key, self.sampling)
 
   def _params(self) -> tuple[dict, dict | None]:
     """(policy, drafter) as placed on this slice; the drafter is None without one."""

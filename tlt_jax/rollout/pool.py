@@ -1,16 +1,15 @@
 """A bounded pool of ahead-of-time compiled executables, keyed by what changes their shapes.
 
-The rollout compiles each (slice, program, batch bucket, strategy) once with
-`jax.jit(...).lower(...).compile()` and reuses it for the rest of the run: across RL steps
-too, since parameters are arguments, not constants. The policy update (one per batch shape)
-and the spot drafter update (one per slice) compile through pools of their own. A pool counts
-compilations and their seconds per program kind (`bill`), so tests can assert that a rollout
-compiles nothing new and runs can report what compiling cost (`merge_bills`).
+Each key (for the rollout: slice, program, batch bucket, strategy) is compiled once with
+`jax.jit(...).lower(...).compile()` and reused for the rest of the run, across RL steps too:
+parameters are arguments, not constants. A pool bills compiles and their seconds per program
+kind (`bill`, `merge_bills`), so tests can assert that a rollout compiles nothing new and runs
+can report what compiling cost.
 
-A program can also be compiled ahead (`compile_ahead`): one background thread per process
-compiles it while the host loop goes on (XLA compiles outside the GIL), and `ready(key)` says
-when it can be used without waiting. The bill keeps the two apart: `programs`/`seconds` were
-on the critical path (the caller waited), `ahead_programs`/`ahead_seconds` were not.
+`compile_ahead` compiles on one background thread per process while the host loop goes on (XLA
+compiles outside the GIL); `ready(key)` says when a key can be used without waiting. The bill
+keeps the two apart: `programs`/`seconds` were on the critical path (the caller waited),
+`ahead_programs`/`ahead_seconds` were not.
 """
 
 from __future__ import annotations
@@ -85,10 +84,9 @@ class ExecutablePool:
                     out_shardings: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
                     kind: str = "program", priority: int = 0) -> None:
     """Queues `key`'s compile (arguments as in `get`) on the process's background compile
-    thread, unless it is compiled or queued already. Queued compiles run one at a time, the
-    lowest `priority` first, then in the order asked. Arrays among `args` are queued as
-    their shapes, dtypes and shardings: a queued compile does not keep them alive (the
-    rollout's previous weights, after an update)."""
+    thread, unless it is compiled or queued already; they run one at a time, the lowest
+    `priority` first, then in the order asked. Arrays among `args` are queued abstract, so a
+    queued compile does not keep them alive (the rollout's previous weights, after an update)."""
     with self._lock:
       if key in self._exes or key in self._ahead or key in self._failed:
         return
@@ -237,10 +235,9 @@ _BACKGROUND = _Background()
 
 
 def wait_for_compiles_ahead() -> None:
-  """Blocks until the process's background compile thread is idle: the compile in flight
-  and those still queued (a closed pool's were dropped) have finished. Call it before
-  removing or switching the persistent compilation cache, which a running compile would
-  otherwise write to once it ends (`experiments/rl_runs.py` gives each run its own)."""
+  """Blocks until the compile in flight and those still queued (a closed pool's were dropped)
+  have finished. Call it before removing or switching the persistent compilation cache, which a
+  running compile would otherwise write to once it ends (`experiments/rl_runs.py` does)."""
   _BACKGROUND.wait_idle()
 
 
