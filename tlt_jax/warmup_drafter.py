@@ -25,6 +25,8 @@ import json
 import jax
 import numpy as np
 from absl import flags
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
 from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_drafter_for,
@@ -33,7 +35,7 @@ from tlt_jax.config import flat_settings
 from tlt_jax.job import Job, run_job
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
-from tlt_jax.mesh import make_mesh
+from tlt_jax.mesh import make_mesh, to_mesh
 from tlt_jax.models.draft_vocab import frequent_tokens
 from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
@@ -77,7 +79,10 @@ def _warmup(config, job: Job) -> bool:
             f"frequent in the responses")
   untrained = jax.device_get(init_params)  # host copy: training donates the device arrays
   oc = drafter_opt_config(config, warmup=True)
+  # Replicated on the policy's mesh, where the step runs: a restore takes these shardings
+  # (unplaced, it came back committed to one device, which the step refused beside the policy).
   state = init_train_state(init_params, oc)
+  state = to_mesh(state, jax.tree.map(lambda _: NamedSharding(mesh, P()), state))
   ckpt = job.checkpointer(config)
   resumed, state, _ = ckpt.restore_latest(state) or (0, state, None)
   if resumed:  # checkpoints are saved after a step, never at step 0

@@ -1,11 +1,18 @@
 """The offline warm-up: its training loop stops where the job asks it to (a signal), after
-that step's callback (which checkpoints it); its cached responses serve only a like rerun."""
+that step's callback (which checkpoints it); its cached responses serve only a like rerun; the
+job resumes from its checkpoint on the two emulated devices."""
 
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import jax
 import numpy as np
+import pytest
 
+from tests.conftest import REPO
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
 from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
@@ -56,3 +63,23 @@ def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings
   assert len(calls) == 4
   assert responses([[1, 2], [4]], temperature=0.5, made_by={"model.num_layers": 3}) and \
       len(calls) == 4
+
+
+@pytest.mark.slow
+def test_the_warm_up_job_resumes_from_its_checkpoint_beside_a_two_device_policy(tmp_path):
+  """A rerun with more steps continues from the last checkpoint (step 6 of :runlocal's 6): the
+  restored drafter state is placed with the policy, which the step requires (it came back on
+  one device and the rerun failed)."""
+  def warmup(*args):
+    r = subprocess.run([sys.executable, "-m", "tlt_jax.warmup_drafter", "--config",
+                        "configs/default.py:runlocal", "--workdir", str(tmp_path), *args],
+                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout + r.stderr
+  warmup()
+  assert "resumed the drafter from step 6" in warmup("--config.drafter.warmup.steps=8")
+  steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+  assert steps == list(range(1, 9))
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps"] == 8
