@@ -35,6 +35,7 @@ def test_load_jsonl_keeps_the_final_answer(jsonl):
   assert examples[1].solution.startswith("It is") and examples[1].metadata == {"level": "Level 1"}
   assert examples[3].prompt == "What is 6*7?"
   assert len(load_jsonl(jsonl, limit=2)) == 2
+  assert load_jsonl(jsonl, limit=0) == []
 
 
 def test_bad_records_name_file_and_line(tmp_path):

@@ -100,6 +100,8 @@ def _jsonl_records(path: str, limit: int | None) -> Iterator[tuple[int, Example]
   count = 0
   with open(path, "rb") as f:  # bytes: a decoding error is then tied to its line
     for lineno, raw in enumerate(f, 1):
+      if limit is not None and count >= limit:  # before reading: limit=0 reads nothing
+        return
       where = f"{path}:{lineno}"
       try:
         line = raw.decode("utf-8")
@@ -114,8 +116,6 @@ def _jsonl_records(path: str, limit: int | None) -> Iterator[tuple[int, Example]
         raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
       yield lineno, example_from_record(record, where)
       count += 1
-      if limit is not None and count >= limit:
-        return
 
 
 class PromptIterator(Generic[T], Iterator[T]):
