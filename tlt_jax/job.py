@@ -3,13 +3,16 @@ place: the command line, the workdir lock, which process writes, a clean stop on
 progress and messages on the writing process only, the run log, checkpoints, exports and JSON
 files written whole, the job's compile account, and an optional time limit.
 
-  with Job(workdir) as job:
+  def body(config, job):                      # a job's own work; True: a signal stopped it
     log = job.run_log(resume_step)            # metrics.jsonl & co., written by process 0
-    bar = job.progress(total=steps, initial=step, desc="sft")
-    while step < steps and not job.stop.requested:
+    bar = job.progress(total=end, initial=step, desc="sft")
+    while step < end and not job.stop.requested:
       ...                                       # one step
-      if job.time_up(): break                   # max_minutes: finish as at the last step
+      end = job.last_step(step, end, "sft.max_minutes")  # max_minutes: this step is the last
+    job.export(save_hf_checkpoint, job.path("export"), params, ...)  # process 0 writes
     job.write_json("summary.json", {...,  **job.compiles()})
+
+  run_job(_CONFIG, _WORKDIR, body)            # the job's command line (its --config, --workdir)
 
 Multi-host: every process runs the same job on the global mesh and takes part in every
 collective (gathers for exports included); only process 0 (`job.writer`) writes files and
