@@ -138,6 +138,10 @@ def test_a_saved_tokenizer_is_reused_only_for_the_settings_it_was_trained_from(t
   with pytest.raises(ConfigError, match=r"tokenizer was trained with tokenizer.vocab_size="
                                         r"\d+, this config has \d+; use another --workdir"):
     sft_tokenizer(config, str(tmp_path))
+  config.tokenizer.path = str(tmp_path / "empty")  # a folder without tokenizer files
+  os.makedirs(config.tokenizer.path)
+  with pytest.raises(ConfigError, match=r"tokenizer.path='.*empty': no usable tokenizer"):
+    sft_tokenizer(config, str(tmp_path))
 
 
 # ---------------------------------------------------------------- the shipped policy

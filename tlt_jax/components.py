@@ -312,7 +312,7 @@ def sft_tokenizer(config: ml_collections.ConfigDict, workdir: str, write: bool =
   ConfigError names the first that differs); else a new BPE trained on training problems
   (the same on every process), saved there with its settings when `write`."""
   if config.tokenizer.path:
-    return load_tokenizer(config.tokenizer.path)
+    return load_tokenizer_for(config)
   saved = os.path.join(workdir, "tokenizer")
   settings = _tokenizer_settings(config)
   if os.path.isdir(saved):
