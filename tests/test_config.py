@@ -263,6 +263,8 @@ def test_rollout_sections_build_the_engine_pieces():
     ("rollout.max_new_tokens", 10_000, "exceeds model.max_position_embeddings"),
     ("rl.learning_rate", float("nan"), r"rl.learning_rate=nan must be a finite number"),
     ("rollout.temperature", float("inf"), r"rollout.temperature=inf must be a finite"),
+    ("task.reasoning_gym.weights", (float("nan"), 1.0),
+     r"task.reasoning_gym.weights=\(nan, 1.0\) must be a finite number in each entry"),
     ("task.seed", -1, r"task.seed=-1 must be >= 0"),
     ("task.eval_seed", -3, r"task.eval_seed=-3 must be >= 0"),
     ("rl.max_minutes", -1.0, r"rl.max_minutes=-1.0 must be >= 0"),

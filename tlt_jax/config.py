@@ -341,14 +341,16 @@ def check_micro_batch_rows(micro_batch_rows: int, data_ways: int) -> None:
 
 
 def _check_finite(section: ml_collections.ConfigDict, prefix: str) -> None:
-  """Every float knob is a number: NaN passes every `x <= 0` range check, and would only
-  show up as a loss of NaN (or no change at all) steps later."""
+  """Every float knob (and float in a tuple knob) is a number: NaN passes every `x <= 0`
+  range check, and would only show up as a loss of NaN (or no change at all) steps later."""
   for key, value in section.items():
     name = f"{prefix}{key}"
     if isinstance(value, ml_collections.ConfigDict):
       _check_finite(value, name + ".")
-    elif isinstance(value, float) and not math.isfinite(value):
-      raise ConfigError(f"{name}={value} must be a finite number")
+    elif any(isinstance(v, float) and not math.isfinite(v)
+             for v in (value if isinstance(value, (tuple, list)) else (value,))):
+      raise ConfigError(f"{name}={value} must be a finite number"
+                        f"{'' if isinstance(value, float) else ' in each entry'}")
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
