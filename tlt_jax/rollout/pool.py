@@ -75,9 +75,10 @@ class ExecutablePool:
           self._exes[key] = exe
         self._book(kind, seconds)
     if key not in self._used:
-      with self._lock:
-        self._used.add(key)
-        self.first_uses += 1
+      with self._lock:  # checked again: two threads may ask for one new key at once
+        if key not in self._used:
+          self._used.add(key)
+          self.first_uses += 1
     return exe
 
   def compile_ahead(self, key: Hashable, fn: Callable, args: Sequence, donate_argnums=(),
