@@ -56,6 +56,7 @@ def test_extractors_alone():
     ("5.", "5"), (" 7 ", "7"), ("$12$", "12"), (r"\$12", "12"), ("+2", "2"),
     (r"\text{(A)}", "(A)"), ("x + 1", "x+1"), ("{12}", "12"), (r"\left(1,2\right)", "(1,2)"),
     ("1,000,000", "1000000"), ("- 5", "-5"), ("x = 5", "x=5"), ("5 .", "5"), ("3 / 4", "0.75"),
+    ("**52**", "52"), ("*3/4*", "0.75"), ("**52**.", "52"), ("** 52 **", "52"),
 ])
 def test_equivalent(a, b):
   assert answers_match(a, b) and answers_match(b, a)
@@ -66,6 +67,8 @@ def test_equivalent(a, b):
     ("", ""), (r"\frac{1}{0}", "1"), ("x+1", "x+2"),
     # Two numbers are not one: the space between them stays.
     ("2 3", "23"), ("12 15", "1215"), ("3, 400", "3400"),
+    # Emphasis counts only around the whole answer: a product or a stray star is not it.
+    ("52*", "52"), ("*52", "52"), ("2*3", "6"), ("**52*", "52"),
 ])
 def test_not_equivalent(a, b):
   assert not answers_match(a, b)

@@ -9,7 +9,8 @@ box does not hide the box):
     the answer format earns nothing for a number it happens to end on.
 Equivalence (`answers_match`) compares exact rationals when both sides parse as numbers (signs,
 thousands commas, decimals, `a/b`, `\\frac{a}{b}` / `\\dfrac` / `\\tfrac`, a trailing `.0`,
-`$`, whitespace and `\\text{}` wrappers are handled), and normalised strings otherwise.
+`$`, whitespace, `\\text{}` wrappers and markdown emphasis are handled), and normalised strings
+otherwise.
 Answers are compared units-free: a unit after the number is not understood.
 """
 
@@ -24,6 +25,7 @@ _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
 _FRAC = re.compile(r"^([+-]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
 _FRAC_SHORT = re.compile(r"^([+-]?)\\[dt]?frac(\d)(\d)$")  # \frac34
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+_EMPHASIS = re.compile(r"(\*{1,2})([^*].*?)\1\.?", re.DOTALL)  # '**52**', '*52*.'
 
 
 def extract_hash_answer(text: str) -> str | None:
@@ -87,8 +89,11 @@ def extract_answer(text: str, fallback: bool = False) -> str | None:
 def normalize_answer(answer: str) -> str:
   """Strips what never changes an answer's meaning: whitespace (but for a space between two
   numbers: '2 3' and '3, 400' are two numbers, not 23 and 3,400), $, \\left/\\right, \\!,
-  \\text{} wrappers, a trailing period, and surrounding braces."""
+  \\text{} wrappers, a trailing period, surrounding braces, and markdown emphasis around the
+  whole answer ('**52**', as instruct models write it; '52*' keeps its star)."""
   s = answer.strip()
+  if emphasis := _EMPHASIS.fullmatch(s):
+    s = emphasis.group(2).strip()
   s = _TEXT.sub(r"\1", s)
   for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\ "):
     s = s.replace(junk, "")
