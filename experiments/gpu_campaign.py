@@ -57,7 +57,10 @@ COMMAND_SECONDS = {"1": 540, "2": 400, "3": 400, "4": 300}
 # from its start (loading, compiles, the warm-up's generation, the first evaluation); it then
 # finishes the step in flight, evaluates and exports. rl.max_minutes holds for each variant.
 E2E_PLAN = {
-    "2": (["sft", "warmup"], ["sft:sft.max_minutes=1",
+    # SFT's steps 3 and 4 traced (the last H100 run put its step at 2-3% of peak; the trace
+    # and its summary come inside sft.max_minutes): OUT/e2e/sft/profile/summary.json, .png.
+    "2": (["sft", "warmup"], ["sft:sft.max_minutes=1", "sft:profile.first_step=3",
+                              "sft:profile.num_steps=2",
                               "warmup:drafter.warmup.max_minutes=2",
                               "warmup:drafter.warmup.num_prompts=128"]),
     "3": (["rl"], ["rl:rl.max_minutes=1.75", "rl:rl.eval_samples=0",
@@ -117,8 +120,10 @@ def steps(command: str, out: pathlib.Path, quick: bool) -> list[tuple[str, list[
                                "--strategies", "8,4,48", "--draft-vocab-sizes", "32768"]),
                        "--out", str(one / "decode_7b.json"), "--time-budget", "180"], 310)]
   stages, sets = E2E_PLAN[command]
-  if quick:  # the toy run keeps its sizes; its warm-up checks that a time limit ends a job
-    sets = ["warmup:drafter.warmup.max_minutes=0.001"] if command == "2" else []
+  if quick:  # the toy run keeps its sizes and the profile; its warm-up checks that a time
+    # limit ends a job
+    sets = [kv for kv in sets if "profile." in kv] + (
+        ["warmup:drafter.warmup.max_minutes=0.001"] if command == "2" else [])
   return [(f"gpu_e2e_{'_'.join(stages)}", [py, str(EXPERIMENTS / "gpu_e2e.py"), *q,
                                              "--out", str(e2e), "--stages", *stages,
                                              *[a for kv in sets for a in ("--set", kv)]],

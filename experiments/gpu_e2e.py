@@ -177,6 +177,7 @@ def collect(out: pathlib.Path, stages: dict) -> dict:
   sft, warm = _read(out / "sft" / "summary.json"), _read(out / "warmup" / "summary.json")
   rl, roll = _read(out / "rl" / "rl_runs.json"), _read(out / "rollout" / "rollout.json")
   sim = _read(out / "simulate" / "simulation.json")
+  profile = _read(out / "sft" / "profile" / "summary.json")  # when the plan sets profile.*
   runs = rl.get("runs", {})
   per_run = {}
   for name, r in runs.items():
@@ -191,7 +192,9 @@ def collect(out: pathlib.Path, stages: dict) -> dict:
       "policy": {"params": sft.get("num_params"), "sft_steps": sft.get("step"),
                  "sft_time_limited": sft.get("time_limited"),
                  "heldout_greedy_accuracy": sft.get("heldout_greedy_accuracy"),
-                 "heldout_mean_completion_tokens": sft.get("heldout_mean_completion_tokens")},
+                 "heldout_mean_completion_tokens": sft.get("heldout_mean_completion_tokens"),
+                 "sft_profile": {k: profile[k] for k in ("steps", "source", "op_s", "programs",
+                                                         "kinds") if k in profile}},
       "drafter": {"accept_len_untrained": warm.get("accept_len_untrained"),
                   "accept_len_warmed": warm.get("accept_len_warmed"),
                   "strategy": warm.get("strategy"), "steps": warm.get("steps"),

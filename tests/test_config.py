@@ -270,6 +270,8 @@ def test_rollout_sections_build_the_engine_pieces():
     ("rl.max_minutes", -1.0, r"rl.max_minutes=-1.0 must be >= 0"),
     ("sft.max_minutes", -0.5, r"sft.max_minutes=-0.5 must be >= 0"),
     ("drafter.warmup.max_minutes", -2.0, r"drafter.warmup.max_minutes=-2.0 must be >= 0"),
+    ("profile.first_step", 0, r"profile.first_step=0 must be positive"),
+    ("profile.num_steps", -1, r"profile.num_steps=-1 must be >= 0"),
 ])
 def test_bad_rollout_values(path, value, match):
   c = base_config()

@@ -17,7 +17,8 @@ from tests.conftest import REPO
 def test_dapo_on_reasoning_gym_runs_from_the_command_line(tmp_path):
   """DAPO's rounds (each step's responses are its rounds' groups of 4), its kept groups and
   length penalty in the metrics, reasoning_gym's scores in the rewards and its data sets in
-  the held-out breakdown."""
+  the held-out breakdown; the profile of step 2 (profile.*) names the rollout's and the
+  update's programs."""
   run = tmp_path / "dapo_gym"
   r = subprocess.run(
       [sys.executable, "-m", "tlt_jax.train", "--config", "configs/default.py:runlocal",
@@ -26,7 +27,8 @@ def test_dapo_on_reasoning_gym_runs_from_the_command_line(tmp_path):
        "--config.rollout.max_prompt_len=384", "--config.rollout.speculative.enable=False",
        "--config.drafter.spot_training=False", "--config.rl.save_rollouts=True",
        "--config.rl.export=False", "--config.rl.eval_samples=0",
-       "--config.rl.checkpoint_every=0"],
+       "--config.rl.checkpoint_every=0", "--config.profile.first_step=2",
+       "--config.profile.num_steps=1"],
       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
       timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -44,3 +46,6 @@ def test_dapo_on_reasoning_gym_runs_from_the_command_line(tmp_path):
     groups = e["greedy_accuracy_by"]
     assert set(groups) <= {"chain_sum", "leg_counting"}
     assert sum(total for _, total in groups.values()) == 4
+  profile = json.load(open(run / "profile" / "summary.json"))
+  programs = {p["program"] for p in profile["programs"]}
+  assert profile["steps"] == [2] and "jit_update" in programs, programs

@@ -422,6 +422,8 @@ def test_gpu_campaign_quick_runs_its_commands_and_gpu_e2e_resumes(tmp_path):
   # still exports the drafter that the RL runs load.
   assert data["drafter"]["time_limited"] is True and data["drafter"]["steps"] == 1
   assert data["policy"]["sft_time_limited"] is False and data["policy"]["sft_steps"] == 12
+  assert data["policy"]["sft_profile"]["steps"] == [3, 4]  # the plan's profile.* keys
+  assert data["policy"]["sft_profile"]["programs"][0]["program"] == "jit_train_step"
   assert data["end_to_end"]["steps"] == 2 and set(data["runs"]) == {"baseline", "tlt"}
   assert data["projected"] and all(p["speedup_step"] > 0 for p in data["projected"])
   assert data["projection_costs"] == "measured by the rollout stage"
@@ -452,6 +454,7 @@ def test_gpu_campaign_fits_a_lease_and_bounds_each_stage(tmp_path):
   sets = e2e.stage_overrides([a for a in argv["2"] + argv["3"] if ":" in a and "=" in a])
   cmds = e2e.stage_commands(tmp_path, False, sets)
   assert "--config.sft.max_minutes=1" in cmds["sft"]
+  assert {"--config.profile.first_step=3", "--config.profile.num_steps=2"} <= set(cmds["sft"])
   assert "--config.drafter.warmup.max_minutes=2" in cmds["warmup"]
   assert cmds["rl"][-6:] == ["--set", "rl.max_minutes=1.75", "--set", "rl.eval_samples=0",
                              "--set", "rl.num_eval_examples=0"]

@@ -71,3 +71,47 @@ def test_time_up_turns_true_after_max_minutes_and_never_without_a_limit(tmp_path
     from jax.experimental import multihost_utils
     monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: x & False)
     assert not job.time_up()
+
+
+def test_the_profile_window_traces_those_steps_and_says_where_the_time_went(tmp_path, capsys):
+  """Steps 2 and 3 of 4 traced (1-based, as in metrics.jsonl); the summary names the program
+  and its ops; a loop that ends inside the window (4 of steps 3..7) still ends its trace."""
+  @jax.jit
+  def double(x):
+    return jnp.tanh(x @ x) * 2.0
+  x = jnp.ones((64, 64))
+  workdir = str(tmp_path / "run")
+  with Job(workdir, show_progress=False, profile=(2, 2)) as job:
+    for step in range(4):
+      with job.traced(step + 1, lambda: y):
+        y = double(x)
+  summary = json.load(open(os.path.join(workdir, "profile", "summary.json")))
+  assert summary["steps"] == [2, 3] and summary["source"] == "host"  # XLA:CPU runs ops on host
+  assert summary["op_s"] > 0 and summary["programs"][0]["program"] == "jit_double"
+  assert sum(op["calls"] for op in summary["ops"]) >= 2 and summary["kinds"]
+  assert abs(sum(p["share"] for p in summary["programs"]) - 1.0) < 1e-9
+  assert os.path.getsize(os.path.join(workdir, "profile", "top_ops.png")) > 0
+  assert "profile of steps [2, 3]" in capsys.readouterr().out
+
+  with Job(str(tmp_path / "short"), show_progress=False, profile=(3, 5)) as job:
+    for step in range(4):
+      with job.traced(step + 1, lambda: y):
+        y = double(x)
+  assert json.load(open(tmp_path / "short" / "profile" / "summary.json"))["steps"] == [3, 4]
+  with Job(str(tmp_path / "none"), show_progress=False) as job:  # no window: no trace
+    with job.traced(1):
+      double(x)
+  assert not os.path.exists(tmp_path / "none" / "profile")
+
+
+def test_a_profiler_that_cannot_start_leaves_the_job_running(tmp_path, monkeypatch, capsys):
+  def refuse(folder):
+    raise RuntimeError("no profiling library\nsecond line")
+  monkeypatch.setattr(jax.profiler, "start_trace", refuse)
+  with Job(str(tmp_path / "run"), show_progress=False, profile=(1, 2)) as job:
+    for step in range(3):
+      with job.traced(step + 1):
+        pass
+  out = capsys.readouterr().out
+  assert out.count("jax.profiler could not start (no profiling library); no trace") == 1
+  assert not os.path.exists(tmp_path / "run" / "profile")

@@ -95,7 +95,7 @@ def _sft_cli(workdir, *overrides):
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("sft")
-  first = _sft_cli(workdir)
+  first = _sft_cli(workdir, "--config.profile.first_step=5", "--config.profile.num_steps=2")
   assert first.returncode == 0, first.stderr[-3000:]
   return workdir, first
 
@@ -113,6 +113,9 @@ def test_sft_cli_learns_and_exports(sft_run):
   tok = load_tokenizer(export)
   assert tok.chat_template and tok.eos_token == "<|im_end|>"
   assert params["embed"]["embedding"].shape == (320, 32)
+  profile = json.loads((workdir / "profile" / "summary.json").read_text())  # profile.* traced
+  assert profile["steps"] == [5, 6] and profile["programs"][0]["program"] == "jit_train_step"
+  assert "profile of steps [5, 6]" in run.stdout
 
 
 def test_config_errors_are_one_line():

@@ -118,6 +118,10 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.generate = ml_collections.ConfigDict(dict(num_prompts=16, prompt_len=16, max_new_tokens=64,
                                               temperature=0.0))
+  # Trace num_steps steps of train's or sft's loop from first_step on (1-based, as in
+  # metrics.jsonl) with jax.profiler into WORKDIR/profile, and summarize where the device time
+  # went (profile/summary.json, top_ops.png; tlt_jax.profiling). 0 steps: no trace.
+  c.profile = ml_collections.ConfigDict(dict(first_step=1, num_steps=0))
 
   # The task (tlt_jax.rl.tasks): "arithmetic" (built in; its knobs are the keys below) or
   # "reasoning_gym" (pip install -e ".[reasoning]"; its knobs are task.reasoning_gym). Problem
@@ -367,6 +371,8 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int | None = No
                            sizes.get("replica", 1) * sizes.get("fsdp", 1))
   _positive(config.generate, "generate", ("num_prompts", "prompt_len", "max_new_tokens"))
   _non_negative(config.generate, "generate", ("temperature",))
+  _positive(config.profile, "profile", ("first_step",))
+  _non_negative(config.profile, "profile", ("num_steps",))
   _check_task(config.task)
   if config.task.data_path and not config.task.eval_data_path and config.rl.num_eval_examples:
     raise ConfigError("task.data_path is set but task.eval_data_path is not: held-out "

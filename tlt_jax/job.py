@@ -21,11 +21,12 @@ holds the lock.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import jax
 import numpy as np
@@ -36,8 +37,10 @@ from tqdm import tqdm
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.compile_cache import COMPILES
+from tlt_jax.components import first_line
 from tlt_jax.config import flat_settings
 from tlt_jax.mesh import host_copy
+from tlt_jax.profiling import write_profile_summary
 from tlt_jax.run_log import RunLog, write_json
 from tlt_jax.workdir import claim_workdir
 
@@ -87,11 +90,14 @@ class Job:
   run that long, and the job then ends its training as if that step were its last (evaluation,
   export, summary), so a run on a lease of fixed length still ends with results."""
 
-  def __init__(self, workdir: str, show_progress: bool = True, max_minutes: float = 0.0):
+  def __init__(self, workdir: str, show_progress: bool = True, max_minutes: float = 0.0,
+               profile: tuple[int, int] = (0, 0)):
     self.workdir, self.show_progress, self.max_minutes = workdir, show_progress, max_minutes
+    self.profile = tuple(profile)  # (first step, steps) that `traced` traces; (x, 0): none
     self.writer = jax.process_index() == 0
     self.stop = StopFlag()
     self._lock = None
+    self._trace_steps: list[int] | None = None  # while a trace runs: the steps it holds
 
   def __enter__(self) -> Job:
     self._lock = claim_workdir(self.workdir)
@@ -102,6 +108,8 @@ class Job:
     return self
 
   def __exit__(self, *exc):
+    if self._trace_steps is not None:  # the loop ended inside the profile window
+      self._end_trace(summarize=exc[0] is None)
     self.stop.__exit__(*exc)
     if self._lock is not None:
       self._lock.release()
@@ -163,6 +171,43 @@ class Job:
       return step
     return end
 
+  @contextlib.contextmanager
+  def traced(self, step: int, outputs: Callable[[], object] = lambda: None):
+    """Runs step `step` (1-based, as in metrics.jsonl) of the job's loop under jax.profiler
+    when `profile` = (first, count) holds it (process 0 traces; every process runs the same
+    programs). After the window's last step it waits for `outputs()` (the step's results, so
+    that their device work is in the trace) and writes WORKDIR/profile/summary.json and
+    top_ops.png (`tlt_jax.profiling`); a loop that ends inside the window ends the trace too."""
+    first, count = self.profile
+    inside = self.writer and count > 0 and first <= step < first + count
+    if inside and self._trace_steps is None:
+      try:  # a profile is a by-product: the job goes on without one
+        jax.profiler.start_trace(self.path("profile"))
+        self._trace_steps = []
+      except Exception as e:  # noqa: BLE001 -- e.g. a GPU without its profiling library
+        self.say(f"profile: jax.profiler could not start ({first_line(e)}); no trace")
+        self.profile, inside = (first, 0), False
+    yield
+    if inside:
+      self._trace_steps.append(step)
+      if step == first + count - 1:
+        jax.block_until_ready(outputs())
+        self._end_trace()
+
+  def _end_trace(self, summarize: bool = True) -> None:
+    steps, self._trace_steps = self._trace_steps, None
+    try:
+      jax.profiler.stop_trace()
+      s = write_profile_summary(self.path("profile"), steps) if summarize and steps else None
+    except Exception as e:  # noqa: BLE001 -- the job's own results matter more
+      self.say(f"profile: the trace of steps {steps} could not be summarized ({first_line(e)})")
+      return
+    if s is not None:
+      kinds = ", ".join(f"{k['kind']} {k['share']:.0%}" for k in s["kinds"][:3])
+      self.say(f"profile of steps {steps}: {s['op_s']:.3f} s of {s['source']} op time "
+               f"({kinds or 'no XLA ops traced'}); {self.path('profile', 'summary.json')}, "
+               f"top_ops.png")
+
   def compiles(self) -> dict:
     """The job's XLA compiles so far (`COMPILES.report()` since the job began)."""
     return {k: v - self._compiles_before[k] for k, v in COMPILES.report().items()}
@@ -181,8 +226,14 @@ def run_job(config_flag, workdir_flag, body, max_minutes=lambda config: 0.0,
       logging.set_verbosity(logging.WARNING)
     config = cli.load_config(config_flag)
     cli.setup_devices(config)
-    with Job(workdir_flag.value, max_minutes=max_minutes(config)) as job:
+    with Job(workdir_flag.value, max_minutes=max_minutes(config),
+             profile=profile_window(config)) as job:
       stopped = body(config, job)
     if stopped:
       exit_stopped("before the last step")
   cli.run_main(main)
+
+
+def profile_window(config) -> tuple[int, int]:
+  """(profile.first_step, profile.num_steps): the steps a job's `Job.traced` traces."""
+  return config.profile.first_step, config.profile.num_steps

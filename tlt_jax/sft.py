@@ -122,7 +122,8 @@ def _sft(config, job: Job) -> bool:
     while step < end and not job.stop.requested:
       batch, _ = next_packed_batch(iterator, encode, s.rows, s.seq_len,
                                    pad_id=tokenizer.pad_token_id)
-      with on_mesh(mesh):  # the attention kernel, where a short row takes it, per shard
+      # The attention kernel, where a short row takes it, per shard; profile.* traces steps.
+      with on_mesh(mesh), job.traced(step + 1, lambda: metrics):
         params, opt_state, metrics = train_step(params, opt_state,
                                                 jax.device_put(batch, batch_sharding))
       step += 1

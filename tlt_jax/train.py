@@ -42,7 +42,7 @@ from tlt_jax.components import (algorithm_from_config, answer_check, check_promp
 from tlt_jax.config import ConfigError, RunStopped
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer
-from tlt_jax.job import Job, exit_stopped
+from tlt_jax.job import Job, exit_stopped, profile_window
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.models.hf import save_hf_checkpoint
@@ -72,7 +72,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
   start_over: when the workdir holds an earlier run's results but no checkpoint loads, move
   those files to WORKDIR/previous-<time>/ and start from step 0 (else: stop and say so).
   """
-  with Job(workdir, show_progress=progress, max_minutes=config.rl.max_minutes) as job:
+  with Job(workdir, show_progress=progress, max_minutes=config.rl.max_minutes,
+           profile=profile_window(config)) as job:
     return _train(config, job, reward_fn, start_over)
 
 
@@ -173,19 +174,20 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
     for pool in pools:  # compiles still queued ahead would only delay the end, or a crash
       on_exit.callback(pool.close)
     while step < end and not job.stop.requested:
-      t_step = time.perf_counter()
-      compile_before = sum(pool.compile_seconds for pool in pools)
-      key = jax.random.fold_in(base_key, step)
-      samples = sample_step(engine, spot, prompts_iter, tokenizer, algorithm, reward_fn,
-                            answer_fn, sampling, key, step, config)
-      paired = {} if control is None else paired_control(
-          control, samples, tokenizer, sampling, key, config, reward_fn, answer_fn)
-      t_update = time.perf_counter()
-      run.params, update_metrics = update_policy(updater, algorithm, run.params, samples, pad,
-                                                 engine.capacity, config)
-      if update_metrics["nonfinite"] and rl.on_nonfinite == "stop":
-        raise RunStopped(nonfinite_update_message(step + 1, update_metrics, ckpt.latest_step))
-      engine.update_params(policy_params=run.params)  # a reshard onto the rollout slices
+      with job.traced(step + 1, lambda: run.params):  # profile.*: a jax.profiler trace
+        t_step = time.perf_counter()
+        compile_before = sum(pool.compile_seconds for pool in pools)
+        key = jax.random.fold_in(base_key, step)
+        samples = sample_step(engine, spot, prompts_iter, tokenizer, algorithm, reward_fn,
+                              answer_fn, sampling, key, step, config)
+        paired = {} if control is None else paired_control(
+            control, samples, tokenizer, sampling, key, config, reward_fn, answer_fn)
+        t_update = time.perf_counter()
+        run.params, update_metrics = update_policy(updater, algorithm, run.params, samples, pad,
+                                                   engine.capacity, config)
+        if update_metrics["nonfinite"] and rl.on_nonfinite == "stop":
+          raise RunStopped(nonfinite_update_message(step + 1, update_metrics, ckpt.latest_step))
+        engine.update_params(policy_params=run.params)  # a reshard onto the rollout slices
       step += 1
       end = job.last_step(step, end, "rl.max_minutes")
       metrics = step_metrics(step, samples, update_metrics, algorithm, engine.speculative,
