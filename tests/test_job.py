@@ -11,6 +11,7 @@ import pytest
 
 from tlt_jax.config import ConfigError
 from tlt_jax.job import Job
+from tlt_jax.profiling import latest_trace
 
 
 def test_only_the_writing_process_locks_writes_and_speaks(tmp_path, monkeypatch, capsys):
@@ -102,6 +103,8 @@ def test_the_profile_window_traces_those_steps_and_says_where_the_time_went(tmp_
     with job.traced(1):
       double(x)
   assert not os.path.exists(tmp_path / "none" / "profile")
+  with pytest.raises(FileNotFoundError, match="no jax.profiler trace .* under .*none"):
+    latest_trace(str(tmp_path / "none"))
 
 
 def test_a_profiler_that_cannot_start_leaves_the_job_running(tmp_path, monkeypatch, capsys):

@@ -68,11 +68,11 @@ def op_times(trace: str, top: int = 30) -> dict:
                   for (p, o), (s, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
-def write_profile_summary(folder: str, steps: list[int], extra: dict | None = None) -> dict:
+def write_profile_summary(folder: str, steps: list[int]) -> dict:
   """`op_times` of the newest trace under `folder`, with the traced `steps`, as
   folder/summary.json, and its longest ops as folder/top_ops.png. Returns the summary."""
-  summary = {"steps": steps, "trace": os.path.relpath(latest_trace(folder), folder),
-             **op_times(latest_trace(folder)), **(extra or {})}
+  trace = latest_trace(folder)
+  summary = {"steps": steps, "trace": os.path.relpath(trace, folder), **op_times(trace)}
   write_json(os.path.join(folder, "summary.json"), summary)
   _plot(summary, os.path.join(folder, "top_ops.png"))
   return summary
