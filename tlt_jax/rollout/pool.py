@@ -15,6 +15,7 @@ keeps the two apart: `programs`/`seconds` were on the critical path (the caller 
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook before _Background's (see there)
 import functools
 import heapq
 import itertools
@@ -193,6 +194,15 @@ class _Background:
     self._order = itertools.count()
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
     self._running: concurrent.futures.Future | None = None
+    # Set at interpreter exit before the executor's thread is joined: threading runs these
+    # hooks last registered first, so this one before that of concurrent.futures.thread
+    # (imported above, at import time). The main thread still counts as alive then: asking
+    # it let every queued compile run at exit (minutes, behind a crash).
+    self._exiting = False
+    threading._register_atexit(self._exit)
+
+  def _exit(self) -> None:
+    self._exiting = True
 
   def submit(self, priority: int, fn: Callable[[], None]) -> concurrent.futures.Future:
     future = concurrent.futures.Future()
@@ -211,7 +221,7 @@ class _Background:
         return
       _, _, future, fn = heapq.heappop(self._heap)
       self._running = future  # under the lock: `wait_idle` always sees it in one place or the other
-    if not threading.main_thread().is_alive():
+    if self._exiting:
       future.cancel()  # the interpreter is exiting: nobody will use the program
     if not future.set_running_or_notify_cancel():
       return  # cancelled while queued
