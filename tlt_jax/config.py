@@ -165,6 +165,15 @@ def base_config() -> ml_collections.ConfigDict:
   # Compile the tail's SD programs in a background thread while the batch decodes plainly;
   # the tuner uses a strategy once its program is ready (see EngineConfig.compile_ahead).
   c.rollout.compile_ahead = True
+  # The program batch sizes of a slice (rows; max_batch is always one) and the prefill widths
+  # (tokens; max_prompt_len is always one); () = every power of two up to the maximum. A
+  # batch compacts to the smallest size that holds its running rows: fewer sizes, fewer
+  # programs to compile, more padded rows per step (what a GPU's flat decode step allows).
+  c.rollout.update(batch_sizes=(), prompt_widths=())
+  # Queue every program of the rollout (prefill, each batch size's plain and SD programs,
+  # compactions) and the policy update when the job starts, compiled ahead on compile_threads
+  # threads; the first step starts once they are ready (a GPU host's cores compile in parallel).
+  c.rollout.update(compile_plan=False, compile_threads=1)
   c.rollout.update(defaults_of(SamplingParams))  # temperature, top_k, top_p
   c.rollout.speculative = ml_collections.ConfigDict(dict(enable=True))
   c.rollout.speculative.tuner = "beg_mab"   # or "table" (one arm per bucket) or "fixed"
@@ -221,6 +230,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.update(checkpoint_every=5, keep_checkpoints=2)
   c.rl.export = True                     # export policy and drafter (HF layout) at the end
   c.rl.save_rollouts = False             # every response with its reward, in rollouts.jsonl
+  # Every compiled call of each step's rollout (mode, running rows, batch, strategy, tokens,
+  # accept length, seconds, when it ended), in timeline.jsonl: where a step's time went.
+  c.rl.save_timeline = False
   # An update with a non-finite loss, gradient norm or parameter is never applied; "stop" ends
   # the run there (before any checkpoint or export), "skip" goes on without it (counted in
   # the metrics as nonfinite_updates).
@@ -372,6 +384,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int | None = No
   _positive(config.generate, "generate", ("num_prompts", "prompt_len", "max_new_tokens"))
   _non_negative(config.generate, "generate", ("temperature",))
   _positive(config.profile, "profile", ("first_step",))
+  _positive(config.rollout, "rollout", ("compile_threads",))
   _non_negative(config.profile, "profile", ("num_steps",))
   _check_task(config.task)
   if config.task.data_path and not config.task.eval_data_path and config.rl.num_eval_examples:

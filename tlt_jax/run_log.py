@@ -1,4 +1,4 @@
-"""A run's JSONL files (metrics.jsonl, eval.jsonl, rollouts.jsonl): appended line by line as
+"""A run's JSONL files (metrics.jsonl, eval.jsonl, rollouts.jsonl, timeline.jsonl): appended line by line as
 the run goes, made whole again when a run resumes. `RunLog` is the one way jobs write them.
 
 A crash can leave a partial last line; a crash between writing a step's rows and its
@@ -90,9 +90,15 @@ def append_jsonl(f, rows: Iterable[dict]) -> None:
   f.flush()
 
 
+def call_key(row: dict):
+  """One row per compiled call of a step's rollout (timeline.jsonl)."""
+  return row["step"], row["call"]
+
+
 # name -> (file, what makes a row unique)
 LOG_FILES = {"metrics": ("metrics.jsonl", step_key), "eval": ("eval.jsonl", step_key),
-             "rollouts": ("rollouts.jsonl", response_key)}
+             "rollouts": ("rollouts.jsonl", response_key),
+             "timeline": ("timeline.jsonl", call_key)}
 
 
 class RunLog:

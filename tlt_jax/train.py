@@ -49,9 +49,10 @@ from tlt_jax.models.hf import save_hf_checkpoint
 from tlt_jax.optim import make_adamw
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.evaluate import heldout_accuracy
-from tlt_jax.rl.phases import paired_control, rollout_rows, sample_step, step_metrics, update_policy
+from tlt_jax.rl.phases import (paired_control, rollout_rows, sample_step, step_metrics,
+                               timeline_rows, update_policy)
 from tlt_jax.rl.policy_update import PolicyUpdater, nonfinite_update_message
-from tlt_jax.rollout.pool import merge_bills
+from tlt_jax.rollout.pool import merge_bills, set_compile_threads, wait_for_compiles_ahead
 from tlt_jax.run_log import read_jsonl
 from tlt_jax.train_report import write_summary
 
@@ -146,6 +147,8 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   log = job.run_log(resume_step=step)
   if spot is not None:  # the drafter update for every slice, before a slice goes idle
     spot.precompile(engine.slices, engine.policy_on, ahead=config.rollout.compile_ahead)
+  if config.rollout.compile_plan and step < rl.steps:
+    _compile_plan(config, engine, sampling, say)
   n_params = sum(x.size for x in jax.tree.leaves(run.params))
   say(f"mesh {dict(mesh.shape)} over {jax.process_count()} process(es): "
       f"{len(engine.slices)} rollout slices; policy {n_params / 1e6:.2f}M params; SD "
@@ -199,6 +202,8 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
       if rl.save_rollouts:
         log.write("rollouts", rollout_rows(step, samples.scored, samples.rolled.result,
                                            rl.num_samples))
+      if rl.save_timeline:
+        log.write("timeline", timeline_rows(step, samples.rolled.result))
       if eval_examples and (step == end or (rl.eval_every and step % rl.eval_every == 0)):
         evaluate_and_log(step)
       if step == end or job.stop.requested or (rl.checkpoint_every and
@@ -222,6 +227,20 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
                               "compile_bill": merge_bills(pools),
                               **({"compile_bill_control": merge_bills([control.pool])}
                                  if control is not None else {})})
+
+
+def _compile_plan(config, engine, sampling, say) -> None:
+  """rollout.compile_plan: every program of a step's rollout compiled ahead on
+  rollout.compile_threads threads before the first step (the step then waits for none)."""
+  r = config.rollout
+  set_compile_threads(r.compile_threads)
+  t0 = time.perf_counter()
+  engine.compile_plan(sampling, config.rl.prompts_per_step, config.rl.num_samples)
+  wait_for_compiles_ahead()
+  bill = engine.pool.report()
+  say(f"compiled the rollout's {bill['ahead_compiles']} programs in "
+      f"{time.perf_counter() - t0:.1f} s on {r.compile_threads} thread(s) "
+      f"({bill['ahead_s']:.1f} s of compiling)")
 
 
 class _RunState:

@@ -398,3 +398,50 @@ def test_suffix_drafts_copy_the_groups_finished_responses(tiny_cfg, tiny_params)
   assert sum(r.iterations for r in second) == 4
   with pytest.raises(ValueError, match=r"draft with EAGLE, but no trained drafter"):
     _tail_engine(tiny_cfg, tiny_params, "4,2,8,eagle+suffix")
+
+
+@pytest.mark.parametrize("ladder", [(1,), (2, 1), (4,)])
+def test_any_batch_ladder_gives_the_same_tokens(tiny_cfg, tiny_params, plain_reference, ladder):
+  """Program batch sizes change where batches compact, not the tokens: greedy and sampled,
+  plain and SD; only the ladder's sizes (and max_batch) get decode programs."""
+  ec, ref = plain_reference
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=3,
+                    eos_id=ec.eos_id, batch_sizes=ladder, prompt_widths=(8,))
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
+                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+  res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert res.tokens == ref.tokens and res.finish_reasons == ref.finish_reasons
+  assert {r.bucket for r in res.timeline} <= {*ladder, 8}
+  assert {k[4] for k in engine.pool if k[1] == "prefill"} == {8}  # one prompt width
+  sampled = SamplingParams(0.9)
+  plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
+      ec, batch_sizes=(), prompt_widths=(), sd_threshold=0))
+  assert (engine.generate(PROMPTS, 2, sampled, jax.random.key(3)).tokens
+          == plain.generate(PROMPTS, 2, sampled, jax.random.key(3)).tokens)
+
+
+def test_the_compile_plan_compiles_every_program_before_the_rollout(tiny_cfg, tiny_params,
+                                                                    plain_reference):
+  """compile_plan queues every program a rollout of 7 prompts x 2 samples on one slice of 16
+  rows runs, on two threads: the caches and the prefill, a plain program per ladder size
+  (16, 8, 1), the compactions between them (3), and the tail's SD programs (batches 8 and 1);
+  the rollout then compiles nothing and runs SD in its tail."""
+  ec, ref = plain_reference
+  ec = EngineConfig(max_batch=16, max_prompt_len=8, max_new_tokens=12, sd_threshold=8,
+                    eos_id=ec.eos_id, batch_sizes=(8, 1), prompt_widths=(8,),
+                    compile_ahead=True)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
+                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+  pool_module.set_compile_threads(2)
+  try:
+    engine.compile_plan(GREEDY, len(PROMPTS), 2)
+    pool_module.wait_for_compiles_ahead()
+  finally:
+    pool_module.set_compile_threads(1)
+  ahead = {kind: line["ahead_programs"] for kind, line in engine.pool.report()["bill"].items()}
+  assert ahead == {"rollout_caches": 1, "rollout_prefill": 1, "rollout_decode": 3,
+                   "rollout_take": 3, "rollout_decode_sd": 2}
+  res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert res.tokens == ref.tokens
+  assert res.pool["compiles"] == 0  # nothing on the critical path
+  assert any(r.mode == "sd" for r in res.timeline)

@@ -80,3 +80,20 @@ def test_bad_settings():
     SliceScheduler([1], max_batch=3)
   with pytest.raises(ValueError, match="iterations_per_call=0"):
     SliceScheduler([1], max_batch=2, iterations_per_call=0)
+
+
+def test_a_batch_ladder_sets_where_batches_start_and_compact():
+  """With program batch sizes (1, 4) under max_batch 16, a batch starts at 16 and compacts
+  straight to 4 once 4 rows run, and to 1 at the last; plain decoding runs until the rows
+  fit the next smaller size."""
+  assert bucket(3, 16, (1, 4, 16)) == 4 and bucket(5, 16, (1, 4, 16)) == 16
+  s = SliceScheduler(range(10), max_batch=16, iterations_per_call=8, batch_sizes=(4, 1))
+  assert s.sizes == (1, 4, 16)
+  assert s.next_action() == Start(tuple(range(10)), 16)
+  assert s.next_action() == Decode(None, 10, 5, 8, False)  # until 4 rows fit a batch of 4
+  s.finished([0, 1, 2, 3, 4, 5])
+  assert s.next_action() == Compact((6, 7, 8, 9))
+  assert s.next_action() == Decode(None, 4, 2, 8, False)
+  s.finished([0, 1, 2])
+  assert s.next_action() == Compact((3,))
+  assert s.next_action() == Decode(None, 1, 1, 8, False)

@@ -225,11 +225,20 @@ def step_metrics(step: int, samples: StepSamples, update: dict, algorithm: Grpo,
 
 
 def rollout_rows(step: int, scored: Scored, result, num_samples: int) -> list[dict]:
-  """One rollouts.jsonl row per response of the step."""
+  """One rollouts.jsonl row per response of the step (its token ids too: two runs' responses
+  compare exactly)."""
   return [{"step": step, "prompt": i // num_samples, "sample": i % num_samples,
            "completion": scored.completions[i], "tokens": len(toks),
            "finish_reason": result.finish_reasons[i], "reward": float(scored.rewards[i]),
-           "correct": bool(scored.correct[i])} for i, toks in enumerate(result.tokens)]
+           "correct": bool(scored.correct[i]), "token_ids": [int(t) for t in toks]}
+          for i, toks in enumerate(result.tokens)]
+
+
+def timeline_rows(step: int, result) -> list[dict]:
+  """One timeline.jsonl row per compiled call of the step's rollout (`StepRecord`: mode,
+  running rows, program batch, strategy, tokens, accept length, seconds, when it ended)."""
+  return [{"step": step, "call": i, **dataclasses.asdict(r)}
+          for i, r in enumerate(result.timeline)]
 
 
 def _idle_slice_s(result) -> float:

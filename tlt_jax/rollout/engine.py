@@ -34,7 +34,8 @@ from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes
 from tlt_jax.rollout.feature_log import FeatureBlock
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.programs import SlicePrograms
-from tlt_jax.rollout.scheduler import Compact, Decode, Refill, SliceScheduler, Start, bucket
+from tlt_jax.rollout.scheduler import (Compact, Decode, Refill, SliceScheduler, Start, batch_ladder,
+                                      bucket)
 from tlt_jax.speculative.decoding import GenState
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
@@ -57,7 +58,12 @@ class EngineConfig:
   its own (padded) tree: fewer compiles for a costlier iteration (bench_sd_step.py
   --shared-shape). Tokens and accept lengths do not change.
   corpus_rows: for suffix-drafter strategies, how many of a row's group's finished responses
-  (the G - 1 siblings in GRPO; the most recent first) it may copy from."""
+  (the G - 1 siblings in GRPO; the most recent first) it may copy from.
+  batch_sizes: the program batch sizes of a slice (max_batch is always one; () = every power
+  of two up to it): a batch starts, refills and compacts to the smallest that holds its rows,
+  so fewer sizes mean fewer programs and more padded rows. Tokens do not change.
+  prompt_widths: the prefill widths prompts are padded to (() = powers of two up to
+  max_prompt_len, which is always one): one width, one prefill program per batch size."""
   max_batch: int = 32
   max_prompt_len: int = 128
   max_new_tokens: int = 256
@@ -68,16 +74,38 @@ class EngineConfig:
   compile_ahead: bool = False
   shared_sd_max_batch: int = 0
   corpus_rows: int = 8
+  batch_sizes: tuple[int, ...] = ()
+  prompt_widths: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.max_batch < 1 or self.max_batch & (self.max_batch - 1):
       raise ValueError(f"rollout.max_batch={self.max_batch} must be a power of two")
+    for name, cap in (("batch_sizes", "max_batch"), ("prompt_widths", "max_prompt_len")):
+      values = tuple(getattr(self, name))
+      if any(not isinstance(v, int) or not 1 <= v <= getattr(self, cap) for v in values):
+        raise ValueError(f"rollout.{name}={values} must be whole numbers from 1 to "
+                         f"rollout.{cap}={getattr(self, cap)}")
+      object.__setattr__(self, name, values)  # a config's list, kept hashable
     keys = {"corpus_rows": "speculative.corpus_rows",  # config keys that differ from the name
             "shared_sd_max_batch": "speculative.shared_max_batch"}
     for name, low in (("max_prompt_len", 1), ("max_new_tokens", 1), ("iterations_per_call", 1),
                       ("sd_threshold", 0), ("corpus_rows", 1), ("shared_sd_max_batch", 0)):
       if (value := getattr(self, name)) < low:
         raise ValueError(f"rollout.{keys.get(name, name)} must be >= {low}, got {value}")
+
+  @property
+  def ladder(self) -> tuple[int, ...]:
+    """The program batch sizes, ascending (`batch_ladder`)."""
+    return batch_ladder(self.max_batch, self.batch_sizes)
+
+  def batch_for(self, rows: int) -> int:
+    """The program batch size that holds `rows` rows."""
+    return bucket(rows, self.max_batch, self.ladder)
+
+  def width_for(self, tokens: int) -> int:
+    """The prefill width that holds a prompt of `tokens` tokens."""
+    widths = tuple(sorted({*self.prompt_widths, self.max_prompt_len})) if self.prompt_widths else ()
+    return bucket(tokens, self.max_prompt_len, widths)
 
   @property
   def capacity(self) -> int:
@@ -228,8 +256,40 @@ class RolloutEngine:
     ec, plan = self.econf, {}
     for running in range(min(ec.sd_threshold, ec.max_batch), 0, -1):
       for strategy in (None, *self.tuner.strategies_for(running)):
-        plan[(bucket(running, ec.max_batch), strategy)] = None
+        plan[(ec.batch_for(running), strategy)] = None
     return list(plan)
+
+  def compile_plan(self, sampling: SamplingParams, num_prompts: int, num_samples: int,
+                   priority: int = 0) -> None:
+    """Queues the compiles of every program that `generate` of `num_prompts` prompts x
+    `num_samples` samples runs on this process's slices, compiled ahead
+    (`ExecutablePool.compile_ahead`, at `priority`): each slice's first prefill (prompts
+    padded to the widest prompt width), every batch size's plain decode program, the compactions
+    between them and the tail's SD programs (`tail_plan`). More requests than a slice's rows
+    (refills), narrower prompt widths and feature logging compile when first needed."""
+    ec, n = self.econf, num_prompts * num_samples
+    key = jax.random.key(0)
+    for s in self.local:
+      first = list(range(s, n, len(self.slices)))[:ec.max_batch]
+      if not first:
+        continue
+      prog, batch = self.programs[s], ec.batch_for(len(first))
+      distinct = bucket(len({r // num_samples for r in first}), batch)
+      state = prog.start_ahead(*self._params_on(s), batch, distinct,
+                               ec.width_for(ec.max_prompt_len), prog.put(key), sampling, priority)
+      sizes = [b for b in ec.ladder if b <= batch]
+      plan = [(b, None) for b in reversed(sizes)]
+      if self.speculative:
+        plan += [(b, st) for b, st in self.tail_plan() if b <= batch]
+      prog.decode_ahead(*self._params_on(s), state, prog.put(key), sampling,
+                        list(dict.fromkeys(plan)), priority)
+      for i, b in enumerate(sizes):
+        for smaller in sizes[:i]:
+          prog.take_ahead(prog.resized(state, b), smaller, priority)
+
+  def _params_on(self, s: int) -> tuple[dict, dict | None]:
+    """(policy, drafter) as placed on slice s."""
+    return self.policy_on(s), self.drafter_on(s)
 
   def shared_shape(self, batch: int, strategy: Strategy) -> Strategy | None:
     """The strategy whose program runs `strategy` at program batch `batch`: with shared SD
@@ -239,7 +299,7 @@ class RolloutEngine:
     ec = self.econf
     if batch > ec.shared_sd_max_batch:
       return None
-    runs = [r for r in range(1, ec.sd_threshold + 1) if bucket(r, ec.max_batch) == batch]
+    runs = [r for r in range(1, ec.sd_threshold + 1) if ec.batch_for(r) == batch]
     group = {strategy} | {s for running in runs for s in self.tuner.strategies_for(running)
                           if (s.topk, s.drafts) == (strategy.topk, strategy.drafts)}
     if len(group) < 2:
@@ -380,7 +440,7 @@ class _SliceRun:
     # for another slice than the key's device would not lower.
     self.key = self.prog.put(key)
     self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.iterations_per_call,
-                                self._choose if engine.speculative else None)
+                                self._choose if engine.speculative else None, ec.batch_sizes)
     n_logged = sum(r in logged for r in request_ids)
     # The feature store: logged rows land here as they finish, in finishing order.
     self.store = self.prog.empty_store(bucket(n_logged, 1 << 30)) if n_logged else None
@@ -409,7 +469,7 @@ class _SliceRun:
     tuner = self.engine.tuner
     if not self.engine.econf.compile_ahead:
       return tuner.choose(running)
-    batch = bucket(running, self.engine.econf.max_batch)
+    batch = self.engine.econf.batch_for(running)
     return tuner.choose(running, lambda s: self.prog.decode_ready(batch, s, self.sampling))
 
   def dispatch(self) -> _Call:
@@ -478,7 +538,7 @@ class _SliceRun:
     ec = self.engine.econf
     keys = [tuple(self.requests[r]) for r in request_ids]
     where = {p: i for i, p in enumerate(dict.fromkeys(keys))}  # prompt -> its prefill row
-    width = bucket(max(map(len, where)), ec.max_prompt_len)
+    width = ec.width_for(max(map(len, where)))
     prompts = np.full((bucket(len(where), batch) if share else batch, width), ec.pad_id,
                       np.int32)
     lengths = np.ones((prompts.shape[0],), np.int32)
@@ -492,7 +552,7 @@ class _SliceRun:
 
   def _params(self) -> tuple[dict, dict | None]:
     """(policy, drafter) as placed on this slice; the drafter is None without one."""
-    return self.engine.policy_on(self.slice), self.engine.drafter_on(self.slice)
+    return self.engine._params_on(self.slice)
 
   def complete(self, call: _Call, t0: float) -> StepRecord:
     """Waits for the call's results (the one host sync), harvests finished rows and tells

@@ -6,8 +6,9 @@ parameters are arguments, not constants. A pool bills compiles and their seconds
 kind (`bill`, `merge_bills`), so tests can assert that a rollout compiles nothing new and runs
 can report what compiling cost.
 
-`compile_ahead` compiles on one background thread per process while the host loop goes on (XLA
-compiles outside the GIL); `ready(key)` says when a key can be used without waiting. The bill
+`compile_ahead` compiles on background threads (one per process unless `set_compile_threads`
+says more) while the host loop goes on (XLA compiles outside the GIL); `ready(key)` says when a
+key can be used without waiting. The bill
 keeps the two apart: `programs`/`seconds` were on the critical path (the caller waited),
 `ahead_programs`/`ahead_seconds` were not.
 """
@@ -184,17 +185,19 @@ def merge_bills(pools: Sequence[ExecutablePool]) -> dict[str, dict[str, float]]:
 
 
 class _Background:
-  """The one thread that compiles ahead for every pool of the process: one compile at a
-  time beside the host loop (more would take cores from the programs that run), the most
-  urgent (lowest priority number, then first asked) first."""
+  """The threads that compile ahead for every pool of the process, the most urgent (lowest
+  priority number, then first asked) first: one by default, one compile at a time beside the
+  host loop (more would take cores from the programs that run); `set_compile_threads` for a
+  host with cores to spare (a GPU host compiling a run's whole plan before it starts)."""
 
   def __init__(self):
     self._lock = threading.Lock()
     self._heap: list = []
     self._order = itertools.count()
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-    self._running: concurrent.futures.Future | None = None
-    # Set at interpreter exit before the executor's thread is joined: threading runs these
+    self._threads = 1
+    self._running: set[concurrent.futures.Future] = set()
+    # Set at interpreter exit before the executor's threads are joined: threading runs these
     # hooks last registered first, so this one before that of concurrent.futures.thread
     # (imported above, at import time). The main thread still counts as alive then: asking
     # it let every queued compile run at exit (minutes, behind a crash).
@@ -209,40 +212,65 @@ class _Background:
     with self._lock:
       heapq.heappush(self._heap, (priority, next(self._order), future, fn))
       if self._executor is None:
-        # Its thread is joined at exit: a compile in flight finishes, queued ones are dropped.
+        # Its threads are joined at exit: compiles in flight finish, queued ones are dropped.
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="compile-ahead")
+            max_workers=self._threads, thread_name_prefix="compile-ahead")
       self._executor.submit(self._run_next)  # one run per entry
     return future
+
+  def set_threads(self, threads: int) -> None:
+    """Compile on `threads` threads from now on (compiles queued or running are kept)."""
+    if threads < 1:
+      raise ValueError(f"rollout.compile_threads={threads} must be >= 1")
+    with self._lock:
+      old, changed, self._threads = self._executor, threads != self._threads, threads
+      if old is None or not changed:
+        return
+      # A new executor takes over the queue: one run per entry still waiting, while the old
+      # one's runs (each pops whatever is most urgent, or nothing) finish and its threads end.
+      self._executor = concurrent.futures.ThreadPoolExecutor(
+          max_workers=threads, thread_name_prefix="compile-ahead")
+      for _ in self._heap:
+        self._executor.submit(self._run_next)
+    old.shutdown(wait=False)
 
   def _run_next(self) -> None:
     with self._lock:
       if not self._heap:
         return
       _, _, future, fn = heapq.heappop(self._heap)
-      self._running = future  # under the lock: `wait_idle` always sees it in one place or the other
-    if self._exiting:
-      future.cancel()  # the interpreter is exiting: nobody will use the program
-    if not future.set_running_or_notify_cancel():
-      return  # cancelled while queued
+      # Under the lock: `wait_idle` always sees it in one place or the other.
+      self._running.add(future)
     try:
-      future.set_result(fn())
-    except BaseException as e:  # noqa: BLE001 -- handed to whoever holds the future
-      future.set_exception(e)
+      if self._exiting:
+        future.cancel()  # the interpreter is exiting: nobody will use the program
+      if not future.set_running_or_notify_cancel():
+        return  # cancelled while queued
+      try:
+        future.set_result(fn())
+      except BaseException as e:  # noqa: BLE001 -- handed to whoever holds the future
+        future.set_exception(e)
+    finally:
+      with self._lock:
+        self._running.discard(future)
 
   def wait_idle(self) -> None:
     """Returns once no compile runs or waits in the queue."""
     while True:
       with self._lock:
         pending = [f for _, _, f, _ in self._heap if not f.done()]
-        if self._running is not None and not self._running.done():
-          pending.append(self._running)
+        pending += [f for f in self._running if not f.done()]
       if not pending:
         return
       concurrent.futures.wait(pending)
 
 
 _BACKGROUND = _Background()
+
+
+def set_compile_threads(threads: int) -> None:
+  """Compile ahead on `threads` threads (the process's; `rollout.compile_threads`)."""
+  _BACKGROUND.set_threads(threads)
 
 
 def wait_for_compiles_ahead() -> None:

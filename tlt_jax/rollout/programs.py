@@ -85,8 +85,19 @@ class SlicePrograms:
     """Prefills right-padded distinct prompts [U, P] (lengths [U]) into fresh caches of B
     rows: row b starts from prompt source[b] and serves requests[b] (-1 for padding rows,
     which start done)."""
-    cfg, dcfg = self.cfg, self.dcfg
     b = requests.shape[0]
+    empty_caches, prefill = self._start_fns(b, sp)
+    # The empty caches are made by their own program and passed in (donated): built inside
+    # the prefill, they would be compile-time constants that XLA tries to fold through the
+    # attention, which makes compiles slow.
+    caches = self._run(("caches", b), empty_caches, ())
+    args = (params, dparams, self.put(prompts), self.put(lengths), self.put(source),
+            self.put(requests), key, caches, self._temperature(sp))
+    return self._run(("prefill", b, *prompts.shape, sp.program_key), prefill, args, donate=(7,))
+
+  def _start_fns(self, b: int, sp: SamplingParams):
+    """(empty caches of b rows, the prefill program's function) of `start`."""
+    cfg, dcfg = self.cfg, self.dcfg
 
     def empty_caches():
       drafters = build_drafters(dcfg)
@@ -94,21 +105,49 @@ class SlicePrograms:
       return (init_cache(cfg, b, self.capacity),
               {name: st for name, st in states.items() if st is not None})
 
-    def fn(params, dparams, prompts, lengths, source, requests, key, caches, temperature):
+    def prefill(params, dparams, prompts, lengths, source, requests, key, caches, temperature):
       state = start(Policy(params, cfg), prompts, lengths, caches[0], key,
                     sp.with_temperature(temperature),
                     self.max_new_tokens, self.eos_id, drafters=build_drafters(dcfg, dparams),
                     draft_states=caches[1], log_features=self.log_features, requests=requests,
                     source=source)
       return state.replace(done=state.done | (requests < 0))
+    return empty_caches, prefill
 
-    # The empty caches are made by their own program and passed in (donated): built inside
-    # the prefill, they would be compile-time constants that XLA tries to fold through the
-    # attention, which makes compiles slow.
-    caches = self._run(("caches", b), empty_caches, ())
-    args = (params, dparams, self.put(prompts), self.put(lengths), self.put(source),
-            self.put(requests), key, caches, self._temperature(sp))
-    return self._run(("prefill", b, *prompts.shape, sp.program_key), fn, args, donate=(7,))
+  def start_ahead(self, params, dparams, batch: int, prompts: int, width: int, key: jax.Array,
+                  sp: SamplingParams, priority: int = 0) -> GenState:
+    """Queues the compiles of `start`'s programs for a batch of `batch` rows from `prompts`
+    distinct prompts padded to `width` tokens (`ExecutablePool.compile_ahead`); returns the
+    state it would make, abstract (jax.ShapeDtypeStruct leaves laid out on the slice), for
+    `decode_ahead` and `take_ahead`."""
+    empty_caches, prefill = self._start_fns(batch, sp)
+    self.pool.compile_ahead(self._key(("caches", batch)), empty_caches, (),
+                            out_shardings=self._layout, mesh=self.mesh,
+                            kind=_bill_kind(("caches",)), priority=priority)
+    replicated = NamedSharding(self.mesh, P())
+
+    def host(shape, dtype):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    caches = self._laid_out(jax.eval_shape(empty_caches))
+    args = (params, dparams, host((prompts, width), np.int32), host((prompts,), np.int32),
+            host((batch,), np.int32), host((batch,), np.int32), key, caches,
+            host((), np.float32))
+    key_p = ("prefill", batch, prompts, width, sp.program_key)
+    self.pool.compile_ahead(self._key(key_p), prefill, args, donate_argnums=(7,),
+                            out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key_p),
+                            priority=priority)
+    return self._laid_out(jax.eval_shape(prefill, *args))
+
+  def resized(self, state: GenState, rows: int) -> GenState:
+    """The abstract state of `rows` rows that `take_rows` would make of `state` (any state of
+    this slice, abstract or not)."""
+    return self._laid_out(jax.eval_shape(take_rows, state, jax.ShapeDtypeStruct((rows,),
+                                                                               np.int32)))
+
+  def _laid_out(self, shapes):
+    """Abstract arrays `shapes` with the shardings this slice's programs give them."""
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        shapes, self._layout(shapes))
 
   def _temperature(self, sp: SamplingParams) -> jax.Array:
     return self.put(np.float32(sp.temperature))
@@ -154,10 +193,7 @@ class SlicePrograms:
       key_b, shape, shared = self._decode_program(b, strategy, sp)
       if self._key(key_b) in self.pool:
         continue
-      shapes = jax.eval_shape(take_rows, state, jax.ShapeDtypeStruct((b,), np.int32))
-      abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                              shapes, self._layout(shapes))
-      args = (params, dparams, abstract, key, scalar, scalar, temperature)
+      args = (params, dparams, self.resized(state, b), key, scalar, scalar, temperature)
       if shared:
         args += (jax.ShapeDtypeStruct((2,), np.int32, sharding=replicated),)
       if _copies(shape):
@@ -193,6 +229,15 @@ class SlicePrograms:
     """A smaller state of state's rows `order`."""
     return self._run(("take", state.root.shape[0], len(order)), take_rows,
                      (state, self.put(order)))
+
+  def take_ahead(self, state: GenState, rows: int, priority: int = 0) -> None:
+    """Queues the compile of `take_rows` from `state` (any state of this slice, abstract or
+    not) to a batch of `rows` rows."""
+    key = ("take", state.root.shape[0], rows)
+    order = jax.ShapeDtypeStruct((rows,), np.int32, sharding=NamedSharding(self.mesh, P()))
+    self.pool.compile_ahead(self._key(key), take_rows, (state, order),
+                            out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key),
+                            priority=priority)
 
   def empty_store(self, rows: int) -> jax.Array:
     """An empty feature store [rows, C, F] on the slice."""

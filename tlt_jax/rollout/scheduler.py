@@ -28,9 +28,20 @@ from collections.abc import Callable, Sequence
 from tlt_jax.speculative.strategy import Strategy
 
 
-def bucket(n: int, cap: int) -> int:
-  """The program batch for n rows: the next power of two, at most cap."""
+def bucket(n: int, cap: int, sizes: Sequence[int] = ()) -> int:
+  """The program batch (or width) for n rows: the smallest of `sizes` that holds n, or with no
+  sizes the next power of two; at most cap."""
+  if sizes:
+    return min([s for s in sizes if s >= n], default=cap)
   return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
+def batch_ladder(max_batch: int, sizes: Sequence[int] = ()) -> tuple[int, ...]:
+  """The program batch sizes of a slice, ascending: `sizes` and max_batch, or with no sizes
+  every power of two up to max_batch."""
+  if sizes:
+    return tuple(sorted({*sizes, max_batch}))
+  return tuple(1 << i for i in range(max_batch.bit_length()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +86,14 @@ class SliceScheduler:
 
   choose_strategy(running) -> Strategy | None is asked once the slice is in its tail
   (running rows <= sd_threshold); None there, or sd_threshold 0, means plain decoding.
+  batch_sizes: the program batch sizes a batch may have (`batch_ladder`; () = every power of
+  two): batches start, refill and compact to the smallest of them that holds their rows.
   """
 
   def __init__(self, requests: Sequence[int], max_batch: int, sd_threshold: int = 0,
                iterations_per_call: int = 1,
-               choose_strategy: Callable[[int], Strategy | None] | None = None):
+               choose_strategy: Callable[[int], Strategy | None] | None = None,
+               batch_sizes: Sequence[int] = ()):
     if max_batch < 1 or max_batch & (max_batch - 1):
       raise ValueError(f"max_batch={max_batch} must be a power of two")
     if iterations_per_call < 1:
@@ -89,6 +103,7 @@ class SliceScheduler:
     self.sd_threshold = sd_threshold
     self.iterations_per_call = iterations_per_call
     self.choose_strategy = choose_strategy
+    self.sizes = batch_ladder(max_batch, batch_sizes)
     self.rows: list[int] = []
 
   # ---------------------------------------------------------------- state
@@ -119,7 +134,7 @@ class SliceScheduler:
       return None
     if not self.rows:
       ids = tuple(self._take(self.max_batch))
-      batch = bucket(len(ids), self.max_batch)
+      batch = self._bucket(len(ids))
       self.rows = list(ids) + [-1] * (batch - len(ids))
       return Start(ids, batch)
     free = [i for i, r in enumerate(self.rows) if r < 0]
@@ -127,9 +142,9 @@ class SliceScheduler:
       ids = tuple(self._take(len(free)))
       for row, r in zip(free, ids):
         self.rows[row] = r
-      return Refill(ids, bucket(len(ids), self.max_batch), tuple(free[:len(ids)]))
+      return Refill(ids, self._bucket(len(ids)), tuple(free[:len(ids)]))
     running = [i for i, r in enumerate(self.rows) if r >= 0]
-    target = bucket(len(running), self.max_batch)
+    target = self._bucket(len(running))
     if not self.queue and target < len(self.rows):
       order = (running + free)[:target]
       self.rows = [self.rows[i] for i in order]
@@ -144,8 +159,10 @@ class SliceScheduler:
       # compaction and the tuner.
       min_running = running
     else:
-      # Plain decoding until the rows fit half the batch (compaction) or the tail begins.
-      min_running = len(self.rows) // 2 + 1 if len(self.rows) > 1 else 1
+      # Plain decoding until the rows fit the next smaller batch (compaction) or the tail
+      # begins.
+      smaller = [b for b in self.sizes if b < len(self.rows)]
+      min_running = max(smaller, default=0) + 1
       if self.choose_strategy is not None:
         min_running = max(min_running, self.sd_threshold + 1)
     return Decode(strategy, running, min(min_running, running), self.iterations_per_call, tail)
@@ -161,6 +178,9 @@ class SliceScheduler:
     if not self.busy:
       self.rows = []
     return out
+
+  def _bucket(self, n: int) -> int:
+    return bucket(n, self.max_batch, self.sizes)
 
   def _take(self, n: int) -> list[int]:
     return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
