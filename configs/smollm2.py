@@ -18,8 +18,14 @@ Variants:
   (none)    CPU: float32 (bfloat16 matmuls are slower on CPU), 2 emulated devices as two
             rollout slices, scanned layers (a 30-layer loop compiles for minutes).
   baseline  the same run without SD and without spot training
-  gpu       one GPU: bfloat16, one slice of 128 rows, decoding loops over the layers (not yet
-            run on a GPU)
+  gpu_headline  TLT against the baseline on one GPU (experiments/gpu_headline.py): bfloat16,
+            one slice of 128 rows, problems of 2-4 operations answered step by step (responses
+            of ~100-150 tokens, a few running on to the 1,024-token limit), the shipped
+            drafter (assets/smollm2-drafter), program batch sizes 128/32/8/1 and every
+            program compiled on 16 threads before the first step; no spot training (one
+            slice never idles), no evaluation, checkpoint or export
+  headline_cpu  the same task, sampling and drafter on CPU (float32, two emulated slices):
+            the warm-up that made assets/smollm2-drafter, and CPU checks of the headline
   runlocal  the smallest settings, for smoke tests (CPU)
   gym       reasoning_gym's problems instead of the arithmetic task (pip install -e
             ".[reasoning]"): chain sums and leg counts, whose prompts ask for a final
@@ -29,12 +35,40 @@ Variants:
             model's answers to these problems.
 """
 
+import os
+
 from tlt_jax.config import ConfigError, base_config, smoke_run_settings
 from tlt_jax.import_model import ImportModelError, smollm2_folder
 
+DRAFTER = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "assets", "smollm2-drafter"))
+
+
+def headline_settings(c) -> None:
+  """The headline's task, sampling, SD and drafter (both its variants): multi-step problems
+  answered step by step at temperature 0.7. Measured on CPU (32 problems, one key): responses
+  of median 98 and mean 133 tokens, one in 32 at the 1,024-token limit and another at 703,
+  so a step of 128 responses waits on a few long ones (experiments/gpu_headline.py)."""
+  c.task.update(min_ops=2, max_ops=4, max_value=99, max_operand=9, max_multiplier=5,
+                instruction="Think step by step, then give the final number.")
+  c.rollout.update(max_prompt_len=128, max_new_tokens=1024, temperature=0.7)
+  # SD once 32 rows or fewer run (the paper's threshold): a GPU decode step of this model is
+  # bound by kernel launches, not by its rows, so verifying trees costs little more than a
+  # step. Deeper trees for fewer rows; BEG-MAB picks per bucket (1, 2-8, 9-32 rows).
+  c.rollout.sd_threshold = 32
+  c.rollout.speculative.update(bucket_thresholds=(1, 2, 9),
+                               arms=("4,2,8", "6,2,12", "8,2,16"), strategy="8,2,16")
+  # One EAGLE layer with a narrower MLP and a 2,048-token draft vocabulary: 4.5M parameters,
+  # 9 MB in bfloat16, so that the drafter ships in the repository and a GPU call carries half
+  # of the model's GGUF beside the working tree (experiments/gpu_headline.py stage).
+  c.drafter.update(num_layers=1, intermediate_size=1024, draft_vocab_size=2048, path=DRAFTER)
+  c.drafter.warmup.update(num_prompts=384, samples_per_prompt=2, temperature=0.7,
+                          max_new_tokens=1024, steps=2000, batch_rows=4, window=256,
+                          checkpoint_every=200, num_eval_prompts=16)
+
 
 def get_config(arg: str | None = None):
-  variants = ("baseline", "gpu", "runlocal", "gym")
+  variants = ("baseline", "gpu_headline", "headline_cpu", "runlocal", "gym")
   if arg and arg not in variants:
     raise ValueError(f"configs/smollm2.py: unknown variant {arg!r}; allowed: {variants}")
   c = base_config()
@@ -101,25 +135,23 @@ def get_config(arg: str | None = None):
   if arg == "baseline":
     c.rollout.speculative.enable = False
     c.drafter.spot_training = False
-  elif arg == "gpu":
+  elif arg == "headline_cpu":
+    headline_settings(c)
+  elif arg == "gpu_headline":
+    headline_settings(c)
     c.mesh.num_cpu_devices = 0
     c.mesh.axes.replica = 1
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "bfloat16"
-    c.model.scan_layers = "train"
-    c.model.attention_impl = "auto"
-    c.rollout.max_batch = 128
-    c.rollout.max_new_tokens = 512
-    c.rollout.sd_threshold = 16
-    c.rollout.speculative.bucket_thresholds = (1, 3, 6, 11)
-    c.rl.steps = 20
-    c.rl.prompts_per_step = 16
-    c.rl.micro_batch_rows = 32
-    c.rl.num_eval_examples = 128
-    c.rl.eval_samples = 4
-    c.drafter.warmup.num_prompts = 512
-    c.drafter.warmup.max_new_tokens = 512
-    c.drafter.warmup.steps = 400
+    c.model.update(dtype="bfloat16", param_dtype="bfloat16", scan_layers="train",
+                   attention_impl="auto")
+    # 16 prompts x 8 samples on one slice of 128 rows; programs for 128, 32, 8 and 1 rows
+    # only (a flat GPU step pays little for padded rows) and one prefill width, all compiled
+    # before the first step on a GPU host's cores.
+    c.rollout.update(max_batch=128, batch_sizes=(32, 8, 1), prompt_widths=(128,),
+                     compile_plan=True, compile_threads=16)
+    c.drafter.spot_training = False
+    c.rl.update(steps=10, prompts_per_step=16, num_samples=8, micro_batch_rows=32,
+                num_eval_examples=0, paired_control=False, export=False, save_rollouts=True,
+                save_timeline=True, checkpoint_every=0)
   elif arg == "gym":
     c.task.name = "reasoning_gym"
     c.task.instruction = ""            # the task's own: "End your response with '#### x'"

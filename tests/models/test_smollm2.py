@@ -187,7 +187,8 @@ def test_sampled_engine_with_sd_emits_what_plain_decoding_emits(smollm2, drafter
         f"row and SD iteration")
 
 
-@pytest.mark.parametrize("variant", [None, "baseline", "gpu", "runlocal", "gym"])
+@pytest.mark.parametrize("variant", [None, "baseline", "gpu_headline", "headline_cpu", "runlocal",
+                                     "gym"])
 def test_the_smollm2_config_validates_and_its_prompts_fit(smollm2_dir, variant):
   """configs/smollm2.py finds the imported folder, builds every component and fits the
   task's longest prompt (chat template and SmolLM's system prompt included)."""

@@ -1,0 +1,191 @@
+"""experiments/gpu_headline.py: the staged parts, their checks, the comparison of the two runs,
+the projection, the program plan of configs/smollm2.py:gpu_headline, and the quick pipeline."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from tests.conftest import REPO, repo_config
+from tests.experiment_modules import load_experiment
+from tests.speculative.drafters import random_drafter
+from tlt_jax.components import engine_config, make_tuner_from_config
+from tlt_jax.mesh import make_mesh
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.speculative.sampling import SamplingParams
+
+headline = load_experiment("gpu_headline")
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+  """The toy model's GGUF staged in two parts (no wheels)."""
+  root = tmp_path_factory.mktemp("headline")
+  gguf = headline.write_toy_gguf(root / "toy.gguf")
+  manifest = headline.stage(root / "stage", gguf, root / "cache", wheels=False, split=True,
+                            tree_bytes=1 << 20)
+  return root, gguf, manifest
+
+
+def test_stage_cuts_the_model_into_verified_parts_that_join_to_the_file(staged, tmp_path):
+  root, gguf, manifest = staged
+  assert [p["call"] for p in manifest["parts"]] == [1, 2]
+  assert all(b <= headline.CALL_LIMIT for b in manifest["payload_bytes"])
+  assert (root / "stage" / "call1" / "manifest.json").is_file()
+  assert (root / "stage" / "call2" / "manifest.json").is_file()
+  assert headline.verify(root / "stage", calls=(1,)) == headline.verify(root / "stage")
+  joined = headline.join(root / "stage", manifest, tmp_path)
+  assert joined.read_bytes() == gguf.read_bytes()
+
+
+def test_a_missing_or_damaged_part_names_the_call_to_repeat(staged, tmp_path):
+  root, _, manifest = staged
+  copy = tmp_path / "stage"
+  import shutil
+  shutil.copytree(root / "stage", copy)
+  part2 = copy / manifest["parts"][1]["file"]
+  part2.unlink()
+  headline.verify(copy, calls=(1,))  # call 1's parts are all there: check passes
+  with pytest.raises(headline.HeadlineError, match="has not arrived: repeat device call 2"):
+    headline.verify(copy)
+  part1 = copy / manifest["parts"][0]["file"]
+  part1.write_bytes(b"x" + part1.read_bytes()[1:])
+  with pytest.raises(headline.HeadlineError, match="damaged.*repeat device call 1 \\(check\\)"):
+    headline.verify(copy, calls=(1,))
+  with pytest.raises(headline.HeadlineError, match="no call folder"):
+    headline.verify(tmp_path / "nothing")
+
+
+def test_stage_refuses_a_tree_that_leaves_no_room_for_the_model(staged, tmp_path):
+  root, gguf, _ = staged
+  with pytest.raises(headline.HeadlineError, match="does not fit two calls"):
+    headline.stage(tmp_path / "stage", gguf, root / "cache", wheels=False,
+                   tree_bytes=headline.CALL_LIMIT)
+
+
+def test_a_wheel_pip_cannot_fetch_is_one_line(tmp_path):
+  with pytest.raises(headline.HeadlineError, match="pip could not download the wheels"):
+    headline.download_wheels(tmp_path, ("no-such-package-tlt-jax-headline==0.0.1",))
+
+
+def _rows(step, tokens, reward=1.0):
+  return [{"step": step, "prompt": 0, "sample": s, "token_ids": tokens, "reward": reward}
+          for s in range(2)]
+
+
+def test_responses_are_compared_token_for_token_with_their_rewards():
+  base = _rows(1, [1, 2, 3]) + _rows(2, [4])
+  assert headline.compare_responses(base, list(base))["identical"]
+  other = _rows(1, [1, 2, 3]) + _rows(2, [5])
+  diff = headline.compare_responses(base, other)
+  assert not diff["identical"] and diff["mismatches"] == 2
+  assert diff["first_mismatches"][0]["step"] == 2
+  rewarded = _rows(1, [1, 2, 3], reward=0.0) + _rows(2, [4])
+  assert headline.compare_responses(base, rewarded)["mismatches"] == 2
+  assert not headline.compare_responses(base, base[:2])["identical"]  # a response missing
+
+
+def test_the_steady_state_leaves_the_first_step_out():
+  def step(n, step_s, rollout_s, accept=None, sd=0):
+    return {"step": n, "step_s": step_s, "rollout_s": rollout_s, "compile_s": 0.0,
+            "accept_len": accept, "sd_iterations": sd}
+  base = [step(1, 100.0, 90.0), step(2, 10.0, 8.0), step(3, 12.0, 10.0)]
+  tlt = [step(1, 50.0, 40.0), step(2, 5.0, 3.0, 3.0, 10), step(3, 6.0, 4.0, 2.0, 30)]
+  s = headline.steady_state(base, tlt)
+  assert s["steps"] == "2..3" and s["count"] == 2
+  assert s["step_ratio"] == pytest.approx(22.0 / 11.0)
+  assert s["rollout_ratio"] == pytest.approx(18.0 / 7.0)
+  assert s["baseline_rollout_share"] == pytest.approx(18.0 / 22.0)
+  assert s["accept_len_tail"] == pytest.approx((3.0 * 10 + 2.0 * 30) / 40)
+
+
+def test_the_projection_follows_the_tail():
+  """A tail of one long response: SD shortens TLT's rollout by the accept length over the
+  iteration's cost, and a longer tail makes the baseline's rollout a larger share."""
+  lengths = [100] * 127 + [1000]
+  sim = headline.step_iterations(lengths, rows=128, sd_threshold=32, accept=3.0, steps=4)
+  assert all(s["baseline"] == 1000 for s in sim)
+  assert all(s["tlt_plain"] == 100 and s["tlt_sd"] == pytest.approx(300.0) for s in sim)
+  kinds = {"rollout_decode": (4, 10.0)}
+  short = headline.projection([100] * 128, 64, 135e6, 30, 128, 32, 3.0, kinds, 10, 20.0, 20.0)
+  long = headline.projection(lengths, 64, 135e6, 30, 128, 32, 3.0, kinds, 10, 20.0, 20.0)
+  for case, row in long["cases"].items():
+    assert row["step_ratio"] > short["cases"][case]["step_ratio"]
+    assert row["baseline_rollout_share"] > short["cases"][case]["baseline_rollout_share"]
+  assert long["worst_device_s"] > headline.MACHINE_START_S
+
+
+def _recorded_plan(tiny_cfg, tiny_params, speculative: bool) -> list:
+  """The keys compile_plan queues for the headline's rollout settings (128 rows, batch sizes
+  128/32/8/1, one prompt width, SD at 32 rows or fewer, three arms in three buckets), on the
+  tiny policy, recorded instead of compiled."""
+  import dataclasses
+
+  from tlt_jax.cli import config_from_file
+  config = config_from_file(os.path.join(REPO, "configs", "default.py"), [
+      "rollout.max_batch=128", "rollout.batch_sizes=(32,8,1)", "rollout.prompt_widths=(128,)",
+      "rollout.max_prompt_len=128", "rollout.max_new_tokens=1024", "rollout.sd_threshold=32",
+      "rollout.speculative.bucket_thresholds=(1,2,9)",
+      "rollout.speculative.arms=('4,2,8','6,2,12','8,2,16')"])
+  ec = dataclasses.replace(engine_config(config), eos_id=0, compile_ahead=True)
+  if not speculative:
+    ec = dataclasses.replace(ec, sd_threshold=0)
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec,
+                         drafter=random_drafter(tiny_cfg, seed=0) if speculative else None,
+                         tuner=make_tuner_from_config(config) if speculative else None)
+  keys = []
+  engine.pool.compile_ahead = lambda key, *args, **kwargs: keys.append(key)
+  engine.compile_plan(SamplingParams(0.7), 16, 8)
+  return keys
+
+
+def test_the_headline_plan_compiles_12_programs_for_the_baseline_and_21_for_tlt(tiny_cfg,
+                                                                               tiny_params):
+  """The baseline: the caches and the prefill of 128 rows from 16 prompts, a plain decode
+  program per batch size (128, 32, 8, 1) and the 6 compactions between them; TLT adds an SD
+  program per arm in each SD batch size (32, 8, 1)."""
+  base = _recorded_plan(tiny_cfg, tiny_params, speculative=False)
+  tlt = _recorded_plan(tiny_cfg, tiny_params, speculative=True)
+  kinds = lambda keys: sorted({k[1] for k in keys})  # noqa: E731
+  assert len(base) == len(set(base)) == 12 and kinds(base) == ["caches", "decode", "prefill",
+                                                               "take"]
+  assert (0, "prefill", 128, 16, 128, SamplingParams(0.7).program_key) in base
+  assert sorted(k[2] for k in base if k[1] == "decode") == [1, 8, 32, 128]
+  assert len(tlt) == len(set(tlt)) == 21
+  sd = [k for k in tlt if k[1] == "decode" and k[3] is not None]
+  assert sorted({k[2] for k in sd}) == [1, 8, 32] and len(sd) == 9
+  assert set(base) < set(tlt)
+
+
+@pytest.mark.slow
+def test_the_quick_pipeline_stages_checks_and_runs_both_variants_identically(tmp_path):
+  """gpu_headline.py quick: the toy model staged in two parts, checked, joined, imported,
+  and run for 2 steps as the baseline and as TLT with SD on every decode call: identical
+  responses, at most 8 files to bring back, every step of both variants in headline.json."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "gpu_headline.py"),
+                      "quick", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                     text=True, timeout=1500)
+  assert r.returncode == 0, r.stderr[-3000:]
+  result_dir = tmp_path / "result"
+  files = sorted(p.name for p in result_dir.iterdir())
+  assert files == ["compiles.png", "end_to_end.png", "headline.json", "runs.json",
+                   "timeline.png"]
+  result = json.loads((result_dir / "headline.json").read_text())
+  assert result["responses"]["identical"] and result["responses"]["responses"] == 2 * 8
+  for name in ("baseline", "tlt"):
+    steps = result["variants"][name]["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["running"] and s["tokens"] > 0 for s in steps)
+  tlt = result["variants"]["tlt"]
+  assert all(s["sd_iterations"] > 0 and s["plain_iterations"] == 0 for s in tlt["steps"])
+  assert result["steady_state"]["count"] == 1 and result["steady_state"]["accept_len_tail"] >= 1
+  # The plan, compiled ahead: 8 rollout programs for the baseline, 3 SD programs more for TLT.
+  ahead = {name: sum(line["ahead_programs"] for kind, line in v["compile_bill"].items()
+                     if kind.startswith("rollout")) for name, v in result["variants"].items()}
+  assert ahead == {"baseline": 8, "tlt": 11}
