@@ -187,9 +187,11 @@ def base_config() -> ml_collections.ConfigDict:
 
   # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
   # num_samples responses each, advantages normalised within each prompt's group.
-  # The algorithm (tlt_jax.rl.algorithms): "grpo" or "dapo" (dynamic sampling and overlong
-  # shaping on top of GRPO's loss); its own knobs are the section rl.<name> (e.g. rl.dapo),
-  # made from its Settings dataclass.
+  # The algorithm (tlt_jax.rl.algorithms): "grpo", "dapo" (dynamic sampling and overlong
+  # shaping on top of GRPO's loss), "dr_grpo" (no std scaling, a constant normaliser) or
+  # "gspo" (a sequence-level ratio); its own knobs are the section rl.<name> (e.g. rl.dapo),
+  # made from its Settings dataclass. Each reads some of the shared loss knobs below; setting
+  # one it does not read is an error.
   c.rl = ml_collections.ConfigDict(dict(algorithm="grpo"))
   for name, algorithm in ALGORITHMS.items():
     if defaults_of(algorithm.Settings):
