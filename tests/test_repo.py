@@ -9,7 +9,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Imported by the package or the experiments but not needed by `pip install -e .`: test and
 # comparison tools, and optional extras that the code imports only when asked.
-OPTIONAL = {"torch", "gguf", "reasoning_gym", "pytest", "nbclient", "nbformat"}
+OPTIONAL = {"torch", "gguf", "reasoning_gym", "pytest", "nbclient", "nbformat", "tensorboardX",
+            "wandb"}
 # Distribution name -> module name where they differ.
 MODULE_OF = {"ml-collections": "ml_collections", "absl-py": "absl",
              "orbax-checkpoint": "orbax"}

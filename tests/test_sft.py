@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import repo_config
+from tests.test_metric_writers import read_events
 from tlt_jax.config import with_current_keys
 from tlt_jax.mesh import make_mesh, shard_pytree
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -95,7 +96,8 @@ def _sft_cli(workdir, *overrides):
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("sft")
-  first = _sft_cli(workdir, "--config.profile.first_step=5", "--config.profile.num_steps=2")
+  first = _sft_cli(workdir, "--config.profile.first_step=5", "--config.profile.num_steps=2",
+                   "--config.logging.tensorboard=True")
   assert first.returncode == 0, first.stderr[-3000:]
   return workdir, first
 
@@ -105,6 +107,12 @@ def test_sft_cli_learns_and_exports(sft_run):
   workdir, run = sft_run
   losses = [json.loads(line)["loss"] for line in open(workdir / "metrics.jsonl")]
   assert len(losses) == 12 and np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+  [final] = [json.loads(line) for line in open(workdir / "eval.jsonl")]  # sft.eval_every=0
+  assert final["step"] == 12 and 0 <= final["greedy_accuracy"] <= 1
+  scalars, _ = read_events(workdir)  # logging.tensorboard: the same numbers
+  np.testing.assert_allclose([v for _, v in scalars["metrics/loss"]], losses, rtol=1e-6)
+  assert [s for s, _ in scalars["metrics/loss"]] == list(range(1, 13))
+  assert scalars["eval/greedy_accuracy"] == [(12, pytest.approx(final["greedy_accuracy"]))]
   assert "held-out greedy accuracy" in run.stdout
   export = str(workdir / "export")
   cfg = load_hf_config(export)

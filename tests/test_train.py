@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO
@@ -110,10 +111,35 @@ ARGS = ["--config.rl.steps=3", "--config.rl.num_eval_examples=2", "--config.rl.e
 @pytest.fixture(scope="module")
 def whole_run(tmp_path_factory):
   """A run of ARGS, uninterrupted: the trajectory every interrupted or damaged run must come
-  back to. Read only (a test that changes it works on a copy)."""
+  back to; it also writes TensorBoard event files. Read only (a test that changes it works on
+  a copy)."""
   run = tmp_path_factory.mktemp("whole") / "run"
-  _train(run, *ARGS)
+  _train(run, *ARGS, "--config.logging.tensorboard=True")
   return run
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_every_metric_evaluation_and_the_rollout_lengths(whole_run):
+  """TensorBoard's own reader finds each number of metrics.jsonl and eval.jsonl at its step,
+  tagged by file and key, and a histogram of each step's response lengths."""
+  from tests.test_metric_writers import read_events
+  scalars, histograms = read_events(whole_run)
+  for name in ("metrics", "eval"):
+    rows = [json.loads(line) for line in open(whole_run / f"{name}.jsonl")]
+    want: dict = {}
+    for row in rows:
+      for key, value in row.items():
+        if key != "step" and isinstance(value, (int, float)):
+          want.setdefault(f"{name}/{key}", []).append((row["step"], float(value)))
+    got = {tag: v for tag, v in scalars.items() if tag.startswith(name + "/")}
+    assert got.keys() == want.keys()
+    for tag, points in want.items():
+      assert [s for s, _ in got[tag]] == [s for s, _ in points], tag
+      np.testing.assert_allclose([v for _, v in got[tag]], [v for _, v in points], rtol=1e-6)
+  assert {f"metrics/{k}" for k in METRIC_KEYS if k not in ("step", "drafter_loss",
+                                                            "sd_accept_len_mean")} <= set(scalars)
+  assert [s for s, _ in scalars["eval/greedy_accuracy"]] == [0, 3]
+  assert histograms == {"rollout/response_len": [(1, 8.0), (2, 8.0), (3, 8.0)]}  # 2 x 4
 
 
 def _wait_for_checkpoint(proc, workdir, step, timeout=600):

@@ -26,6 +26,7 @@ from tlt_jax.models.hf import check_model_folder, check_safetensors
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.knobs import defaults_of
+from tlt_jax.metric_writers import PACKAGES, missing_package
 from tlt_jax.rl.algorithms import ALGORITHMS
 from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.tasks import TASKS, ArithmeticTask
@@ -122,6 +123,12 @@ def base_config() -> ml_collections.ConfigDict:
   # metrics.jsonl) with jax.profiler into WORKDIR/profile, and summarize where the device time
   # went (profile/summary.json, top_ops.png; tlt_jax.profiling). 0 steps: no trace.
   c.profile = ml_collections.ConfigDict(dict(first_step=1, num_steps=0))
+  # Every job's metrics.jsonl and eval.jsonl rows (and the rollout's response lengths, as a
+  # histogram) also go to TensorBoard event files in WORKDIR/tensorboard (pip install
+  # tensorboardX) and/or to a W&B run of project wandb_project (pip install wandb; W&B's
+  # environment applies, e.g. WANDB_MODE=offline). The JSONL files stay the record.
+  c.logging = ml_collections.ConfigDict(dict(tensorboard=False, wandb=False,
+                                             wandb_project="tlt_jax"))
 
   # The task (tlt_jax.rl.tasks): "arithmetic" (built in; its knobs are the keys below) or
   # "reasoning_gym" (pip install -e ".[reasoning]"; its knobs are task.reasoning_gym). Problem
@@ -196,9 +203,11 @@ def base_config() -> ml_collections.ConfigDict:
 
   # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
   # num_samples responses each, advantages normalised within each prompt's group.
-  # The algorithm (tlt_jax.rl.algorithms): "grpo" or "dapo" (dynamic sampling and overlong
-  # shaping on top of GRPO's loss); its own knobs are the section rl.<name> (e.g. rl.dapo),
-  # made from its Settings dataclass.
+  # The algorithm (tlt_jax.rl.algorithms): "grpo", "dapo" (dynamic sampling and overlong
+  # shaping on top of GRPO's loss), "dr_grpo" (no std scaling, a constant normaliser) or
+  # "gspo" (a sequence-level ratio); its own knobs are the section rl.<name> (e.g. rl.dapo),
+  # made from its Settings dataclass. Each reads some of the shared loss knobs below; setting
+  # one it does not read is an error.
   c.rl = ml_collections.ConfigDict(dict(algorithm="grpo"))
   for name, algorithm in ALGORITHMS.items():
     if defaults_of(algorithm.Settings):
@@ -386,6 +395,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int | None = No
   _positive(config.profile, "profile", ("first_step",))
   _positive(config.rollout, "rollout", ("compile_threads",))
   _non_negative(config.profile, "profile", ("num_steps",))
+  _check_logging(config.logging)
   _check_task(config.task)
   if config.task.data_path and not config.task.eval_data_path and config.rl.num_eval_examples:
     raise ConfigError("task.data_path is set but task.eval_data_path is not: held-out "
@@ -427,6 +437,15 @@ def _check_mesh(mesh: ml_collections.ConfigDict, num_devices: int | None) -> dic
     return None if num_devices is None else resolve_axis_sizes(axes, num_devices)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+
+
+def _check_logging(g: ml_collections.ConfigDict) -> None:
+  for knob in PACKAGES:
+    missing = g[knob] and missing_package(knob)
+    if missing:
+      raise ConfigError(missing)
+  if g.wandb and not g.wandb_project:
+    raise ConfigError("logging.wandb_project is empty; name the W&B project, e.g. 'tlt_jax'")
 
 
 def _check_task(t: ml_collections.ConfigDict) -> None:

@@ -4,7 +4,7 @@ progress and messages on the writing process only, the run log, checkpoints, exp
 files written whole, the job's compile account, and an optional time limit.
 
   def body(config, job):                      # a job's own work; True: a signal stopped it
-    log = job.run_log(resume_step)            # metrics.jsonl & co., written by process 0
+    log = job.run_log(resume_step, config)    # metrics.jsonl & co. (+ TensorBoard, W&B)
     bar = job.progress(total=end, initial=step, desc="sft")
     while step < end and not job.stop.requested:
       ...                                       # one step
@@ -40,6 +40,7 @@ from tlt_jax.compile_cache import COMPILES
 from tlt_jax.components import first_line
 from tlt_jax.config import flat_settings
 from tlt_jax.mesh import host_copy
+from tlt_jax.metric_writers import writers_from_config
 from tlt_jax.profiling import write_profile_summary
 from tlt_jax.run_log import RunLog, write_json
 from tlt_jax.workdir import claim_workdir
@@ -127,9 +128,14 @@ class Job:
   def path(self, *parts: str) -> str:
     return os.path.join(self.workdir, *parts)
 
-  def run_log(self, resume_step: int = 0) -> RunLog:
-    """The job's JSONL files (see RunLog), rows past resume_step dropped; process 0 writes."""
-    return RunLog(self.workdir, resume_step=resume_step, write=self.writer)
+  def run_log(self, resume_step: int = 0, config=None) -> RunLog:
+    """The job's JSONL files (see RunLog), rows past resume_step dropped; process 0 writes,
+    and mirrors them to the metric writers that config.logging asks for (TensorBoard, W&B:
+    `tlt_jax.metric_writers`)."""
+    mirrors = (writers_from_config(config.logging, self.workdir, resume_step,
+                                   flat_settings(config))
+               if config is not None and self.writer else ())
+    return RunLog(self.workdir, resume_step=resume_step, write=self.writer, mirrors=mirrors)
 
   def write_json(self, name: str, obj: dict, folder: str | None = None) -> None:
     """WORKDIR/name (or folder/name) as indented JSON, written whole (never half a file),

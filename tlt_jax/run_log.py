@@ -1,5 +1,7 @@
-"""A run's JSONL files (metrics.jsonl, eval.jsonl, rollouts.jsonl, timeline.jsonl): appended line by line as
-the run goes, made whole again when a run resumes. `RunLog` is the one way jobs write them.
+"""A run's JSONL files (metrics.jsonl, eval.jsonl, rollouts.jsonl, timeline.jsonl): appended
+line by line as the run goes, made whole again when a run resumes. `RunLog` is the one way
+jobs write them, and it mirrors the metrics and eval rows to TensorBoard / W&B when asked
+(`tlt_jax.metric_writers`).
 
 A crash can leave a partial last line; a crash between writing a step's rows and its
 checkpoint leaves rows of a step that will run again; older runs may have left duplicates.
@@ -13,6 +15,8 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable
+
+from tlt_jax.metric_writers import scalar_values
 
 
 def step_key(row: dict):
@@ -99,6 +103,7 @@ def call_key(row: dict):
 LOG_FILES = {"metrics": ("metrics.jsonl", step_key), "eval": ("eval.jsonl", step_key),
              "rollouts": ("rollouts.jsonl", response_key),
              "timeline": ("timeline.jsonl", call_key)}
+MIRRORED = ("metrics", "eval")  # one row per step: the files metric writers mirror
 
 
 class RunLog:
@@ -106,10 +111,13 @@ class RunLog:
   LOG_FILES[name] and flushes them. Opened at `resume_step`, each file is first cut back to
   the rows up to that step (see `resume_jsonl`); `rows[name]` holds the metrics and eval rows
   so far (rollouts are only written). With write=False (processes other than 0 of a
-  multi-host run) nothing touches the files."""
+  multi-host run) nothing touches the files.
+  mirrors: metric writers (`tlt_jax.metric_writers`) that get every metrics and eval row's
+  numbers as scalars tagged '<name>/<key>', and `histogram`s; closed with the log."""
 
-  def __init__(self, workdir: str, resume_step: int, write: bool = True):
-    self.workdir, self.enabled = workdir, write
+  def __init__(self, workdir: str, resume_step: int, write: bool = True,
+               mirrors: Iterable = ()):
+    self.workdir, self.enabled, self.mirrors = workdir, write, list(mirrors)
     self.rows: dict[str, list[dict]] = {"metrics": [], "eval": []}
     self._files: dict[str, object] = {}
     if write:
@@ -126,11 +134,26 @@ class RunLog:
     if name not in self._files:
       self._files[name] = open(os.path.join(self.workdir, LOG_FILES[name][0]), "a")
     append_jsonl(self._files[name], rows)
+    if name in MIRRORED and self.mirrors:
+      for row in rows:
+        values = scalar_values(name, row)
+        for mirror in self.mirrors:
+          mirror.scalars(row["step"], values)
+      for mirror in self.mirrors:
+        mirror.flush()
+
+  def histogram(self, tag: str, step: int, values) -> None:
+    """A histogram of values [N] at `step` for the mirrors (no JSONL file holds it)."""
+    for mirror in self.mirrors:
+      mirror.histogram(tag, step, values)
 
   def close(self) -> None:
     for f in self._files.values():
       f.close()
     self._files = {}
+    for mirror in self.mirrors:
+      mirror.close()
+    self.mirrors = []
 
   def __enter__(self):
     return self

@@ -5,8 +5,9 @@
 Trains (or loads) a tokenizer, packs chat-formatted (prompt, solution) pairs into fixed
 [rows, seq_len] batches, and trains with the loss on response tokens only. Checkpoints go to
 WORKDIR/checkpoints (params, optimizer state, step, data position); a rerun with the same workdir
-resumes from the latest one. Held-out greedy accuracy is printed every `sft.eval_every` steps and
-at the end; the final policy and tokenizer are exported in Hugging Face layout to WORKDIR/export.
+resumes from the latest one. Losses go to WORKDIR/metrics.jsonl; held-out greedy accuracy, every
+`sft.eval_every` steps and at the end, is printed and goes to WORKDIR/eval.jsonl; the final
+policy and tokenizer are exported in Hugging Face layout to WORKDIR/export.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _sft(config, job: Job) -> bool:
     params, opt_state = tree["params"], tree["opt_state"]
     iterator.load_state_dict(meta["iterator"])
     job.say(f"resumed from step {step} (data position {iterator.state_dict()})")
-  log = job.run_log(resume_step=step)
+  log = job.run_log(resume_step=step, config=config)
 
   def save(step):
     ckpt.save(step, {"params": params, "opt_state": opt_state},
@@ -113,6 +114,12 @@ def _sft(config, job: Job) -> bool:
     engine.update_params(policy_params=params)  # the update donates the previous params
     result = evaluate(engine, tokenizer, eval_set, SamplingParams(0.0), breakdown=task.breakdown)
     job.say(_eval_line(step, result))
+    if not any(row["step"] == step for row in log.rows["eval"]):  # a rerun of a finished job
+      log.write("eval", [{"step": step, "greedy_accuracy": result["accuracy"],
+                          "greedy_accuracy_by": {str(k): v for k, v in
+                                                 result["accuracy_by"].items()},
+                          "greedy_response_len_mean": result["response_len_mean"],
+                          "accuracy": result["accuracy"]}])
     return result
 
   # ---------------------------------------------------------------- loop
@@ -140,12 +147,12 @@ def _sft(config, job: Job) -> bool:
     bar.close()
     if ckpt.latest_step != step:  # a rerun of a finished job has nothing new to save
       save(step)
-  if step < end:  # stopped by a signal, after its checkpoint
-    return True
-  train_s = job.wall_s
+    if step < end:  # stopped by a signal, after its checkpoint
+      return True
+    train_s = job.wall_s
 
-  # ---------------------------------------------------------------- final eval and export
-  result = run_eval(step)
+    # -------------------------------------------------------------- final eval and export
+    result = run_eval(step)
   export_dir = job.path("export")
   export_cfg = cfg.replace(param_dtype=s.export_dtype)
   job.export(save_hf_checkpoint, export_dir, jax.tree.map(

@@ -12,7 +12,8 @@ policy and drafter onto the rollout slices.
 
 WORKDIR gets metrics.jsonl (one object per step), checkpoints/ (every rl.checkpoint_every steps
 and on SIGINT/SIGTERM; a rerun resumes from the latest), summary.json, summary.png and, at the
-end, export/policy and export/drafter in Hugging Face layout.
+end, export/policy and export/drafter in Hugging Face layout; with logging.tensorboard /
+logging.wandb, the same metrics and the response lengths' histogram in TensorBoard / W&B.
 
 Multi-host (mesh.distributed, see tlt_jax.mesh): every process runs this same program on the
 global mesh; each drives the rollout of its own slices, the update runs on the whole mesh, and
@@ -44,6 +45,7 @@ from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer
 from tlt_jax.job import Job, exit_stopped, profile_window
 from tlt_jax.mesh import make_mesh
+from tlt_jax.metric_writers import TENSORBOARD_DIR
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.models.hf import save_hf_checkpoint
 from tlt_jax.optim import make_adamw
@@ -144,7 +146,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
     _start_fresh(workdir, failures, start_over, say, also=set_aside)
   if set_aside:
     ckpt = job.checkpointer(config, rl.keep_checkpoints)
-  log = job.run_log(resume_step=step)
+  log = job.run_log(resume_step=step, config=config)
   if spot is not None:  # the drafter update for every slice, before a slice goes idle
     spot.precompile(engine.slices, engine.policy_on, ahead=config.rollout.compile_ahead)
   if config.rollout.compile_plan and step < rl.steps:
@@ -199,6 +201,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
                              step_s=time.perf_counter() - t_step - paired.get("control_s", 0))
       metrics.update(paired)
       log.write("metrics", [metrics])
+      log.histogram("rollout/response_len", step, samples.rolled.result.lengths)
       if rl.save_rollouts:
         log.write("rollouts", rollout_rows(step, samples.scored, samples.rolled.result,
                                            rl.num_samples))
@@ -279,7 +282,7 @@ class _RunState:
 
 
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "summary.json", "summary.png",
-             "export")
+             "export", TENSORBOARD_DIR, "wandb")
 
 
 def _start_fresh(workdir: str, failures: list, start_over: bool, say, also=()) -> None:

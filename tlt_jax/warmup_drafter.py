@@ -11,6 +11,7 @@ vocabulary is the tokens most frequent in those responses. Outputs in WORKDIR:
                       and sampling settings, which generations.jsonl.json records)
   checkpoints/        orbax checkpoints of the drafter train state (a rerun resumes)
   metrics.jsonl       loss, top-1 agreement and grad norm per step
+  eval.jsonl          the greedy SD accept length on held-out prompts (at the last step)
   export/             the drafter in EAGLE's HF layout (config.json + model.safetensors);
                       point drafter.path at it
   summary.json        losses, and the greedy SD accept length on held-out prompts of the
@@ -87,7 +88,7 @@ def _warmup(config, job: Job) -> bool:
   resumed, state, _ = ckpt.restore_latest(state) or (0, state, None)
   if resumed:  # checkpoints are saved after a step, never at step 0
     job.say(f"resumed the drafter from step {resumed}")
-  log = job.run_log(resume_step=resumed)
+  log = job.run_log(resume_step=resumed, config=config)
   first = int(state.step)
 
   time_up = []  # the step at which drafter.warmup.max_minutes ran out, once it has
@@ -101,27 +102,32 @@ def _warmup(config, job: Job) -> bool:
       ckpt.save(step, st, {"step": step})
 
   t0 = job.wall_s
-  with log, contextlib.closing(ckpt):  # a save in flight is finished, also on an error
-    dparams, history = train_drafter(init_params, params, samples, cfg, dcfg, oc, w.steps,
-                                      window=w.window, batch_rows=w.batch_rows,
-                                      seed=config.seed, state=state, on_step=on_step,
-                                      progress=job.writer and job.show_progress,
-                                      should_stop=lambda: job.stop.requested or time_up)
-  train_s = job.wall_s - t0
-  steps = first + len(history)
-  if steps < w.steps and not time_up:  # stopped by a signal, after its checkpoint
-    return True
+  with log:
+    with contextlib.closing(ckpt):  # a save in flight is finished, also on an error
+      dparams, history = train_drafter(init_params, params, samples, cfg, dcfg, oc, w.steps,
+                                       window=w.window, batch_rows=w.batch_rows,
+                                       seed=config.seed, state=state, on_step=on_step,
+                                       progress=job.writer and job.show_progress,
+                                       should_stop=lambda: job.stop.requested or time_up)
+    train_s = job.wall_s - t0
+    steps = first + len(history)
+    if steps < w.steps and not time_up:  # stopped by a signal, after its checkpoint
+      return True
 
-  # ---------------------------------------------------------------- held-out accept length
-  strategy = config.rollout.speculative.strategy
-  accept = {}
-  for name, d in (("untrained", untrained), ("warmed", dparams)):
-    sd_engine = make_engine(config, cfg, params, mesh, eos, pad, drafter=(dcfg, d),
-                            speculative=True, tuner=FixedTuner(strategy),
-                            sd_threshold=config.rollout.max_batch, max_new_tokens=w.max_new_tokens,
-                            compile_ahead=False)  # every call SD: what is measured
-    accept[name] = accept_length(sd_engine.generate(eval_prompts, 1, SamplingParams(0.0),
-                                                    jax.random.key(0)))
+    # -------------------------------------------------------------- held-out accept length
+    strategy = config.rollout.speculative.strategy
+    accept = {}
+    for name, d in (("untrained", untrained), ("warmed", dparams)):
+      sd_engine = make_engine(config, cfg, params, mesh, eos, pad, drafter=(dcfg, d),
+                              speculative=True, tuner=FixedTuner(strategy),
+                              sd_threshold=config.rollout.max_batch,
+                              max_new_tokens=w.max_new_tokens,
+                              compile_ahead=False)  # every call SD: what is measured
+      accept[name] = accept_length(sd_engine.generate(eval_prompts, 1, SamplingParams(0.0),
+                                                      jax.random.key(0)))
+    if not any(row["step"] == steps for row in log.rows["eval"]):  # a rerun of a finished job
+      log.write("eval", [{"step": steps, "accept_len_untrained": accept["untrained"],
+                          "accept_len_warmed": accept["warmed"]}])
   job.say(f"greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "
           f"{strategy}: untrained {accept['untrained']:.2f}, warmed {accept['warmed']:.2f}")
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO
+from tests.test_metric_writers import read_events
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
 from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
@@ -77,9 +78,19 @@ def test_the_warm_up_job_resumes_from_its_checkpoint_beside_a_two_device_policy(
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout + r.stderr
-  warmup()
-  assert "resumed the drafter from step 6" in warmup("--config.drafter.warmup.steps=8")
-  steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
-  assert steps == list(range(1, 9))
+  warmup("--config.logging.tensorboard=True")
+  assert "resumed the drafter from step 6" in warmup("--config.drafter.warmup.steps=8",
+                                                     "--config.logging.tensorboard=True")
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [row["step"] for row in rows] == list(range(1, 9))
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["steps"] == 8
+  # eval.jsonl: each run's held-out accept length at its last step; TensorBoard holds the
+  # same numbers (the rerun's steps 7 and 8 after the first run's 1-6).
+  evals = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
+  assert [e["step"] for e in evals] == [6, 8]
+  assert evals[-1]["accept_len_warmed"] == summary["accept_len_warmed"]
+  scalars, _ = read_events(tmp_path)
+  assert scalars["metrics/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
+  assert scalars["eval/accept_len_warmed"] == [
+      (e["step"], pytest.approx(e["accept_len_warmed"])) for e in evals]

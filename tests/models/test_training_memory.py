@@ -13,7 +13,8 @@ from tlt_jax.drafter_training.loss import drafter_loss
 from tlt_jax.drafter_training.windows import pack_windows
 from tlt_jax.kernels import prefix_tree_attention
 from tlt_jax.models import ModelConfig, init_params
-from tlt_jax.rl.grpo import GrpoConfig, grpo_loss
+from tlt_jax.rl.algorithms import Grpo
+from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.speculative.sampling import SamplingParams
 
 KNOBS = [dict(remat="full"), dict(remat="dots"), dict(attention_query_chunk=4),
@@ -37,9 +38,9 @@ def grpo_batch():
 def test_grpo_loss_and_gradients_unchanged(tiny_cfg, tiny_params, grpo_batch, knobs):
   gc = GrpoConfig(kl_coef=0.1, entropy_coef=0.01, sampling=SamplingParams(0.7, top_p=0.9))
   batch = dict(grpo_batch, ref_logp=jnp.zeros_like(grpo_batch["tokens"], jnp.float32) - 3.0)
-  grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=(2, 3))
-  (want, _), want_g = grad(tiny_params, batch, tiny_cfg, gc)
-  (got, _), got_g = grad(tiny_params, batch, tiny_cfg.replace(**knobs), gc)
+  grad = jax.jit(jax.value_and_grad(Grpo(gc).loss_fn, has_aux=True), static_argnums=(2,))
+  (want, _), want_g = grad(tiny_params, batch, tiny_cfg)
+  (got, _), got_g = grad(tiny_params, batch, tiny_cfg.replace(**knobs))
   _close(got, want)
   _close(got_g, want_g)
 
@@ -86,7 +87,7 @@ def test_remat_and_chunking_cut_the_memory_of_a_training_step():
            "weight": jax.ShapeDtypeStruct((rows,), jnp.float32)}
 
   def temp_bytes(c):
-    fn = jax.jit(jax.grad(lambda p, x: grpo_loss(p, x, c, GrpoConfig())[0]))
+    fn = jax.jit(jax.grad(lambda p, x: Grpo().loss_fn(p, x, c)[0]))
     return fn.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
   plain = temp_bytes(cfg)
   lean = temp_bytes(cfg.replace(remat="full", attention_query_chunk=128))

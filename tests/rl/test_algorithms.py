@@ -1,5 +1,6 @@
 """RL algorithms (tlt_jax.rl.algorithms): GRPO as before, DAPO's group filter, overlong
-shaping and rounds of dynamic sampling, and their config checks."""
+shaping and rounds of dynamic sampling, Dr. GRPO's advantages and normaliser, GSPO's
+sequence ratio, and their config checks (their losses against TRL: test_trl_parity.py)."""
 
 import jax
 import numpy as np
@@ -10,9 +11,10 @@ from tlt_jax.cli import set_config_value
 from tlt_jax.components import algorithm_from_config, validate_config
 from tlt_jax.config import ConfigError, base_config
 from tlt_jax.models.hf import load_tokenizer
-from tlt_jax.rl.algorithms import ALGORITHMS, Dapo, DapoSettings, Grpo, make_algorithm
+from tlt_jax.rl.algorithms import (ALGORITHMS, Dapo, DapoSettings, DrGrpo, Grpo, Gspo,
+                                   GspoSettings, check_shared_knobs, make_algorithm)
 from tlt_jax.rl.data import PromptIterator
-from tlt_jax.rl.grpo import GrpoConfig, group_advantages
+from tlt_jax.rl.grpo import SHARED_KNOBS, GrpoConfig, group_advantages
 from tlt_jax.rl.phases import merge_rollouts, sample_step, Rollout
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rollout.engine import RolloutResult
@@ -49,20 +51,77 @@ def test_dapo_overlong_penalty_ramps_over_the_buffer():
       {"overlong_penalty_mean": -0.1875})
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("rl.algorithm", "ppo", r"rl.algorithm='ppo' is not allowed; allowed values: "
-                            r"\('grpo', 'dapo'\)"),
-    ("rl.dapo.overlong_buffer", 256, r"rl.dapo.overlong_buffer=256 must be in \[0, "
-                                     r"rollout.max_new_tokens=256\)"),
-    ("rl.dapo.max_rounds", 0, "rl.dapo.max_rounds=0 must be >= 1"),
-    ("rl.loss_agg", "sequence_mean", "set rl.loss_agg='token_mean'"),
+@pytest.mark.parametrize("algorithm,key,value,message", [
+    ("dapo", "rl.algorithm", "ppo", r"rl.algorithm='ppo' is not allowed; allowed values: "
+                                    r"\('grpo', 'dapo', 'dr_grpo', 'gspo'\)"),
+    ("dapo", "rl.dapo.overlong_buffer", 256, r"rl.dapo.overlong_buffer=256 must be in \[0, "
+                                             r"rollout.max_new_tokens=256\)"),
+    ("dapo", "rl.dapo.max_rounds", 0, "rl.dapo.max_rounds=0 must be >= 1"),
+    ("gspo", "rl.gspo.clip_eps", 0.0, r"rl.gspo.clip_eps=0.0 must be in \(0, 1\)"),
 ])
-def test_dapo_config_errors_name_the_key(key, value, message):
+def test_algorithm_config_errors_name_the_key(algorithm, key, value, message):
   config = base_config()
-  config.rl.algorithm = "dapo"
+  config.rl.algorithm = algorithm
   set_config_value(config, key, value)
   with pytest.raises(ConfigError, match=message):
     validate_config(config)
+
+
+def test_dr_grpo_centres_without_the_std_and_divides_by_a_constant():
+  dr = make_algorithm("dr_grpo", GrpoConfig(), 10)
+  rewards = np.array([1, 0, 0, 0, 1, 1], np.float32)
+  np.testing.assert_allclose(dr.advantages(rewards, np.full(6, 3), 3),
+                             [2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3], rtol=1e-6)
+  mask = np.arange(8)[None] < np.array([[3], [8], [1], [0]])  # a padding row last
+  # every token weighs 1 / (3 responses x 10 tokens of budget)
+  np.testing.assert_allclose(dr.loss_weights(mask), [3 / 30, 8 / 30, 1 / 30, 0], rtol=1e-6)
+
+
+def test_gspo_ratio_is_one_per_response():
+  gspo = make_algorithm("gspo", GrpoConfig(), 10)
+  assert gspo.clip_range == (3e-4, 4e-4)
+  maskf = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
+  logp, old = np.array([[-1, -2, 0], [-3, 0, 0]], np.float32), np.zeros((2, 3), np.float32)
+  np.testing.assert_allclose(gspo.log_ratio(logp, old, maskf), [[-1.5], [-3.0]])
+  np.testing.assert_allclose(gspo.loss_weights(maskf > 0), [0.5, 0.5])
+
+
+@pytest.mark.parametrize("algorithm,key,value", [
+    ("dr_grpo", "rl.scale_by_std", False), ("dr_grpo", "rl.loss_agg", "sequence_mean"),
+    ("gspo", "rl.clip_eps", 0.1), ("gspo", "rl.clip_eps_high", 0.3),
+    ("gspo", "rl.loss_agg", "sequence_mean"), ("dapo", "rl.loss_agg", "sequence_mean")])
+def test_a_shared_knob_the_algorithm_ignores_set_away_from_its_default_is_an_error(
+    algorithm, key, value):
+  config = base_config()
+  config.rl.algorithm = algorithm
+  set_config_value(config, key, value)
+  with pytest.raises(ConfigError) as e:
+    validate_config(config)
+  message = str(e.value)
+  assert "\n" not in message
+  assert message.startswith(f"{key}={value!r} is ignored by rl.algorithm={algorithm!r}")
+  assert f"leave {key} at its default" in message
+  if algorithm == "gspo":
+    assert "rl.gspo.*" in message
+  set_config_value(config, key, getattr(GrpoConfig(), key.split(".")[1]))
+  validate_config(config)  # at its default it is fine
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_algorithm_declares_shared_knobs_that_exist_and_runs_at_the_defaults(name):
+  assert set(ALGORITHMS[name].reads) <= set(SHARED_KNOBS)
+  config = base_config()
+  config.rl.algorithm = name
+  validate_config(config)
+  assert type(algorithm_from_config(config)) is ALGORITHMS[name]
+
+
+def test_a_misdeclared_shared_knob_is_named():
+  class Typo(Grpo):
+    reads = ("clip_epsilon",)
+  with pytest.raises(ValueError, match=r"declares shared knobs that do not exist: "
+                                       r"\['clip_epsilon'\]"):
+    check_shared_knobs("typo", Typo, GrpoConfig())
 
 
 def test_every_algorithm_s_settings_are_a_config_section_with_its_defaults():
@@ -75,6 +134,10 @@ def test_every_algorithm_s_settings_are_a_config_section_with_its_defaults():
   assert isinstance(algorithm, ALGORITHMS["dapo"])
   assert algorithm.settings == DapoSettings(max_rounds=5)
   assert algorithm.loss.clip_eps_high == config.rl.clip_eps_high
+  assert config.rl.gspo.to_dict() == {"clip_eps": 3e-4, "clip_eps_high": 4e-4}
+  config.rl.algorithm, config.rl.gspo.clip_eps_high = "gspo", 1e-3
+  assert algorithm_from_config(config).settings == GspoSettings(clip_eps_high=1e-3)
+  assert "dr_grpo" not in config.rl  # no knobs of its own, no section
 
 
 class ScriptedEngine:

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from tlt_jax.rl.algorithms import Grpo
-from tlt_jax.rl.grpo import GrpoConfig, group_advantages, grpo_loss, loss_weights, token_log_probs
+from tlt_jax.rl.grpo import GrpoConfig, group_advantages, token_log_probs
 from tlt_jax.rl.policy_update import (build_rows, make_policy_update, nonfinite_update_message,
                                      split_minibatches)
 
@@ -24,8 +24,9 @@ def test_group_advantages():
 
 def test_loss_weights_token_and_sequence_mean():
   mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
-  np.testing.assert_allclose(loss_weights(mask, "token_mean"), [3 / 4, 1 / 4, 0])
-  np.testing.assert_allclose(loss_weights(mask, "sequence_mean"), [1 / 2, 1 / 2, 0])
+  np.testing.assert_allclose(Grpo().loss_weights(mask), [3 / 4, 1 / 4, 0])
+  np.testing.assert_allclose(Grpo(GrpoConfig(loss_agg="sequence_mean")).loss_weights(mask),
+                             [1 / 2, 1 / 2, 0])
 
 
 def test_build_rows_masks_exactly_the_response_targets():
@@ -48,7 +49,7 @@ def grpo_rows(completion_lengths=(4, 2, 6, 3), seed=0) -> dict:
   prompts = [rng.integers(1, 60, n).tolist() for n in (3, 5, 2, 4)]
   completions = [rng.integers(1, 60, n).tolist() for n in completion_lengths]
   rows = build_rows(prompts, completions, np.array([1.0, -0.5, 2.0, -1.5], np.float32), 4, 0)
-  rows["weight"] = loss_weights(rows["loss_mask"], "token_mean")
+  rows["weight"] = Grpo().loss_weights(rows["loss_mask"])
   return rows
 
 
@@ -74,7 +75,7 @@ def test_log_probs_match_a_direct_softmax(tiny_cfg, tiny_params, batch):
 
 def test_loss_at_ratio_one_is_minus_the_weighted_advantage(tiny_cfg, tiny_params, batch):
   gc = GrpoConfig()
-  loss, m = grpo_loss(tiny_params, batch, tiny_cfg, gc)
+  loss, m = Grpo(gc).loss_fn(tiny_params, batch, tiny_cfg)
   n = np.asarray(batch["loss_mask"]).sum(1)
   # token mean: -(sum_b A_b n_b) / sum_b n_b
   want = -np.sum(np.asarray(batch["advantages"]) * n) / n.sum()
@@ -87,7 +88,8 @@ def test_clipping_with_clip_higher(tiny_cfg, tiny_params, batch, eps_high):
   logp = _logp(tiny_cfg, tiny_params, batch)
   mask = np.asarray(batch["loss_mask"])
   b = dict(batch, old_logp=jnp.asarray(np.where(mask, logp - np.log(1.5), 0.0)))  # ratio 1.5
-  loss, m = grpo_loss(tiny_params, b, tiny_cfg, GrpoConfig(clip_eps=0.2, clip_eps_high=eps_high))
+  loss, m = Grpo(GrpoConfig(clip_eps=0.2, clip_eps_high=eps_high)).loss_fn(tiny_params, b,
+                                                                            tiny_cfg)
   adv, n = np.asarray(batch["advantages"]), mask.sum(1)
   # A > 0: min(1.5 A, (1 + eps_high) A); A < 0: min(1.5 A, 1.2 A) = 1.5 A (not clipped).
   per_row = np.where(adv > 0, -(1 + eps_high) * adv, -1.5 * adv)
@@ -100,9 +102,9 @@ def test_kl_low_variance_estimator_and_sequence_mean(tiny_cfg, tiny_params, batc
   mask = np.asarray(batch["loss_mask"])
   d = 0.3
   b = dict(batch, advantages=jnp.zeros(4), ref_logp=jnp.asarray(np.where(mask, logp + d, 0.0)),
-           weight=jnp.asarray(loss_weights(mask, "sequence_mean")))
-  loss, m = grpo_loss(tiny_params, b, tiny_cfg,
-                      GrpoConfig(kl_coef=0.5, loss_agg="sequence_mean"))
+           weight=jnp.asarray(Grpo(GrpoConfig(loss_agg="sequence_mean")).loss_weights(mask)))
+  loss, m = Grpo(GrpoConfig(kl_coef=0.5, loss_agg="sequence_mean")).loss_fn(tiny_params, b,
+                                                                            tiny_cfg)
   k3 = np.exp(d) - d - 1  # exp(ref - logp) - (ref - logp) - 1
   np.testing.assert_allclose(float(loss), 0.5 * k3, rtol=1e-4)
   np.testing.assert_allclose(float(m["kl"]), k3, rtol=1e-4)
@@ -114,7 +116,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_cfg, tiny_params, batch
   host = {k: np.asarray(v) for k, v in batch.items() if k != "weight"}
   results = []
   for micro_rows in (4, 2, 1):
-    mb = split_minibatches(host, 1, micro_rows, gc.loss_agg)
+    mb = split_minibatches(host, 1, micro_rows, Grpo(gc).loss_weights)
     mini = {k: jnp.asarray(v[0]) for k, v in mb.items()}
     params = jax.tree.map(jnp.copy, tiny_params)
     update = make_policy_update(tiny_cfg, Grpo(gc).loss_fn, tx, None, None)
@@ -135,7 +137,7 @@ def test_updates_raise_the_likelihood_of_good_responses_and_lower_bad_ones(tiny_
   good, bad = rng.integers(1, 60, 6).tolist(), rng.integers(1, 60, 6).tolist()
   adv = group_advantages(np.array([1.0, 0.0]), 2)  # [+1, -1]
   rows = build_rows([prompt, prompt], [good, bad], adv, 2, 0)
-  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(rows, 1, 2, "token_mean").items()}
+  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(rows, 1, 2, Grpo().loss_weights).items()}
   tx = optax.adam(1e-3)
   update = make_policy_update(tiny_cfg, Grpo().loss_fn, tx, None, None)
   params = jax.tree.map(jnp.copy, tiny_params)
@@ -148,12 +150,63 @@ def test_updates_raise_the_likelihood_of_good_responses_and_lower_bad_ones(tiny_
   assert after[0] > before[0] + 0.1 and after[1] < before[1] - 0.1, (before, after)
 
 
+def test_one_grpo_step_moves_the_weights_as_a_hand_written_reference_says(tiny_cfg,
+                                                                         tiny_params):
+  """PolicyUpdater's step (padded rows, two micro-batches, SGD) against GRPO written out by
+  hand: each response scored alone, unpadded, by a plain softmax of the policy's logits;
+  at ratio 1 the loss's gradient is that of -sum_i A_i sum_t log p(y_it) / (all response
+  tokens), A_i the group-normalised rewards; SGD moves the weights by -lr x that gradient."""
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.models import forward
+  from tlt_jax.models.attention_inputs import rows_inputs
+  from tlt_jax.rl.policy_update import PolicyUpdater
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(1, 60, 3).tolist()] * 2 + [rng.integers(1, 60, 5).tolist()] * 2
+  completions = [rng.integers(1, 60, n).tolist() for n in (4, 1, 7, 3)]
+  rewards = np.array([1.0, 0.0, 0.2, 1.0], np.float32)
+  mean = rewards.reshape(2, 2).mean(1).repeat(2)
+  std = rewards.reshape(2, 2).std(1).repeat(2)
+  adv = (rewards - mean) / (std + 1e-6)  # GRPO's advantages, by hand
+
+  def reference_loss(params):
+    total, tokens = 0.0, 0
+    for p, c, a in zip(prompts, completions, adv):
+      seq = jnp.asarray([p + c], jnp.int32)
+      logits = forward(params, seq, rows_inputs(1, seq.shape[1]), tiny_cfg)[0][0]
+      logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+      # position len(p) - 1 + t predicts response token t
+      total = total - a * sum(logq[len(p) - 1 + t, tok] for t, tok in enumerate(c))
+      tokens += len(c)
+    return total / tokens
+
+  lr = 0.5
+  grads = jax.grad(reference_loss)(tiny_params)
+  want = jax.tree.map(lambda p, g: p - lr * g, tiny_params, grads)
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  updater = PolicyUpdater(tiny_cfg, Grpo(), optax.sgd(lr), jax.tree.map(jnp.copy, tiny_params),
+                          mesh, DEFAULT_RULES, ppo_epochs=1, mini_batches=1, micro_batch_rows=2)
+  advantages = Grpo().advantages(rewards, np.array([len(c) for c in completions]), 2)
+  np.testing.assert_allclose(advantages, adv, rtol=1e-6)
+  got, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions,
+                            advantages, 0, max_width=64, min_rows=6)  # 2 padding rows
+  # The surrogate's value at ratio 1: -sum_i A_i n_i / (all tokens).
+  n = np.array([len(c) for c in completions])
+  assert metrics["loss"] == pytest.approx(-np.sum(adv * n) / n.sum(), rel=1e-5)
+  assert metrics["grad_norm"] == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
+  moved = 0.0
+  for w, g, p in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(got)),
+                     jax.tree.leaves(tiny_params)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    moved = max(moved, float(np.abs(np.asarray(w) - np.asarray(p)).max()))
+  assert moved > 1e-3  # the step did move the weights
+
+
 def test_a_nonfinite_update_is_not_applied_and_is_reported(tiny_cfg, tiny_params, batch):
   """NaN advantages make the loss NaN: the update hands back the old params and optimizer
   state, and reports it, so the job can stop before a checkpoint (or skip the update)."""
   host = {k: np.asarray(v) for k, v in batch.items() if k != "weight"}
   host["advantages"] = np.where(np.arange(4) == 1, np.nan, host["advantages"]).astype(np.float32)
-  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(host, 1, 4, "token_mean").items()}
+  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(host, 1, 4, Grpo().loss_weights).items()}
   tx = optax.adam(1e-3)
   update = make_policy_update(tiny_cfg, Grpo().loss_fn, tx, None, None)
   params = jax.tree.map(jnp.copy, tiny_params)
@@ -168,7 +221,7 @@ def test_a_nonfinite_update_is_not_applied_and_is_reported(tiny_cfg, tiny_params
   assert "checkpoint of step 4 is intact" in message and "rl.on_nonfinite=skip" in message
   # A finite batch still updates.
   host["advantages"] = np.nan_to_num(host["advantages"])
-  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(host, 1, 4, "token_mean").items()}
+  mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(host, 1, 4, Grpo().loss_weights).items()}
   moved, _, metrics = update(jax.tree.map(jnp.copy, tiny_params), tx.init(tiny_params), mini)
   assert float(metrics["nonfinite"]) == 0.0
   assert not np.allclose(moved["lm_head"]["kernel"], tiny_params["lm_head"]["kernel"])
@@ -269,8 +322,8 @@ def test_the_entropy_bonus_has_a_finite_gradient_under_top_k_and_top_p(tiny_cfg,
   """Off the truncated support log q is -inf; the entropy term must not send 0 * -inf back."""
   from tlt_jax.speculative.sampling import SamplingParams
   gc = GrpoConfig(sampling=SamplingParams(0.7, top_k=top_k, top_p=top_p), entropy_coef=0.01)
-  (_, metrics), grads = jax.value_and_grad(grpo_loss, has_aux=True)(tiny_params, batch,
-                                                                     tiny_cfg, gc)
+  (_, metrics), grads = jax.value_and_grad(Grpo(gc).loss_fn, has_aux=True)(tiny_params, batch,
+                                                                           tiny_cfg)
   assert float(metrics["entropy"]) > 0
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 

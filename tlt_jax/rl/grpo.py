@@ -1,21 +1,20 @@
-"""GRPO: group-normalised advantages and the PPO-clip policy loss, as pure functions.
+"""What every RL algorithm (tlt_jax.rl.algorithms) shares: the batch layout, the shared
+rl.* loss knobs (`GrpoConfig`), group-normalised advantages and the policy's log-probs, as
+pure functions. What differs between algorithms (advantages, aggregation, importance ratio,
+clipping, the loss itself) is the algorithm's (`tlt_jax.rl.algorithms.base`).
 
 A batch holds one sequence (prompt + response) per row, right-padded to a bucketed width:
 
   tokens [B, T] int32      prompt + response ids
   targets [B, T] int32     tokens shifted left: the token each position predicts
   loss_mask [B, T] bool    positions whose target is a response token
-  advantages [B] float32   one per sequence (its group-normalised reward)
+  advantages [B] float32   one per sequence (the algorithm's `advantages`)
   old_logp [B, T] float32  log-probs of the targets under the policy that sampled them,
                            recomputed by the trainer (the rollout's numbers are not trusted);
                            optional: absent = the current params sampled the batch
-  ref_logp [B, T] float32  the frozen reference policy's (zeros when kl_coef = 0)
-  weight [B] float32       the normaliser share of each row (see `loss_weights`)
-
-Per token: ratio = exp(logp - old_logp); the clipped surrogate
-  -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
-(eps_high > eps is DAPO's clip-higher), plus kl_coef * k3(ref || policy) with the low-variance
-estimator k3 = exp(ref - logp) - (ref - logp) - 1, minus entropy_coef * entropy.
+  ref_logp [B, T] float32  the frozen reference policy's (present when kl_coef > 0)
+  weight [B] float32       each row's weight in its mini-batch's loss (the algorithm's
+                           `loss_weights`)
 
 Every log-prob (logp, old_logp, ref_logp) and the entropy are taken under the distribution the
 rollout sampled from (`GrpoConfig.sampling`: temperature, top-k, top-p, exactly as
@@ -44,14 +43,16 @@ LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
 
 @dataclasses.dataclass(frozen=True)
 class GrpoConfig:
-  """The loss's settings; all but `sampling` are the config's rl.<field> knobs, with these
-  defaults. clip_eps / clip_eps_high: the ratio's clip range [1 - eps, 1 + eps_high]
+  """The shared loss knobs; all but `sampling` are the config's rl.<field> knobs, with these
+  defaults (SHARED_KNOBS). Each algorithm reads some of them (its `reads`); a run that sets
+  another away from its default stops (`tlt_jax.rl.algorithms.make_algorithm`).
+  clip_eps / clip_eps_high: the ratio's clip range [1 - eps, 1 + eps_high]
   (eps_high > eps: DAPO's clip-higher; equal: plain PPO clipping). scale_by_std: divide
-  advantages by the group's reward std (False: Dr. GRPO style).
-  loss_agg: 'token_mean' (every response token weighs the same) or 'sequence_mean' (every
-  response weighs the same). kl_coef: weight of the KL to the reference (0 = no reference).
-  entropy_coef: weight of the entropy bonus. sampling: the rollout's sampling distribution,
-  under which tokens are scored (see the module docstring); it must not be greedy."""
+  advantages by the group's reward std. loss_agg: 'token_mean' (every response token weighs
+  the same) or 'sequence_mean' (every response weighs the same). kl_coef: weight of the KL to
+  the reference (0 = no reference). entropy_coef: weight of the entropy bonus. sampling: the
+  rollout's sampling distribution, under which tokens are scored (see the module docstring);
+  it must not be greedy."""
   clip_eps: float = 0.2
   clip_eps_high: float = 0.28
   scale_by_std: bool = True
@@ -75,6 +76,10 @@ class GrpoConfig:
       raise ValueError("rl.kl_coef and rl.entropy_coef must be >= 0")
 
 
+# The rl.* knobs GrpoConfig holds, which algorithms share.
+SHARED_KNOBS = tuple(f.name for f in dataclasses.fields(GrpoConfig) if f.name != "sampling")
+
+
 def group_advantages(rewards: np.ndarray, group_size: int, scale_by_std: bool = True,
                      eps: float = 1e-6) -> np.ndarray:
   """(r - mean of its group) [/ (std of its group + eps)] for rewards [N], groups being
@@ -87,17 +92,6 @@ def group_advantages(rewards: np.ndarray, group_size: int, scale_by_std: bool = 
   if scale_by_std:
     adv = adv / (g.std(axis=1, keepdims=True) + eps)
   return adv.reshape(-1).astype(np.float32)
-
-
-def loss_weights(loss_mask: np.ndarray, loss_agg: str) -> np.ndarray:
-  """Per-row weights [B] such that sum over rows of weight_b * sum_t(mask * l) / n_b is the
-  aggregate over the whole batch, n_b being the row's response tokens: token_mean gives every
-  row n_b / (all tokens), sequence_mean gives 1 / (rows with a response). Computing them for
-  the whole mini-batch up front makes gradient accumulation over micro-batches exact."""
-  n = loss_mask.sum(axis=1).astype(np.float64)
-  if loss_agg == "token_mean":
-    return (n / max(n.sum(), 1.0)).astype(np.float32)
-  return ((n > 0) / max(float((n > 0).sum()), 1.0)).astype(np.float32)
 
 
 def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_mask: jax.Array,
@@ -121,35 +115,3 @@ def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_ma
   # the value nor the gradient sees 0 * -inf (a where after the product would pass NaN back).
   entropy = -jnp.sum(q * jnp.where(q > 0, logq_all, 0.0), axis=-1)
   return logp, jnp.where(loss_mask, entropy, 0.0)
-
-
-def grpo_loss(params: dict, batch: dict, cfg: ModelConfig, gc: GrpoConfig):
-  """(scalar loss, metrics) of one (micro-)batch; see the module docstring. The loss is this
-  batch's share of the mini-batch aggregate (rows weighted by batch['weight'])."""
-  maskf = batch["loss_mask"].astype(jnp.float32)
-  logp, entropy = token_log_probs(params, batch["tokens"], batch["targets"], batch["loss_mask"],
-                                  cfg, gc.sampling, with_entropy=gc.entropy_coef > 0)
-  adv = batch["advantages"][:, None]
-  # Without old_logp the batch was sampled by these very params (one update per step).
-  old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
-  ratio = jnp.exp(logp - old_logp)
-  clipped = jnp.clip(ratio, 1.0 - gc.clip_eps, 1.0 + gc.clip_eps_high)
-  per_token = -jnp.minimum(ratio * adv, clipped * adv)
-  if gc.kl_coef > 0:
-    delta = batch["ref_logp"] - logp
-    kl = jnp.exp(delta) - delta - 1.0
-    per_token = per_token + gc.kl_coef * kl
-  if gc.entropy_coef > 0:
-    per_token = per_token - gc.entropy_coef * entropy
-  row = jnp.sum(per_token * maskf, axis=1) / jnp.maximum(maskf.sum(axis=1), 1.0)
-  loss = jnp.sum(batch["weight"] * row)
-
-  def token_mean(x):
-    return jnp.sum(x * maskf) / jnp.maximum(maskf.sum(), 1.0)
-  metrics = {"pg_loss": loss,
-             # tokens whose gradient the clip removed (the clipped term won the min)
-             "clip_frac": token_mean((clipped * adv < ratio * adv).astype(jnp.float32)),
-             "ratio_mean": token_mean(ratio),
-             "kl": token_mean(kl) if gc.kl_coef > 0 else jnp.zeros(()),
-             "entropy": token_mean(entropy) if gc.entropy_coef > 0 else jnp.zeros(())}
-  return loss, metrics

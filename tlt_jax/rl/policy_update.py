@@ -1,6 +1,7 @@
 """The policy update: batches built on the host, log-probs and the update jitted over the
 whole mesh, with gradient accumulation over micro-batches; `PolicyUpdater` runs one RL step's
-epochs of it with an algorithm's loss (tlt_jax.rl.algorithms).
+epochs of it with an algorithm's loss weights and loss (tlt_jax.rl.algorithms), and decides
+nothing an algorithm could.
 
 Shapes: a step's B = prompts x samples rows are padded to mini_batches x micro_batches x
 micro_rows (padding rows have an empty loss mask and weight 0) and laid out
@@ -25,7 +26,7 @@ from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.algorithms import Grpo
-from tlt_jax.rl.grpo import loss_weights, token_log_probs
+from tlt_jax.rl.grpo import token_log_probs
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.speculative.sampling import SamplingParams
 
@@ -58,9 +59,11 @@ def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[
 
 
 def split_minibatches(batch: dict[str, np.ndarray], mini_batches: int, micro_rows: int,
-                      loss_agg: str) -> dict[str, np.ndarray]:
-  """[rows, ...] -> [mini_batches, micro_batches, micro_rows, ...], adding the per-row loss
-  weights of each mini-batch (rows must be a multiple of mini_batches * micro_rows)."""
+                      loss_weights: Callable[[np.ndarray], np.ndarray]
+                      ) -> dict[str, np.ndarray]:
+  """[rows, ...] -> [mini_batches, micro_batches, micro_rows, ...], adding each mini-batch's
+  row weights "weight", loss_weights(its loss_mask [rows of the mini-batch, T]) (an
+  algorithm's `loss_weights`); rows must be a multiple of mini_batches * micro_rows."""
   rows = batch["tokens"].shape[0]
   if rows % (mini_batches * micro_rows):
     raise ValueError(f"{rows} rows do not split into {mini_batches} mini-batches of "
@@ -68,7 +71,7 @@ def split_minibatches(batch: dict[str, np.ndarray], mini_batches: int, micro_row
   micro = rows // (mini_batches * micro_rows)
   out = {k: v.reshape(mini_batches, micro, micro_rows, *v.shape[1:]) for k, v in batch.items()}
   mask = out["loss_mask"].reshape(mini_batches, micro * micro_rows, -1)
-  out["weight"] = np.stack([loss_weights(m, loss_agg) for m in mask]).reshape(
+  out["weight"] = np.stack([loss_weights(m) for m in mask]).reshape(
       mini_batches, micro, micro_rows)
   return out
 
@@ -152,7 +155,7 @@ class PolicyUpdater:
                params: dict, mesh: Mesh, rules, ppo_epochs: int, mini_batches: int,
                micro_batch_rows: int, ref_params: dict | None = None):
     check_micro_batch_rows(micro_batch_rows, data_parallel_size(mesh))
-    self.loss_agg, self.mesh, self.rules = algorithm.loss.loss_agg, mesh, rules
+    self.algorithm, self.mesh, self.rules = algorithm, mesh, rules
     self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
     self.micro_rows, self.ref_params = micro_batch_rows, ref_params
     self.opt_state, opt_sharding = init_optimizer(tx, params, mesh)
@@ -176,7 +179,8 @@ class PolicyUpdater:
     new, and takes one optimizer step per mini-batch that holds responses)."""
     rows = build_rows(prompts, completions, advantages,
                       self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width)
-    batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows, self.loss_agg))
+    batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
+                                          self.algorithm.loss_weights))
     compile_before = self.pool.compile_seconds
     if self.ppo_epochs * self.mini_batches > 1:  # with one update the ratio is 1: not needed
       batch["old_logp"] = self._batch_log_probs(params, batch)

@@ -1,17 +1,36 @@
-"""What an RL algorithm is to the main loop (tlt_jax.train), and the GRPO one.
+"""What an RL algorithm is to the main loop (tlt_jax.train) and to the policy update
+(tlt_jax.rl.policy_update), and the GRPO one, which the others refine.
 
-An algorithm is a frozen dataclass with four parts, each called at one point of a step:
+An algorithm is a frozen dataclass that owns everything in which algorithms differ; the loop
+and the update only call it:
 
-  rounds        how many rollouts a step may take (1; DAPO's dynamic sampling takes more)
-  keep_groups   which groups of a step's samples are worth an update (all; DAPO drops the
-                groups whose rewards are all equal, whose advantages would be 0)
-  advantages    one float per response from the rewards and response lengths
-  loss_fn       the per-(micro-)batch loss the update differentiates, jittable
+  on the host, once per step
+    rounds        how many rollouts a step may take (1; DAPO's dynamic sampling takes more)
+    keep_groups   which groups of a step's samples are worth an update (all; DAPO drops the
+                  groups whose rewards are all equal, whose advantages would be 0)
+    advantages    one float per response from the rewards and response lengths
+    loss_weights  the weight of each response's mean token loss in the loss of its
+                  mini-batch: the aggregation and its normaliser (computed for the whole
+                  mini-batch, so gradient accumulation over micro-batches is exact)
+    step_metrics  the algorithm's own metrics.jsonl entries
+  in the jitted update, per micro-batch
+    clip_range    (eps_low, eps_high): the ratio's clip range [1 - eps_low, 1 + eps_high]
+    log_ratio     the log importance ratio: per token [b, T], or per sequence [b, 1] (GSPO)
+    policy_loss   the loss from the policy's log-probs of the batch: the clipped surrogate,
+                  KL, entropy, aggregated with the batch's `weight`
+    loss_fn       policy_loss of the current parameters' log-probs (what the update
+                  differentiates)
 
-`loss` holds the clipped-surrogate settings (`GrpoConfig`), which every algorithm here shares.
-An algorithm's own knobs are its `Settings` dataclass: the config schema's section `rl.<name>`
-is made from its fields and defaults (tlt_jax.config), so adding one is its module and a line
-in `tlt_jax.rl.algorithms.ALGORITHMS`.
+The loss of a mini-batch is sum_b weight_b * mean_t(loss_bt) over its responses b (mean over
+b's response tokens t): GRPO's token mean weighs response b by n_b / (all tokens), its
+sequence mean by 1 / (responses), Dr. GRPO by n_b / (responses x max_new_tokens).
+
+`loss` holds the shared rl.* loss knobs (`GrpoConfig`); `reads` names those an algorithm
+uses, and a run that sets any other away from its default stops with one line
+(`tlt_jax.rl.algorithms.make_algorithm`). An algorithm's own knobs are its `Settings`
+dataclass: the config section `rl.<name>` is made from its fields and defaults
+(tlt_jax.config). Adding one is its module and a line in `tlt_jax.rl.algorithms.ALGORITHMS`
+(README: "Add an algorithm").
 """
 
 from __future__ import annotations
@@ -20,23 +39,43 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.knobs import NoSettings
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.rl.grpo import GrpoConfig, group_advantages, grpo_loss
+from tlt_jax.rl.grpo import SHARED_KNOBS, GrpoConfig, group_advantages, token_log_probs
+
+
+def token_mean_weights(loss_mask: np.ndarray) -> np.ndarray:
+  """float32 [R] from loss_mask [R, T] bool: every response token of the mini-batch weighs
+  the same (n_b / all tokens)."""
+  n = loss_mask.sum(axis=1).astype(np.float64)
+  return (n / max(n.sum(), 1.0)).astype(np.float32)
+
+
+def sequence_mean_weights(loss_mask: np.ndarray) -> np.ndarray:
+  """float32 [R] from loss_mask [R, T] bool: every response of the mini-batch weighs the
+  same (1 / responses; padding rows, which have no tokens, 0)."""
+  has = loss_mask.any(axis=1)
+  return (has / max(float(has.sum()), 1.0)).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Grpo:
   """GRPO: one rollout per step, every group trained on, advantages normalised within each
-  prompt's group (`group_advantages`), the PPO-clip loss (`grpo_loss`). max_new_tokens: the
-  rollout's response budget (for algorithms that shape rewards by length)."""
+  prompt's group (`group_advantages`, rl.scale_by_std), the PPO-clip loss with clip-higher
+  per token, aggregated by rl.loss_agg, with rl.kl_coef and rl.entropy_coef.
+  max_new_tokens: the rollout's response budget (for algorithms that use it)."""
   Settings: ClassVar[type] = NoSettings
+  # The shared rl.* knobs (GrpoConfig's fields) this algorithm reads.
+  reads: ClassVar[tuple[str, ...]] = SHARED_KNOBS
   rounds: ClassVar[int] = 1  # the most rollouts one step may take
   loss: GrpoConfig = GrpoConfig()
   max_new_tokens: int = 256
   settings: object = NoSettings()
+
+  # ---------------------------------------------------------------- host, once per step
 
   def keep_groups(self, rewards: np.ndarray, group_size: int) -> np.ndarray:
     """bool [G]: which of the G = len(rewards) / group_size groups the update trains on."""
@@ -48,11 +87,70 @@ class Grpo:
     del lengths
     return group_advantages(rewards, group_size, self.loss.scale_by_std)
 
-  def loss_fn(self, params: dict, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, dict]:
-    """(scalar loss, metrics) of one (micro-)batch with `tlt_jax.rl.grpo`'s keys."""
-    return grpo_loss(params, batch, cfg, self.loss)
+  def loss_weights(self, loss_mask: np.ndarray) -> np.ndarray:
+    """float32 [R]: the weight of each row's mean token loss in the loss of the mini-batch
+    whose response tokens are loss_mask [R, T] bool (padding rows: none, weight 0)."""
+    if self.loss.loss_agg == "token_mean":
+      return token_mean_weights(loss_mask)
+    return sequence_mean_weights(loss_mask)
 
   def step_metrics(self, rewards: np.ndarray, lengths: np.ndarray) -> dict:
     """Extra metrics.jsonl entries of a step (none for GRPO)."""
     del rewards, lengths
     return {}
+
+  # ---------------------------------------------------------------- jitted, per micro-batch
+
+  @property
+  def clip_range(self) -> tuple[float, float]:
+    """(eps_low, eps_high): the ratio is clipped to [1 - eps_low, 1 + eps_high]."""
+    return self.loss.clip_eps, self.loss.clip_eps_high
+
+  def log_ratio(self, logp: jax.Array, old_logp: jax.Array, maskf: jax.Array) -> jax.Array:
+    """log(pi / pi_old) per token: [b, T] float32 from log-probs [b, T] and the float mask."""
+    del maskf
+    return logp - old_logp
+
+  def policy_loss(self, logp: jax.Array, batch: dict,
+                  entropy: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """(scalar loss, metrics) of one (micro-)batch from logp [b, T] float32, the log-probs
+    of its targets under the parameters being trained (0 off the mask), and their entropy
+    [b, T] (needed when entropy_coef > 0); batch: `tlt_jax.rl.grpo`'s keys. The loss is this
+    batch's share of its mini-batch's: sum_b weight_b * mean_t(loss_bt), with
+    loss_bt = -min(ratio * A_b, clip(ratio) * A_b) + kl_coef * k3 - entropy_coef * entropy."""
+    gc = self.loss
+    maskf = batch["loss_mask"].astype(jnp.float32)
+    adv = batch["advantages"][:, None]
+    # Without old_logp the batch was sampled by these very params (one update per step).
+    old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+    ratio = jnp.exp(self.log_ratio(logp, old_logp, maskf))
+    eps_low, eps_high = self.clip_range
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    if gc.kl_coef > 0:  # k3, the low-variance estimator of KL(policy || reference)
+      delta = batch["ref_logp"] - logp
+      kl = jnp.exp(delta) - delta - 1.0
+      per_token = per_token + gc.kl_coef * kl
+    if gc.entropy_coef > 0:
+      per_token = per_token - gc.entropy_coef * entropy
+    row = jnp.sum(per_token * maskf, axis=1) / jnp.maximum(maskf.sum(axis=1), 1.0)
+    loss = jnp.sum(batch["weight"] * row)
+
+    def token_mean(x):  # x [b, T] or a sequence-level [b, 1]
+      return jnp.sum(x * maskf) / jnp.maximum(maskf.sum(), 1.0)
+    metrics = {"pg_loss": loss,
+               # tokens whose gradient the clip removed (the clipped term won the min)
+               "clip_frac": token_mean((clipped * adv < ratio * adv).astype(jnp.float32)),
+               "ratio_mean": token_mean(ratio),
+               "kl": token_mean(kl) if gc.kl_coef > 0 else jnp.zeros(()),
+               "entropy": token_mean(entropy) if gc.entropy_coef > 0 else jnp.zeros(())}
+    return loss, metrics
+
+  def loss_fn(self, params: dict, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, dict]:
+    """(scalar loss, metrics) of one (micro-)batch with `tlt_jax.rl.grpo`'s keys: the
+    policy's log-probs of its targets (under the rollout's sampling distribution), then
+    `policy_loss`."""
+    logp, entropy = token_log_probs(params, batch["tokens"], batch["targets"],
+                                    batch["loss_mask"], cfg, self.loss.sampling,
+                                    with_entropy=self.loss.entropy_coef > 0)
+    return self.policy_loss(logp, batch, entropy)

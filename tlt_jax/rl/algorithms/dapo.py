@@ -9,8 +9,8 @@ and a token-level loss.
 - Overlong shaping: a response longer than max_new_tokens - overlong_buffer loses
   overlong_penalty x (how far into the buffer it went) / overlong_buffer from its reward, in
   the advantages only (`reward_mean` stays the task's reward, so runs compare).
-- Clip-higher and the token-level loss are GRPO's loss with `rl.clip_eps_high` above
-  `rl.clip_eps` and `rl.loss_agg='token_mean'` (the defaults); DAPO requires the latter.
+- Clip-higher is GRPO's `rl.clip_eps_high` above `rl.clip_eps` (the defaults); the loss is
+  always the token-level mean (so DAPO does not read rl.loss_agg).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from tlt_jax.rl.algorithms.base import Grpo
+from tlt_jax.rl.algorithms.base import Grpo, token_mean_weights
 from tlt_jax.rl.grpo import group_advantages
 
 
@@ -38,6 +38,8 @@ class DapoSettings:
 class Dapo(Grpo):
   """DAPO; see the module docstring."""
   Settings: ClassVar[type] = DapoSettings
+  reads: ClassVar[tuple[str, ...]] = ("clip_eps", "clip_eps_high", "scale_by_std", "kl_coef",
+                                      "entropy_coef")
   settings: DapoSettings = DapoSettings()
 
   def __post_init__(self):
@@ -49,9 +51,6 @@ class Dapo(Grpo):
                        f"rollout.max_new_tokens={self.max_new_tokens})")
     if s.overlong_penalty < 0:
       raise ValueError(f"rl.dapo.overlong_penalty={s.overlong_penalty} must be >= 0")
-    if self.loss.loss_agg != "token_mean":
-      raise ValueError(f"rl.algorithm='dapo' has a token-level loss, but rl.loss_agg="
-                       f"{self.loss.loss_agg!r}; set rl.loss_agg='token_mean'")
 
   @property
   def rounds(self) -> int:
@@ -73,6 +72,10 @@ class Dapo(Grpo):
   def advantages(self, rewards: np.ndarray, lengths: np.ndarray, group_size: int) -> np.ndarray:
     shaped = np.asarray(rewards, np.float32) + self.overlong_penalty(lengths)
     return group_advantages(shaped, group_size, self.loss.scale_by_std)
+
+  def loss_weights(self, loss_mask: np.ndarray) -> np.ndarray:
+    """The token-level mean."""
+    return token_mean_weights(loss_mask)
 
   def step_metrics(self, rewards: np.ndarray, lengths: np.ndarray) -> dict:
     return {"overlong_penalty_mean": float(self.overlong_penalty(lengths).mean())}
