@@ -149,7 +149,10 @@ def get_config(arg: str | None = None):
     c.rollout.update(max_batch=128, batch_sizes=(32, 8, 1), prompt_widths=(128,),
                      compile_plan=True, compile_threads=16)
     c.drafter.spot_training = False
-    c.rl.update(steps=10, prompts_per_step=16, num_samples=8, micro_batch_rows=32,
+    # The update in one program, each micro-batch of 16 rows at 256 or 512 tokens, or the
+    # whole 1,152 when it holds one of the few long responses (the rows sorted longest first).
+    c.rl.update(steps=10, prompts_per_step=16, num_samples=8, micro_batch_rows=16,
+                update_widths=(256, 512),
                 num_eval_examples=0, paired_control=False, export=False, save_rollouts=True,
                 save_timeline=True, checkpoint_every=0)
   elif arg == "gym":

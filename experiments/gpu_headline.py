@@ -480,7 +480,9 @@ def write_toy_gguf(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
   chars = dict(zip(printable, printable))
   chars.update({b: 256 + i for i, b in enumerate(b for b in range(256) if b not in chars)})
   specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-  tokens = specials + [chr(chars[b]) for b in range(256)] + ["\u0120t"]
+  # Two merges: GGUF readers hand back an array of one as a plain string.
+  merges = ["\u0120 t", "\u0120 a"]
+  tokens = specials + [chr(chars[b]) for b in range(256)] + [m.replace(" ", "") for m in merges]
   template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
               "{% endif %}")
@@ -499,7 +501,7 @@ def write_toy_gguf(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
   w.add_token_list(tokens)
   w.add_token_types([gguf.TokenType.CONTROL] * len(specials)
                     + [gguf.TokenType.NORMAL] * (len(tokens) - len(specials)))
-  w.add_token_merges(["\u0120 t"])
+  w.add_token_merges(merges)
   w.add_bos_token_id(1)
   w.add_eos_token_id(2)
   w.add_chat_template(template)

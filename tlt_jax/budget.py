@@ -315,11 +315,12 @@ def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int =
   mini = {k: _rows_on(meshes.train, meshes.rules, jax.ShapeDtypeStruct(*v), row_dim=1)
           for k, v in mini.items()}
   if needs_old_logp or rl.kl_coef > 0:
-    programs.append(Program("log_probs", make_log_probs(tcfg, algorithm.loss.sampling).__wrapped__,
+    programs.append(Program("log_probs", make_log_probs(tcfg, algorithm.loss.sampling,
+                                                         tuple(rl.update_widths)).__wrapped__,
                             (params, {k: mini[k] for k in ("tokens", "targets", "loss_mask")}),
                             (), (0,), meshes.train))
   update = make_policy_update(tcfg, algorithm.loss_fn, _policy_optimizer(config, job), None,
-                              None).__wrapped__
+                              None, tuple(rl.update_widths)).__wrapped__
   programs.append(Program("rl_update", update, (params, resident["policy optimizer"], mini),
                           (0, 1), (0, 1), meshes.train))
   if config.drafter.spot_training:

@@ -226,6 +226,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.ppo_epochs = 1
   c.rl.mini_batches = 1                  # optimizer steps per epoch
   c.rl.micro_batch_rows = 32             # rows per gradient-accumulation micro-batch
+  # Widths (tokens) a micro-batch of the update may be computed at: each at the narrowest that
+  # holds its rows, the rows of a step sorted longest first, all in one program whatever the
+  # step's longest response (tlt_jax.rl.policy_update). () = each step at its longest row.
+  c.rl.update_widths = ()
   # Held-out greedy accuracy (task.eval_seed problems) before the first step, every
   # eval_every steps (0 = only then and at the end); 0 examples = no evaluation.
   c.rl.num_eval_examples = 0
@@ -490,6 +494,9 @@ def _check_rl(r: ml_collections.ConfigDict) -> None:
                       "ppo_epochs", "mini_batches", "micro_batch_rows", "keep_checkpoints"))
   _non_negative(r, "rl", ("checkpoint_every", "num_eval_examples", "eval_every",
                           "eval_samples", "max_minutes"))
+  if any(not isinstance(w, int) or w < 1 for w in r.update_widths):
+    raise ConfigError(f"rl.update_widths={tuple(r.update_widths)} must be positive token "
+                      f"counts, e.g. (256, 512)")
   if r.num_samples < 2:
     raise ConfigError(f"rl.num_samples={r.num_samples}: GRPO compares samples within a "
                       f"group, so it needs at least 2")

@@ -117,7 +117,8 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   updater = PolicyUpdater(training_model_config(config, cfg), algorithm,
                           make_adamw(policy_adamw(config)), params, mesh, rules,
                           rl.ppo_epochs, rl.mini_batches, rl.micro_batch_rows,
-                          ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None)
+                          ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None,
+                          widths=tuple(rl.update_widths))
   # The initial policy, for rl.paired_control: a plain engine on its own copy of the weights
   # (the update donates the policy's buffers).
   control = (make_engine(config, cfg, jax.tree.map(jnp.copy, params), mesh, eos, pad)
@@ -150,7 +151,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   if spot is not None:  # the drafter update for every slice, before a slice goes idle
     spot.precompile(engine.slices, engine.policy_on, ahead=config.rollout.compile_ahead)
   if config.rollout.compile_plan and step < rl.steps:
-    _compile_plan(config, engine, sampling, say)
+    _compile_plan(config, engine, updater, run.params, sampling, say)
   n_params = sum(x.size for x in jax.tree.leaves(run.params))
   say(f"mesh {dict(mesh.shape)} over {jax.process_count()} process(es): "
       f"{len(engine.slices)} rollout slices; policy {n_params / 1e6:.2f}M params; SD "
@@ -232,18 +233,21 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
                                  if control is not None else {})})
 
 
-def _compile_plan(config, engine, sampling, say) -> None:
-  """rollout.compile_plan: every program of a step's rollout compiled ahead on
-  rollout.compile_threads threads before the first step (the step then waits for none)."""
-  r = config.rollout
+def _compile_plan(config, engine, updater, params, sampling, say) -> None:
+  """rollout.compile_plan: every program of a step's rollout, and its update when
+  rl.update_widths gives it one shape, compiled ahead on rollout.compile_threads threads
+  before the first step (the step then waits for none)."""
+  r, rl = config.rollout, config.rl
   set_compile_threads(r.compile_threads)
   t0 = time.perf_counter()
-  engine.compile_plan(sampling, config.rl.prompts_per_step, config.rl.num_samples)
+  engine.compile_plan(sampling, rl.prompts_per_step, rl.num_samples)
+  if rl.update_widths:
+    updater.compile_ahead(params, rl.prompts_per_step * rl.num_samples, engine.capacity)
   wait_for_compiles_ahead()
-  bill = engine.pool.report()
-  say(f"compiled the rollout's {bill['ahead_compiles']} programs in "
+  pools = [engine.pool.report(), updater.pool.report()]
+  say(f"compiled {sum(p['ahead_compiles'] for p in pools)} programs of a step in "
       f"{time.perf_counter() - t0:.1f} s on {r.compile_threads} thread(s) "
-      f"({bill['ahead_s']:.1f} s of compiling)")
+      f"({sum(p['ahead_s'] for p in pools):.1f} s of compiling)")
 
 
 class _RunState:

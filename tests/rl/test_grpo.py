@@ -332,3 +332,53 @@ def test_grpo_refuses_greedy_sampling():
   from tlt_jax.speculative.sampling import SamplingParams
   with pytest.raises(ValueError, match="rollout.temperature=0"):
     GrpoConfig(sampling=SamplingParams(temperature=0.0))
+
+
+def test_a_micro_batch_computes_at_the_narrowest_width_that_holds_it():
+  from tlt_jax.rl.policy_update import at_narrowest_width
+  mask = np.zeros((2, 16), bool)
+  mask[0, 2:5] = True  # targets up to column 4: needs 6 columns (the target's column + 1)
+  run = at_narrowest_width(lambda mb: jnp.full(mb["loss_mask"].shape, mb["loss_mask"].shape[1],
+                                               jnp.float32), (4, 8), pads_output=True)
+  out = np.asarray(run({"loss_mask": jnp.asarray(mask), "advantages": jnp.zeros(2)}))
+  assert out.shape == (2, 16) and (out[:, :8] == 8).all() and (out[:, 8:] == 0).all()
+  mask[1, 10] = True  # past every width: the whole row
+  out = np.asarray(run({"loss_mask": jnp.asarray(mask), "advantages": jnp.zeros(2)}))
+  assert (out == 16).all()
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_update_widths_give_the_update_of_the_step_at_its_full_width(tiny_cfg, tiny_params,
+                                                                     epochs):
+  """rl.update_widths: the step padded to one width (its capacity), its rows sorted longest
+  first and each micro-batch computed at the narrowest width that holds it: the same
+  parameters and metrics as the plain update (to float32 rounding: the micro-batches sum in
+  another order), in one program compiled ahead, which the call then uses."""
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.rl.policy_update import PolicyUpdater
+  from tlt_jax.rollout.pool import wait_for_compiles_ahead
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(1, 60, 3).tolist() for _ in range(6)]
+  completions = [rng.integers(1, 60, n).tolist() for n in (2, 40, 5, 3, 9, 1)]
+  advantages = rng.standard_normal(6).astype(np.float32)
+
+  def update(widths):
+    updater = PolicyUpdater(tiny_cfg, Grpo(), optax.sgd(0.5), jax.tree.map(jnp.copy, tiny_params),
+                            mesh, DEFAULT_RULES, ppo_epochs=epochs, mini_batches=1,
+                            micro_batch_rows=2, widths=widths)
+    if widths:
+      updater.compile_ahead(tiny_params, 8, 128)
+      wait_for_compiles_ahead()
+    params, metrics, compile_s = updater(jax.tree.map(jnp.copy, tiny_params), prompts,
+                                         completions, advantages, 0, max_width=128, min_rows=8)
+    return jax.device_get(params), metrics, updater.pool.report()
+
+  plain, plain_metrics, _ = update(())
+  bucketed, metrics, report = update((16, 32))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), bucketed,
+               plain)
+  for k in ("loss", "grad_norm", "clip_frac"):
+    assert metrics[k] == pytest.approx(plain_metrics[k], rel=1e-4, abs=1e-6), k
+  assert report["compiles"] == 0  # the call ran what was compiled ahead
+  assert report["ahead_compiles"] == (2 if epochs > 1 else 1)  # log-probs too with 2 epochs

@@ -7,6 +7,12 @@ Shapes: a step's B = prompts x samples rows are padded to mini_batches x micro_b
 micro_rows (padding rows have an empty loss mask and weight 0) and laid out
 [mini_batches, micro_batches, micro_rows, T]; T is the longest row rounded up to a multiple of
 64, so a run compiles a handful of widths, not one per step.
+
+With `widths` (rl.update_widths), T is always the rollout's capacity, so a run compiles one
+update, and each micro-batch is computed at the narrowest of the widths that holds its rows
+(a `lax.switch` over statically sliced copies of the step, inside that one program), the rows
+of each mini-batch sorted longest first: in a long-tailed step only the micro-batch of the
+longest responses pays for their width, the rest for their own.
 """
 
 from __future__ import annotations
@@ -58,6 +64,41 @@ def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[
   return {"tokens": tokens, "targets": targets, "loss_mask": mask, "advantages": adv}
 
 
+def by_length(batch: dict[str, np.ndarray], mini_batches: int) -> dict[str, np.ndarray]:
+  """[rows, ...] with each mini-batch's rows sorted by their tokens, longest first (a stable
+  sort: rows of one length keep their order); which rows a mini-batch holds is unchanged."""
+  rows = batch["tokens"].shape[0]
+  size = rows // mini_batches
+  length = batch["loss_mask"].shape[1] - np.argmax(batch["loss_mask"][:, ::-1], axis=1)
+  length = np.where(batch["loss_mask"].any(axis=1), length, 0)
+  order = np.concatenate([m * size + np.argsort(-length[m * size:(m + 1) * size], kind="stable")
+                          for m in range(mini_batches)])
+  return {k: v[order] for k, v in batch.items()}
+
+
+def at_narrowest_width(fn: Callable, widths: Sequence[int], pads_output: bool = False
+                       ) -> Callable:
+  """fn(mb) for a micro-batch dict whose [b, T] arrays are cut to the narrowest of `widths`
+  (ascending) that holds every row's loss mask, T itself when none does: one branch per
+  width (`lax.switch`), so a micro-batch of short rows computes at their width. pads_output:
+  fn returns one [b, width] array, padded back with zeros to [b, T]."""
+  def run(mb):
+    full = mb["loss_mask"].shape[1]
+    cuts = tuple(sorted({min(w, full) for w in widths} | {full}))
+    col = jnp.arange(full)
+    needed = jnp.max(jnp.where(mb["loss_mask"], col + 2, 0))  # the target's column + 1
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(cuts), needed), len(cuts) - 1)
+
+    def branch(w):
+      def at(mb):
+        cut = {k: v[:, :w] if v.ndim == 2 and v.shape[1] == full else v for k, v in mb.items()}
+        out = fn(cut)
+        return jnp.pad(out, ((0, 0), (0, full - w))) if pads_output else out
+      return at
+    return jax.lax.switch(index, [branch(w) for w in cuts], mb)
+  return run
+
+
 def split_minibatches(batch: dict[str, np.ndarray], mini_batches: int, micro_rows: int,
                       loss_weights: Callable[[np.ndarray], np.ndarray]
                       ) -> dict[str, np.ndarray]:
@@ -76,14 +117,17 @@ def split_minibatches(batch: dict[str, np.ndarray], mini_batches: int, micro_row
   return out
 
 
-def make_log_probs(cfg: ModelConfig, sp: SamplingParams):
+def make_log_probs(cfg: ModelConfig, sp: SamplingParams, widths: Sequence[int] = ()):
   """jitted (params, micro_batches [M, b, T] dict) -> log-probs [M, b, T] under the sampling
-  distribution sp, one micro-batch at a time (so memory is that of one micro-batch)."""
+  distribution sp, one micro-batch at a time (so memory is that of one micro-batch); with
+  `widths`, each at its narrowest (`at_narrowest_width`)."""
 
   @jax.jit
   def log_probs(params, mb):
-    return jax.lax.map(lambda x: token_log_probs(params, x["tokens"], x["targets"],
-                                                 x["loss_mask"], cfg, sp)[0], mb)
+    def one(x):
+      return token_log_probs(params, x["tokens"], x["targets"], x["loss_mask"], cfg, sp)[0]
+    return jax.lax.map(at_narrowest_width(one, widths, pads_output=True) if widths else one,
+                       mb)
   return log_probs
 
 
@@ -101,11 +145,12 @@ def nonfinite_update_message(step: int, metrics: dict, last_checkpoint: int | No
 
 
 def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTransformation,
-                       param_sharding, opt_sharding):
+                       param_sharding, opt_sharding, widths: Sequence[int] = ()):
   """jitted (params, opt_state, mini_batch [M, b, T] dict) -> (params, opt_state, metrics):
   gradients of loss_fn(params, micro_batch, cfg) -> (loss, metrics) (an algorithm's
   `loss_fn`) summed over the M micro-batches (each already weighted by its share of the
-  mini-batch), then one optimizer step. params and opt_state are donated. An update whose
+  mini-batch; with `widths`, each computed at its narrowest, `at_narrowest_width`), then one
+  optimizer step. params and opt_state are donated. An update whose
   loss, gradient norm or new parameters are not finite is not applied (the old params and
   optimizer state come back) and reports metrics["nonfinite"] = 1, so the caller can stop
   before anything non-finite reaches a checkpoint, or go on without it."""
@@ -115,9 +160,13 @@ def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTr
   def update(params, opt_state, mini_batch):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def body(acc, mb):
+    def micro(mb):
       (loss, metrics), grads = grad_fn(params, mb, cfg)
-      return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+      return grads, (loss, metrics)
+
+    def body(acc, mb):
+      grads, out = (at_narrowest_width(micro, widths) if widths else micro)(mb)
+      return jax.tree.map(jnp.add, acc, grads), out
 
     grads, (losses, metrics) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), mini_batch)
     updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -149,19 +198,24 @@ class PolicyUpdater:
   `mini_batches` optimizer steps of gradients accumulated over micro-batches of
   `micro_batch_rows` rows, on the whole mesh. The update is compiled ahead of time once per
   batch shape (a handful of widths per run), so the seconds spent compiling are reported apart
-  from the update's."""
+  from the update's. widths: each micro-batch at the narrowest of these widths that holds it,
+  in one program whatever the step (see the module docstring); () = every step at its longest
+  row's width."""
 
   def __init__(self, cfg: ModelConfig, algorithm: Grpo, tx: optax.GradientTransformation,
                params: dict, mesh: Mesh, rules, ppo_epochs: int, mini_batches: int,
-               micro_batch_rows: int, ref_params: dict | None = None):
+               micro_batch_rows: int, ref_params: dict | None = None,
+               widths: Sequence[int] = ()):
     check_micro_batch_rows(micro_batch_rows, data_parallel_size(mesh))
     self.algorithm, self.mesh, self.rules = algorithm, mesh, rules
     self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
     self.micro_rows, self.ref_params = micro_batch_rows, ref_params
+    self.widths = tuple(sorted(widths))
     self.opt_state, opt_sharding = init_optimizer(tx, params, mesh)
     param_sharding = jax.tree.map(lambda x: x.sharding, params)
-    self._update = make_policy_update(cfg, algorithm.loss_fn, tx, param_sharding, opt_sharding)
-    self._log_probs = make_log_probs(cfg, algorithm.loss.sampling)
+    self._update = make_policy_update(cfg, algorithm.loss_fn, tx, param_sharding, opt_sharding,
+                                      self.widths)
+    self._log_probs = make_log_probs(cfg, algorithm.loss.sampling, self.widths)
     self.pool = ExecutablePool()  # one update and one log-prob program per batch shape
 
   def rows_for(self, sequences: int) -> int:
@@ -179,6 +233,8 @@ class PolicyUpdater:
     new, and takes one optimizer step per mini-batch that holds responses)."""
     rows = build_rows(prompts, completions, advantages,
                       self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width)
+    if self.widths:  # one width, the rollout's capacity: one program for every step
+      rows = by_length(_widened(rows, _round_up(max_width)), self.mini_batches)
     batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
                                           self.algorithm.loss_weights))
     compile_before = self.pool.compile_seconds
@@ -193,8 +249,7 @@ class PolicyUpdater:
     for _ in range(self.ppo_epochs):
       for m in real:
         mini = {k: v[m] for k, v in batch.items()}
-        shapes = tuple(sorted((k, v.shape) for k, v in mini.items()))
-        update = self.pool.get(("update", shapes), self._update,
+        update = self.pool.get(("update", _shapes(mini)), self._update,
                                (params, self.opt_state, mini), donate_argnums=(0, 1),
                                mesh=self.mesh, kind="policy_update")
         params, self.opt_state, out = update(params, self.opt_state, mini)
@@ -205,19 +260,76 @@ class PolicyUpdater:
     out["params_finite"] = float(min(m["params_finite"] for m in metrics))
     return params, out, self.pool.compile_seconds - compile_before
 
+  def compile_ahead(self, params: dict, sequences: int, max_width: int,
+                    priority: int = 0) -> None:
+    """Queues the compiles of a step's programs (`ExecutablePool.compile_ahead`) for
+    `sequences` responses (rounded up to whole mini-batches) of `max_width` tokens at most:
+    the update and, when the step needs them, the log-probs. Needs `widths` (one shape for
+    every step)."""
+    if not self.widths:
+      raise ValueError("compiling the update ahead needs rl.update_widths (one batch shape "
+                       "for every step)")
+    shape = (self.mini_batches, self.rows_for(sequences) // (self.mini_batches * self.micro_rows),
+             self.micro_rows, _round_up(max_width))
+    dtypes = {"tokens": np.int32, "targets": np.int32, "loss_mask": np.bool_,
+              "advantages": np.float32, "weight": np.float32}
+    if self.ppo_epochs * self.mini_batches > 1:
+      dtypes["old_logp"] = np.float32
+    if self.ref_params is not None:
+      dtypes["ref_logp"] = np.float32
+    batch = {k: self._abstract(shape if k not in ("advantages", "weight") else shape[:3], d)
+             for k, d in dtypes.items()}
+    if "old_logp" in batch or "ref_logp" in batch:  # `_batch_log_probs`' flat micro-batches
+      flat = {k: self._abstract((shape[0] * shape[1], *shape[2:]), batch[k].dtype, lead=1)
+              for k in ("tokens", "targets", "loss_mask")}
+      self.pool.compile_ahead(("log_probs", _shapes(flat)), self._log_probs, (params, flat),
+                              mesh=self.mesh, kind="log_probs", priority=priority)
+    mini = {k: self._abstract(v.shape[1:], v.dtype, lead=1) for k, v in batch.items()}
+    self.pool.compile_ahead(("update", _shapes(mini)), self._update,
+                            (params, self.opt_state, mini), donate_argnums=(0, 1),
+                            mesh=self.mesh, kind="policy_update", priority=priority)
+
+  def _abstract(self, shape, dtype, lead: int = 2) -> jax.ShapeDtypeStruct:
+    """An abstract array laid out as `_place` lays out one: the dimension after `lead`
+    leading ones (rows) split over the data-parallel axes."""
+    names = (None,) * lead + ("batch",) + (None,) * (len(shape) - lead - 1)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, (
+        logical_to_mesh_spec(P(*names), shape, self.mesh, self.rules))))
+
   def _place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """[mini, micro, rows, ...] host arrays, rows split over the data-parallel axes."""
-    def one(x):
-      names = (None, None, "batch") + (None,) * (x.ndim - 3)
-      return jax.device_put(x, NamedSharding(self.mesh, logical_to_mesh_spec(
-          P(*names), x.shape, self.mesh, self.rules)))
-    return {k: one(v) for k, v in batch.items()}
+    return {k: jax.device_put(v, self._abstract(v.shape, v.dtype).sharding)
+            for k, v in batch.items()}
 
   def _batch_log_probs(self, params: dict, batch: dict) -> jax.Array:
     """log-probs over the [mini_batches, micro_batches, rows, T] batch -> [.., T]."""
     flat = {k: batch[k].reshape(-1, *batch[k].shape[2:])
             for k in ("tokens", "targets", "loss_mask")}
-    shapes = tuple(sorted((k, v.shape) for k, v in flat.items()))
-    log_probs = self.pool.get(("log_probs", shapes), self._log_probs,
+    # Laid out as `compile_ahead` expects them (a reshape may leave another layout).
+    flat = {k: jax.device_put(v, self._abstract(v.shape, v.dtype, lead=1).sharding)
+            for k, v in flat.items()}
+    log_probs = self.pool.get(("log_probs", _shapes(flat)), self._log_probs,
                               (params, flat), mesh=self.mesh, kind="log_probs")
     return log_probs(params, flat).reshape(batch["tokens"].shape)
+
+
+def _shapes(batch: dict) -> tuple:
+  """A batch's key in the pool: its arrays' names and shapes."""
+  return tuple(sorted((k, tuple(v.shape)) for k, v in batch.items()))
+
+
+def _round_up(width: int) -> int:
+  return -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+
+
+def _widened(rows: dict[str, np.ndarray], width: int) -> dict[str, np.ndarray]:
+  """`build_rows`' arrays padded (pad columns: token and target as the last column's padding,
+  no loss) to `width` columns."""
+  out = dict(rows)
+  for k in ("tokens", "targets", "loss_mask"):
+    v = rows[k]
+    if v.shape[1] < width:
+      fill = rows["tokens"][:, -1:] if k == "tokens" else np.zeros_like(v[:, :1])
+      out[k] = np.concatenate([v, np.broadcast_to(fill, (v.shape[0], width - v.shape[1]))],
+                              axis=1)
+  return out
