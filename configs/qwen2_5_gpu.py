@@ -11,53 +11,19 @@ no weight gathers while decoding), training sharded over all 8 (FSDP over replic
 slices that finish first train the drafter. There is no one-GPU variant: the 7B policy's bf16 weights and AdamW state
 (~44 GiB) and the rollout cache of 64 rows x 8.7k slots (~30 GiB) already pass a 70 GiB
 budget on one 80 GB GPU before any activation (tests/test_gpu_programs.py). Settings follow the paper's 7B runs where the hardware
-allows (8 samples per prompt, clip 0.2, token-mean loss, KL 0.001, lr 1e-6); the built-in
-task stands in for a math data set. model.path is required: the config fails early without it
-(its placeholder names no folder).
+allows (8 samples per prompt, clip 0.2, token-mean loss, KL 0.001, lr 1e-6; see
+`tlt_jax.config.gpu_grpo_settings`); the built-in task stands in for a math data set.
+model.path is required: the config fails early without it (its placeholder names no folder).
 """
 
-from tlt_jax.config import base_config
+from tlt_jax.config import base_config, gpu_grpo_settings
 
 
 def get_config(arg: str | None = None):
   c = base_config()
   # A placeholder that fails validation ("does not exist") until --config.model.path is given.
   c.model.path = "/path/to/Qwen2.5-7B-Instruct"
-  c.model.dtype = "bfloat16"
-  c.model.param_dtype = "bfloat16"
-  c.model.attention_impl = "auto"  # the Pallas kernel on GPU
-  # 8.7k-token training rows: keep each layer's input only, attend 512 queries at a time.
-  c.model.remat = "full"
-  c.model.attention_query_chunk = 512
-  c.task.max_ops = 64
-  c.task.max_value = 999
-  c.rollout.max_batch = 64
-  c.rollout.max_prompt_len = 512
-  c.rollout.max_new_tokens = 8192
-  c.rollout.sd_threshold = 32
-  c.rollout.temperature = 1.0
-  c.rollout.speculative.bucket_thresholds = (1, 2, 5, 21)
-  c.rollout.speculative.arms = ("8,4,48", "8,4,32", "8,4,16", "8,4,8")
-  c.drafter.learning_rate = 1e-5
-  c.drafter.spot.window = 512
-  c.drafter.spot.windows = 64
-  c.drafter.spot.batch_rows = 8
-  c.drafter.buffer.sequences_per_step = 128
-  c.drafter.warmup.num_prompts = 2048
-  c.drafter.warmup.max_new_tokens = 4096
-  c.drafter.warmup.steps = 4000
-  c.drafter.warmup.window = 512
-  c.drafter.warmup.learning_rate = 5e-5
-  c.rl.steps = 200
-  c.rl.prompts_per_step = 64
-  c.rl.num_samples = 8
-  c.rl.learning_rate = 1e-6
-  c.rl.clip_eps_high = 0.2
-  c.rl.kl_coef = 0.001
-  c.rl.micro_batch_rows = 8
-  c.rl.num_eval_examples = 256
-  c.rl.eval_every = 20
-  c.rl.checkpoint_every = 10
+  gpu_grpo_settings(c)
   if arg == "8gpu":
     c.mesh.axes.replica = 8
     c.mesh.axes.fsdp = 1
@@ -67,7 +33,8 @@ def get_config(arg: str | None = None):
   elif arg == "1gpu":
     raise ValueError("configs/qwen2_5_gpu.py:1gpu was removed: a 7B policy's weights, AdamW "
                      "state and rollout cache do not fit one 80 GB GPU; use :8gpu, or "
-                     "configs/gpu_demo.py for one GPU")
+                     "configs/qwen3_gpu.py:1gpu (Qwen3-1.7B), or configs/gpu_demo.py for one "
+                     "GPU")
   else:
     raise ValueError(f"configs/qwen2_5_gpu.py: give the variant '8gpu' (got {arg!r})")
   c.lock()

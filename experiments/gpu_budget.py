@@ -6,6 +6,8 @@
   python experiments/gpu_budget.py --quick --out /tmp/budget.json        # toy shapes, seconds
   python experiments/gpu_budget.py --config configs/qwen2_5_gpu.py:8gpu --devices 8 \
       --model-shape qwen2.5-7b --jobs train --out docs/results/gpu_budget_8gpu.json
+  python experiments/gpu_budget.py --config configs/qwen3_gpu.py:1gpu --model-shape qwen3-1.7b \
+      --jobs train warmup --out docs/results/gpu_budget_qwen3_1.7b_1gpu.json
 
 With --devices N the config's mesh spans N devices (emulated on CPU): training programs run
 over all of them in the training layout, rollout programs on the first replica slice in the

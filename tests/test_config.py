@@ -26,6 +26,16 @@ def test_default_config_is_valid_and_locked():
   assert cfg.num_layers == c.model.num_layers and cfg.qkv_bias
 
 
+@pytest.mark.parametrize("model_type,qkv_bias,qk_norm", [("qwen2", True, False),
+                                                          ("llama", False, False),
+                                                          ("qwen3", False, True)])
+def test_model_type_sets_the_architecture_of_random_weights(model_type, qkv_bias, qk_norm):
+  c = base_config()
+  c.model.model_type = model_type
+  cfg = model_config(c)
+  assert (cfg.model_type, cfg.qkv_bias, cfg.qk_norm) == (model_type, qkv_bias, qk_norm)
+
+
 def test_unknown_key_in_an_unlocked_config_is_named():
   c = base_config()
   c.model.num_layer = 3
@@ -296,6 +306,21 @@ def test_gpu_configs_need_a_model_path_and_validate_with_one():
     validate_config(c)  # 512 + 8192 tokens do not fit the tiny policy's 1024 positions
   c.rollout.max_prompt_len, c.rollout.max_new_tokens = 128, 512
   validate_config(c, num_devices=8)
+
+
+@pytest.mark.parametrize("variant,placeholder,devices", [("8gpu", "Qwen3-8B", 8),
+                                                          ("1gpu", "Qwen3-1.7B", 1)])
+def test_the_qwen3_gpu_configs_need_a_model_path_and_validate_with_one(variant, placeholder,
+                                                                      devices):
+  c = repo_config("qwen3_gpu", variant)
+  with pytest.raises(ConfigError, match=f"model.path='/path/to/{placeholder}' does not"):
+    validate_config(c)
+  c.unlock()
+  c.model.path = os.path.join(REPO, "assets", "tiny-policy")  # any local HF folder
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens = 128, 512
+  validate_config(c, num_devices=devices)
+  with pytest.raises(ValueError, match=r"give the variant '8gpu' \(Qwen3-8B\) or '1gpu'"):
+    repo_config("qwen3_gpu", "2gpu")
 
 
 def test_scan_layers_picks_the_loop_or_the_scan_per_pass():

@@ -19,12 +19,13 @@ EXPECTED = {"sft": {"sft_step"},
             "warmup": {"rollout_prefill_b16", "rollout_decode_b16", "drafter_step"}}
 
 
-def _forced_kernel_config():
+def _forced_kernel_config(model_type="qwen2"):
   c = repo_config("gpu_demo", "quick")
   with c.unlocked():
     c.model.attention_impl = "pallas"  # "auto" would pick the reference on this machine
     c.model.dtype = c.model.param_dtype = "bfloat16"
     c.model.head_dim = 32
+    c.model.model_type = model_type
   return c
 
 
@@ -39,6 +40,19 @@ def test_every_program_lowers_for_cuda_with_the_kernel(job):
       assert text_calls >= 1, p.name
     if p.name.startswith("rollout_decode_sd"):  # the drafter's attention and the verify
       assert text_calls >= 2, p.name
+
+
+def test_a_qwen3_policy_lowers_for_cuda_with_the_kernel():
+  """The RL job's programs with Qwen3's per-head q/k norms (head_dim 32, hidden / heads 16):
+  the kernel in prefill, plain and SD decode, the norms' weights in every update."""
+  c = _forced_kernel_config("qwen3")
+  resident, programs = job_programs(c, "train")
+  assert "q_norm" in resident["policy params"]["layers"]["self_attn"]
+  assert EXPECTED["train"] <= {p.name for p in programs}
+  for p in programs:
+    calls = triton_calls(lower_for_cuda(p))
+    if p.name.startswith("rollout_"):
+      assert calls >= (2 if p.name.startswith("rollout_decode_sd") else 1), p.name
 
 
 @pytest.mark.slow
@@ -90,15 +104,20 @@ def test_a_7b_policy_cannot_train_on_one_80gb_gpu():
   assert held + tree_bytes(cache) > 70 * GiB
 
 
-def test_the_8gpu_layouts_split_training_state_and_keep_whole_rollout_weights():
-  """configs/qwen2_5_gpu.py:8gpu on 8 devices: each device holds 1/8 of the weights and AdamW
-  state in the training layout, and a whole copy of the weights in the rollout layout (its
-  slice decodes without gathering weights). At the 7B shape that is 1.8 + 3.5 (+ 1.8 for
-  the KL reference) GiB of training state and 14.2 GiB of rollout weights per device, beside
-  each program's own needs (docs/results/gpu_budget_8gpu.json). Its rollout and update
-  programs lower for CUDA on an abstract mesh of 8 H100s (the update over all 8, the
-  rollout on one slice, with the kernel)."""
-  c = with_model_shape(repo_config("qwen2_5_gpu", "8gpu"), "small")
+@pytest.mark.parametrize("config,model_type", [("qwen2_5_gpu", "qwen2"), ("qwen3_gpu", "qwen3")])
+def test_the_8gpu_layouts_split_training_state_and_keep_whole_rollout_weights(config,
+                                                                              model_type):
+  """configs/qwen2_5_gpu.py:8gpu and configs/qwen3_gpu.py:8gpu on 8 devices (a small model of
+  their architecture): each device holds 1/8 of the weights and AdamW state in the training
+  layout, and a whole copy of the weights in the rollout layout (its slice decodes without
+  gathering weights). At the Qwen2.5-7B shape that is 1.8 + 3.5 (+ 1.8 for the KL reference)
+  GiB of training state and 14.2 GiB of rollout weights per device, beside each program's own
+  needs (docs/results/gpu_budget_8gpu.json; Qwen3-8B: gpu_budget_qwen3_8b_8gpu.json). Their
+  rollout and update programs lower for CUDA on an abstract mesh of 8 H100s (the update over
+  all 8, the rollout on one slice, with the kernel)."""
+  c = with_model_shape(repo_config(config, "8gpu"), "small")
+  with c.unlocked():
+    c.model.model_type = model_type
   meshes = job_meshes(c, 8)
   assert meshes.train.devices.size == 8 and meshes.rollout.devices.size == 1
   resident = job_resident(c, "train", meshes)
@@ -115,3 +134,20 @@ def test_the_8gpu_layouts_split_training_state_and_keep_whole_rollout_weights():
   assert "mhlo.num_partitions = 8" in update.as_text()
   decode = next(p for name, p in programs.items() if name.startswith("rollout_decode_sd"))
   assert triton_calls(lower_for_cuda(decode)) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,shape,devices", [("8gpu", "qwen3-8b", 8),
+                                                   ("1gpu", "qwen3-1.7b", 1)])
+def test_the_qwen3_configs_largest_programs_fit_70_gib(variant, shape, devices):
+  """configs/qwen3_gpu.py at its named shapes (Qwen3-8B on 8 devices, Qwen3-1.7B on one),
+  compiled here: the policy update and the rollout prefill, each variant's largest programs
+  (every program's budget: docs/results/gpu_budget_qwen3_*.json), peak under 70 GiB per
+  device with the resident state (the rollout's whole copy of the weights included)."""
+  c = with_model_shape(repo_config("qwen3_gpu", variant), shape)
+  only = {"rl_update", f"rollout_prefill_b{c.rollout.max_batch}"}
+  budget = job_budget(c, "train", progress=lambda _: None, num_devices=devices, only=only)
+  assert set(budget["programs"]) == only
+  assert model_config(c).qk_norm
+  for name, m in budget["programs"].items():
+    assert m["peak_bytes"] < 70 * GiB, (name, m["peak_bytes"] / GiB)

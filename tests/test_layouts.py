@@ -78,6 +78,28 @@ def test_every_layout_generates_the_same_tokens_with_sd_and_gathers_no_weights(m
     assert tokens == results[ROLLOUT_LAYOUTS[0], sp], (layout, sp)
 
 
+def test_a_qwen3_policy_generates_the_same_tokens_on_a_tensor_parallel_slice(model):
+  """Qwen3's per-head q/k norms (weights [L, D], replicated) under tensor parallelism: 4-way
+  split heads give one device's greedy tokens, plain and with SD."""
+  cfg = model[0].replace(model_type="qwen3", qkv_bias=False, qk_norm=True)
+  params = init_params(cfg, jax.random.key(3))
+  attn = params["layers"]["self_attn"]
+  for name in ("q_norm", "k_norm"):  # non-trivial norms: a missed or misplaced one shows
+    attn[name]["weight"] = 1.0 + 0.3 * jax.random.normal(jax.random.key(len(name)),
+                                                         attn[name]["weight"].shape)
+  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=8, sd_threshold=4)
+  drafter = random_drafter(cfg, seed=1)
+  tokens = []
+  for layout in ((1, 1, 1), (1, 1, 4)):
+    mesh = _mesh(*layout)
+    engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec, drafter=drafter,
+                           tuner=FixedTuner((3, 2, 6)))
+    res = engine.generate(PROMPTS[:3], 2, SamplingParams(0.0), jax.random.key(7))
+    assert any(r.mode == "sd" for r in res.timeline), layout
+    tokens.append(res.tokens)
+  assert tokens[1] == tokens[0]
+
+
 def test_training_state_is_split_over_every_device(model):
   """FSDP over replica x fsdp: each device holds 1/8 of the weights and of AdamW's state
   (within the few small leaves, e.g. biases, that tensor axes would split)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -367,7 +367,8 @@ def rollout_stand_in(config: ml_collections.ConfigDict) -> ml_collections.Config
 
 
 def job_budget(config: ml_collections.ConfigDict, job: str, progress: Callable = print,
-               num_devices: int = 1, stand_in: bool | None = None) -> dict:
+               num_devices: int = 1, stand_in: bool | None = None,
+               only: Collection[str] | None = None) -> dict:
   """Memory of `job` per device on its mesh over `num_devices` devices: resident bytes by
   name, every program's analysis with its `peak_bytes` (resident + non-resident arguments +
   temporaries + outputs not aliased), and the job's `peak_bytes` (the largest).
@@ -375,11 +376,19 @@ def job_budget(config: ml_collections.ConfigDict, job: str, progress: Callable =
   With `stand_in` (default: where `needs_rollout_stand_in`), each rollout program's
   temporaries come from the same program of `rollout_stand_in(config)` (its row says so in
   `temp_source`; the program's own compile is kept as `temp_bytes_as_compiled`); everything
-  else is the config's own."""
+  else is the config's own. `only`: the names of the programs to compile (default all; the
+  job's peak is then theirs)."""
   resident, programs = job_programs(config, job, num_devices)
+  if only is not None:
+    missing = set(only) - {p.name for p in programs}
+    if missing:
+      raise ValueError(f"job {job!r} has no programs {sorted(missing)}; it has "
+                       f"{[p.name for p in programs]}")
+    programs = [p for p in programs if p.name in only]
   stand_in = needs_rollout_stand_in(config) if stand_in is None else stand_in
   stand_in = {p.name: p for p in job_programs(rollout_stand_in(config), job, num_devices)[1]
-              if p.name.startswith("rollout_")} if stand_in else {}
+              if p.name.startswith("rollout_") and (only is None or p.name in only)
+              } if stand_in else {}
   resident_bytes = {k: tree_bytes(v) for k, v in resident.items()}
   held = sum(resident_bytes.values())
   rows = {}

@@ -20,7 +20,7 @@ from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.knobs import build_from
 from tlt_jax.mesh import logical_shardings
-from tlt_jax.models.config import ModelConfig, RopeConfig, ROPE_TYPES
+from tlt_jax.models.config import ARCHITECTURE_FLAGS, ModelConfig, RopeConfig, ROPE_TYPES
 from tlt_jax.models.decoder import init_params, param_logical_axes
 from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
 from tlt_jax.models.drafter_io import load_drafter
@@ -89,7 +89,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     return load_hf_config(m.path, **runtime)
   try:
     return build_from(ModelConfig, m, rope=RopeConfig(theta=m.rope_theta, rope_type=ROPE_TYPES[0]),
-                      qkv_bias=m.model_type == "qwen2", **runtime)
+                      **ARCHITECTURE_FLAGS.get(m.model_type, {}), **runtime)
   except ValueError as e:
     raise ConfigError(str(e)) from None
 

@@ -24,7 +24,7 @@ import zipfile
 
 from tlt_jax.models.hf import check_model_folder, load_hf_config
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
 GGUF_EXTRA = 'pip install -e ".[gguf]"'
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"

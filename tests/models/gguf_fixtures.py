@@ -23,12 +23,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 def write_tiny_gguf(path: str, arch: str = "llama", untied: bool = False,
                     raw_ffn_down: gguf.GGMLQuantizationType | None = None, seed: int = 0,
-                    rope_scaling: str | None = None) -> str:
-  """Writes a 2-layer model of `arch` ('llama', 'qwen2' with QKV biases, or any other name with
-  llama's tensors) to `path`. untied: an output.weight of its own. raw_ffn_down: store each
-  ffn_down.weight as zero bytes of that ggml type (a quantisation to fail on). rope_scaling:
-  'yarn' (factor 4, as llama.cpp writes its keys) or 'rope_freqs' (Llama-3's scaled
-  frequencies as llama.cpp stores them, a rope_freqs.weight tensor)."""
+                    rope_scaling: str | None = None, head_dim: int = HEAD_DIM) -> str:
+  """Writes a 2-layer model of `arch` ('llama', 'qwen2' with QKV biases, 'qwen3' with per-head
+  q/k norms, or any other name with llama's tensors) to `path`. untied: an output.weight of its
+  own. raw_ffn_down: store each ffn_down.weight as zero bytes of that ggml type (a
+  quantisation to fail on). rope_scaling: 'yarn' (factor 4, as llama.cpp writes its keys) or
+  'rope_freqs' (Llama-3's scaled frequencies as llama.cpp stores them, a rope_freqs.weight
+  tensor). head_dim: other than HIDDEN / HEADS, written as the attention key and value
+  lengths, as llama.cpp writes Qwen3's."""
   rng = np.random.default_rng(seed)
   w = gguf.GGUFWriter(path, arch)
   w.add_block_count(LAYERS)
@@ -37,6 +39,9 @@ def write_tiny_gguf(path: str, arch: str = "llama", untied: bool = False,
   w.add_feed_forward_length(FFN)
   w.add_head_count(HEADS)
   w.add_head_count_kv(KV_HEADS)
+  if head_dim != HIDDEN // HEADS:
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
   w.add_rope_freq_base(10000.0)
   w.add_layer_norm_rms_eps(1e-5)
   w.add_tokenizer_model("gpt2")
@@ -52,7 +57,7 @@ def write_tiny_gguf(path: str, arch: str = "llama", untied: bool = False,
     w.add_rope_scaling_factor(4.0)
     w.add_rope_scaling_orig_ctx_len(64)
   elif rope_scaling == "rope_freqs":
-    w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, HEAD_DIM // 2, dtype=np.float32))
+    w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32))
 
   def tensor(name, *shape, scale=0.2):  # shapes as torch has them: [out, in]
     w.add_tensor(name, (scale * rng.standard_normal(shape)).astype(np.float32))
@@ -62,7 +67,7 @@ def write_tiny_gguf(path: str, arch: str = "llama", untied: bool = False,
   tensor("output_norm.weight", HIDDEN)
   if untied:
     tensor("output.weight", vocab, HIDDEN)
-  q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+  q, kv = HEADS * head_dim, KV_HEADS * head_dim
   for i in range(LAYERS):
     p = f"blk.{i}."
     tensor(p + "attn_norm.weight", HIDDEN)
@@ -75,6 +80,11 @@ def write_tiny_gguf(path: str, arch: str = "llama", untied: bool = False,
       tensor(p + "attn_q.bias", q)
       tensor(p + "attn_k.bias", kv)
       tensor(p + "attn_v.bias", kv)
+    if arch == "qwen3":
+      w.add_tensor(p + "attn_q_norm.weight",
+                   (1.0 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
+      w.add_tensor(p + "attn_k_norm.weight",
+                   (1.0 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
     tensor(p + "ffn_gate.weight", FFN, HIDDEN)
     tensor(p + "ffn_up.weight", FFN, HIDDEN)
     if raw_ffn_down is None:

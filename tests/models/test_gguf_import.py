@@ -23,14 +23,19 @@ from tlt_jax.rl.tokenizer import prompt_ids
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("arch,untied", [("llama", False), ("qwen2", True)])
+# transformers' GGUF reader takes a Qwen3's head_dim from Qwen3Config's default (128, that of
+# every released Qwen3), not from the file's attention key length: the Qwen3 files are 128.
+@pytest.mark.parametrize("arch,untied", [("llama", False), ("qwen2", True), ("qwen3", False),
+                                         ("qwen3", True)])
 def test_imported_folder_computes_what_transformers_reads_from_the_gguf(tmp_path, arch, untied):
-  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"), arch, untied=untied)
+  head_dim = 128 if arch == "qwen3" else gguf_fixtures.HEAD_DIM
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"), arch, untied=untied,
+                                       head_dim=head_dim)
   out = import_gguf(path, str(tmp_path / "model"))
   assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
   cfg = load_hf_config(out)
-  assert (cfg.model_type, cfg.qkv_bias, cfg.tie_embeddings) == (arch, arch == "qwen2",
-                                                                 not untied)
+  assert (cfg.model_type, cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings, cfg.head_dim) == (
+      arch, arch == "qwen2", arch == "qwen3", not untied, head_dim)
   params = load_hf_params(out, cfg)
 
   reference = AutoModelForCausalLM.from_pretrained(
@@ -58,7 +63,7 @@ def test_bfloat16_import(tmp_path):
 def test_unsupported_architecture(tmp_path):
   path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"), arch="gemma")
   with pytest.raises(ImportModelError, match=r"unsupported architecture 'gemma'; supported: "
-                     r"llama, qwen2$"):
+                     r"llama, qwen2, qwen3$"):
     import_gguf(path, str(tmp_path / "model"))
   assert not os.path.exists(tmp_path / "model")
 

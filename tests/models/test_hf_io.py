@@ -91,6 +91,68 @@ def test_unsupported_model_type():
     model_config_from_hf(GPT2Config())
 
 
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+  path = tmp_path_factory.mktemp("qwen3_err")
+  hf_fixtures.save_random_model(hf_fixtures.qwen3_config(), str(path))
+  return path
+
+
+def _qwen3_mixture_of_experts(config):
+  from transformers import Qwen3MoeConfig
+  moe = Qwen3MoeConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+                       num_hidden_layers=config["num_hidden_layers"], num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32).to_dict()
+  config.clear()
+  config.update(moe, architectures=["Qwen3MoeForCausalLM"])
+
+
+def _yarn(config):  # as the Qwen3 model cards suggest for contexts past 32k
+  config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0,
+                            "original_max_position_embeddings": 128}
+
+
+def _sliding_window(config):  # as configs from before transformers 5 declare it
+  del config["layer_types"]
+  config.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_qwen3_mixture_of_experts, "unsupported model_type 'qwen3_moe' (a mixture of experts: "
+                                "only dense models run here); supported: ('qwen2', 'llama', "
+                                "'qwen3')"),
+    (_yarn, "unsupported rope_type 'yarn' (RoPE scaling); supported: ('default', 'llama3')"),
+    (_sliding_window, "sliding-window attention (sliding_window=16 on 1 of 2 layers, from "
+                      "layer 1) is not supported; only full attention runs here"),
+])
+def test_a_qwen3_folder_the_decoder_cannot_run_fails_in_one_line(qwen3_dir, tmp_path, edit,
+                                                                  message):
+  """Read from config.json alone (no weights, no transformers) when a run's config is
+  checked, and again when transformers reads the folder: the same line, naming what is
+  missing."""
+  from tests.conftest import repo_config
+  from tlt_jax.config import ConfigError, check_config
+  from tlt_jax.models.hf import check_model_folder
+  path = _copy_with(qwen3_dir, tmp_path / "m", lambda t: None)
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  edit(config)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  with pytest.raises(ValueError) as e:
+    check_model_folder(path)
+  assert str(e.value) == f"{path}/config.json: {message}"
+  with pytest.raises(ValueError) as e:
+    load_hf_config(path)
+  assert str(e.value) == message
+  run = repo_config("default", "runlocal")
+  with run.unlocked():
+    run.model.path = path
+  with pytest.raises(ConfigError) as e:
+    check_config(run)
+  assert str(e.value).endswith(message) and "\n" not in str(e.value)
+
+
 def test_missing_tensors_are_listed(qwen_dir, tmp_path):
   def drop(t):
     del t["model.layers.1.mlp.up_proj.weight"]
@@ -126,10 +188,19 @@ def test_missing_weights_file(qwen_dir, tmp_path):
 
 def test_config_round_trip_through_transformers(tiny_cfg):
   llama = tiny_cfg.replace(model_type="llama", qkv_bias=False, tie_embeddings=True)
-  for cfg in (tiny_cfg, llama):
+  qwen3 = tiny_cfg.replace(model_type="qwen3", qkv_bias=False, qk_norm=True, head_dim=16)
+  for cfg in (tiny_cfg, llama, qwen3):
     back = model_config_from_hf(hf_config_from_model_config(cfg),
                                 attention_impl=cfg.attention_impl)
     assert back == cfg
+  # An architecture's flags are its model type's: a Qwen3 has no qkv bias, a Qwen2 no q/k norm.
+  with pytest.raises(ValueError, match=r"^a qwen3 export needs qkv_bias=False, qk_norm=True, "
+                                       r"not qkv_bias=True$"):
+    hf_config_from_model_config(qwen3.replace(qkv_bias=True))
+  with pytest.raises(ValueError, match=r"^a qwen2 export needs qkv_bias=True, qk_norm=False, "
+                                       r"not qkv_bias=False, qk_norm=True; use "
+                                       r"model_type='qwen3'$"):
+    hf_config_from_model_config(qwen3.replace(model_type="qwen2"))
 
 
 def _word_tokenizer():

@@ -1,4 +1,5 @@
-"""Logit parity with transformers' PyTorch Qwen2 and Llama on ragged prompts."""
+"""Logit parity with transformers' PyTorch Qwen2, Llama and Qwen3 (untied and tied) on
+ragged prompts."""
 
 import functools
 
@@ -17,11 +18,15 @@ DECODE_STEPS = 8
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+HF_CONFIGS = {"qwen2": hf_fixtures.qwen2_config, "llama": hf_fixtures.llama_config,
+              "qwen3": hf_fixtures.qwen3_config,
+              "qwen3-tied": lambda: hf_fixtures.qwen3_config(tied=True)}
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
 def hf_model(request, tmp_path_factory):
   path = str(tmp_path_factory.mktemp(request.param))
-  hf_cfg = hf_fixtures.qwen2_config() if request.param == "qwen2" else hf_fixtures.llama_config()
-  model = hf_fixtures.save_random_model(hf_cfg, path)
+  model = hf_fixtures.save_random_model(HF_CONFIGS[request.param](), path)
   return request.param, path, model
 
 
@@ -33,7 +38,7 @@ def _torch_logits(model, ids):
 def test_prefill_and_decode_match_transformers(hf_model):
   name, path, torch_model = hf_model
   cfg = load_hf_config(path)
-  assert cfg.model_type == name
+  assert cfg.model_type == name.removesuffix("-tied")
   params = load_hf_params(path, cfg)
   rng = np.random.default_rng(0)
   seqs = [rng.integers(0, hf_fixtures.VOCAB, n + DECODE_STEPS).tolist() for n in PROMPT_LENS]

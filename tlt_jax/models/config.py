@@ -1,4 +1,5 @@
-"""Static description of a Llama/Qwen2-family decoder (hashable, so it can be a jit static arg)."""
+"""Static description of a Llama/Qwen2/Qwen3-family decoder (hashable, so it can be a jit
+static arg)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ROPE_TYPES = ("default", "llama3")
-MODEL_TYPES = ("qwen2", "llama")  # the Hugging Face architectures this decoder loads
+MODEL_TYPES = ("qwen2", "llama", "qwen3")  # the Hugging Face architectures this decoder loads
+# What sets the dense architectures apart, as ModelConfig fields: Qwen2 adds biases to the
+# q/k/v projections, Qwen3 an RMSNorm over each head's queries and keys before RoPE.
+ARCHITECTURE_FLAGS = {"qwen2": dict(qkv_bias=True, qk_norm=False),
+                      "llama": dict(qkv_bias=False, qk_norm=False),
+                      "qwen3": dict(qkv_bias=False, qk_norm=True)}
 # Per-layer rematerialisation under differentiation: "none" saves every activation, "full"
 # only each layer's input (the backward pass recomputes the layer), "dots" also the matmul
 # outputs without a batch dimension (less recompute, more memory).
@@ -54,6 +60,8 @@ class ModelConfig:
   rope: RopeConfig = RopeConfig()
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False
+  # RMSNorm over each head's queries and keys (weights [D], shared by the heads) before RoPE.
+  qk_norm: bool = False
   tie_embeddings: bool = False
   max_position_embeddings: int = 32768
   dtype: str = "float32"

@@ -3,8 +3,8 @@
 A drafter folder holds `config.json` (the DrafterConfig and the policy shape it was trained
 for) and `model.safetensors` with EAGLE's tensor names: `fc.weight` / `fc.bias` ([E, in], as
 torch.nn.Linear stores them), `layers.{i}.self_attn.q_proj.weight` and the rest of each
-decoder layer under the same names as the policy's layers, and `norm.weight` / `fuse.weight`
-when the architecture has them. The embedding and LM head are the policy's and are not saved.
+decoder layer under the same names as the policy's layers (a Qwen3 policy's `q_norm` /
+`k_norm` included), and `norm.weight` / `fuse.weight` when the architecture has them. The embedding and LM head are the policy's and are not saved.
 
 A drafter with a reduced draft vocabulary also holds its own head and the vocabulary maps as
 EAGLE-3 stores them: `lm_head.weight` [r, E], `d2t` [r] int64 offsets (policy id = draft id +
@@ -33,7 +33,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # The policy's shape that a drafter depends on; a mismatch on load is an error.
 POLICY_FIELDS = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size", "model_type", "qkv_bias")
+                 "intermediate_size", "model_type", "qkv_bias", "qk_norm")
 
 
 def _tensors(cfg: ModelConfig, dcfg: DrafterConfig):

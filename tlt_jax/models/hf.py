@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +20,16 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from tlt_jax.mesh import DEFAULT_RULES, logical_to_mesh_spec
-from tlt_jax.models.config import MODEL_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
+from tlt_jax.models.config import (ARCHITECTURE_FLAGS, MODEL_TYPES, ROPE_TYPES, ModelConfig,
+                                   RopeConfig)
 from tlt_jax.models.decoder import param_logical_axes
 
 SAFETENSORS_FILE = "model.safetensors"
+# The transformers class of each model type, as config.json's `architectures` names it.
+CAUSAL_LM_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}
+# transformers' default of max_window_layers (Qwen2, Qwen3), for configs that omit it.
+_DEFAULT_MAX_WINDOW_LAYERS = 28
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -57,9 +63,9 @@ def check_model_folder(path: str) -> None:
   if not model_type:
     raise ValueError(f"{config_path} has no model_type; a Hugging Face config of one of "
                      f"{MODEL_TYPES} is needed")
-  if model_type not in MODEL_TYPES:
-    raise ValueError(f"{config_path}: unsupported model_type {model_type!r}; supported: "
-                     f"{MODEL_TYPES}")
+  problem = architecture_problem(data)
+  if problem:
+    raise ValueError(f"{config_path}: {problem}")
   for fn in sorted(set(_weight_files(path).values())):
     check_safetensors(fn)
 
@@ -89,25 +95,71 @@ def check_safetensors(path: str) -> None:
     raise ValueError(f"{path} is truncated or corrupt: {problem}; copy or export it again")
 
 
-def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
-  """Maps a transformers Llama/Qwen2 config (object) to a ModelConfig; overrides win."""
-  mt = hf_config.model_type
+def _rope_parameters(c: Mapping) -> tuple[dict, str]:
+  """(the RoPE parameters, the rope type) of a config dict. transformers 5 keeps them in
+  rope_parameters (theta included); older configs have rope_theta and rope_scaling, and a
+  rope_scaling beside rope_parameters wins, as transformers reads it."""
+  scaling = dict(c.get("rope_scaling") or {})
+  if "type" in scaling:  # the older name of rope_type
+    scaling.setdefault("rope_type", scaling.pop("type"))
+  rp = {**(c.get("rope_parameters") or {}), **scaling}
+  return rp, rp.get("rope_type", "default")
+
+
+def _sliding_window_layers(c: Mapping) -> tuple[list[int], int]:
+  """(the layers of a config dict that attend through a sliding window, the number of
+  layers), from its layer_types; for configs without them (before transformers 5), by the
+  rule transformers derives them with (use_sliding_window and a window: the layers from
+  max_window_layers on)."""
+  types = c.get("layer_types")
+  if types is None:
+    n = c.get("num_hidden_layers") or 0
+    windowed = c.get("use_sliding_window") and c.get("sliding_window") is not None
+    first = c.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS) if windowed else n
+    types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+  return [i for i, t in enumerate(types) if t == "sliding_attention"], len(types)
+
+
+def architecture_problem(c: Mapping) -> str | None:
+  """What in a Hugging Face config this decoder cannot run, in one line (None: it can run
+  it). `c` is config.json's dict or a transformers config's `to_dict()`: a model type other
+  than the dense ones of MODEL_TYPES (mixtures of experts among them), an activation other
+  than SiLU, biases the architecture does not have here, RoPE scaling other than ROPE_TYPES,
+  sliding-window attention on any layer."""
+  mt = c.get("model_type")
   if mt not in MODEL_TYPES:
-    raise ValueError(f"unsupported model_type {mt!r}; supported: {MODEL_TYPES}")
-  if getattr(hf_config, "hidden_act", "silu") != "silu":
-    raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only 'silu' is supported")
-  if mt == "qwen2" and getattr(hf_config, "use_sliding_window", False):
-    raise ValueError("Qwen2 sliding-window attention (use_sliding_window=True) is not supported")
-  if mt == "llama" and (getattr(hf_config, "attention_bias", False)
-                        or getattr(hf_config, "mlp_bias", False)):
-    raise ValueError("Llama attention_bias/mlp_bias=True is not supported")
-  # transformers 5 keeps theta in rope_parameters; older configs have rope_theta/rope_scaling.
-  rp = dict(getattr(hf_config, "rope_parameters", None) or {})
-  rp = rp or dict(getattr(hf_config, "rope_scaling", None) or {})
-  theta = rp.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-  rope_type = rp.get("rope_type", rp.get("type", "default"))
+    moe = ("moe" in str(mt) or any(c.get(k) for k in ("num_experts", "num_local_experts"))
+           or c.get("architectures") and "Moe" in str(c["architectures"]))
+    kind = " (a mixture of experts: only dense models run here)" if moe else ""
+    return f"unsupported model_type {mt!r}{kind}; supported: {MODEL_TYPES}"
+  act = c.get("hidden_act", "silu")
+  if act != "silu":
+    return f"unsupported hidden_act {act!r}; only 'silu' is supported"
+  if mt == "llama" and (c.get("attention_bias") or c.get("mlp_bias")):
+    return "Llama attention_bias/mlp_bias=True is not supported"
+  if mt == "qwen3" and c.get("attention_bias"):
+    return "Qwen3 attention_bias=True (biases on q/k/v/o_proj) is not supported"
+  _, rope_type = _rope_parameters(c)
   if rope_type not in ROPE_TYPES:
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}")
+    return f"unsupported rope_type {rope_type!r} (RoPE scaling); supported: {ROPE_TYPES}"
+  sliding, layers = _sliding_window_layers(c)
+  if sliding:
+    return (f"sliding-window attention (sliding_window={c.get('sliding_window')} on "
+            f"{len(sliding)} of {layers} layers, from layer {sliding[0]}) is not supported; "
+            f"only full attention runs here")
+  return None
+
+
+def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
+  """Maps a transformers Llama/Qwen2/Qwen3 config (object) to a ModelConfig; overrides win.
+  ValueError (one line, `architecture_problem`) for a config this decoder cannot run."""
+  fields = hf_config.to_dict()
+  problem = architecture_problem(fields)
+  if problem:
+    raise ValueError(problem)
+  mt = hf_config.model_type
+  rp, rope_type = _rope_parameters(fields)
+  theta = rp.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
   rope_kw = {k: rp[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                 "original_max_position_embeddings") if k in rp}
   heads = hf_config.num_attention_heads
@@ -117,7 +169,7 @@ def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
       num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
       head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
       rope=RopeConfig(theta=float(theta), rope_type=rope_type, **rope_kw),
-      rms_norm_eps=hf_config.rms_norm_eps, qkv_bias=(mt == "qwen2"),
+      rms_norm_eps=hf_config.rms_norm_eps, **ARCHITECTURE_FLAGS[mt],
       tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
       max_position_embeddings=hf_config.max_position_embeddings, model_type=mt)
   kw.update(overrides)
@@ -133,8 +185,9 @@ def load_hf_config(path: str, **overrides) -> ModelConfig:
 
 
 def hf_config_from_model_config(cfg: ModelConfig):
-  """The transformers config object (LlamaConfig or Qwen2Config) describing `cfg`."""
-  from transformers import LlamaConfig, Qwen2Config
+  """The transformers config object (LlamaConfig, Qwen2Config or Qwen3Config) describing
+  `cfg`; ValueError when cfg's architecture flags are not its model type's."""
+  from transformers import LlamaConfig, Qwen2Config, Qwen3Config
   rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
   if cfg.rope.rope_type == "llama3":
     rope.update(factor=cfg.rope.factor, low_freq_factor=cfg.rope.low_freq_factor,
@@ -148,16 +201,22 @@ def hf_config_from_model_config(cfg: ModelConfig):
       tie_word_embeddings=cfg.tie_embeddings,
       max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
       dtype=cfg.param_dtype)
+  if cfg.model_type not in MODEL_TYPES:
+    raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: {MODEL_TYPES}")
+  flags = ARCHITECTURE_FLAGS[cfg.model_type]
+  wrong = [f"{k}={getattr(cfg, k)}" for k, v in flags.items() if getattr(cfg, k) != v]
+  if wrong:
+    owner = [mt for mt, f in ARCHITECTURE_FLAGS.items()
+             if all(getattr(cfg, k) == v for k, v in f.items())]
+    hint = f"; use model_type={owner[0]!r}" if owner else ""
+    raise ValueError(f"a {cfg.model_type} export needs "
+                     f"{', '.join(f'{k}={v}' for k, v in flags.items())}, not "
+                     f"{', '.join(wrong)}{hint}")
   if cfg.model_type == "qwen2":
-    if not cfg.qkv_bias:
-      raise ValueError("a qwen2 export needs qkv_bias=True")
     return Qwen2Config(**common)
-  if cfg.model_type == "llama":
-    if cfg.qkv_bias:
-      raise ValueError("a llama export cannot carry qkv biases; use model_type='qwen2'")
-    return LlamaConfig(**common)
-  raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: "
-                   f"{MODEL_TYPES}")
+  if cfg.model_type == "qwen3":
+    return Qwen3Config(**common)
+  return LlamaConfig(**common)
 
 
 # ---------------------------------------------------------------- weight name mapping
@@ -207,6 +266,10 @@ def _tensor_table(cfg: ModelConfig) -> list[_Tensor]:
       _Tensor(pre + "mlp.down_proj.weight", ("layers", "mlp", "down_proj", "kernel"), t, t,
               (e, f)),
   ]
+  if cfg.qk_norm:
+    for name in ("q_norm", "k_norm"):
+      rows.append(_Tensor(pre + f"self_attn.{name}.weight",
+                          ("layers", "self_attn", name, "weight"), same, same, (d,)))
   if cfg.qkv_bias:
     for name, heads in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
       rows.append(_Tensor(pre + f"self_attn.{name}.bias", ("layers", "self_attn", name, "bias"),
@@ -367,7 +430,7 @@ def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None
   from transformers import GenerationConfig
   os.makedirs(path, exist_ok=True)
   hf_cfg = hf_config_from_model_config(cfg)
-  hf_cfg.architectures = ["Qwen2ForCausalLM" if cfg.model_type == "qwen2" else "LlamaForCausalLM"]
+  hf_cfg.architectures = [CAUSAL_LM_CLASSES[cfg.model_type]]
   for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
     setattr(hf_cfg, key, getattr(tokenizer, key, None))
   hf_cfg.save_pretrained(path)

@@ -1,10 +1,11 @@
-"""A Llama/Qwen2-family decoder layer as pure functions over its weights.
+"""A Llama/Qwen2/Qwen3-family decoder layer as pure functions over its weights.
 
 One layer's weights are a plain dict, the same in the policy (stacked on a leading `layers`
 axis) and in the drafter (one dict per layer):
 
   input_layernorm/weight [E]           (absent in an EAGLE drafter's first layer)
   self_attn/{q,k,v}_proj/kernel [E, heads, D], bias [heads, D] (with qkv_bias)
+  self_attn/{q,k}_norm/weight [D]      (with qk_norm: Qwen3's per-head norms before RoPE)
   self_attn/o_proj/kernel [H, D, E]
   post_attention_layernorm/weight [E]
   mlp/{gate,up}_proj/kernel [E, F], mlp/down_proj/kernel [F, E]
@@ -45,10 +46,14 @@ def layer_param_specs(cfg: ModelConfig, input_norm: bool = True) -> dict:
       p["bias"] = ParamSpec((heads, d), (head_axis, "head_dim"), "zeros")
     return p
   norm = {"weight": ParamSpec((e,), ("embed",), "ones")}
+  attn = {"q_proj": proj(h, "heads"), "k_proj": proj(kv, "kv_heads"),
+          "v_proj": proj(kv, "kv_heads"),
+          "o_proj": {"kernel": ParamSpec((h, d, e), ("heads", "head_dim", "embed"))}}
+  if cfg.qk_norm:
+    attn["q_norm"] = {"weight": ParamSpec((d,), ("head_dim",), "ones")}
+    attn["k_norm"] = {"weight": ParamSpec((d,), ("head_dim",), "ones")}
   specs = {
-      "self_attn": {"q_proj": proj(h, "heads"), "k_proj": proj(kv, "kv_heads"),
-                    "v_proj": proj(kv, "kv_heads"),
-                    "o_proj": {"kernel": ParamSpec((h, d, e), ("heads", "head_dim", "embed"))}},
+      "self_attn": attn,
       "post_attention_layernorm": dict(norm),
       "mlp": {"gate_proj": {"kernel": ParamSpec((e, f), ("embed", "mlp"))},
               "up_proj": {"kernel": ParamSpec((e, f), ("embed", "mlp"))},
@@ -101,12 +106,16 @@ def _project(x: jax.Array, w: dict, dtype) -> jax.Array:
 def qkv(x: jax.Array, w: dict, positions: jax.Array, cfg: ModelConfig
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """x [B, T, E] normed inputs at positions [B, T] through the layer's `self_attn` q/k/v
-  projections -> q [B, T, H, D], k, v [B, T, KVH, D] (q and k after RoPE)."""
+  projections -> q [B, T, H, D], k, v [B, T, KVH, D] (q and k after RoPE; with cfg.qk_norm
+  each head's q and k are RMS-normed over D first, as Qwen3 does)."""
   dt = cfg.jnp_dtype
   inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
-  q = apply_rope(_project(x, w["q_proj"], dt), positions, inv_freq)
-  k = apply_rope(_project(x, w["k_proj"], dt), positions, inv_freq)
-  return q, k, _project(x, w["v_proj"], dt)
+  q, k = _project(x, w["q_proj"], dt), _project(x, w["k_proj"], dt)
+  if cfg.qk_norm:
+    q = rms_norm(q, w["q_norm"]["weight"], cfg.rms_norm_eps)
+    k = rms_norm(k, w["k_norm"]["weight"], cfg.rms_norm_eps)
+  return (apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq),
+          _project(x, w["v_proj"], dt))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, w: dict, mask: jax.Array,
