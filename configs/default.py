@@ -29,7 +29,7 @@ def get_config(arg: str | None = None):
   c.mesh.axes.fsdp = -1
   tiny_task_settings(c)
   c.model.path = os.path.join(ASSETS, "tiny-policy")
-  c.drafter.path = os.path.join(ASSETS, "tiny-drafter")
+  c.drafter.eagle.path = os.path.join(ASSETS, "tiny-drafter")
 
   # On CPU compiles dominate and decode is compute-bound: scanned layers everywhere (the
   # runlocal job measured 39 s of compiles and 77 s in all, against 55 s and 106 s looped).

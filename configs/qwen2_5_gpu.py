@@ -4,7 +4,7 @@
       --config.model.path=/models/Qwen2.5-7B-Instruct --workdir runs/qwen7b_warmup
   python -m tlt_jax.train --config configs/qwen2_5_gpu.py:8gpu \\
       --config.model.path=/models/Qwen2.5-7B-Instruct \\
-      --config.drafter.path=runs/qwen7b_warmup/export --workdir runs/qwen7b
+      --config.drafter.eagle.path=runs/qwen7b_warmup/export/eagle --workdir runs/qwen7b
 
 Variant: `8gpu`: 8 rollout slices of one GPU, each with the whole policy (the rollout layout:
 no weight gathers while decoding), training sharded over all 8 (FSDP over replica x fsdp);

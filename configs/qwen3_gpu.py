@@ -4,7 +4,7 @@
       --config.model.path=/models/Qwen3-8B --workdir runs/qwen3_8b_warmup
   python -m tlt_jax.train --config configs/qwen3_gpu.py:8gpu \\
       --config.model.path=/models/Qwen3-8B \\
-      --config.drafter.path=runs/qwen3_8b_warmup/export --workdir runs/qwen3_8b
+      --config.drafter.eagle.path=runs/qwen3_8b_warmup/export/eagle --workdir runs/qwen3_8b
   python -m tlt_jax.train --config configs/qwen3_gpu.py:1gpu \\
       --config.model.path=/models/Qwen3-1.7B --workdir runs/qwen3_1.7b
 

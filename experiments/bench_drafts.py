@@ -11,7 +11,7 @@ mode runs once to compile and once timed.
 
   python experiments/bench_drafts.py --out results/drafts/drafts.json
   python experiments/bench_drafts.py --config configs/smollm2.py \
-      --set drafter.path=runs/smollm2_cpu/warmup/export \
+      --set drafter.eagle.path=runs/smollm2_cpu/warmup/export/eagle \
       --out results/drafts_smollm2/drafts.json
 
 JSON: settings; per mode (plain and each strategy) bench_rollout.py's summary of the timed
@@ -46,9 +46,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bench_rollout import summarize  # noqa: E402
 from tlt_jax.cli import config_from_file  # noqa: E402
 from tlt_jax.config import ConfigError  # noqa: E402
-from tlt_jax.components import (load_drafter_for, load_policy, load_tokenizer_for,  # noqa: E402
+from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,  # noqa: E402
                                 make_engine, sampling_params, task_prompts)
-from tlt_jax.drafters import build_drafters  # noqa: E402
+from tlt_jax.drafters import drafters_named  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.models import Policy, init_cache  # noqa: E402
 from tlt_jax.speculative.decoding import decode_loop, start  # noqa: E402
@@ -71,7 +71,7 @@ def parse_args(argv=None):
   p.add_argument("--out", required=True, help="JSON path; the PNG goes next to it")
   p.add_argument("--config", default=str(REPO / "configs" / "default.py"))
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="config override, e.g. --set drafter.path=DIR (repeatable)")
+                 help="config override, e.g. --set drafter.eagle.path=DIR (repeatable)")
   p.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES,
                  help="'steps,topk,verify[,drafts]' each, drafts eagle | suffix | eagle+suffix")
   p.add_argument("--prompts", type=int, default=16, help="held-out prompts per rollout")
@@ -94,14 +94,14 @@ def parse_args(argv=None):
   return args
 
 
-def iteration_seconds(cfg, params, drafter, strategies, prompts, corpus_rows, batch: int,
+def iteration_seconds(cfg, params, drafters, strategies, prompts, corpus_rows, batch: int,
                       iterations: int, repeats: int, max_new: int) -> dict:
   """Seconds per SD iteration of each strategy at `batch` rows: one `decode_loop` call of
   `iterations` from the same freshly prefilled state, the strategies alternating, the median
   of `repeats` calls each. The suffix drafter's corpus is `corpus_rows` random responses per
   row (its matching costs the same whatever they hold). With fewer prompts than rows the
   prompts repeat."""
-  policy, drafters = Policy(params, cfg), build_drafters(*drafter)
+  policy = Policy(params, cfg)
   rows = [prompts[i % len(prompts)] for i in range(batch)]
   width = max(len(p) for p in rows)
   toks = np.zeros((batch, width), np.int32)
@@ -143,7 +143,7 @@ def main(argv=None):
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   tokenizer = load_tokenizer_for(config)
   cfg, params = load_policy(config, mesh)
-  dcfg, dparams = load_drafter_for(config, cfg)
+  drafters = load_drafters_for(config, cfg, names=drafters_named(strategies))
   eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
   _, prompts = task_prompts(config, tokenizer, args.prompts, eval_split=True)
   samples, sp = config.rl.num_samples, sampling_params(config)
@@ -151,7 +151,7 @@ def main(argv=None):
 
   modes, runs = {}, {}
   for strategy in [None, *strategies]:
-    engine = make_engine(config, cfg, params, mesh, eos, pad, drafter=(dcfg, dparams),
+    engine = make_engine(config, cfg, params, mesh, eos, pad, drafters=drafters,
                          speculative=strategy is not None,
                          tuner=FixedTuner(strategy) if strategy else None,
                          sd_threshold=threshold, max_new_tokens=max_new,
@@ -170,7 +170,7 @@ def main(argv=None):
 
   iteration = {}
   for b in args.iteration_batches:
-    iteration[str(b)] = iteration_seconds(cfg, params, (dcfg, dparams), strategies, prompts,
+    iteration[str(b)] = iteration_seconds(cfg, params, drafters, strategies, prompts,
                                           config.rollout.speculative.corpus_rows, b,
                                           args.iterations, args.repeats, max_new)
     print(f"batch {b}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in
@@ -191,7 +191,7 @@ def main(argv=None):
   settings = {k: v for k, v in vars(args).items() if k != "out"}
   settings.update(samples=samples, temperature=sp.temperature, max_new_tokens=max_new,
                   sd_threshold=threshold, policy=str(config.model.path),
-                  drafter=str(config.drafter.path), device=jax.devices()[0].device_kind,
+                  drafter=str(config.drafter.eagle.path), device=jax.devices()[0].device_kind,
                   date=time.strftime("%Y-%m-%d"))
   out.write_text(json.dumps({"settings": settings, "modes": modes, "iteration": iteration,
                              "hybrid_vs_eagle": hybrid_vs_eagle}, indent=2))

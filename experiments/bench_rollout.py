@@ -49,6 +49,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tlt_jax.drafter_training.train_step import DrafterOptConfig  # noqa: E402
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
+from tlt_jax.drafters import EagleDrafter  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
 from tlt_jax.models.drafter import DrafterConfig, init_drafter_params  # noqa: E402
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer  # noqa: E402
@@ -106,13 +107,13 @@ def summarize(result, threshold: int, compile_s: float, executables: int) -> dic
               timed_compiles=getattr(result, "timed_compiles", 0))
 
 
-def run_mode(cfg, params, mesh, ec, drafter, tuner, prompts, samples, sp, key,
+def run_mode(cfg, params, mesh, ec, drafters, tuner, prompts, samples, sp, key,
              warmups: int = 8):
   """Rollouts until two in a row compile nothing new (a tuner that explores may need a new
   program in a later rollout), then the timed one. Returns (timed result, compile seconds,
   executables); programs the timed rollout still compiled are in its wall time and counted
   as `timed_compiles` by summarize."""
-  engine = RolloutEngine(cfg, params, mesh, ec, drafter=drafter, tuner=tuner)
+  engine = RolloutEngine(cfg, params, mesh, ec, drafters=drafters, tuner=tuner)
   compiles, quiet = -1, 0
   for _ in range(warmups):
     first = engine.generate(prompts, samples, sp, key)
@@ -280,16 +281,17 @@ def main():
     gen = plain_engine.generate(train_prompts, 1, SamplingParams(1.0), jax.random.key(2))
     samples = collect_samples(params, cfg, train_prompts, gen.tokens)
     t0 = time.perf_counter()
-    dparams, hist = train_drafter(dparams, params, samples, cfg, dcfg,
+    trained, hist = train_drafter({"eagle": dparams}, params, samples, cfg, {"eagle": dcfg},
                                   DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=20),
                                   args.drafter_steps, window=256, batch_rows=8)
+    dparams = trained["eagle"]
     warm = dict(steps=args.drafter_steps, seconds=time.perf_counter() - t0,
                 loss_first=hist[0]["loss"], loss_last=hist[-1]["loss"],
                 top1_last=float(np.mean([h["top1"] for h in hist[-20:]])),
                 tokens=int(sum(len(s.tokens) for s in samples)))
 
   # ---------------------------------------------------------------- modes, side by side
-  drafter = (dcfg, dparams)
+  drafter = {"eagle": EagleDrafter(dparams, dcfg)}
   modes = {"plain": (None, None)}
   for s in args.strategies:
     modes[f"sd{Strategy.parse(s).as_tuple()}"] = (drafter, FixedTuner(Strategy.parse(s)))

@@ -43,7 +43,7 @@ from tqdm import tqdm  # noqa: E402
 from configs.default import get_config  # noqa: E402
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.components import model_config  # noqa: E402
-from tlt_jax.drafters import build_drafters  # noqa: E402
+from tlt_jax.drafters import EagleDrafter  # noqa: E402
 from tlt_jax.models import ModelConfig, Policy, init_cache, init_params  # noqa: E402
 from tlt_jax.models.drafter import (DrafterConfig, drafter_from_policy,  # noqa: E402
                                     init_drafter_params)
@@ -102,7 +102,7 @@ def bench(cfg, params, drafters, strategies, batch, prompt_len, new_tokens, seed
   plain_step_s = statistics.median(plain_times[1:])  # the first call compiles
   reference = np.asarray(plain_state.out)
   for name, (dcfg, dparams) in drafters.items():
-    both = build_drafters(dcfg, dparams)
+    both = {"eagle": EagleDrafter(dparams, dcfg)}
     for strategy in strategies:
       shapes = [strategy]
       if shared is not None and shared.topk == strategy.topk:

@@ -44,6 +44,7 @@ from configs.default import get_config  # noqa: E402
 from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
 from tlt_jax.components import task_prompts  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
+from tlt_jax.drafters import make_drafter  # noqa: E402
 from tlt_jax.models.drafter_io import load_drafter  # noqa: E402
 from tlt_jax.models.hf import (load_hf_config, load_hf_params, load_tokenizer,  # noqa: E402
                                save_hf_checkpoint)
@@ -192,10 +193,11 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     assistant = AutoModelForCausalLM.from_pretrained(
         make_assistant(args.policy, args.assistant_layers, tmp), dtype=torch.float32).eval()
-  dcfg, dparams = load_drafter(args.drafter, cfg)
+  name, settings, dparams = load_drafter(args.drafter, cfg)
   ec = EngineConfig(max_batch=1, max_prompt_len=longest, max_new_tokens=args.max_new_tokens,
                     sd_threshold=1, eos_id=eos, pad_id=pad)
-  engine = RolloutEngine(cfg, params, mesh, ec, drafter=(dcfg, dparams),
+  engine = RolloutEngine(cfg, params, mesh, ec, drafters={name: make_drafter(name, settings,
+                                                                             dparams)},
                          tuner=FixedTuner(args.strategy))
   tlt_generate(engine, group, 1, key)  # compiles; not timed
   hf_generate(hf_model, group[:1], 1, args.max_new_tokens, eos, pad, assistant=assistant)

@@ -1,6 +1,6 @@
 """Training-time test: greedy accept length per SD strategy for drafters trained with K unrolled
 draft steps (`drafter.train_depth`), without and with fused policy features, and with
-the full or a reduced draft vocabulary (`drafter.draft_vocab_size`).
+the full or a reduced draft vocabulary (`drafter.eagle.draft_vocab_size`).
 
 Every variant trains from the same random initialisation on the same samples of the policy's
 own responses (one sampled response per training prompt, features recomputed by the policy)
@@ -40,13 +40,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from tlt_jax.cli import config_from_file  # noqa: E402
-from tlt_jax.components import (drafter_opt_config, load_drafter_for, load_policy,  # noqa: E402
+from tlt_jax.components import (drafter_opt_config, load_drafters_for, load_policy,  # noqa: E402
                                 load_tokenizer_for, make_engine, model_config, task_prompts)
 from tlt_jax.drafter_training.train_step import init_train_state  # noqa: E402
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
+from tlt_jax.drafters import EagleDrafter  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
-from tlt_jax.models.draft_vocab import frequent_tokens  # noqa: E402
-from tlt_jax.models.drafter import with_draft_vocab  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.engine import accept_length  # noqa: E402
 from tlt_jax.speculative.strategy import Strategy  # noqa: E402
@@ -113,7 +112,7 @@ def main(argv=None):
   samples = {}
   for name, layers in feature_sets.items():
     c = copy.deepcopy(config)
-    c.drafter.feature_layers = layers
+    c.drafter.eagle.feature_layers = layers
     samples[name] = collect_samples(params, model_config(c), train_prompts, generated.tokens)
   samples_s = time.perf_counter() - t0
   print(f"{len(train_prompts)} samples, {int(generated.lengths.sum())} response tokens; "
@@ -124,24 +123,25 @@ def main(argv=None):
   for feat_name, vocab in variants:
     layers = feature_sets[feat_name]
     vc = copy.deepcopy(config)
-    vc.drafter.feature_layers = layers
-    vc.drafter.draft_vocab_size = vocab
+    vc.drafter.eagle.feature_layers = layers
+    vc.drafter.eagle.draft_vocab_size = vocab
     vcfg = model_config(vc)
-    dcfg, init = load_drafter_for(vc, vcfg, fresh=True)
-    if vocab:  # the tokens most frequent in the policy's responses
-      init = with_draft_vocab(init, params, frequent_tokens(generated.tokens, vcfg.vocab_size,
-                                                            vocab), vcfg)
-    init = jax.device_get(init)
+    eagle = load_drafters_for(vc, vcfg, fresh=True, names=("eagle",))["eagle"]
+    dcfg = eagle.settings
+    # With a reduced vocabulary: the tokens most frequent in the policy's responses.
+    init = jax.device_get(EagleDrafter.warm_start(dcfg, eagle.params, params, vcfg,
+                                                  generated.tokens, say=lambda _: None))
     name = feat_name + (f" r={vocab}" if vocab else "")
     trained = {}
     for k in args.train_depth:
       oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), train_depth=k)
-      state = jax.device_put(init_train_state(jax.device_put(init), oc), jax.devices()[0])
+      state = jax.device_put(init_train_state({"eagle": jax.device_put(init)}, oc),
+                             jax.devices()[0])
       t1 = time.perf_counter()
       trained[k], history = train_drafter(
-          state.params, params, samples[feat_name], vcfg, dcfg, oc, args.train_steps,
-          window=args.window, batch_rows=args.batch_rows, seed=args.seed, progress=False,
-          state=state)
+          state.params, params, samples[feat_name], vcfg, {"eagle": dcfg}, oc,
+          args.train_steps, window=args.window, batch_rows=args.batch_rows, seed=args.seed,
+          progress=False, state=state)
       tail = history[-max(1, len(history) // 10):]
       rows.append({"variant": f"{name} K={k}", "features": feat_name,
                    "feature_layers": list(layers), "draft_vocab_size": vocab, "train_depth": k,
@@ -153,7 +153,8 @@ def main(argv=None):
     # One engine per strategy and architecture; the K variants only swap weights.
     for strategy in strategies:
       first = trained[args.train_depth[0]]
-      engine = make_engine(vc, vcfg, params, mesh, eos, pad, drafter=(dcfg, first),
+      engine = make_engine(vc, vcfg, params, mesh, eos, pad,
+                           drafters={"eagle": EagleDrafter(first["eagle"], dcfg)},
                            speculative=True, tuner=FixedTuner(strategy), sd_threshold=1,
                            max_batch=1, max_new_tokens=args.max_new_tokens,
                            compile_ahead=False)  # every call SD: what is measured

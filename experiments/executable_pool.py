@@ -34,13 +34,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from tlt_jax.cli import config_from_file  # noqa: E402
-from tlt_jax.components import load_drafter_for, load_policy, load_tokenizer_for  # noqa: E402
+from tlt_jax.components import load_drafters_for, load_policy, load_tokenizer_for  # noqa: E402
 from tlt_jax.config import ConfigError  # noqa: E402
 from tlt_jax.mesh import make_mesh  # noqa: E402
-from tlt_jax.models.drafter import init_drafter_cache  # noqa: E402
 from tlt_jax.models.kv_cache import init_cache  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig  # noqa: E402
-from tlt_jax.drafters import build_drafters  # noqa: E402
 from tlt_jax.models.policy import Policy  # noqa: E402
 from tlt_jax.speculative.decoding import decode_loop, start  # noqa: E402
 from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
@@ -61,13 +59,14 @@ def program_sets(max_batch: int, sd_threshold: int, strategies: list) -> dict[st
   return {"bucketed": bucketed, "every_batch_size": every}
 
 
-def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens: int,
+def compile_set(keys, cfg, drafters, params, capacity: int, max_new_tokens: int,
                 eos: int) -> dict:
-  """Compiles every program of a set; returns counts, seconds and memory."""
+  """Compiles every program of a set (drafters: name -> the run's drafters); returns counts,
+  seconds and memory."""
   sp = SamplingParams(1.0)
   key = jax.random.key(0)
   states = {}
-  policy, drafters = Policy(params, cfg), build_drafters(dcfg, dparams)
+  policy = Policy(params, cfg)
 
   def state_shape(b):
     if b not in states:
@@ -76,7 +75,8 @@ def compile_set(keys, cfg, dcfg, params, dparams, capacity: int, max_new_tokens:
         return start(policy, prompts, jnp.full((b,), 8, jnp.int32),
                      init_cache(cfg, b, capacity), key, sp, max_new_tokens, eos,
                      drafters=drafters,
-                     draft_states={"eagle": init_drafter_cache(cfg, dcfg, b, capacity)})
+                     draft_states={n: st for n, d in drafters.items()
+                                   if (st := d.init_state(cfg, b, capacity)) is not None})
       states[b] = jax.eval_shape(make)
     return states[b]
 
@@ -120,7 +120,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
   parser.add_argument("--config", default=str(REPO / "configs" / "default.py"),
-                      help="config file[:variant]: model.path, drafter.path, rollout.*")
+                      help="config file[:variant]: model.path, drafter.eagle.path, rollout.*")
   parser.add_argument("--quick", action="store_true",
                       help="max_batch 4, SD threshold 2, one strategy (smoke test)")
   args = parser.parse_args()
@@ -137,19 +137,19 @@ def main():
   if not config.model.path:
     sys.exit("--config must name a model.path (the policy whose programs are compiled)")
   cfg, params = load_policy(config, make_mesh({"replica": 1}, jax.devices()[:1]))
-  dcfg, dparams = load_drafter_for(config, cfg)
+  drafters = load_drafters_for(config, cfg)
   eos = load_tokenizer_for(config).eos_token_id
   capacity = EngineConfig(max_batch=1, max_prompt_len=r.max_prompt_len,
                           max_new_tokens=r.max_new_tokens).capacity
 
   sets = program_sets(max_batch, threshold, strategies)
   # One untimed compile first: the first trace of the model's functions is not a pool cost.
-  compile_set(sets["bucketed"][:1], cfg, dcfg, params, dparams, capacity, r.max_new_tokens, eos)
+  compile_set(sets["bucketed"][:1], cfg, drafters, params, capacity, r.max_new_tokens, eos)
   result = {"config": args.config, "max_batch": max_batch, "sd_threshold": threshold,
             "strategies": [s.as_tuple() for s in strategies], "capacity": capacity,
             "backend": jax.default_backend(), "sets": {}}
   for name, keys in sets.items():
-    result["sets"][name] = compile_set(keys, cfg, dcfg, params, dparams, capacity,
+    result["sets"][name] = compile_set(keys, cfg, drafters, params, capacity,
                                        r.max_new_tokens, eos)
     row = result["sets"][name]
     print(f"{name:18s} {row['executables']:4d} executables  {row['compile_s']:7.1f} s  "

@@ -10,7 +10,7 @@ the offline warm-up trains its drafter, then GRPO runs with TLT and without, bac
 Stages, each the project's own command (its output streams to the console and to
 OUT/logs/STAGE.log):
   sft       python -m tlt_jax.sft                  -> OUT/sft/export (policy + tokenizer)
-  warmup    python -m tlt_jax.warmup_drafter       -> OUT/warmup/export (drafter)
+  warmup    python -m tlt_jax.warmup_drafter       -> OUT/warmup/export/eagle (drafter)
   rl        experiments/rl_runs.py, baseline + tlt -> OUT/rl (rl_runs.json, figures)
   rollout   experiments/bench_rollout.py           -> OUT/rollout (plain vs SD cost table);
             optional: the summary does not wait for it
@@ -90,7 +90,7 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: dict[str, list[str]] | 
   sets = sets or {}
   py = sys.executable
   config = str(REPO / "configs" / "gpu_demo.py") + (":quick" if quick else "")
-  policy, drafter = out / "sft" / "export", out / "warmup" / "export"
+  policy, drafter = out / "sft" / "export", out / "warmup" / "export" / "eagle"
   spot = ["--set", "drafter.spot.max_steps=8"] if quick else []
   flags = {name: [f"--config.{kv}" for kv in sets.get(name, [])] for name in CONFIG_STAGES}
   return {
@@ -101,7 +101,7 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: dict[str, list[str]] | 
                  *flags["warmup"]],
       "rl": [py, str(REPO / "experiments" / "rl_runs.py"), "--out", str(out / "rl"),
              "--config", config, "--set", f"model.path={policy}", "--set",
-             f"drafter.path={drafter}", "--variants", "baseline", "tlt", "--resume", *spot,
+             f"drafter.eagle.path={drafter}", "--variants", "baseline", "tlt", "--resume", *spot,
              *[a for kv in sets.get("rl", []) for a in ("--set", kv)]],
       # The cost table at the demo's shapes; the toy policy's rows all end early, so in the
       # quick run every call counts as the tail.

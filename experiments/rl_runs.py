@@ -6,7 +6,7 @@ prompts and seed:
   baseline   no SD, no spot training (what TLT is compared with)
   tlt        SD with the warmed drafter, spot-trained on idle slices
   frozen     SD with the warmed drafter, never trained (drafter.spot_training=False)
-  no_warmup  SD with a randomly initialised drafter, spot-trained (drafter.path='')
+  no_warmup  SD with a randomly initialised drafter, spot-trained (drafter.eagle.path='')
 
 and, when asked for (--variants ...), TLT with and without compiling ahead (tlt_ahead,
 tlt_on_demand: rollout.compile_ahead True / False, whatever the config says), to measure
@@ -18,7 +18,7 @@ SD at any number of running rows (tlt_sd_whole_batch: rollout.sd_threshold above
   python experiments/rl_runs.py --out results/rl_runs
   python experiments/rl_runs.py --out /tmp/rl --quick          # configs/default.py:runlocal
   python experiments/rl_runs.py --out results/rl --config configs/qwen2_5_gpu.py:8gpu \
-      --set model.path=/models/Qwen2.5-7B-Instruct --set drafter.path=runs/warmup/export
+      --set model.path=/models/Qwen2.5-7B-Instruct --set drafter.eagle.path=runs/warmup/export/eagle
 
 With --resume a rerun keeps OUT's runs: a variant that finished is read back (OUT/runs/<variant>/
 run.json), one cut off (a kill, a timeout) resumes from its own checkpoints.
@@ -67,7 +67,7 @@ VARIANTS = {
     "baseline": {"rollout.speculative.enable": False, "drafter.spot_training": False},
     "tlt": {},
     "frozen": {"drafter.spot_training": False},
-    "no_warmup": {"drafter.path": ""},
+    "no_warmup": {"drafter.eagle.path": ""},
     "tlt_ahead": {"rollout.compile_ahead": True},
     "tlt_on_demand": {"rollout.compile_ahead": False},
     # Every SD batch bucket (any size at or above the SD threshold's) shares its programs.

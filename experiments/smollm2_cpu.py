@@ -9,7 +9,7 @@ that finished is recorded in OUT/stages.json and skipped when the command is run
   decode   the policy's decode step (float32, scanned layers, the rollout's cache size) at
            each batch size of --batches: median of --iters steps -> OUT/decode.json
   warmup   python -m tlt_jax.warmup_drafter: the EAGLE drafter on the model's own responses
-           -> OUT/warmup/export
+           -> OUT/warmup/export/eagle
   rollout  one long-tailed batch (--rollout-prompts problems x the config's samples, the
            config's temperature and one key) decoded plainly and with SD under each fixed
            strategy of the config's arms and under BEG-MAB: tokens checked identical to the
@@ -112,16 +112,18 @@ def rollout_stage(out: pathlib.Path, quick: bool, sets: list[str], num_prompts: 
   import jax
 
   from bench_rollout import summarize
-  from tlt_jax.components import (load_drafter_for, load_policy, load_tokenizer_for, make_engine,
-                                  make_tuner_from_config, sampling_params, task_prompts)
+  from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,
+                                  make_engine, make_tuner_from_config, sampling_params,
+                                  task_prompts)
   from tlt_jax.mesh import make_mesh
   from tlt_jax.speculative.tuner import FixedTuner
 
-  config = _config(quick, sets + [f"drafter.path={out / 'warmup' / 'export'}"])
+  warmed = out / "warmup" / "export" / "eagle"
+  config = _config(quick, sets + [f"drafter.eagle.path={warmed}"])
   mesh = make_mesh(dict(config.mesh.axes))
   tok = load_tokenizer_for(config)
   cfg, params = load_policy(config, mesh)
-  drafter = load_drafter_for(config, cfg)
+  drafters = load_drafters_for(config, cfg)
   # Held-out problems: another stream than the warm-up's training prompts.
   _, prompts = task_prompts(config, tok, num_prompts, eval_split=True)
   sp = sampling_params(config)
@@ -135,7 +137,7 @@ def rollout_stage(out: pathlib.Path, quick: bool, sets: list[str], num_prompts: 
   rows, plain_tokens = {}, None
   for name, kw in modes.items():
     engine = make_engine(config, cfg, params, mesh, eos, pad,
-                         drafter=drafter if kw["speculative"] else None, compile_ahead=False,
+                         drafters=drafters if kw["speculative"] else None, compile_ahead=False,
                          **kw)
     first = engine.generate(prompts, config.rl.num_samples, sp, key)
     result = engine.generate(prompts, config.rl.num_samples, sp, key)
@@ -175,7 +177,8 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: list[str], args) -> dic
       "rollout": [py, me, "--run-stage", "rollout", *own, "--rollout-prompts",
                   str(args.rollout_prompts)],
       "rl": [py, str(REPO / "experiments" / "rl_runs.py"), "--out", str(out / "rl"),
-             "--config", config, "--set", f"drafter.path={out / 'warmup' / 'export'}",
+             "--config", config, "--set",
+             f"drafter.eagle.path={out / 'warmup' / 'export' / 'eagle'}",
              "--variants", "baseline", "tlt", "--resume",
              *[a for kv in sets for a in ("--set", kv)]],
   }

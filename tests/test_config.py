@@ -10,7 +10,7 @@ import ml_collections
 import pytest
 
 from tests.conftest import repo_config
-from tlt_jax.components import load_drafter_for, model_config, validate_config
+from tlt_jax.components import load_drafters_for, model_config, validate_config
 from tlt_jax.config import ConfigError, base_config
 from tlt_jax.models.drafter import DRAFT_TO_POLICY
 
@@ -216,11 +216,11 @@ def test_a_workdir_that_cannot_be_made_is_one_line(job, tmp_path):
 
 def test_a_policy_folder_is_not_a_drafter():
   c = base_config()
-  c.drafter.path = os.path.join(REPO, "assets", "tiny-policy")
-  with pytest.raises(ConfigError, match=r"drafter.path='.*tiny-policy': not a drafter export "
-                                        r"\(it describes a 'qwen2' model: a policy folder\?\); "
-                                        r"a drafter folder, .* holds a config.json with "
-                                        r"'drafter' and 'policy' sections"):
+  c.drafter.eagle.path = os.path.join(REPO, "assets", "tiny-policy")
+  with pytest.raises(ConfigError, match=r"drafter.eagle.path='.*tiny-policy': not a drafter "
+                                        r"export \(it describes a 'qwen2' model: a policy "
+                                        r"folder\?\); a drafter folder, .* holds a config.json "
+                                        r"with 'family', 'drafter' and 'policy' sections"):
     validate_config(c)
 
 
@@ -228,13 +228,13 @@ def test_a_reduced_draft_vocabulary_needs_a_warmed_drafter(tiny_cfg):
   """A new drafter's draft vocabulary would be ids 0..r-1, not the tokens the policy generates
   most (which only the warm-up picks): an RL run refuses it; the warm-up (fresh) builds it."""
   c = base_config()
-  c.drafter.path, c.drafter.draft_vocab_size = "", 16
-  with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=16 needs a drafter whose "
-                                        r"draft vocabulary .* set drafter.path to an export of "
-                                        r"python -m tlt_jax.warmup_drafter"):
-    load_drafter_for(c, tiny_cfg)
-  dcfg, params = load_drafter_for(c, tiny_cfg, fresh=True)
-  assert dcfg.draft_vocab_size == 16 and params[DRAFT_TO_POLICY].shape == (16,)
+  c.drafter.eagle.path, c.drafter.eagle.draft_vocab_size = "", 16
+  with pytest.raises(ConfigError, match=r"drafter.eagle.draft_vocab_size=16 needs a drafter "
+                                        r"whose draft vocabulary .* set drafter.eagle.path to an "
+                                        r"export of python -m tlt_jax.warmup_drafter"):
+    load_drafters_for(c, tiny_cfg)
+  eagle = load_drafters_for(c, tiny_cfg, fresh=True)["eagle"]
+  assert eagle.settings.draft_vocab_size == 16 and eagle.params[DRAFT_TO_POLICY].shape == (16,)
 
 
 @pytest.mark.slow
@@ -249,7 +249,7 @@ def test_cli_generates_and_writes_outputs(tmp_path):
 
 
 def test_rollout_sections_build_the_engine_pieces():
-  from tlt_jax.components import (drafter_config, engine_config, make_tuner_from_config,
+  from tlt_jax.components import (drafter_settings, engine_config, make_tuner_from_config,
                                   sampling_params)
   c = repo_config("default")
   assert engine_config(c).sd_threshold == c.rollout.sd_threshold
@@ -257,8 +257,8 @@ def test_rollout_sections_build_the_engine_pieces():
   assert len(make_tuner_from_config(c).strategies()) == len(c.rollout.speculative.arms)
   c.rollout.speculative.enable = False  # the baseline: never switches to SD
   assert engine_config(c).sd_threshold == 0
-  c.drafter.feature_layers = (0, 2)
-  assert drafter_config(c).feature_layers == (0, 2)
+  c.drafter.eagle.feature_layers = (0, 2)
+  assert drafter_settings(c, "eagle").feature_layers == (0, 2)
   assert model_config(c).feature_layers == (0, 2)
 
 
@@ -267,9 +267,9 @@ def test_rollout_sections_build_the_engine_pieces():
     ("rollout.speculative.tuner", "ucb", r"tuner='ucb' is not allowed.*'beg_mab'"),
     ("rollout.speculative.arms", ("2,2,8",), "exceeds the 6 draft candidates"),
     ("rollout.top_p", 0.0, "top_p must be in"),
-    ("drafter.num_layers", 0, "drafter.num_layers must be >= 1"),
-    ("drafter.draft_vocab_size", -1, r"draft_vocab_size must be >= 0 \(0 = the policy's"),
-    ("drafter.draft_vocab_size", 1, r"draft_vocab_size=1 is below the widest strategy's topk"),
+    ("drafter.eagle.num_layers", 0, "drafter.eagle.num_layers must be >= 1"),
+    ("drafter.eagle.draft_vocab_size", -1, r"draft_vocab_size must be >= 0 \(0 = the policy's"),
+    ("drafter.eagle.draft_vocab_size", 1, r"draft_vocab_size=1 is below the widest strategy's"),
     ("rollout.max_new_tokens", 10_000, "exceeds model.max_position_embeddings"),
     ("rl.learning_rate", float("nan"), r"rl.learning_rate=nan must be a finite number"),
     ("rollout.temperature", float("inf"), r"rollout.temperature=inf must be a finite"),

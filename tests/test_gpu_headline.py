@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO, repo_config
 from tests.experiment_modules import load_experiment
-from tests.speculative.drafters import random_drafter
+from tests.speculative.drafters import drafter_set, random_drafter
 from tlt_jax.components import engine_config, make_tuner_from_config
 from tlt_jax.mesh import make_mesh
 from tlt_jax.rollout.engine import RolloutEngine
@@ -136,7 +136,8 @@ def _recorded_plan(tiny_cfg, tiny_params, speculative: bool) -> list:
     ec = dataclasses.replace(ec, sd_threshold=0)
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec,
-                         drafter=random_drafter(tiny_cfg, seed=0) if speculative else None,
+                         drafters=drafter_set(random_drafter(tiny_cfg, seed=0)) if speculative
+                         else None,
                          tuner=make_tuner_from_config(config) if speculative else None)
   keys = []
   engine.pool.compile_ahead = lambda key, *args, **kwargs: keys.append(key)

@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tests.speculative.drafters import random_drafter
+from tests.speculative.drafters import drafter_set, random_drafter
 from tlt_jax.mesh import (DEFAULT_RULES, logical_shardings, logical_to_mesh_spec, make_mesh,
                           shard_pytree)
 from tlt_jax.models import ModelConfig, RopeConfig, init_params, param_logical_axes
@@ -60,7 +60,8 @@ def test_every_layout_generates_the_same_tokens_with_sd_and_gathers_no_weights(m
   results = {}
   for layout in ROLLOUT_LAYOUTS:
     mesh = _mesh(*layout)
-    engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec, drafter=drafter,
+    engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec,
+                           drafters=drafter_set(drafter),
                            tuner=FixedTuner((3, 2, 6)))
     for sp in (SamplingParams(0.0), SamplingParams(0.9, top_p=0.95)):
       res = engine.generate(PROMPTS, 2, sp, jax.random.key(7))
@@ -92,7 +93,8 @@ def test_a_qwen3_policy_generates_the_same_tokens_on_a_tensor_parallel_slice(mod
   tokens = []
   for layout in ((1, 1, 1), (1, 1, 4)):
     mesh = _mesh(*layout)
-    engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec, drafter=drafter,
+    engine = RolloutEngine(cfg, _training_params(cfg, params, mesh), mesh, ec,
+                           drafters=drafter_set(drafter),
                            tuner=FixedTuner((3, 2, 6)))
     res = engine.generate(PROMPTS[:3], 2, SamplingParams(0.0), jax.random.key(7))
     assert any(r.mode == "sd" for r in res.timeline), layout

@@ -109,5 +109,5 @@ def test_two_processes_train_like_one(tmp_path):
   assert len(_lines(run / "rollouts.jsonl")) == 2 * 2 * 4  # steps x prompts x samples
   assert sorted(os.listdir(run / "checkpoints")) == ["1", "2"]
   for name in ("summary.json", "summary.png", "export/policy/model.safetensors",
-               "export/drafter/model.safetensors"):
+               "export/eagle/model.safetensors"):
     assert (run / name).is_file(), name

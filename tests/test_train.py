@@ -84,7 +84,7 @@ def test_the_main_job_writes_its_outputs(tmp_path):
   assert [e["step"] for e in evals] == [0, 2] and summary["eval_step_last"] == 2
   assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(
       os.listdir(run / "export" / "policy"))
-  assert {"config.json", "model.safetensors"} == set(os.listdir(run / "export" / "drafter"))
+  assert {"config.json", "model.safetensors"} == set(os.listdir(run / "export" / "eagle"))
 
   # The programs the run built, per kind (summary's compile_bill, evaluation included), pinned
   # at what this config builds: a change that compiles more fails here (raise a count only on
@@ -225,8 +225,14 @@ def _broken_policy(tmp_path, damage):
      "rollout.max_prompt_len=64 is below the arithmetic task's longest prompt, 119 tokens"),
     ("long-prompt-file", "train.jsonl:2: the prompt has 310 tokens, more than "
                          "rollout.max_prompt_len=128"),
-    ([f"--config.drafter.path={os.path.join(REPO, 'assets', 'tiny-policy')}"],
+    ([f"--config.drafter.eagle.path={os.path.join(REPO, 'assets', 'tiny-policy')}"],
      "not a drafter export"),
+    (["--config.rollout.speculative.arms=('4,2,8,medusa',)"],
+     "unknown drafter 'medusa' in a strategy; the registered drafters are"),
+    (["--config.drafter.names=('eagle','nope')"], "drafter.names=('eagle', 'nope'): unknown "
+                                                   "drafter 'nope'; the registered drafters are"),
+    (["--config.drafter.mtp.num_heads=2"], "drafter.mtp.num_heads=2 is set but the run does not "
+                                           "use drafter 'mtp'"),
 ])
 def test_bad_inputs_fail_in_one_line_before_any_compile(tmp_path, args, message):
   env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -32,17 +32,17 @@ import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tlt_jax.components import (algorithm_from_config, drafter_config, drafter_opt_config,
-                                engine_config, model_config, policy_adamw, sampling_params,
-                                training_model_config)
+from tlt_jax.components import (algorithm_from_config, drafter_opt_config, drafter_settings,
+                                engine_config, model_config, policy_adamw, run_drafters,
+                                sampling_params, training_model_config)
 from tlt_jax.drafter_training.loss import Windows
-from tlt_jax.drafter_training.spot import train_state_shardings
+from tlt_jax.drafter_training.spot import drafter_axes, train_state_shardings
 from tlt_jax.drafter_training.train_step import init_train_state, train_step
 from tlt_jax.drafter_training.train_step import make_optimizer as make_drafter_optimizer
 from tlt_jax.mesh import (AXIS_ORDER, logical_shardings, logical_to_mesh_spec, make_mesh,
                           on_mesh, replica_slices)
 from tlt_jax.models import init_params, param_logical_axes
-from tlt_jax.models.drafter import drafter_logical_axes, init_drafter_params
+from tlt_jax.drafters import DRAFTERS, make_drafter
 from tlt_jax.optim import make_adamw, optimizer_shardings
 from tlt_jax.rl.policy_update import make_log_probs, make_policy_update
 from tlt_jax.rollout.pool import ExecutablePool, with_output_layout
@@ -188,28 +188,31 @@ def _sft_programs(config, cfg, resident, meshes: JobMeshes) -> list[Program]:
   return [Program("sft_step", step, (params, opt, batch), (0, 1), (0, 1), meshes.train)]
 
 
-def _rollout_programs(config, cfg, params, dcfg, dparams, log_features: bool,
+def _rollout_programs(config, cfg, params, drafters: dict, log_features: bool,
                       meshes: JobMeshes, max_new_tokens: int | None = None) -> list[Program]:
-  """prefill at max_batch, a plain decode call at max_batch and, with a drafter, an SD call
-  for every arm at the largest batch bucket SD runs at, on the first slice."""
+  """prefill at max_batch, a plain decode call at max_batch and, with drafters (name ->
+  drafter, weights on the rollout slice), an SD call for every arm at the largest batch
+  bucket SD runs at, on the first slice."""
   econf = engine_config(config)
   if max_new_tokens:
     econf = dataclasses.replace(econf, max_new_tokens=max_new_tokens)
   pool = RecordingPool()
-  progs = SlicePrograms(0, meshes.rollout, pool, cfg, dcfg, econf.capacity,
+  templates = {n: d.replace(params=None) if d.trained else d for n, d in drafters.items()}
+  progs = SlicePrograms(0, meshes.rollout, pool, cfg, templates, econf.capacity,
                         econf.max_new_tokens, 0, meshes.rollout_rules, log_features)
   sp, key, b = sampling_params(config), jax.random.key(0), econf.max_batch
   prompts = np.zeros((b, econf.max_prompt_len), np.int32)  # all distinct: the largest prefill
   rows = np.arange(b, dtype=np.int32)
-  state = progs.start(params, dparams, prompts, np.ones((b,), np.int32), rows, rows, key, sp)
-  progs.decode(params, dparams, state, key, sp, None, 1, econf.iterations_per_call)
-  if dcfg is not None and econf.sd_threshold:
+  state = progs.start(params, drafters, prompts, np.ones((b,), np.int32), rows, rows, key, sp)
+  progs.decode(params, drafters, state, key, sp, None, 1, econf.iterations_per_call)
+  if drafters and econf.sd_threshold:
     sd_batch = min(b, 1 << max(econf.sd_threshold - 1, 0).bit_length())
     small = progs.take_rows(state, np.arange(sd_batch))
     sd = config.rollout.speculative
     for arm in dict.fromkeys((*sd.arms, sd.strategy)):
-      progs.decode(params, dparams, small, key, sp, Strategy.parse(arm), 1,
-                   econf.iterations_per_call)
+      strategy = Strategy.parse(arm)
+      if set(strategy.drafts) <= set(drafters):
+        progs.decode(params, drafters, small, key, sp, strategy, 1, econf.iterations_per_call)
   out = []
   for key_, (fn, args, donate, mesh) in pool.programs.items():
     kind = key_[1]
@@ -221,7 +224,8 @@ def _rollout_programs(config, cfg, params, dcfg, dparams, log_features: bool,
   return out
 
 
-def _drafter_program(config, cfg, dcfg, state, params, warmup: bool, meshes: JobMeshes) -> Program:
+def _drafter_program(config, cfg, settings: dict, state, params, warmup: bool,
+                     meshes: JobMeshes) -> Program:
   """The drafter's update on the first slice (spot training and the warm-up train there)."""
   section = config.drafter.warmup if warmup else config.drafter.spot
   rows, width = section.batch_rows, section.window
@@ -231,7 +235,7 @@ def _drafter_program(config, cfg, dcfg, state, params, warmup: bool, meshes: Job
   windows = Windows(tokens=on_slice(jnp.int32), segment_ids=on_slice(jnp.int32),
                     positions=on_slice(jnp.int32), loss_mask=on_slice(jnp.bool_),
                     features=on_slice(cfg.jnp_dtype, (rows, width, cfg.feature_size)))
-  fn = functools.partial(train_step, cfg=training_model_config(config, cfg), dcfg=dcfg,
+  fn = functools.partial(train_step, cfg=training_model_config(config, cfg), settings=settings,
                          oc=drafter_opt_config(config, warmup=warmup))
   return Program("drafter_step", fn, (state, params, windows), (0,), (0, 1), meshes.rollout)
 
@@ -263,15 +267,24 @@ def job_resident(config: ml_collections.ConfigDict, job: str, meshes: JobMeshes 
   if job != "sft" and meshes.train.devices.size > 1:
     resident["rollout params"] = _placed(shapes, logical_shardings(
         axes, meshes.rollout, meshes.rollout_rules, shapes))
-  if job == "warmup" or (job == "train" and config.drafter.spot_training):
-    dcfg = drafter_config(config)
+  settings = _trained_settings(config)
+  if settings and (job == "warmup" or (job == "train" and config.drafter.spot_training)):
     oc = drafter_opt_config(config, warmup=job == "warmup")
-    state = jax.eval_shape(
-        lambda k: init_train_state(init_drafter_params(cfg, dcfg, k), oc), jax.random.key(0))
+    state = jax.eval_shape(lambda k: init_train_state(_init_drafters(settings, cfg, k), oc),
+                           jax.random.key(0))
     resident["drafter train state"] = _placed(state, train_state_shardings(
-        make_drafter_optimizer(oc), state.params, drafter_logical_axes(cfg, dcfg),
+        make_drafter_optimizer(oc), state.params, drafter_axes(settings, cfg),
         meshes.rollout, meshes.rollout_rules))
   return resident
+
+
+def _trained_settings(config) -> dict:
+  """name -> Settings of the run's trained drafters."""
+  return {n: drafter_settings(config, n) for n in run_drafters(config) if DRAFTERS[n].trained}
+
+
+def _init_drafters(settings: dict, cfg, key) -> dict:
+  return {n: DRAFTERS[n].init_params(s, cfg, key) for n, s in settings.items()}
 
 
 def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int = 1
@@ -285,22 +298,25 @@ def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int =
   if job == "sft":
     return resident, _sft_programs(config, cfg, resident, meshes)
   rollout_params = resident.get("rollout params", resident["policy params"])
-  dcfg = drafter_config(config)
+  settings = _trained_settings(config)
   dstate = resident.get("drafter train state")
-  dparams = dstate.params if dstate is not None else None
   if job == "warmup":
-    step = _drafter_program(config, cfg, dcfg, dstate, rollout_params, True, meshes)
-    return resident, [*_rollout_programs(config, cfg, rollout_params, None, None, False,
+    step = _drafter_program(config, cfg, settings, dstate, rollout_params, True, meshes)
+    return resident, [*_rollout_programs(config, cfg, rollout_params, {}, False,
                                          meshes, config.drafter.warmup.max_new_tokens), step]
   rl, use_sd = config.rl, config.rollout.speculative.enable
-  if use_sd and dparams is None:  # SD with a frozen drafter: its weights, on the slice
-    shapes = jax.eval_shape(lambda k: init_drafter_params(cfg, dcfg, k), jax.random.key(0))
-    dparams = _placed(shapes, logical_shardings(drafter_logical_axes(cfg, dcfg),
-                                                meshes.rollout, meshes.rollout_rules, shapes))
+  drafters = {}
+  if use_sd:  # the run's drafters, trained ones with their weights on the slice
+    shapes = (dstate.params if dstate is not None else
+              jax.eval_shape(lambda k: _init_drafters(settings, cfg, k), jax.random.key(0)))
+    placed = _placed(shapes, logical_shardings(drafter_axes(settings, cfg), meshes.rollout,
+                                               meshes.rollout_rules, shapes))
+    drafters = {n: make_drafter(n, drafter_settings(config, n), placed.get(n))
+                for n in run_drafters(config)}
   tcfg, algorithm = training_model_config(config, cfg), algorithm_from_config(config)
   params = resident["policy params"]
-  programs = _rollout_programs(config, cfg, rollout_params, dcfg if use_sd else None,
-                               dparams if use_sd else None, config.drafter.spot_training, meshes)
+  spot_on = config.drafter.spot_training and bool(settings)
+  programs = _rollout_programs(config, cfg, rollout_params, drafters, spot_on, meshes)
   rows = rl.prompts_per_step * rl.num_samples
   micro = -(-rows // (rl.mini_batches * rl.micro_batch_rows))  # micro-batches per mini-batch
   shape = (micro, rl.micro_batch_rows, engine_config(config).capacity)
@@ -323,8 +339,9 @@ def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int =
                               None, tuple(rl.update_widths)).__wrapped__
   programs.append(Program("rl_update", update, (params, resident["policy optimizer"], mini),
                           (0, 1), (0, 1), meshes.train))
-  if config.drafter.spot_training:
-    programs.append(_drafter_program(config, cfg, dcfg, dstate, rollout_params, False, meshes))
+  if spot_on:
+    programs.append(_drafter_program(config, cfg, settings, dstate, rollout_params, False,
+                                     meshes))
   return resident, programs
 
 

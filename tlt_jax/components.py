@@ -18,11 +18,11 @@ from jax.sharding import Mesh
 from tlt_jax.config import ConfigError, check_config, flat_settings
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
-from tlt_jax.knobs import build_from
+from tlt_jax.drafters import DRAFTERS, Drafter, drafters_named, make_drafter
+from tlt_jax.knobs import build_from, defaults_of
 from tlt_jax.mesh import logical_shardings
 from tlt_jax.models.config import ARCHITECTURE_FLAGS, ModelConfig, RopeConfig, ROPE_TYPES
 from tlt_jax.models.decoder import init_params, param_logical_axes
-from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
 from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
@@ -48,7 +48,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   below is built once (their dataclasses check their own ranges). Raises ConfigError naming the
   key and the fix."""
   check_config(config, num_devices)
-  builders = (model_config, engine_config, sampling_params, drafter_config, spot_config,
+  builders = (model_config, engine_config, sampling_params, run_drafter_settings, spot_config,
               make_tuner_from_config, algorithm_from_config, reward_from_config, policy_adamw,
               sft_adamw, drafter_opt_config, functools.partial(drafter_opt_config, warmup=True),
               task_from_config)
@@ -57,12 +57,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
       build(config)
     except (ValueError, ImportError) as e:  # ImportError: a task's optional package
       raise ConfigError(str(e)) from None
+  _check_drafters(config)
   sd = config.rollout.speculative
-  if config.drafter.draft_vocab_size:
+  if config.drafter.eagle.draft_vocab_size:
     widest = max(Strategy.parse(a).topk for a in (*sd.arms, sd.strategy))
-    if config.drafter.draft_vocab_size < widest:
-      raise ConfigError(f"drafter.draft_vocab_size={config.drafter.draft_vocab_size} is below "
-                        f"the widest strategy's topk ({widest}); use at least {widest}")
+    if config.drafter.eagle.draft_vocab_size < widest:
+      raise ConfigError(f"drafter.eagle.draft_vocab_size={config.drafter.eagle.draft_vocab_size}"
+                        f" is below the widest strategy's topk ({widest}); use at least {widest}")
   r = config.rollout
   limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
   if config.model.path:  # the checkpoint's own limit
@@ -72,6 +73,48 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   if r.max_prompt_len + r.max_new_tokens > limit:
     raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
                       f"{r.max_prompt_len + r.max_new_tokens} exceeds {source}={limit}")
+
+
+def _check_drafters(config: ml_collections.ConfigDict) -> None:
+  """The drafters the strategies name are among drafter.names (when it is set), and no
+  section drafter.<name> of a drafter the run does not use is set away from its defaults."""
+  d, key = config.drafter, _strategies_key(config)
+  named = drafters_named(_tuner_strategies(config))
+  if d.names and (missing := [n for n in named if n not in d.names]):
+    raise ConfigError(f"{key} drafts with {missing}, which drafter.names={tuple(d.names)!r} "
+                      f"does not list; add them (or set drafter.names=() for the drafters the "
+                      f"strategies name)")
+  used = run_drafters(config)
+  for name, cls in DRAFTERS.items():
+    if name in used or name not in d:
+      continue
+    defaults = {**defaults_of(cls.Settings), **({"path": ""} if cls.trained else {})}
+    for knob, default in defaults.items():
+      if d[name][knob] != default:
+        raise ConfigError(f"drafter.{name}.{knob}={d[name][knob]!r} is set but the run does not "
+                          f"use drafter {name!r} (its drafters: {list(used)}, from {key}); name "
+                          f"it in a strategy (e.g. '4,2,8,{name}') or drafter.names, or leave "
+                          f"drafter.{name}.{knob} at its default ({default!r})")
+
+
+def _tuner_strategies(config: ml_collections.ConfigDict) -> list[Strategy]:
+  """The strategies the configured tuner chooses from (the fixed tuner's one, or the arms)."""
+  sd = config.rollout.speculative
+  values = (sd.strategy,) if sd.tuner == "fixed" else tuple(sd.arms)
+  return [Strategy.parse(v) for v in values]
+
+
+def _strategies_key(config: ml_collections.ConfigDict) -> str:
+  sd = config.rollout.speculative
+  return "rollout.speculative." + ("strategy" if sd.tuner == "fixed" else "arms")
+
+
+def run_drafters(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The drafters a run uses: drafter.names, or those the tuner's strategies name
+  (rollout.speculative.arms, or .strategy with the fixed tuner), whether SD is on or not.
+  The RL job drafts with them (with SD), trains the trained ones (with spot training) and
+  exports them; the warm-up trains their trained ones."""
+  return tuple(config.drafter.names) or drafters_named(_tuner_strategies(config))
 
 
 # ---------------------------------------------------------------- the subsystems' settings
@@ -84,7 +127,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
                  scan_layers=m.scan_layers == "all", remat=m.remat,
                  attention_query_chunk=m.attention_query_chunk,
-                 feature_layers=tuple(config.drafter.feature_layers))
+                 feature_layers=tuple(config.drafter.eagle.feature_layers))
   if m.path:
     return load_hf_config(m.path, **runtime)
   try:
@@ -113,9 +156,16 @@ def sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:
   return build_from(SamplingParams, config.rollout)
 
 
-def drafter_config(config: ml_collections.ConfigDict) -> DrafterConfig:
-  """The DrafterConfig of config.drafter."""
-  return build_from(DrafterConfig, config.drafter)
+def run_drafter_settings(config: ml_collections.ConfigDict) -> dict:
+  """name -> Settings of every drafter the run uses (`run_drafters`)."""
+  return {name: drafter_settings(config, name) for name in run_drafters(config)}
+
+
+def drafter_settings(config: ml_collections.ConfigDict, name: str = "eagle"):
+  """The Settings of drafter `name` from its section drafter.<name> (defaults without one)."""
+  cls = DRAFTERS[name]
+  section = config.drafter[name] if name in config.drafter else {}
+  return build_from(cls.Settings, section)
 
 
 def drafter_opt_config(config: ml_collections.ConfigDict, warmup: bool = False) -> DrafterOptConfig:
@@ -228,32 +278,40 @@ def load_policy(config: ml_collections.ConfigDict, mesh: Mesh) -> tuple[ModelCon
   return cfg, jax.jit(init, out_shardings=shardings)(jax.random.key(config.seed))
 
 
-def load_drafter_for(config: ml_collections.ConfigDict, cfg: ModelConfig,
-                     fresh: bool = False) -> tuple[DrafterConfig, dict]:
-  """drafter.path's drafter (its architecture must match the config's drafter section), or
-  random weights (fresh=True ignores drafter.path; without it, a reduced draft vocabulary
-  needs drafter.path: only the warm-up picks the tokens the policy generates most)."""
-  dcfg = drafter_config(config)
-  if dcfg.draft_vocab_size and not config.drafter.path and not fresh:
-    raise ConfigError(f"drafter.draft_vocab_size={dcfg.draft_vocab_size} needs a drafter whose "
-                      f"draft vocabulary was chosen from the policy's responses: set "
-                      f"drafter.path to an export of python -m tlt_jax.warmup_drafter (or "
-                      f"drafter.draft_vocab_size=0); a new one would draft ids 0 to "
-                      f"{dcfg.draft_vocab_size - 1}")
-  if config.drafter.path and not fresh:
-    try:
-      saved_cfg, params = load_drafter(config.drafter.path, cfg)
-    except (OSError, ValueError, TypeError) as e:
-      raise ConfigError(f"drafter.path={config.drafter.path!r}: {first_line(e)}") from None
-    if saved_cfg != dcfg:
-      raise ConfigError(f"drafter.path={config.drafter.path!r} holds a drafter {saved_cfg} but "
-                        f"the config's drafter section describes {dcfg}; make them agree or "
-                        f"set drafter.path=''")
-    return dcfg, params
-  try:
-    return dcfg, init_drafter_params(cfg, dcfg, jax.random.key(config.seed + 1))
-  except ValueError as e:  # e.g. a draft vocabulary larger than the policy's
-    raise ConfigError(str(e)) from None
+def load_drafters_for(config: ml_collections.ConfigDict, cfg: ModelConfig,
+                      fresh: bool = False, names=None) -> dict[str, Drafter]:
+  """name -> drafter, for each drafter the run uses (`run_drafters`; or those `names` lists),
+  from its section drafter.<name>: a trained one with the weights of drafter.<name>.path (its
+  settings must match the section's), or random ones (fresh=True ignores the paths; without
+  it, a family whose fresh weights cannot draft, such as EAGLE with a reduced vocabulary,
+  needs its path)."""
+  out = {}
+  for name in run_drafters(config) if names is None else names:
+    cls, settings = DRAFTERS[name], drafter_settings(config, name)
+    if not cls.trained:
+      out[name] = make_drafter(name, settings)
+      continue
+    path = config.drafter[name].path
+    if path and not fresh:
+      try:
+        _, saved, params = load_drafter(path, cfg, expect=name)
+      except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"drafter.{name}.path={path!r}: {first_line(e)}") from None
+      if saved != settings:
+        raise ConfigError(f"drafter.{name}.path={path!r} holds a drafter {saved} but the "
+                          f"config's drafter.{name} section describes {settings}; make them "
+                          f"agree or set drafter.{name}.path=''")
+    else:
+      if not fresh and (problem := cls.untrained_problem(settings)):
+        raise ConfigError(problem)
+      # Each family its own stream, EAGLE's the one it always had (seed + 1).
+      key = jax.random.key(config.seed + 1 + list(DRAFTERS).index(name))
+      try:
+        params = cls.init_params(settings, cfg, key)
+      except ValueError as e:  # e.g. a draft vocabulary larger than the policy's
+        raise ConfigError(str(e)) from None
+    out[name] = make_drafter(name, settings, params)
+  return out
 
 
 def first_line(e: Exception) -> str:
@@ -263,19 +321,20 @@ def first_line(e: Exception) -> str:
 
 
 def make_engine(config: ml_collections.ConfigDict, cfg: ModelConfig, params: dict, mesh: Mesh,
-                eos_id: int, pad_id: int, drafter: tuple[DrafterConfig, dict] | None = None,
+                eos_id: int, pad_id: int, drafters: dict[str, Drafter] | None = None,
                 log_features: bool = False, speculative: bool | None = None,
                 tuner=None, **engine_overrides):
-  """The rollout engine of config.rollout; SD when a drafter is given and
-  rollout.speculative.enable (or `speculative`) says so. engine_overrides replace
-  EngineConfig fields (e.g. max_new_tokens); tuner replaces the configured one."""
+  """The rollout engine of config.rollout; SD when drafters are given (name -> drafter,
+  e.g. `load_drafters_for`; the engine builds those its tuner's strategies name, which must
+  all be there) and rollout.speculative.enable (or `speculative`) says so. engine_overrides
+  replace EngineConfig fields (e.g. max_new_tokens); tuner replaces the configured one."""
   ec = dataclasses.replace(engine_config(config), eos_id=eos_id, pad_id=pad_id, **engine_overrides)
   use_sd = config.rollout.speculative.enable if speculative is None else speculative
-  if not use_sd or drafter is None:
-    ec = dataclasses.replace(ec, sd_threshold=0)
-  if drafter is not None and tuner is None:
+  if not use_sd or drafters is None:
+    ec, drafters = dataclasses.replace(ec, sd_threshold=0), None
+  if drafters is not None and tuner is None:
     tuner = make_tuner_from_config(config)
-  return RolloutEngine(cfg, params, mesh, ec, drafter=drafter, tuner=tuner,
+  return RolloutEngine(cfg, params, mesh, ec, drafters=drafters, tuner=tuner,
                        rules=tuple(config.mesh.rollout_rules), log_features=log_features)
 
 

@@ -20,8 +20,8 @@ import ml_collections
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
 from tlt_jax.models.config import DTYPES, MODEL_TYPES
-from tlt_jax.models.drafter import DrafterConfig
-from tlt_jax.models.drafter_io import read_drafter_config
+from tlt_jax.drafters import DRAFTERS
+from tlt_jax.models.drafter_io import check_family, read_drafter_config
 from tlt_jax.models.hf import check_model_folder, check_safetensors
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
@@ -43,7 +43,11 @@ class ConfigError(ValueError):
 # Keys renamed so that each concept has one name (old -> new). A command line or an override
 # that uses an old key still works, with a warning; a config file is told the new name.
 RENAMED_KEYS = {
-    "drafter.fused_layers": "drafter.feature_layers",
+    "drafter.fused_layers": "drafter.eagle.feature_layers",
+    # EAGLE's knobs moved into its own section when drafters became families.
+    **{f"drafter.{k}": f"drafter.eagle.{k}" for k in (
+        "num_layers", "use_features", "intermediate_size", "norm_input", "norm_output",
+        "feature_layers", "draft_vocab_size", "path")},
     "drafter.clip_norm": "drafter.grad_clip",
     "drafter.train_steps_ahead": "drafter.train_depth",
     "sft.warmup_steps": "sft.lr_warmup_steps",
@@ -254,16 +258,25 @@ def base_config() -> ml_collections.ConfigDict:
   # if that step were rl.steps: evaluation, checkpoint, export (summary: time_limited).
   c.rl.max_minutes = 0.0
 
-  # The EAGLE drafter: its architecture is DrafterConfig's fields (tlt_jax.models.drafter;
-  # feature_layers and draft_vocab_size are EAGLE-3's fused features and reduced vocabulary,
-  # whose tokens the warm-up picks), its AdamW and loss DrafterOptConfig's
+  # The drafters (tlt_jax.drafters), by name: those a run uses are drafter.names, or (when
+  # it is empty) those its strategies name (rollout.speculative.arms, or .strategy with the
+  # fixed tuner). Each has a section drafter.<name> made from its Settings dataclass: eagle
+  # (DrafterConfig, tlt_jax.models.drafter: feature_layers and draft_vocab_size are EAGLE-3's
+  # fused features and reduced vocabulary, whose tokens the warm-up picks), mtp (Medusa/MTP
+  # heads), suffix and prompt_lookup (weightless); a trained one's also holds `path`, a
+  # folder python -m tlt_jax.warmup_drafter exports ('' = random weights). Setting a section
+  # of a drafter the run does not use is an error.
+  c.drafter = ml_collections.ConfigDict(dict(names=()))
+  for name, cls in DRAFTERS.items():
+    section = {**defaults_of(cls.Settings), **({"path": ""} if cls.trained else {})}
+    if section:
+      c.drafter[name] = ml_collections.ConfigDict(section)
+  # AdamW and the shared loss knobs of every trained drafter, DrafterOptConfig's
   # (tlt_jax.drafter_training.train_step; train_depth is EAGLE-3's training-time test), for
   # spot training (drafter.warmup has its own learning rate and warm-up).
-  c.drafter = ml_collections.ConfigDict(defaults_of(DrafterConfig))
   c.drafter.update(defaults_of(DrafterOptConfig, exclude=("section",)))
-  # A drafter folder (python -m tlt_jax.warmup_drafter exports one); '' = random weights.
-  c.drafter.path = ""
-  # Train the drafter on idle slices during each rollout (tlt_jax.drafter_training.spot).
+  # Train the run's trained drafters on idle slices during each rollout
+  # (tlt_jax.drafter_training.spot).
   c.drafter.spot_training = True
   # The hidden-state buffer: features of the last `keep_steps` RL steps, for a sample of
   # `sequences_per_step` responses per step (0 = all).
@@ -271,7 +284,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Spot updates: SpotConfig's fields (tlt_jax.drafter_training.spot).
   c.drafter.spot = ml_collections.ConfigDict(defaults_of(SpotConfig))
   # Offline warm-up before RL (python -m tlt_jax.warmup_drafter): the policy generates
-  # responses to `num_prompts` training prompts, the drafter trains on its features.
+  # responses to `num_prompts` training prompts, the run's trained drafters train on its
+  # features.
   c.drafter.warmup = ml_collections.ConfigDict(dict(
       num_prompts=256, samples_per_prompt=1, temperature=1.0, max_new_tokens=256, steps=400,
       batch_rows=8, window=256, learning_rate=3e-3, lr_warmup_steps=20, checkpoint_every=100))
@@ -547,24 +561,35 @@ def _check_rl(r: ml_collections.ConfigDict) -> None:
 
 
 def _check_drafter(d: ml_collections.ConfigDict) -> None:
-  if d.path:
-    if not os.path.isdir(d.path):
-      raise ConfigError(f"drafter.path={d.path!r} does not exist; give a folder exported by "
-                        f"python -m tlt_jax.warmup_drafter, or '' for random drafter weights")
-    for fn in ("config.json", "model.safetensors"):
-      if not os.path.isfile(os.path.join(d.path, fn)):
-        raise ConfigError(f"drafter.path={d.path!r} has no {fn}; export a drafter with "
-                          f"python -m tlt_jax.warmup_drafter")
-    try:
-      read_drafter_config(d.path)
-      check_safetensors(os.path.join(d.path, "model.safetensors"))
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"drafter.path={d.path!r}: config.json is not valid JSON ({e.msg} at "
-                        f"line {e.lineno})") from None
-    except ValueError as e:
-      raise ConfigError(f"drafter.path={d.path!r}: {e}") from None
+  for name in d.names:
+    if name not in DRAFTERS:
+      raise ConfigError(f"drafter.names={tuple(d.names)!r}: unknown drafter {name!r}; the "
+                        f"registered drafters are {sorted(DRAFTERS)}")
+  for name, cls in DRAFTERS.items():
+    if cls.trained and name in d and d[name].path:
+      _check_drafter_folder(d[name].path, name)
   _positive(d.buffer, "drafter.buffer", ("keep_steps",))
   _non_negative(d.buffer, "drafter.buffer", ("sequences_per_step",))
   _positive(d.warmup, "drafter.warmup", ("num_prompts", "samples_per_prompt", "max_new_tokens",
                                          "steps", "batch_rows", "window", "num_eval_prompts"))
   _non_negative(d.warmup, "drafter.warmup", ("temperature", "checkpoint_every", "max_minutes"))
+
+
+def _check_drafter_folder(path: str, name: str) -> None:
+  """drafter.<name>.path: an export of drafter `name` (ConfigError naming the key)."""
+  key = f"drafter.{name}.path={path!r}"
+  if not os.path.isdir(path):
+    raise ConfigError(f"{key} does not exist; give a folder exported by python -m "
+                      f"tlt_jax.warmup_drafter, or '' for random drafter weights")
+  for fn in ("config.json", "model.safetensors"):
+    if not os.path.isfile(os.path.join(path, fn)):
+      raise ConfigError(f"{key} has no {fn}; export a drafter with python -m "
+                        f"tlt_jax.warmup_drafter")
+  try:
+    check_family(path, read_drafter_config(path), name)
+    check_safetensors(os.path.join(path, "model.safetensors"))
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{key}: config.json is not valid JSON ({e.msg} at line {e.lineno})"
+                      ) from None
+  except ValueError as e:
+    raise ConfigError(f"{key}: {e}") from None

@@ -12,7 +12,8 @@ policy and drafter onto the rollout slices.
 
 WORKDIR gets metrics.jsonl (one object per step), checkpoints/ (every rl.checkpoint_every steps
 and on SIGINT/SIGTERM; a rerun resumes from the latest), summary.json, summary.png and, at the
-end, export/policy and export/drafter in Hugging Face layout; with logging.tensorboard /
+end, export/policy and export/<drafter> (each trained drafter by name, e.g. export/eagle) in
+Hugging Face layout; with logging.tensorboard /
 logging.wandb, the same metrics and the response lengths' histogram in TensorBoard / W&B.
 
 Multi-host (mesh.distributed, see tlt_jax.mesh): every process runs this same program on the
@@ -36,7 +37,7 @@ from ml_collections import config_flags
 from tlt_jax import cli
 from tlt_jax.checkpoint import CheckpointMismatch, Checkpointer
 from tlt_jax.components import (algorithm_from_config, answer_check, check_prompt_lengths,
-                                drafter_opt_config, load_drafter_for, load_policy,
+                                drafter_opt_config, load_drafters_for, load_policy,
                                 load_tokenizer_for, make_engine, policy_adamw, reward_from_config,
                                 sampling_params, scoring_task, spot_config, task_examples,
                                 training_model_config, training_set)
@@ -101,18 +102,20 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
     raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the policy's vocab is "
                       f"{cfg.vocab_size}")
   use_sd = config.rollout.speculative.enable
-  use_drafter = use_sd or config.drafter.spot_training
-  dcfg, dparams = load_drafter_for(config, cfg) if use_drafter else (None, None)
+  # The drafters the run uses (components.run_drafters), the trained ones with their weights.
+  drafters = load_drafters_for(config, cfg) if use_sd or config.drafter.spot_training else {}
+  trained = {name: d for name, d in drafters.items() if d.trained}
+  spot_on = config.drafter.spot_training and bool(trained)
 
   # ---------------------------------------------------------------- rollout, spot, update
   engine = make_engine(config, cfg, params, mesh, eos, pad,
-                       drafter=(dcfg, dparams) if use_sd else None,
-                       log_features=config.drafter.spot_training)
+                       drafters=drafters if use_sd else None, log_features=spot_on)
   sampling = sampling_params(config)
-  spot = (SpotTrainer(cfg, dcfg, drafter_opt_config(config), dparams, mesh, spot_config(config),
-                      FeatureBuffer(config.drafter.buffer.keep_steps),
+  spot = (SpotTrainer(cfg, {n: d.settings for n, d in trained.items()},
+                      drafter_opt_config(config), {n: d.params for n, d in trained.items()},
+                      mesh, spot_config(config), FeatureBuffer(config.drafter.buffer.keep_steps),
                       rules=tuple(config.mesh.rollout_rules), seed=config.seed)
-          if config.drafter.spot_training else None)
+          if spot_on else None)
   algorithm = algorithm_from_config(config)
   updater = PolicyUpdater(training_model_config(config, cfg), algorithm,
                           make_adamw(policy_adamw(config)), params, mesh, rules,
@@ -155,8 +158,8 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   n_params = sum(x.size for x in jax.tree.leaves(run.params))
   say(f"mesh {dict(mesh.shape)} over {jax.process_count()} process(es): "
       f"{len(engine.slices)} rollout slices; policy {n_params / 1e6:.2f}M params; SD "
-      f"{'on' if engine.speculative else 'off'}, spot training "
-      f"{'on' if spot is not None else 'off'}; steps {step} -> {rl.steps}")
+      f"{'on with ' + '+'.join(engine.drafters) if engine.speculative else 'off'}, spot "
+      f"training {'on' if spot is not None else 'off'}; steps {step} -> {rl.steps}")
 
   def evaluate_and_log(at_step: int) -> None:
     row = heldout_accuracy(engine, tokenizer, eval_examples, sampling, rl.eval_samples,
@@ -216,21 +219,28 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
       bar.update(1)
       bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.2f}",
                       len=f"{metrics['response_len_mean']:.0f}", step_s=f"{metrics['step_s']:.1f}",
-                      accept=f"{metrics['sd_accept_len_mean'] or 0:.2f}")
+                      accept=_accept_shown(metrics))
   bar.close()
 
   # ---------------------------------------------------------------- export and summary
   if step >= end and rl.export:  # Hugging Face layout
     job.export(save_hf_checkpoint, job.path("export", "policy"), run.params, cfg, tokenizer)
-    if use_drafter:
-      job.export(save_drafter, job.path("export", "drafter"),
-                 spot.params if spot is not None else dparams, cfg, dcfg)
+    for name, d in trained.items():
+      job.export(save_drafter, job.path("export", name), name, d.settings,
+                 spot.params[name] if spot is not None else d.params, cfg)
   return write_summary(workdir, log.rows["metrics"], config, wall_s=job.wall_s,
                        stopped_early=step < end, evals=log.rows["eval"], write=job.writer,
                        extra={"time_limited": end < rl.steps, **job.compiles(),
                               "compile_bill": merge_bills(pools),
                               **({"compile_bill_control": merge_bills([control.pool])}
                                  if control is not None else {})})
+
+
+def _accept_shown(metrics: dict) -> str:
+  """The progress line's SD accept length: 'not reached' when SD was on but never ran."""
+  if metrics["sd_accept_len_mean"] is not None:
+    return f"{metrics['sd_accept_len_mean']:.2f}"
+  return "not reached" if "sd_not_reached" in metrics else "off"
 
 
 def _compile_plan(config, engine, updater, params, sampling, say) -> None:

@@ -52,6 +52,10 @@ def write_summary(workdir: str, history: list[dict], config: ml_collections.Conf
         sd_accept_len_mean=_mean([m["sd_accept_len_mean"] for m in history]),
         reclaimed_slice_s_total=float(sum(m["reclaimed_slice_s"] for m in history)),
         idle_slice_s_total=float(sum(m["idle_slice_s"] for m in history)))
+    # Steps that asked for SD but never reached it, and why (the last one's reason).
+    missed = [m["sd_not_reached"] for m in history if "sd_not_reached" in m]
+    if missed:
+      summary.update(sd_not_reached_steps=len(missed), sd_not_reached=missed[-1])
     # rl.paired_control (step 1 is 0 by construction; a resumed run may have switched it on)
     paired = [m for m in history[1:] if "reward_vs_initial" in m]
     if paired:
@@ -96,14 +100,22 @@ def _print_table(s: dict) -> None:
               for kind, line in s.get("compile_bill", {}).items()) or "-"),
           ("XLA programs compiled / from the cache",
            f"{s['xla_compiles']} / {s['xla_cache_hits']}" if "xla_compiles" in s else "-"),
-          ("SD accept length, mean", f"{s['sd_accept_len_mean']:.2f}"
-           if s["sd_accept_len_mean"] is not None else "- (no SD call)"),
+          ("SD accept length, mean", _accept_line(s)),
           ("drafter steps (spot)", f"{s['drafter_steps_total']}"),
           ("slice time reclaimed / idle",
            f"{s['reclaimed_slice_s_total']:.1f} s / {s['idle_slice_s_total']:.1f} s"),
           ("wall time", f"{s['wall_s']:.0f} s")]
   width = max(len(k) for k, _ in rows)
   print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def _accept_line(s: dict) -> str:
+  accept = (f"{s['sd_accept_len_mean']:.2f}" if s["sd_accept_len_mean"] is not None
+            else "- (no SD call)")
+  if s.get("sd_not_reached_steps"):
+    accept += (f"; SD not reached in {s['sd_not_reached_steps']} of {s['steps_done']} steps: "
+               f"{s['sd_not_reached']}")
+  return accept
 
 
 def _plot(history: list[dict], evals: list[dict], path: str) -> None:

@@ -1,19 +1,24 @@
-"""Offline drafter warm-up before RL (the EAGLE warm-up stage).
+"""Offline drafter warm-up before RL (the EAGLE warm-up stage), for every trained drafter the
+run uses.
 
   python -m tlt_jax.warmup_drafter --config configs/default.py --workdir runs/warmup
 
 The policy (model.path) answers `drafter.warmup.num_prompts` training prompts of the task at
-drafter.warmup.temperature; the drafter (the config's drafter section, random init) trains on
-the policy's own features of those responses. With drafter.draft_vocab_size > 0 its draft
-vocabulary is the tokens most frequent in those responses. Outputs in WORKDIR:
+drafter.warmup.temperature; the run's trained drafters (`components.run_drafters`: EAGLE for
+the default arms; each from its section drafter.<name>, random init) train together on the
+policy's own features of those responses. With drafter.eagle.draft_vocab_size > 0 EAGLE's
+draft vocabulary is the tokens most frequent in those responses. The accept length is
+measured with rollout.speculative.strategy, whose drafters must be the run's. Outputs in
+WORKDIR:
 
   generations.jsonl   the policy's responses (reused by a rerun with the same prompts, model
                       and sampling settings, which generations.jsonl.json records)
   checkpoints/        orbax checkpoints of the drafter train state (a rerun resumes)
   metrics.jsonl       loss, top-1 agreement and grad norm per step
   eval.jsonl          the greedy SD accept length on held-out prompts (at the last step)
-  export/             the drafter in EAGLE's HF layout (config.json + model.safetensors);
-                      point drafter.path at it
+  export/<name>/      each trained drafter in HF layout (config.json naming its family +
+                      model.safetensors; EAGLE's in EAGLE's layout); point
+                      drafter.<name>.path at it
   summary.json        losses, and the greedy SD accept length on held-out prompts of the
                       untrained and the warmed drafter
 """
@@ -30,18 +35,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
-from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_drafter_for,
-                                load_policy, load_tokenizer_for, make_engine, task_prompts)
-from tlt_jax.config import flat_settings
+from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_drafters_for,
+                                load_policy, load_tokenizer_for, make_engine, run_drafters,
+                                task_prompts)
+from tlt_jax.config import ConfigError, flat_settings
+from tlt_jax.drafters import DRAFTERS, make_drafter
 from tlt_jax.job import Job, run_job
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
 from tlt_jax.mesh import make_mesh, to_mesh
-from tlt_jax.models.draft_vocab import frequent_tokens
-from tlt_jax.models.drafter import with_draft_vocab
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -51,6 +57,17 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/warmup_drafter", "Output folder 
 def _warmup(config, job: Job) -> bool:
   """The job; True when a signal stopped it (after a checkpoint) before its last step."""
   w = config.drafter.warmup
+  strategy = config.rollout.speculative.strategy
+  used = run_drafters(config)
+  if not any(DRAFTERS[n].trained for n in used):
+    trainable = [n for n, c in DRAFTERS.items() if c.trained]
+    raise ConfigError(f"the run uses no trained drafter (its drafters: {list(used)}), so there "
+                      f"is nothing to warm; name one of {trainable} in "
+                      f"rollout.speculative.arms or drafter.names")
+  if missing := [n for n in Strategy.parse(strategy).drafts if n not in used]:
+    raise ConfigError(f"rollout.speculative.strategy={strategy!r} (the warm-up's accept-length "
+                      f"check) drafts with {missing}, which the run does not use (its drafters: "
+                      f"{list(used)}); set it to a strategy of the run's drafters")
 
   # ---------------------------------------------------------------- policy and prompts
   mesh = make_mesh(dict(config.mesh.axes))
@@ -72,12 +89,11 @@ def _warmup(config, job: Job) -> bool:
   samples = collect_samples(params, cfg, repeated, completions)
 
   # ---------------------------------------------------------------- train, with checkpoints
-  dcfg, init_params = load_drafter_for(config, cfg, fresh=True)
-  if dcfg.draft_vocab_size:  # the tokens the policy generates most (EAGLE-3, FR-Spec)
-    d2t = frequent_tokens(completions, cfg.vocab_size, dcfg.draft_vocab_size)
-    init_params = with_draft_vocab(init_params, params, d2t, cfg)
-    job.say(f"draft vocabulary: the {dcfg.draft_vocab_size} of {cfg.vocab_size} tokens most "
-            f"frequent in the responses")
+  drafters = load_drafters_for(config, cfg, fresh=True)
+  settings = {n: d.settings for n, d in drafters.items() if d.trained}
+  # Fresh weights adapted to the responses (e.g. EAGLE-3's draft vocabulary).
+  init_params = {n: type(d).warm_start(d.settings, d.params, params, cfg, completions, job.say)
+                 for n, d in drafters.items() if d.trained}
   untrained = jax.device_get(init_params)  # host copy: training donates the device arrays
   oc = drafter_opt_config(config, warmup=True)
   # Replicated on the policy's mesh, where the step runs: a restore takes these shardings
@@ -104,7 +120,7 @@ def _warmup(config, job: Job) -> bool:
   t0 = job.wall_s
   with log:
     with contextlib.closing(ckpt):  # a save in flight is finished, also on an error
-      dparams, history = train_drafter(init_params, params, samples, cfg, dcfg, oc, w.steps,
+      dparams, history = train_drafter(init_params, params, samples, cfg, settings, oc, w.steps,
                                        window=w.window, batch_rows=w.batch_rows,
                                        seed=config.seed, state=state, on_step=on_step,
                                        progress=job.writer and job.show_progress,
@@ -115,15 +131,16 @@ def _warmup(config, job: Job) -> bool:
       return True
 
     # -------------------------------------------------------------- held-out accept length
-    strategy = config.rollout.speculative.strategy
     accept = {}
-    for name, d in (("untrained", untrained), ("warmed", dparams)):
-      sd_engine = make_engine(config, cfg, params, mesh, eos, pad, drafter=(dcfg, d),
+    for label, weights in (("untrained", untrained), ("warmed", dparams)):
+      with_weights = {n: make_drafter(n, d.settings, weights[n]) if d.trained else d
+                      for n, d in drafters.items()}
+      sd_engine = make_engine(config, cfg, params, mesh, eos, pad, drafters=with_weights,
                               speculative=True, tuner=FixedTuner(strategy),
                               sd_threshold=config.rollout.max_batch,
                               max_new_tokens=w.max_new_tokens,
                               compile_ahead=False)  # every call SD: what is measured
-      accept[name] = accept_length(sd_engine.generate(eval_prompts, 1, SamplingParams(0.0),
+      accept[label] = accept_length(sd_engine.generate(eval_prompts, 1, SamplingParams(0.0),
                                                       jax.random.key(0)))
     if not any(row["step"] == steps for row in log.rows["eval"]):  # a rerun of a finished job
       log.write("eval", [{"step": steps, "accept_len_untrained": accept["untrained"],
@@ -140,12 +157,14 @@ def _warmup(config, job: Job) -> bool:
       "top1_last": float(np.mean([h["top1"] for h in history[-20:]])) if history else None,
       "accept_len_untrained": accept["untrained"], "accept_len_warmed": accept["warmed"],
       "strategy": strategy, **job.compiles(), "config": json.loads(config.to_json())}
-  export = job.path("export")
-  job.export(save_drafter, export, dparams, cfg, dcfg, metadata={"warmup": {
-      k: summary[k] for k in ("steps", "responses", "loss_last", "top1_last",
-                              "accept_len_untrained", "accept_len_warmed", "strategy")}})
+  for name in settings:
+    job.export(save_drafter, job.path("export", name), name, settings[name], dparams[name], cfg,
+               metadata={"warmup": {k: summary[k] for k in (
+                   "steps", "responses", "loss_last", "top1_last", "accept_len_untrained",
+                   "accept_len_warmed", "strategy")}})
   job.write_json("summary.json", summary)
-  job.say(f"exported the drafter to {export}; {summary['wall_s']:.0f} s")
+  job.say(f"exported {', '.join(settings)} to {job.path('export')}/; "
+          f"{summary['wall_s']:.0f} s")
   return False
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.speculative.drafters import oracle_drafter, random_drafter
+from tests.speculative.drafters import drafter_set, oracle_drafter, random_drafter
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.mesh import make_mesh, replica_slices
 from tlt_jax.models import init_cache, prefill
@@ -34,7 +34,8 @@ def test_logged_features_are_the_policys_own(tiny_cfg, tiny_params, threshold):
   # max_batch 2 < requests per slice: rows are refilled and compacted while logging.
   ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=10, sd_threshold=threshold,
                     eos_id=7)
-  engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec, drafter=random_drafter(tiny_cfg, 3),
+  engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec,
+                         drafters=drafter_set(random_drafter(tiny_cfg, 3)),
                          tuner=FixedTuner((3, 2, 6)), log_features=True)
   logged = {0, 3, 4, 8, 9, 13}
   res = engine.generate(PROMPTS, 2, SamplingParams(0.0), jax.random.key(0), log_requests=logged)
@@ -71,7 +72,7 @@ def test_an_accepted_path_cut_by_eos_or_the_budget_logs_only_what_the_response_h
   ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=8,
                     eos_id=int(tokens[counts.argmax()]))  # a token that ends some responses
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec,
-                         drafter=oracle_drafter(tiny_cfg, tiny_params),
+                         drafters=drafter_set(oracle_drafter(tiny_cfg, tiny_params)),
                          tuner=FixedTuner((4, 1, 5)), log_features=True)
   res = engine.generate(PROMPTS, 1, SamplingParams(0.0), jax.random.key(0))
   assert {"eos", "length"} == set(res.finish_reasons)

@@ -74,17 +74,17 @@ def test_training_lowers_loss_on_a_fixed_buffer(tiny_cfg, tiny_params):
   batch = jax.tree.map(jnp.asarray, pack_windows(
       _samples(tiny_cfg, tiny_params, [12, 9, 15, 7, 10], seed=2), window=16))
   oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5)
-  step = jit_train_step(tiny_cfg, dcfg, oc)
-  state = init_train_state(dparams, oc)
+  step = jit_train_step(tiny_cfg, {"eagle": dcfg}, oc)
+  state = init_train_state({"eagle": dparams}, oc)
   first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg)
   for _ in range(60):
     state, metrics = step(state, tiny_params, batch)
-  last, aux = drafter_loss(state.params, tiny_params, batch, tiny_cfg, dcfg)
+  last, aux = drafter_loss(state.params["eagle"], tiny_params, batch, tiny_cfg, dcfg)
   assert int(state.step) == 60
   assert float(last) < 0.7 * float(first)
   assert float(aux["top1"]) > float(first_aux["top1"]) + 0.2
   # The policy was only read.
-  assert set(state.params) == set(dparams)
+  assert set(state.params["eagle"]) == set(dparams)
 
 
 def test_a_non_finite_batch_leaves_the_drafter_and_its_optimizer_as_they_were(tiny_cfg,
@@ -94,18 +94,19 @@ def test_a_non_finite_batch_leaves_the_drafter_and_its_optimizer_as_they_were(ti
       _samples(tiny_cfg, tiny_params, [12, 9], seed=2), window=16))
   poisoned = dataclasses.replace(batch, features=batch.features.at[0, 3, 0].set(jnp.nan))
   oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=0)
-  step = jit_train_step(tiny_cfg, dcfg, oc)
-  state, metrics = step(init_train_state(dparams, oc), tiny_params, batch)
+  step = jit_train_step(tiny_cfg, {"eagle": dcfg}, oc)
+  state, metrics = step(init_train_state({"eagle": dparams}, oc), tiny_params, batch)
   assert float(metrics["nonfinite"]) == 0.0
-  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  before = jax.tree.map(np.asarray, (state.params["eagle"], state.opt_state))
   state, metrics = step(state, tiny_params, poisoned)
   assert float(metrics["nonfinite"]) == 1.0 and not np.isfinite(float(metrics["loss"]))
-  after = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  after = jax.tree.map(np.asarray, (state.params["eagle"], state.opt_state))
   jax.tree.map(np.testing.assert_array_equal, after, before)
   state, metrics = step(state, tiny_params, batch)  # and it trains on
   assert float(metrics["nonfinite"]) == 0.0 and int(state.step) == 3
-  assert np.all(np.isfinite(np.asarray(state.params["fc"]["kernel"])))
-  assert not np.array_equal(np.asarray(state.params["fc"]["kernel"]), before[0]["fc"]["kernel"])
+  assert np.all(np.isfinite(np.asarray(state.params["eagle"]["fc"]["kernel"])))
+  assert not np.array_equal(np.asarray(state.params["eagle"]["fc"]["kernel"]),
+                            before[0]["fc"]["kernel"])
 
 
 def test_reduced_vocab_loss_restricts_the_target_and_trains_only_weights(tiny_cfg, tiny_params):
@@ -148,15 +149,16 @@ def test_reduced_vocab_loss_restricts_the_target_and_trains_only_weights(tiny_cf
   oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5)
   first, _ = drafter_loss(rparams, tiny_params, batch, tiny_cfg, rcfg)
   rparams = jax.device_get(rparams)  # a host copy: the updates donate the train state
-  state = init_train_state(jax.tree.map(jnp.asarray, rparams), oc)
-  step = jit_train_step(tiny_cfg, rcfg, oc)
+  state = init_train_state({"eagle": jax.tree.map(jnp.asarray, rparams)}, oc)
+  step = jit_train_step(tiny_cfg, {"eagle": rcfg}, oc)
   for _ in range(30):
     state, _ = step(state, tiny_params, batch)
-  last, _ = drafter_loss(state.params, tiny_params, batch, tiny_cfg, rcfg)
+  last, _ = drafter_loss(state.params["eagle"], tiny_params, batch, tiny_cfg, rcfg)
   assert float(last) < 0.8 * float(first)
-  np.testing.assert_array_equal(state.params[DRAFT_TO_POLICY], rparams[DRAFT_TO_POLICY])
-  assert state.params[DRAFT_TO_POLICY].dtype == jnp.int32
-  assert not np.allclose(state.params["lm_head"]["kernel"], rparams["lm_head"]["kernel"])
+  trained = state.params["eagle"]
+  np.testing.assert_array_equal(trained[DRAFT_TO_POLICY], rparams[DRAFT_TO_POLICY])
+  assert trained[DRAFT_TO_POLICY].dtype == jnp.int32
+  assert not np.allclose(trained["lm_head"]["kernel"], rparams["lm_head"]["kernel"])
 
 
 def test_pack_errors():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, repo_config
-from tests.speculative.drafters import random_drafter
+from tests.speculative.drafters import drafter_set, random_drafter
 from tlt_jax.components import task_prompts
 from tlt_jax.rollout.engine import accept_length
 from tlt_jax.drafter_training.spot import SpotConfig, SpotTrainer, _average_slices
@@ -44,13 +44,14 @@ def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, 
   ec = EngineConfig(max_batch=1, max_prompt_len=8, max_new_tokens=64, sd_threshold=0)
   # A reduced draft vocabulary (EAGLE-3): its int32 map rides along untrained.
   dcfg, dparams = random_drafter(tiny_cfg, seed=4, draft_vocab_size=32)
-  engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec, drafter=(dcfg, dparams),
+  engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec, drafters=drafter_set((dcfg, dparams)),
                          tuner=FixedTuner((2, 2, 4)), log_features=True)
   prompts = [[1, 2, 3], [4, 5], [6]]
-  spot = SpotTrainer(tiny_cfg, dcfg, DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=1),
-                     dparams, mesh, SpotConfig(window=32, windows=4, batch_rows=2))
+  spot = SpotTrainer(tiny_cfg, {"eagle": dcfg},
+                     DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=1), {"eagle": dparams},
+                     mesh, SpotConfig(window=32, windows=4, batch_rows=2))
   spot.precompile(engine.slices, engine.policy_on)
-  before = jax.device_get(spot.params)
+  before = jax.device_get(spot.params["eagle"])
 
   spot.begin(0, engine.policy_on)
   res = engine.generate(prompts, 1, GREEDY, jax.random.key(0), on_slice_idle=spot.on_slice_idle)
@@ -75,7 +76,7 @@ def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, 
   assert metrics["drafter_tokens"] == sum(r.tokens for r in recs) > 0
 
   # The averaged state is the new drafter, on the home mesh; its step counts every update.
-  after = jax.device_get(spot.params)
+  after = jax.device_get(spot.params["eagle"])
   assert int(spot.state.step) == metrics["drafter_steps"]
   assert not np.allclose(before["fc"]["kernel"], after["fc"]["kernel"])
   assert not np.allclose(before["lm_head"]["kernel"], after["lm_head"]["kernel"])
@@ -112,7 +113,8 @@ def _spot_rollouts(cfg, params, dcfg, dparams, eos, prompts, min_steps, max_roll
   ec = EngineConfig(max_batch=8, max_prompt_len=128, max_new_tokens=192, sd_threshold=0,
                     eos_id=eos)
   engine = RolloutEngine(cfg, params, mesh, ec, log_features=True)
-  spot = SpotTrainer(cfg, dcfg, DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=10), dparams,
+  spot = SpotTrainer(cfg, {"eagle": dcfg},
+                     DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=10), {"eagle": dparams},
                      mesh, SpotConfig(window=128, windows=16, batch_rows=4))
   spot.precompile(engine.slices, engine.policy_on)
   steps = 0
@@ -123,11 +125,11 @@ def _spot_rollouts(cfg, params, dcfg, dparams, eos, prompts, min_steps, max_roll
     steps += spot.finish()["drafter_steps"]
     if steps >= min_steps:
       break
-  return jax.device_get(spot.params), steps
+  return jax.device_get(spot.params["eagle"]), steps
 
 
 def _accept(engine, dparams, prompts):
-  engine.update_params(drafter_params=dparams)
+  engine.update_params(drafter_params={"eagle": dparams})
   return accept_length(engine.generate(prompts, 1, GREEDY, jax.random.key(0)))
 
 
@@ -149,7 +151,8 @@ def _sd_engine(cfg, params, dcfg, dparams, eos):
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   ec = EngineConfig(max_batch=4, max_prompt_len=128, max_new_tokens=96, sd_threshold=4,
                     eos_id=eos)
-  return RolloutEngine(cfg, params, mesh, ec, drafter=(dcfg, dparams), tuner=FixedTuner((4, 2, 8)))
+  return RolloutEngine(cfg, params, mesh, ec, drafters=drafter_set((dcfg, dparams)),
+                       tuner=FixedTuner((4, 2, 8)))
 
 
 @pytest.mark.slow

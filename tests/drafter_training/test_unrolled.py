@@ -90,11 +90,12 @@ def test_unrolled_training_lowers_the_later_steps_loss(tiny_cfg, tiny_params):
   first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, train_depth=3)
   # Fewer slots have a 3-step chain inside their sample than a 1-step one.
   assert 0 < float(first_aux["tokens"])
-  step = jit_train_step(tiny_cfg, dcfg, oc)
-  state = init_train_state(dparams, oc)
+  step = jit_train_step(tiny_cfg, {"eagle": dcfg}, oc)
+  state = init_train_state({"eagle": dparams}, oc)
   for _ in range(60):
     state, metrics = step(state, tiny_params, batch)
-  last, aux = drafter_loss(state.params, tiny_params, batch, tiny_cfg, dcfg, train_depth=3)
+  last, aux = drafter_loss(state.params["eagle"], tiny_params, batch, tiny_cfg, dcfg,
+                           train_depth=3)
   assert np.isfinite(float(metrics["loss"]))
   assert float(last) < 0.8 * float(first)
   assert float(aux["top1_ahead"]) > float(first_aux["top1_ahead"]) + 0.2

@@ -26,8 +26,8 @@ def test_training_stops_after_the_step_the_job_asked_to_stop_at(tiny_cfg, tiny_p
   dcfg = DrafterConfig()
   dparams = init_drafter_params(tiny_cfg, dcfg, jax.random.key(1))
   steps = []
-  _, history = train_drafter(dparams, tiny_params, samples, tiny_cfg, dcfg, DrafterOptConfig(),
-                             steps=50, window=16, batch_rows=2, progress=False,
+  _, history = train_drafter({"eagle": dparams}, tiny_params, samples, tiny_cfg, {"eagle": dcfg},
+                             DrafterOptConfig(), steps=50, window=16, batch_rows=2, progress=False,
                              on_step=lambda step, state, metrics: steps.append(step),
                              should_stop=lambda: len(steps) >= 3)
   assert steps == [1, 2, 3] and len(history) == 3

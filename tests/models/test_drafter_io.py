@@ -30,7 +30,7 @@ def test_reduced_vocab_drafter_round_trips_in_eagle3_layout(tmp_path, tiny_cfg, 
   dcfg, params = random_drafter(tiny_cfg, seed=5, draft_vocab_size=16)
   d2t = frequent_tokens([np.arange(0, tiny_cfg.vocab_size, 3)], tiny_cfg.vocab_size, 16)
   params = with_draft_vocab(params, tiny_params, d2t, tiny_cfg)
-  save_drafter(str(tmp_path), params, tiny_cfg, dcfg)
+  save_drafter(str(tmp_path), "eagle", dcfg, params, tiny_cfg)
 
   tensors = load_file(tmp_path / "model.safetensors")
   assert tensors["lm_head.weight"].shape == (16, tiny_cfg.hidden_size)
@@ -40,7 +40,7 @@ def test_reduced_vocab_drafter_round_trips_in_eagle3_layout(tmp_path, tiny_cfg, 
   np.testing.assert_array_equal(np.flatnonzero(tensors["t2d"]), d2t)
   assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 16
 
-  loaded_cfg, loaded = load_drafter(str(tmp_path), tiny_cfg)
+  _, loaded_cfg, loaded = load_drafter(str(tmp_path), tiny_cfg)
   assert loaded_cfg == dcfg
   np.testing.assert_array_equal(loaded[DRAFT_TO_POLICY], d2t)
   assert loaded[DRAFT_TO_POLICY].dtype == np.int32
@@ -57,22 +57,22 @@ def test_reduced_vocab_drafter_round_trips_in_eagle3_layout(tmp_path, tiny_cfg, 
 
 def test_feature_layers_round_trip_and_older_exports(tmp_path, tiny_cfg):
   dcfg, params = random_drafter(tiny_cfg, seed=2, feature_layers=[1, 0])
-  save_drafter(str(tmp_path), params, tiny_cfg, dcfg)
+  save_drafter(str(tmp_path), "eagle", dcfg, params, tiny_cfg)
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["drafter"]["feature_layers"] == [1, 0]
-  loaded_cfg, loaded = load_drafter(str(tmp_path), tiny_cfg)
+  _, loaded_cfg, loaded = load_drafter(str(tmp_path), tiny_cfg)
   assert loaded_cfg == dcfg and loaded_cfg.feature_layers == (1, 0)
   assert loaded["fuse"]["kernel"].shape == (3 * tiny_cfg.hidden_size, tiny_cfg.hidden_size)
 
   # An export from before feature_layers counted them: 0 reads as (), a count is refused.
   plain_cfg, plain = random_drafter(tiny_cfg, seed=2)
   old = tmp_path / "old"
-  save_drafter(str(old), plain, tiny_cfg, plain_cfg)
+  save_drafter(str(old), "eagle", plain_cfg, plain, tiny_cfg)
   config = json.loads((old / "config.json").read_text())
   del config["drafter"]["feature_layers"]
   config["drafter"]["fused_features"] = 0
   (old / "config.json").write_text(json.dumps(config))
-  assert load_drafter(str(old), tiny_cfg)[0] == plain_cfg
+  assert load_drafter(str(old), tiny_cfg)[1] == plain_cfg
   config["drafter"]["fused_features"] = 2
   (old / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match=r"fused_features=2 without naming .* \"feature_layers\""):

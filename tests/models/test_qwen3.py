@@ -166,7 +166,7 @@ def _engine(qwen3, mesh, drafter=None, **kw):
                     sd_threshold=4 if drafter else 0, **kw)
   if drafter is None:
     return RolloutEngine(qwen3.cfg, qwen3.params, mesh, ec, log_features=True)
-  return RolloutEngine(qwen3.cfg, qwen3.params, mesh, ec, drafter=drafter,
+  return RolloutEngine(qwen3.cfg, qwen3.params, mesh, ec, drafters=drafter_set(drafter),
                        tuner=FixedTuner((3, 2, 6)))
 
 
@@ -182,10 +182,10 @@ def drafter(qwen3, hf_greedy):
                             batch_size=4)
   dcfg = DrafterConfig()
   params, history = train_drafter(
-      init_drafter_params(qwen3.cfg, dcfg, jax.random.key(1)), qwen3.params, samples,
-      qwen3.cfg, dcfg, DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5), steps=40,
-      window=32, batch_rows=3, progress=False)
-  return dcfg, params, [m["loss"] for m in history]
+      {"eagle": init_drafter_params(qwen3.cfg, dcfg, jax.random.key(1))}, qwen3.params, samples,
+      qwen3.cfg, {"eagle": dcfg}, DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5),
+      steps=40, window=32, batch_rows=3, progress=False)
+  return dcfg, params["eagle"], [m["loss"] for m in history]
 
 
 @pytest.mark.slow
@@ -224,8 +224,9 @@ def test_the_drafter_warms_up_spot_trains_exports_and_loads(qwen3, hf_greedy, dr
   mesh = make_mesh({"replica": 2, "fsdp": 1, "tensor": 1}, jax.devices()[:2])
   ec = EngineConfig(max_batch=1, max_prompt_len=32, max_new_tokens=48, sd_threshold=0)
   engine = RolloutEngine(qwen3.cfg, qwen3.params, mesh, ec, log_features=True)
-  spot = SpotTrainer(qwen3.cfg, dcfg, DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=1),
-                     params, mesh, SpotConfig(window=32, windows=4, batch_rows=2))
+  spot = SpotTrainer(qwen3.cfg, {"eagle": dcfg},
+                     DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=1), {"eagle": params},
+                     mesh, SpotConfig(window=32, windows=4, batch_rows=2))
   spot.precompile(engine.slices, engine.policy_on)
   spot.begin(0, engine.policy_on)
   res = engine.generate(qwen3.prompts, 1, GREEDY, jax.random.key(0),
@@ -234,15 +235,15 @@ def test_the_drafter_warms_up_spot_trains_exports_and_loads(qwen3, hf_greedy, dr
   # Spot training never touches the rollout: it is the policy's greedy decoding.
   assert [t[:NEW_TOKENS] for t in res.tokens] == hf_greedy.tokens
   assert metrics["drafter_steps"] >= 1 and metrics["drafter_tokens"] > 0
-  trained = jax.device_get(spot.params)
+  trained = jax.device_get(spot.params["eagle"])
   assert not np.allclose(trained["layer_0"]["self_attn"]["q_norm"]["weight"],
                          np.asarray(layer["q_norm"]["weight"]))
 
   out = str(tmp_path / "drafter")
-  save_drafter(out, trained, qwen3.cfg, dcfg)
+  save_drafter(out, "eagle", dcfg, trained, qwen3.cfg)
   names = set(load_file(os.path.join(out, "model.safetensors")))
   assert {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"} <= names
-  dcfg_back, back = load_drafter(out, qwen3.cfg)
+  _, dcfg_back, back = load_drafter(out, qwen3.cfg, expect="eagle")
   assert dcfg_back == dcfg
   assert jax.tree.structure(back) == jax.tree.structure(trained)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),

@@ -137,10 +137,11 @@ def drafter(smollm2, greedy):
                             [_until_eos(t, eos) for t in greedy.tokens], batch_size=4)
   dcfg = DrafterConfig()
   params, _ = train_drafter(
-      init_drafter_params(smollm2.cfg, dcfg, jax.random.key(1)), smollm2.params, samples,
-      smollm2.cfg, dcfg, DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5),
-      steps=DRAFTER_STEPS, window=80, batch_rows=3, progress=False)
-  return dcfg, params
+      {"eagle": init_drafter_params(smollm2.cfg, dcfg, jax.random.key(1))}, smollm2.params,
+      samples, smollm2.cfg, {"eagle": dcfg},
+      DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5), steps=DRAFTER_STEPS, window=80,
+      batch_rows=3, progress=False)
+  return dcfg, params["eagle"]
 
 
 def _engine(smollm2, drafter=None):
@@ -151,7 +152,7 @@ def _engine(smollm2, drafter=None):
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   if drafter is None:
     return RolloutEngine(smollm2.cfg, smollm2.params, mesh, ec)
-  return RolloutEngine(smollm2.cfg, smollm2.params, mesh, ec, drafter=drafter,
+  return RolloutEngine(smollm2.cfg, smollm2.params, mesh, ec, drafters=drafter_set(drafter),
                        tuner=FixedTuner((3, 2, 6)))
 
 

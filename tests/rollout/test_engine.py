@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tests.speculative.drafters import random_drafter
+from tests.speculative.drafters import drafter_set, random_drafter
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import ModelConfig, init_params, prefill, init_cache
 from tlt_jax.models.drafter import drafter_from_policy
@@ -58,7 +58,7 @@ def test_greedy_engine_with_sd_equals_plain_engine(tiny_cfg, tiny_params, plain_
                     sd_threshold=threshold, eos_id=ec.eos_id)
   d = drafter_from_policy(tiny_cfg, tiny_params) if drafter == "oracle" else random_drafter(
       tiny_cfg, seed=2)
-  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(replicas, fsdp), ec, drafter=d,
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(replicas, fsdp), ec, drafters=drafter_set(d),
                          tuner=FixedTuner((3, 2, 6)))
   res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
   assert res.tokens == ref.tokens
@@ -101,7 +101,8 @@ def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
   ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
                     eos_id=ec.eos_id)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
-                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+                         drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
+                         tuner=FixedTuner((3, 2, 6)))
   idle = []
   first = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0),
                           on_slice_idle=lambda s, mesh, block: idle.append(
@@ -129,7 +130,8 @@ def test_greedy_and_sampled_rollouts_share_programs_and_keep_their_tokens(tiny_c
 
   def engine():
     return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
-                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+                         drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
+                         tuner=FixedTuner((3, 2, 6)))
   shared, runs = engine(), {}
   for sp in (SamplingParams(0.7), SamplingParams(1.3), GREEDY):
     runs[sp] = shared.generate(PROMPTS, 2, sp, jax.random.key(0))
@@ -165,7 +167,7 @@ def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
   tuner = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6)], [(2, 2, 4), (3, 2, 6)]],
                       plain_arm=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
-                         drafter=random_drafter(tiny_cfg, seed=2), tuner=tuner)
+                         drafters=drafter_set(random_drafter(tiny_cfg, seed=2)), tuner=tuner)
   # Most running rows first, each bucket's plain program and then its arms in order, one
   # entry per program.
   narrow, wide = tuner.arms[1][:2]
@@ -207,7 +209,8 @@ def test_every_slice_compiles_its_tail_ahead(tiny_cfg, tiny_params):
   ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
                     compile_ahead=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2), ec,
-                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+                         drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
+                         tuner=FixedTuner((3, 2, 6)))
   engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
   pool_module.wait_for_compiles_ahead()
   for s in (0, 1):
@@ -221,7 +224,8 @@ def _beg_mab_engine(tiny_cfg, tiny_params, eos_id, slices, max_batch):
                     eos_id=eos_id)
   tuner = BegMabTuner(thresholds=(1, 3), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4), (2, 1, 3)]])
   return RolloutEngine(tiny_cfg, tiny_params, _mesh(slices), ec,
-                       drafter=drafter_from_policy(tiny_cfg, tiny_params), tuner=tuner), tuner
+                       drafters=drafter_set(drafter_from_policy(tiny_cfg, tiny_params)),
+                       tuner=tuner), tuner
 
 
 def test_beg_mab_tuner_drives_strategies(tiny_cfg, tiny_params, plain_reference):
@@ -277,8 +281,8 @@ def test_sampled_sd_engine_emits_what_the_plain_engine_emits(tiny_cfg, tiny_para
   tuner = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4)]],
                       plain_arm=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2), dataclasses.replace(
-      ec, max_batch=2, sd_threshold=2, iterations_per_call=8), drafter=random_drafter(tiny_cfg, 2),
-      tuner=tuner)
+      ec, max_batch=2, sd_threshold=2, iterations_per_call=8),
+      drafters=drafter_set(random_drafter(tiny_cfg, 2)), tuner=tuner)
   sd = engine.generate(PROMPTS, 3, sp, jax.random.key(4))
   assert sd.tokens == plain.tokens and sd.finish_reasons == plain.finish_reasons
   assert any(r.mode == "sd" for r in sd.timeline)
@@ -323,7 +327,7 @@ def test_bad_engine_config(tiny_cfg, tiny_params):
     FixedTuner((2, 2, 8))
   with pytest.raises(ValueError, match="needs a tuner"):
     RolloutEngine(tiny_cfg, tiny_params, _mesh(1), EngineConfig(),
-                  drafter=random_drafter(tiny_cfg))
+                  drafters=drafter_set(random_drafter(tiny_cfg)))
 
 
 def test_sampled_engine_is_exact():
@@ -337,7 +341,8 @@ def test_sampled_engine_is_exact():
   sp = SamplingParams(0.8)
   n = 2048
   ec = EngineConfig(max_batch=1024, max_prompt_len=4, max_new_tokens=2, sd_threshold=1024)
-  engine = RolloutEngine(cfg, params, _mesh(1), ec, drafter=random_drafter(cfg, seed=9),
+  engine = RolloutEngine(cfg, params, _mesh(1), ec,
+                         drafters=drafter_set(random_drafter(cfg, seed=9)),
                          tuner=FixedTuner((2, 2, 4)))
   res = engine.generate([prompt], n, sp, jax.random.key(5))
   assert any(r.mode == "sd" and r.accept_mean > 1.05 for r in res.timeline)
@@ -359,7 +364,7 @@ def test_sampled_engine_is_exact():
 
 def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16):
   ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=max_new, sd_threshold=2)
-  return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec, drafter=drafter,
+  return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec, drafters=drafter_set(drafter),
                        tuner=FixedTuner(strategy))
 
 
@@ -396,7 +401,7 @@ def test_suffix_drafts_copy_the_groups_finished_responses(tiny_cfg, tiny_params)
   # 15 tokens after the first in 4 iterations: one with too short a suffix to match, then
   # three whole chains of 4 drafts + the bonus token.
   assert sum(r.iterations for r in second) == 4
-  with pytest.raises(ValueError, match=r"draft with EAGLE, but no trained drafter"):
+  with pytest.raises(ValueError, match=r"draft with \['eagle'\], which were not given"):
     _tail_engine(tiny_cfg, tiny_params, "4,2,8,eagle+suffix")
 
 
@@ -408,7 +413,8 @@ def test_any_batch_ladder_gives_the_same_tokens(tiny_cfg, tiny_params, plain_ref
   ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=3,
                     eos_id=ec.eos_id, batch_sizes=ladder, prompt_widths=(8,))
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
-                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+                         drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
+                         tuner=FixedTuner((3, 2, 6)))
   res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
   assert res.tokens == ref.tokens and res.finish_reasons == ref.finish_reasons
   assert {r.bucket for r in res.timeline} <= {*ladder, 8}
@@ -431,7 +437,8 @@ def test_the_compile_plan_compiles_every_program_before_the_rollout(tiny_cfg, ti
                     eos_id=ec.eos_id, batch_sizes=(8, 1), prompt_widths=(8,),
                     compile_ahead=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
-                         drafter=random_drafter(tiny_cfg, seed=2), tuner=FixedTuner((3, 2, 6)))
+                         drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
+                         tuner=FixedTuner((3, 2, 6)))
   pool_module.set_compile_threads(2)
   try:
     engine.compile_plan(GREEDY, len(PROMPTS), 2)

@@ -3,14 +3,15 @@ same policy cache, for any drafter and strategy; an oracle drafter accepts the m
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.speculative.drafters import oracle_drafter, random_drafter
-from tlt_jax.drafters import build_drafters
+from tests.speculative.drafters import drafter_set, oracle_drafter, random_drafter, random_mtp
+from tlt_jax.drafters import DRAFTERS
 from tlt_jax.models import Policy, init_cache
 from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.speculative.decoding import plain_step, sd_step, start
@@ -23,18 +24,21 @@ PROMPTS = np.array([[5, 9, 2, 7, 1, 3, 8], [4, 4, 6, 0, 0, 0, 0], [1, 2, 3, 4, 5
 LENGTHS = np.array([7, 3, 5], np.int32)
 
 
-def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None, corpus=None):
+def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None, corpus=None, mtp=None,
+         prompts=(PROMPTS, LENGTHS)):
   """Generates to completion; returns (final state, accepted counts per SD iteration).
-  drafter: (dcfg, params) of the EAGLE drafter or None (the suffix drafter is always there);
-  corpus: [3, S, L] responses the suffix drafter may copy from."""
-  b = len(LENGTHS)
+  drafter: (dcfg, params) of the EAGLE drafter or None, mtp: MTP heads or None (the
+  weightless drafters are always there); corpus: [3, S, L] responses the suffix drafter may
+  copy from; prompts: ([3, P] tokens, [3] lengths)."""
+  tokens, lengths = prompts
+  b = len(lengths)
   margin = strategy.depth + 1 if strategy else 1
-  cap = PROMPTS.shape[1] + max_new + margin
+  cap = tokens.shape[1] + max_new + margin
   policy = Policy(params, cfg)
-  drafters = build_drafters(*(drafter or (None, None)))
+  drafters = drafter_set(drafter, mtp)
   states = {name: d.init_state(cfg, b, cap) for name, d in drafters.items()}
   state = jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=eos_id))(
-      policy, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), init_cache(cfg, b, cap),
+      policy, jnp.asarray(tokens), jnp.asarray(lengths), init_cache(cfg, b, cap),
       jax.random.key(0), drafters=drafters,
       draft_states={k: v for k, v in states.items() if v is not None})
   accepted = []
@@ -102,6 +106,44 @@ def test_greedy_suffix_and_hybrid_equal_plain(tiny_cfg, tiny_params, plain_outpu
     # Copying from the answer: after the first min_match tokens every draft is right.
     _, alone = _run(tiny_cfg, tiny_params, 14, -1, strategy, random_drafter(tiny_cfg, seed=3))
     assert accepted.mean() > alone.mean() and accepted.max() == strategy.depth + 1
+
+
+def _hybrids():
+  """Every combination of two or more registered drafters, as a strategy's drafts."""
+  names = sorted(DRAFTERS)
+  return ["+".join(c) for n in range(2, len(names) + 1)
+          for c in itertools.combinations(names, n)]
+
+
+@pytest.mark.parametrize("strategy", ["4,2,8,mtp", "3,3,10,mtp", "4,1,5,prompt_lookup",
+                                      *[f"3,2,6,{drafts}" for drafts in _hybrids()]])
+def test_greedy_families_and_their_hybrids_equal_plain(tiny_cfg, tiny_params, plain_outputs,
+                                                       strategy):
+  """MTP heads, prompt lookup and hybrid trees of any two or more registered drafters emit
+  plain decoding's tokens (random EAGLE and MTP weights, a corpus of the siblings)."""
+  state, accepted = _run(tiny_cfg, tiny_params, 14, -1, Strategy.parse(strategy),
+                         random_drafter(tiny_cfg, seed=3), _siblings(plain_outputs),
+                         random_mtp(tiny_cfg, seed=5))
+  np.testing.assert_array_equal(np.asarray(state.out), plain_outputs)
+  np.testing.assert_array_equal(np.asarray(state.num_out), [14] * 3)
+  assert accepted.max() >= 1
+
+
+def test_prompt_lookup_drafts_from_the_prompt(tiny_cfg, tiny_params):
+  """Prompts that quote a greedy answer: prompt lookup reads the prompt, so its drafts are
+  accepted more often than the suffix drafter's, which sees the response alone."""
+  answers, _ = _run(tiny_cfg, tiny_params, 14, -1)
+  wide = np.zeros((3, PROMPTS.shape[1] + 14), np.int32)
+  for i, n in enumerate(LENGTHS):  # each row: its prompt, then its answer right after it
+    wide[i, :n + 14] = np.concatenate([PROMPTS[i, :n], np.asarray(answers.out)[i]])
+  prompts = (wide, LENGTHS + 14)
+  plain, _ = _run(tiny_cfg, tiny_params, 10, -1, prompts=prompts)
+  runs = {name: _run(tiny_cfg, tiny_params, 10, -1, Strategy.parse(f"4,1,5,{name}"),
+                     prompts=prompts) for name in ("prompt_lookup", "suffix")}
+  for state, _ in runs.values():
+    np.testing.assert_array_equal(np.asarray(state.out), np.asarray(plain.out))
+  lookup, suffix = (runs[name][1] for name in ("prompt_lookup", "suffix"))
+  assert lookup.sum() / (lookup > 0).sum() > suffix.sum() / (suffix > 0).sum(), (lookup, suffix)
 
 
 def test_suffix_drafts_need_no_trained_drafter(tiny_cfg, tiny_params, plain_outputs):

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tests.speculative.drafters import random_drafter
-from tlt_jax.drafters import EagleDrafter, SuffixDrafter
+from tests.speculative.drafters import drafter_set, random_drafter, random_mtp
+from tlt_jax.drafters import SuffixDrafter
+from tlt_jax.drafters.suffix import SuffixSettings
 from tlt_jax.models import ModelConfig, Policy, init_cache, init_params, prefill
 from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.speculative import verify as verify_mod
@@ -70,7 +71,8 @@ def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None, strategy=STRATEGY
   cap = len(PROMPT) + 8
   dcfg, dparams = random_drafter(cfg, seed=11)
   policy = Policy(params, cfg)
-  drafters = {"eagle": EagleDrafter(dparams, dcfg), "suffix": SuffixDrafter(min_match=1)}
+  drafters = {**drafter_set((dcfg, dparams), random_mtp(cfg, seed=12)),
+              "suffix": SuffixDrafter(SuffixSettings(min_match=1))}
   state = start(policy, prompts, lengths, init_cache(cfg, rows, cap), jax.random.key(seed), sp,
                 max_new_tokens=4, eos_id=-1, drafters=drafters,
                 draft_states={"eagle": init_drafter_cache(cfg, dcfg, rows, cap)})

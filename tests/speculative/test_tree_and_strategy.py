@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.speculative.drafters import random_drafter
-from tlt_jax.drafters import Candidates, DraftContext, SuffixDrafter, build_drafters
+from tests.speculative.drafters import drafter_set, random_drafter
+from tlt_jax.drafters import Candidates, DraftContext, SuffixDrafter
+from tlt_jax.drafters.suffix import SuffixSettings
 from tlt_jax.models import ModelConfig, Policy
 from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.speculative.sampling import SamplingParams, target_probs, token_noise
@@ -21,7 +22,7 @@ from tlt_jax.speculative.verify import accept_tree
 def _builder(cfg, params, drafter):
   """build_draft_tree jitted for an EAGLE drafter (dcfg, params): (cache, roots, feats,
   active, strategy, limits) -> (tree, the drafter's cache)."""
-  drafters = build_drafters(*drafter)
+  drafters = drafter_set(drafter)
 
   @functools.partial(jax.jit, static_argnums=4)
   def build(cache, roots, feats, active, strategy, limits=None):
@@ -137,8 +138,8 @@ def _suffix_propose(out, num_out, corpus, steps=4, vocab=16, **kw):
                      corpus=None if corpus is None else jnp.asarray(corpus, jnp.int32))
   policy = Policy({}, ModelConfig(vocab_size=vocab, hidden_size=4, intermediate_size=4,
                                   num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4))
-  cands, _ = SuffixDrafter(**kw).propose(policy, None, ctx, Strategy(steps, 1, steps + 1,
-                                                                     ("suffix",)))
+  cands, _ = SuffixDrafter(SuffixSettings(**kw)).propose(
+      policy, None, ctx, Strategy(steps, 1, steps + 1, ("suffix",)))
   return (np.asarray(cands.tokens), np.asarray(cands.parents), np.asarray(cands.scores))
 
 

@@ -1,5 +1,8 @@
 """Spot training: drafter updates on mesh slices whose rollout work is done.
 
+The trainer holds every trained drafter of the run by name (`train_step`: one update trains
+them all on the same windows, each by its own loss).
+
 The rollout engine calls `SpotTrainer.on_slice_idle(s, mesh, block)` from its host loop the
 moment slice s runs out of sequences. The trainer files the slice's logged features in the
 buffer and starts a thread that runs jitted drafter updates on that slice's devices, one at a
@@ -34,8 +37,8 @@ from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainS
                                                  make_optimizer, train_step)
 from tlt_jax.mesh import (ROLLOUT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
                           replica_slices, stack_slices, to_mesh)
+from tlt_jax.drafters import DRAFTERS, trainable_part
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes, trainable_part
 from tlt_jax.optim import optimizer_shardings
 from tlt_jax.rollout.feature_log import FeatureBlock
 from tlt_jax.rollout.pool import ExecutablePool
@@ -72,18 +75,28 @@ class DrafterStepRecord:
 
 
 def _rows_step(state: DrafterTrainState, policy_params: dict, windows: Windows, rows,
-               cfg, dcfg, oc):
+               cfg, settings, oc):
   """train_step on the windows' rows `rows` [batch_rows] int32."""
-  return train_step(state, policy_params, jax.tree.map(lambda x: x[rows], windows), cfg, dcfg, oc)
+  return train_step(state, policy_params, jax.tree.map(lambda x: x[rows], windows), cfg,
+                    settings, oc)
+
+
+def drafter_axes(settings: dict, cfg: ModelConfig) -> dict:
+  """name -> the logical axes of each trained drafter's weights (settings: name -> its
+  Settings)."""
+  return {name: DRAFTERS[name].logical_axes(s, cfg) for name, s in settings.items()}
 
 
 def train_state_shardings(tx, param_shapes: dict, param_axes: dict, mesh: Mesh, rules
                           ) -> DrafterTrainState:
-  """Shardings of a drafter train state on `mesh`: params by their logical axes under `rules`
-  (param_shapes: arrays or ShapeDtypeStructs), tx's moments like their params, the step
-  counter replicated."""
+  """Shardings of a drafter train state on `mesh`: params (name -> weights, arrays or
+  ShapeDtypeStructs) by their logical axes (`drafter_axes`) under `rules`, tx's moments like
+  their params, the step counter replicated."""
   p_sh = logical_shardings(param_axes, mesh, rules, param_shapes)
-  o_sh = optimizer_shardings(tx, trainable_part(param_shapes), trainable_part(p_sh), mesh)
+  o_sh = {}
+  for name, shapes in param_shapes.items():
+    trained = trainable_part(shapes)
+    o_sh[name] = optimizer_shardings(tx, trained, {k: p_sh[name][k] for k in trained}, mesh)
   return DrafterTrainState(params=p_sh, opt_state=o_sh, step=NamedSharding(mesh, P()))
 
 
@@ -112,17 +125,18 @@ def _average_slices(stacked: DrafterTrainState, counts: jax.Array) -> DrafterTra
 class SpotTrainer:
   """Owns the drafter's train state across RL steps and trains it on idle slices."""
 
-  def __init__(self, cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig,
+  def __init__(self, cfg: ModelConfig, settings: dict, oc: DrafterOptConfig,
                drafter_params: dict, home: Mesh, spot: SpotConfig = SpotConfig(),
                buffer: FeatureBuffer | None = None, rules=ROLLOUT_RULES, seed: int = 0,
                opt_state=None, step: int = 0):
-    """home: the mesh the canonical train state lives on, whose replica slices are the ones
+    """settings / drafter_params: name -> each trained drafter's Settings / weights.
+    home: the mesh the canonical train state lives on, whose replica slices are the ones
     the rollout engine decodes on (the engine's mesh).
     opt_state / step: restore a saved optimizer state (default: a fresh one)."""
-    self.cfg, self.dcfg, self.oc, self.spot = cfg, dcfg, oc, spot
+    self.cfg, self.settings, self.oc, self.spot = cfg, dict(settings), oc, spot
     self.rules, self.seed, self.home = tuple(rules), seed, home
     self.buffer = buffer if buffer is not None else FeatureBuffer()
-    self._axes = drafter_logical_axes(cfg, dcfg)
+    self._axes = drafter_axes(self.settings, cfg)
     self._tx = make_optimizer(oc)
     self._shardings: dict = {}
     self._shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), drafter_params)
@@ -131,11 +145,12 @@ class SpotTrainer:
     home_sh = self._state_shardings(home)
     params = to_mesh(drafter_params, home_sh.params)
     if opt_state is None:
-      opt_state = jax.jit(self._tx.init, out_shardings=home_sh.opt_state)(trainable_part(params))
+      opt_state = jax.jit(lambda p: {n: self._tx.init(trainable_part(x)) for n, x in p.items()},
+                          out_shardings=home_sh.opt_state)(params)
     state = DrafterTrainState(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32))
     self.state = to_mesh(state, home_sh)
     self._average = jax.jit(_average_slices, out_shardings=home_sh)
-    self._step = jax.jit(functools.partial(_rows_step, cfg=cfg, dcfg=dcfg, oc=oc),
+    self._step = jax.jit(functools.partial(_rows_step, cfg=cfg, settings=self.settings, oc=oc),
                          donate_argnums=(0,))
     self._lock = threading.Lock()
     self.pool = ExecutablePool()  # the update, once per slice mesh
@@ -150,6 +165,7 @@ class SpotTrainer:
 
   @property
   def params(self) -> dict:
+    """name -> each drafter's weights (on the home mesh)."""
     return self.state.params
 
   def _state_shardings(self, mesh: Mesh) -> DrafterTrainState:

@@ -2,7 +2,8 @@
 
 collect_samples: recompute the policy's features over prompt + completion (one batched
 prefill per group), so the drafter trains on exactly what it will be fed while drafting.
-train_drafter: packs the samples into windows once and runs jitted updates on random rows.
+train_drafter: packs the samples into windows once and runs jitted updates on random rows
+(every trained drafter of the run in one update, `train_step`).
 cached_responses: the policy's responses to train on, kept in a file that a like rerun reuses.
 """
 
@@ -21,7 +22,6 @@ from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainS
 from tlt_jax.drafter_training.windows import Sample, pack_windows
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import prefill
-from tlt_jax.models.drafter import DrafterConfig
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.run_log import write_json, write_jsonl
 from tlt_jax.speculative.sampling import SamplingParams
@@ -54,19 +54,21 @@ def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[in
 
 
 def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sample],
-                  cfg: ModelConfig, dcfg: DrafterConfig, oc: DrafterOptConfig, steps: int,
+                  cfg: ModelConfig, settings: dict, oc: DrafterOptConfig, steps: int,
                   window: int = 256, batch_rows: int = 8, seed: int = 0,
                   progress: bool = True, state: DrafterTrainState | None = None,
                   on_step=None, should_stop=None) -> tuple[dict, list[dict]]:
   """Updates on batches of `batch_rows` random windows until the train state has taken
   `steps` steps; returns (params, metrics per step as floats).
 
+  drafter_params / settings: name -> each trained drafter's weights / Settings.
+
   state: resume from this train state (its `step` counts the steps already taken).
   on_step: optional `fn(step, state, metrics)` after each update (checkpoints, logs).
   should_stop: optional `fn() -> bool`, asked after on_step: True ends training there.
   """
   windows = pack_windows(samples, window)
-  update = jit_train_step(cfg, dcfg, oc)
+  update = jit_train_step(cfg, settings, oc)
   state = init_train_state(drafter_params, oc) if state is None else state
   first = int(state.step)
   rng = np.random.default_rng([seed, first])  # a resumed run draws fresh, reproducible rows

@@ -1,43 +1,75 @@
 """Drafters behind one interface (`tlt_jax.drafters.base`), registered by name.
 
-A strategy's `drafts` names the drafters that propose (`Strategy.drafts`); every drafter with
-a state keeps it in step whether it proposes or not, so the tuner may switch among EAGLE
-alone, suffix alone and their hybrid from one iteration to the next. To add a drafter: write
-its module (the interface is in base.py) and register its class in `DRAFTERS`, and, if it
-needs weights or options, where `build_drafters` makes it.
+A strategy's `drafts` names the drafters that propose (`Strategy.drafts`). An engine builds
+only the drafters its strategies name, and every one of them with a state keeps it in step
+whether it proposes or not, so the tuner may switch among EAGLE alone, suffix alone and their
+hybrid from one iteration to the next. Each family's settings dataclass (`Settings`) is its
+config section `drafter.<name>`; a trained family's weights are trained, checkpointed and
+exported by name.
+
+To add a drafter: write its module (the interface and its defaults are in base.py) and add
+one line to `DRAFTERS` (the README's "Add a drafter" walks through the MTP heads).
 """
 
 from __future__ import annotations
 
-from tlt_jax.drafters.base import Candidates, DraftContext
+from collections.abc import Iterable
+
+from tlt_jax.drafters.base import (Candidates, DraftContext, Drafter, TrainedDrafter,
+                                   fixed_part, param_count, trainable_part)
 from tlt_jax.drafters.eagle import EagleDrafter
+from tlt_jax.drafters.mtp import MtpDrafter
+from tlt_jax.drafters.prompt_lookup import PromptLookupDrafter
 from tlt_jax.drafters.suffix import SuffixDrafter
 
-# name -> drafter class (each has a static candidate_count(depth, topk)).
-DRAFTERS = {"eagle": EagleDrafter, "suffix": SuffixDrafter}
+# name -> drafter class
+DRAFTERS = {
+    "eagle": EagleDrafter,
+    "suffix": SuffixDrafter,
+    "mtp": MtpDrafter,
+    "prompt_lookup": PromptLookupDrafter,
+}
 
-__all__ = ["Candidates", "DraftContext", "EagleDrafter", "SuffixDrafter", "DRAFTERS",
-           "build_drafters", "candidate_count", "reads_corpus"]
+__all__ = ["Candidates", "DraftContext", "Drafter", "TrainedDrafter", "EagleDrafter",
+           "MtpDrafter", "PromptLookupDrafter", "SuffixDrafter", "DRAFTERS", "candidate_count",
+           "drafter_class", "drafters_named", "fixed_part", "make_drafter", "param_count",
+           "reads_corpus", "trainable_part"]
+
+
+def drafter_class(name: str, where: str = "a strategy") -> type:
+  """The registered class of drafter `name`; ValueError (one line, `where` it was named)
+  listing the registered names."""
+  if name not in DRAFTERS:
+    raise ValueError(f"unknown drafter {name!r} in {where}; the registered drafters are "
+                     f"{sorted(DRAFTERS)} (combine them with '+', e.g. 'eagle+suffix')")
+  return DRAFTERS[name]
 
 
 def candidate_count(name: str, depth: int, topk: int) -> int:
-  """How many candidates drafter `name` proposes at (depth, topk); the error lists the
-  registered names."""
-  if name not in DRAFTERS:
-    raise ValueError(f"unknown drafter {name!r} in a strategy; the registered drafters are "
-                     f"{sorted(DRAFTERS)} (combine them with '+', e.g. 'eagle+suffix')")
-  return DRAFTERS[name].candidate_count(depth, topk)
+  """How many candidates drafter `name` proposes at (depth, topk)."""
+  return drafter_class(name).candidate_count(depth, topk)
 
 
-def reads_corpus(drafts) -> bool:
+def reads_corpus(drafts: Iterable[str]) -> bool:
   """Whether any of the named drafters reads a corpus of other responses."""
-  return any(DRAFTERS[name].reads_corpus for name in drafts)
+  return any(drafter_class(name).reads_corpus for name in drafts)
 
 
-def build_drafters(dcfg=None, dparams=None) -> dict:
-  """The drafters an engine or a step can use: EAGLE when given its (DrafterConfig, params),
-  and the suffix drafter, which needs nothing."""
-  drafters = {"suffix": SuffixDrafter()}
-  if dcfg is not None:
-    drafters["eagle"] = EagleDrafter(params=dparams, dcfg=dcfg)
-  return drafters
+def drafters_named(strategies) -> tuple[str, ...]:
+  """The drafters some of `strategies` (Strategy objects; None = plain decoding) draft with,
+  in the order they are first named."""
+  return tuple(dict.fromkeys(name for s in strategies if s is not None for name in s.drafts))
+
+
+def make_drafter(name: str, settings=None, params: dict | None = None) -> Drafter:
+  """Drafter `name` with `settings` (its Settings; None: the defaults) and, for a trained
+  family, its weights `params`."""
+  cls = drafter_class(name)
+  given = {}
+  if "settings" in cls.__dataclass_fields__:  # a drafter without knobs may have no field
+    given["settings"] = cls.Settings() if settings is None else settings
+  if cls.trained:
+    if params is None:
+      raise ValueError(f"drafter {name!r} is trained: give its weights (params)")
+    given["params"] = params
+  return cls(**given)

@@ -1,6 +1,20 @@
 """The EAGLE drafter (a small trained decoder over the policy's features; see
 `tlt_jax.models.drafter`) behind the drafter interface (`tlt_jax.drafters.base`): its KV
-cache kept in step with the policy's, and the EAGLE-2 dynamic tree search."""
+cache kept in step with the policy's, the EAGLE-2 dynamic tree search, its loss (EAGLE-3's
+training-time test with drafter.train_depth > 1), and its export in EAGLE's Hugging Face
+layout.
+
+The export: `config.json` (the DrafterConfig and the policy shape it was trained for) and
+`model.safetensors` with EAGLE's tensor names: `fc.weight` / `fc.bias` ([E, in], as
+torch.nn.Linear stores them), `layers.{i}.self_attn.q_proj.weight` and the rest of each
+decoder layer under the same names as the policy's layers (a Qwen3 policy's `q_norm` /
+`k_norm` included), and `norm.weight` / `fuse.weight` when the architecture has them. The
+embedding and LM head are the policy's and are not saved. A drafter with a reduced draft
+vocabulary also holds its own head and the vocabulary maps as EAGLE-3 stores them:
+`lm_head.weight` [r, E], `d2t` [r] int64 offsets (policy id = draft id + d2t[draft id]) and
+`t2d` [V] bool (the policy ids in the draft vocabulary), with `draft_vocab_size` at the top
+level of config.json.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +23,19 @@ from typing import TYPE_CHECKING
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tlt_jax.drafter_training.loss import drafter_loss
-from tlt_jax.drafters.base import Candidates, DraftContext
+from tlt_jax.drafters.base import (Candidates, DraftContext, TrainedDrafter,
+                                   beam_tree_count)
 from tlt_jax.models.attention_inputs import decode_inputs, expansion_inputs, prefill_inputs
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import (DrafterConfig, drafter_forward, init_drafter_cache,
-                                    policy_token_ids)
+from tlt_jax.models.draft_vocab import (frequent_tokens, ids_from_offsets, in_draft_vocab,
+                                        offsets_from_ids)
+from tlt_jax.models.drafter import (DRAFT_TO_POLICY, DrafterConfig, drafter_forward,
+                                    drafter_model_config, drafter_param_specs,
+                                    init_drafter_cache, policy_token_ids, with_draft_vocab)
+from tlt_jax.models.hf import _tensor_table
 from tlt_jax.models.kv_cache import KVCache, append_kv
 from tlt_jax.models.policy import Policy
 
@@ -24,20 +44,20 @@ if TYPE_CHECKING:  # the strategy module imports the drafter registry
 
 
 @flax.struct.dataclass
-class EagleDrafter:
-  """params: the drafter's weights (`init_drafter_params`); dcfg: its DrafterConfig.
-  State: its KVCache of pairs (x_s, f_{s-1}), as long as the policy's cache."""
-  reads_corpus = False  # drafts from its own weights, not from other responses
+class EagleDrafter(TrainedDrafter):
+  """params: the drafter's weights (`init_drafter_params`); settings: its DrafterConfig
+  (config section drafter.eagle). State: its KVCache of pairs (x_s, f_{s-1}), as long as the
+  policy's cache."""
+  Settings = DrafterConfig
+  loss_reads = ("ce_weight", "train_depth", "train_step_decay")
+  hf_architecture = "TltJaxEagleDrafter"
   params: dict
-  dcfg: DrafterConfig = flax.struct.field(pytree_node=False)
+  settings: DrafterConfig = flax.struct.field(pytree_node=False, default=DrafterConfig())
 
-  @staticmethod
-  def candidate_count(depth: int, topk: int) -> int:
-    """topk children of the root, then topk^2 per further step."""
-    return topk + (depth - 1) * topk * topk
+  candidate_count = staticmethod(beam_tree_count)  # topk, then topk^2 per further step
 
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int) -> KVCache:
-    return init_drafter_cache(cfg, self.dcfg, batch, capacity)
+    return init_drafter_cache(cfg, self.settings, batch, capacity)
 
   def prefill(self, policy: Policy, state: KVCache, prompts: jax.Array, lengths: jax.Array,
               hidden: jax.Array) -> KVCache:
@@ -78,7 +98,7 @@ class EagleDrafter:
     beam_scores, beam_tokens = logp, tok
     beam_feats = jnp.repeat(feats, k, axis=1)  # [B, K, E]: the parent's predicted feature
     buf_size = max(passes - 1, 1) * k
-    buf_shape = (self.dcfg.num_layers, b, buf_size, cfg.num_kv_heads, cfg.head_dim)
+    buf_shape = (self.settings.num_layers, b, buf_size, cfg.num_kv_heads, cfg.head_dim)
     buf_k = jnp.zeros(buf_shape, state.k.dtype)
     buf_v = jnp.zeros(buf_shape, state.k.dtype)
     beam_anc = jnp.zeros((b, k, buf_size), bool)  # ancestors among earlier beams (buffer slots)
@@ -128,8 +148,96 @@ class EagleDrafter:
   def loss(self, policy: Policy, batch, **options):
     """The EAGLE-aligned loss on packed windows (`drafter_training.loss.drafter_loss`;
     options: ce_weight, train_depth, train_step_decay) -> (scalar, metrics)."""
-    return drafter_loss(self.params, policy.params, batch, policy.cfg, self.dcfg, **options)
+    return drafter_loss(self.params, policy.params, batch, policy.cfg, self.settings, **options)
+
+  # ---------------------------------------------------------------- weights and export
+
+  @classmethod
+  def param_specs(cls, settings: DrafterConfig, cfg: ModelConfig) -> dict:
+    return drafter_param_specs(cfg, settings)
+
+  @classmethod
+  def untrained_problem(cls, settings: DrafterConfig) -> str | None:
+    if settings.draft_vocab_size:
+      return (f"drafter.eagle.draft_vocab_size={settings.draft_vocab_size} needs a drafter "
+              f"whose draft vocabulary was chosen from the policy's responses: set "
+              f"drafter.eagle.path to an export of python -m tlt_jax.warmup_drafter (or "
+              f"drafter.eagle.draft_vocab_size=0); a new one would draft ids 0 to "
+              f"{settings.draft_vocab_size - 1}")
+    return None
+
+  @classmethod
+  def warm_start(cls, settings: DrafterConfig, params: dict, policy_params: dict,
+                 cfg: ModelConfig, responses, say=print) -> dict:
+    """A reduced draft vocabulary: the tokens the policy generates most (EAGLE-3, FR-Spec),
+    its head started from the policy's LM head at those ids."""
+    if not settings.draft_vocab_size:
+      return params
+    d2t = frequent_tokens(responses, cfg.vocab_size, settings.draft_vocab_size)
+    say(f"draft vocabulary: the {settings.draft_vocab_size} of {cfg.vocab_size} tokens most "
+        f"frequent in the responses")
+    return with_draft_vocab(params, policy_params, d2t, cfg)
+
+  @classmethod
+  def hf_tensors(cls, settings: DrafterConfig, cfg: ModelConfig) -> list[tuple]:
+    """EAGLE's names (see the module docstring)."""
+    t = lambda w: w.T  # noqa: E731
+    rows = [("fc.weight", ("fc", "kernel"), t, t), ("fc.bias", ("fc", "bias"), None, None)]
+    if settings.feature_layers:
+      rows.append(("fuse.weight", ("fuse", "kernel"), t, t))
+    if settings.norm_output:
+      rows.append(("norm.weight", ("norm", "weight"), None, None))
+    if settings.draft_vocab_size:
+      rows.append(("lm_head.weight", ("lm_head", "kernel"), t, t))
+      rows.append(("d2t", (DRAFT_TO_POLICY,), ids_from_offsets, offsets_from_ids))
+    layer_rows = [r for r in _tensor_table(drafter_model_config(cfg, settings)) if r.per_layer]
+    for i in range(settings.num_layers):
+      for r in layer_rows:
+        if r.path[1] == "input_layernorm" and i == 0 and not settings.norm_input:
+          continue  # EAGLE's first layer has no input norm
+        rows.append((r.hf_name.format(i=i).removeprefix("model."), (f"layer_{i}",) + r.path[1:],
+                     r.to_ours, r.to_hf))
+    return rows
+
+  @classmethod
+  def extra_tensors(cls, settings: DrafterConfig, params: dict, cfg: ModelConfig) -> dict:
+    """EAGLE-3's t2d mask beside a reduced vocabulary's d2t."""
+    if not settings.draft_vocab_size:
+      return {}
+    d2t = np.asarray(jax.device_get(params[DRAFT_TO_POLICY]))
+    return {"t2d": np.asarray(in_draft_vocab(jnp.asarray(d2t), cfg.vocab_size))}
+
+  @classmethod
+  def extra_tensor_names(cls, settings: DrafterConfig) -> set[str]:
+    return {"t2d"} if settings.draft_vocab_size else set()
+
+  @classmethod
+  def check_loaded(cls, settings: DrafterConfig, params: dict, extras: dict,
+                   cfg: ModelConfig) -> None:
+    if not settings.draft_vocab_size:
+      return
+    d2t = params[DRAFT_TO_POLICY]
+    if (np.any(d2t < 0) or np.any(d2t >= cfg.vocab_size) or np.any(np.diff(d2t) <= 0)
+        or not np.array_equal(extras["t2d"], cls.extra_tensors(settings, params, cfg)["t2d"])):
+      raise ValueError(f"its d2t and t2d do not describe one draft vocabulary of increasing "
+                       f"policy ids below {cfg.vocab_size}")
+
+  @classmethod
+  def export_config(cls, settings: DrafterConfig) -> dict:
+    return {"draft_vocab_size": settings.draft_vocab_size} if settings.draft_vocab_size else {}
+
+  @classmethod
+  def settings_from_saved(cls, saved: dict) -> DrafterConfig:
+    """Exports from before `feature_layers` counted the fused layers (`fused_features`)
+    without naming them; a count of 0 reads as ()."""
+    saved = dict(saved)
+    count = saved.pop("fused_features", 0)
+    if count:
+      raise ValueError(f"its config.json counts fused_features={count} without naming the "
+                       f"policy layers; replace it with \"feature_layers\": [...], the policy "
+                       f"layers it was trained on (drafter.eagle.feature_layers of its run)")
+    return super().settings_from_saved(saved)
 
   def _forward(self, policy: Policy, tokens, features, attn, cache=None, earlier_kv=None):
     return drafter_forward(self.params, policy.params, tokens, features, attn, policy.cfg,
-                           self.dcfg, cache=cache, earlier_kv=earlier_kv)
+                           self.settings, cache=cache, earlier_kv=earlier_kv)

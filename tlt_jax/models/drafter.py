@@ -14,7 +14,7 @@ With a reduced draft vocabulary (`draft_vocab_size` r > 0, EAGLE-3) the drafter 
 head `lm_head` [E, r] over r policy tokens and the fixed map `d2t` [r] int32 from draft ids to
 policy ids (`tlt_jax.models.draft_vocab`); its logits are over draft ids, and
 `policy_token_ids` maps what it drafts back. `d2t` is the one integer leaf of the params and
-is never trained (`trainable_part`).
+is never trained (`tlt_jax.drafters.base.trainable_part`).
 """
 
 from __future__ import annotations
@@ -64,16 +64,17 @@ class DrafterConfig:
 
   def __post_init__(self):
     if self.num_layers < 1:
-      raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+      raise ValueError(f"drafter.eagle.num_layers must be >= 1, got {self.num_layers}")
     object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
     if any(i < 0 for i in self.feature_layers):
-      raise ValueError(f"drafter.feature_layers must be policy layer indices >= 0, got "
+      raise ValueError(f"drafter.eagle.feature_layers must be policy layer indices >= 0, got "
                        f"{self.feature_layers}")
     if self.intermediate_size < 0:
-      raise ValueError(f"drafter.intermediate_size must be >= 0, got {self.intermediate_size}")
+      raise ValueError(f"drafter.eagle.intermediate_size must be >= 0, got "
+                       f"{self.intermediate_size}")
     if self.draft_vocab_size < 0:
-      raise ValueError(f"drafter.draft_vocab_size must be >= 0 (0 = the policy's vocabulary), "
-                       f"got {self.draft_vocab_size}")
+      raise ValueError(f"drafter.eagle.draft_vocab_size must be >= 0 (0 = the policy's "
+                       f"vocabulary), got {self.draft_vocab_size}")
 
 
 def drafter_model_config(cfg: ModelConfig, dcfg: DrafterConfig) -> ModelConfig:
@@ -102,8 +103,8 @@ def drafter_param_specs(cfg: ModelConfig, dcfg: DrafterConfig) -> dict:
     specs["norm"] = {"weight": ParamSpec((e,), ("embed",), "ones")}
   if dcfg.draft_vocab_size:
     if dcfg.draft_vocab_size > cfg.vocab_size:
-      raise ValueError(f"drafter.draft_vocab_size={dcfg.draft_vocab_size} exceeds the policy's "
-                       f"vocabulary ({cfg.vocab_size}); use at most {cfg.vocab_size} or 0")
+      raise ValueError(f"drafter.eagle.draft_vocab_size={dcfg.draft_vocab_size} exceeds the "
+                       f"policy's vocabulary ({cfg.vocab_size}); use at most {cfg.vocab_size} or 0")
     specs["lm_head"] = {"kernel": ParamSpec((e, dcfg.draft_vocab_size), ("embed", "vocab"))}
     specs[DRAFT_TO_POLICY] = ParamSpec((dcfg.draft_vocab_size,), (None,), "index")
   return specs
@@ -150,7 +151,7 @@ def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array
   if features.shape[-1] not in (e, policy_width):
     raise ValueError(f"drafter got {features.shape[-1]}-wide features; expected {e} (its "
                      f"own predictions) or {policy_width} (policy features with "
-                     f"drafter.feature_layers={dcfg.feature_layers}); the policy's and the "
+                     f"drafter.eagle.feature_layers={dcfg.feature_layers}); the policy's and the "
                      f"drafter's feature_layers must agree")
   if features.shape[-1] != e:  # policy features: project the fused layers to E
     features = features.astype(dt) @ drafter_params["fuse"]["kernel"].astype(dt)
@@ -195,16 +196,6 @@ def with_draft_vocab(drafter_params: dict, policy_params: dict, d2t, cfg: ModelC
     head = jnp.take(policy_params["lm_head"]["kernel"], d2t, axis=1)
   dtype = drafter_params["fc"]["kernel"].dtype
   return {**drafter_params, DRAFT_TO_POLICY: d2t, "lm_head": {"kernel": head.astype(dtype)}}
-
-
-def trainable_part(drafter_params: dict) -> dict:
-  """The weights an optimizer updates: everything but the fixed vocabulary map."""
-  return {k: v for k, v in drafter_params.items() if k != DRAFT_TO_POLICY}
-
-
-def fixed_part(drafter_params: dict) -> dict:
-  """What training never changes: the vocabulary map (empty without one)."""
-  return {k: v for k, v in drafter_params.items() if k == DRAFT_TO_POLICY}
 
 
 def drafter_from_policy(cfg: ModelConfig, policy_params: dict) -> tuple[DrafterConfig, dict]:

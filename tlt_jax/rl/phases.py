@@ -18,7 +18,7 @@ from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.policy_update import PolicyUpdater
 from tlt_jax.rl.rewards import RewardFn, answer_reward
 from tlt_jax.rl.tokenizer import prompt_ids
-from tlt_jax.rollout.engine import RolloutEngine, RolloutResult, accept_length
+from tlt_jax.rollout.engine import RolloutEngine, RolloutResult, accept_length, sd_not_reached
 
 
 def rl_prompts(tokenizer, examples: list, config: ml_collections.ConfigDict) -> list[list[int]]:
@@ -216,6 +216,8 @@ def step_metrics(step: int, samples: StepSamples, update: dict, algorithm: Grpo,
       "clip_frac": update["clip_frac"], "nonfinite_updates": update.get("nonfinite", 0.0),
       "finished_eos": float(np.mean([f == "eos" for f in result.finish_reasons])),
   }
+  if sd_enabled and metrics["sd_accept_len_mean"] is None:  # asked for SD, never reached it
+    metrics["sd_not_reached"] = sd_not_reached(result)
   if "kl" in update:
     metrics["kl"] = update["kl"]
   if algorithm.rounds > 1:

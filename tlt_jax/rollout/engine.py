@@ -14,7 +14,8 @@ so the same key gives the same responses whatever the schedule, strategy, tuner 
 speculative rollout returns exactly what a plain one does, under sampling too. The drafter's
 cache is kept in step during plain decoding, so switching to SD needs no re-prefill. With
 several processes (jax.distributed), each drives its own slices and the finished tokens are
-gathered at the end.
+gathered at the end. The engine builds only the drafters its tuner's strategies name (none
+without SD), so a drafter that no strategy names costs nothing and compiles nothing.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from tlt_jax.drafters import reads_corpus
+from tlt_jax.drafters import Drafter, drafters_named, reads_corpus
 from tlt_jax.mesh import ROLLOUT_RULES, local_slices, replica_slices, to_slices
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import param_logical_axes
-from tlt_jax.models.drafter import DrafterConfig, drafter_logical_axes
 from tlt_jax.rollout.feature_log import FeatureBlock
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.programs import SlicePrograms
@@ -130,6 +130,7 @@ class StepRecord:
   row_iterations: int = 0   # iterations summed over the rows running in them
   host_s: float = 0.0       # host time of the call: choosing, dispatching, bookkeeping
   compiled: bool = False    # the program's first run (compiled now or ahead; tuner skips it)
+  waited: bool = False      # a tail call decoded plainly: no SD program was compiled yet
 
 
 @dataclasses.dataclass
@@ -184,61 +185,87 @@ def accept_length(result) -> float | None:
   return float(np.average([r.accept_mean for r in sd], weights=weights))
 
 
+def sd_not_reached(result) -> str | None:
+  """Why a rollout of an engine with SD ran no SD iteration (None when it ran some): its
+  tail waited for programs compiling ahead, or never got down to the SD threshold."""
+  if accept_length(result) is not None:
+    return None
+  waited = sum(r.waited for r in result.timeline)
+  if waited:
+    return (f"its SD programs were still compiling ahead (rollout.compile_ahead) in all "
+            f"{waited} tail calls")
+  return "the running rows never fell to rollout.sd_threshold"
+
+
 class RolloutEngine:
   """Generation on every replica slice of `mesh`; see the module docstring."""
 
   def __init__(self, cfg: ModelConfig, policy_params: dict, mesh: Mesh,
-               econf: EngineConfig, drafter: tuple[DrafterConfig, dict] | None = None,
+               econf: EngineConfig, drafters: dict[str, Drafter] | None = None,
                tuner: Tuner | None = None, rules=ROLLOUT_RULES, log_features: bool = False):
-    """rules: the rollout layout on each slice (`tlt_jax.mesh.ROLLOUT_RULES`: whole weights
+    """drafters: name -> drafter (`tlt_jax.drafters.make_drafter`, a trained one with its
+    weights in any layout): of these, SD builds the ones the tuner's strategies name, which
+    must all be given; without SD (no tuner, or sd_threshold 0) none is built.
+    rules: the rollout layout on each slice (`tlt_jax.mesh.ROLLOUT_RULES`: whole weights
     or tensor-parallel, no weight gathers while decoding); the params may come in any layout.
     log_features: keep the policy's features of finished sequences on device (see
     generate's `log_requests`); costs a [rows, capacity, F] array per slice."""
-    if drafter is not None and tuner is None:
+    drafters = dict(drafters or {})
+    if drafters and tuner is None:
       raise ValueError("speculative decoding needs a tuner (e.g. FixedTuner((4, 2, 8)))")
-    if tuner is not None and drafter is None and econf.sd_threshold > 0:
-      needs = sorted({s.as_tuple() for s in tuner.strategies()
-                      if s is not None and "eagle" in s.drafts})
-      if needs:
-        raise ValueError(f"the tuner's strategies {needs} draft with EAGLE, but no trained "
-                         f"drafter was given: pass drafter=(dcfg, params), or use strategies "
-                         f"that need none (e.g. '4,1,5,suffix')")
     self.cfg, self.econf, self.rules, self.tuner = cfg, econf, tuple(rules), tuner
+    used = drafters_named(tuner.strategies()) if self.speculative else ()
+    missing = [name for name in used if name not in drafters]
+    if missing:
+      needs = sorted({s.as_tuple() for s in tuner.strategies()
+                      if s is not None and set(s.drafts) & set(missing)})
+      raise ValueError(f"the tuner's strategies {needs} draft with {missing}, which were not "
+                       f"given (drafters has {sorted(drafters)}): pass them, or use strategies "
+                       f"that need none of them (e.g. '4,1,5,suffix')")
+    # The drafters SD builds, weights apart (the programs take those as arguments).
+    self.drafters = {name: drafters[name] for name in used}
+    templates = {name: d.replace(params=None) if d.trained else d
+                 for name, d in self.drafters.items()}
     self.log_features = log_features
-    self.dcfg = drafter[0] if drafter else None
     self.mesh, self.slices = mesh, replica_slices(mesh)
     self.local = local_slices(self.slices)  # the slices this process drives (all, with one)
     self.pool = ExecutablePool(max_size=512 * len(self.local))  # each slice keys its own
-    self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.dcfg, econf.capacity,
-                                      econf.max_new_tokens, econf.eos_id, self.rules, log_features,
-                                      self.shared_shape, econf.corpus_rows) for s in self.local}
+    self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, templates,
+                                      econf.capacity, econf.max_new_tokens, econf.eos_id,
+                                      self.rules, log_features, self.shared_shape,
+                                      econf.corpus_rows) for s in self.local}
     self._policy_axes = param_logical_axes(cfg)
-    self._drafter_axes = drafter_logical_axes(cfg, self.dcfg) if drafter else None
-    self._drafter = [None] * len(self.slices)
-    self.update_params(policy_params, drafter[1] if drafter else None)
+    self._drafter_axes = {name: type(d).logical_axes(d.settings, cfg)
+                          for name, d in self.drafters.items() if d.trained}
+    self._drafters_on = [dict(self.drafters) for _ in self.slices]
+    self.update_params(policy_params, {name: d.params for name, d in self.drafters.items()
+                                       if d.trained})
 
-  def update_params(self, policy_params: dict | None = None, drafter_params: dict | None = None):
+  def update_params(self, policy_params: dict | None = None,
+                    drafter_params: dict[str, dict] | None = None):
     """Places new weights on this process's slices in the rollout layout (one reshard from
     whatever layout they come in, e.g. training's FSDP over the whole mesh; nothing goes
-    through the host). Other processes' slices hold None."""
+    through the host). Other processes' slices hold None. drafter_params: name -> weights of
+    trained drafters; those this engine does not draft with are ignored."""
     def place(tree, axes):
       return to_slices(tree, axes, self.mesh, self.local, self.rules)
     if policy_params is not None:
       self._policy = place(policy_params, self._policy_axes)
-    if drafter_params is not None:
-      if self.dcfg is None:
-        raise ValueError("this engine was built without a drafter; pass drafter=(dcfg, params) "
-                         "to RolloutEngine to use one")
-      self._drafter = place(drafter_params, self._drafter_axes)
+    for name, params in (drafter_params or {}).items():
+      if name not in self._drafter_axes:
+        continue
+      for s, placed in enumerate(place(params, self._drafter_axes[name])):
+        self._drafters_on[s][name] = self.drafters[name].replace(params=placed)
 
   def policy_on(self, s: int) -> dict:
     """The policy params as placed on slice s (drafter training there reads them); None for
     another process's slice."""
     return self._policy[s]
 
-  def drafter_on(self, s: int) -> dict | None:
-    """The drafter params as placed on slice s; None without a drafter or on another process."""
-    return self._drafter[s]
+  def drafters_on(self, s: int) -> dict:
+    """name -> drafter with its weights as placed on slice s (of another process's slice,
+    None weights)."""
+    return self._drafters_on[s]
 
   @property
   def capacity(self) -> int:
@@ -287,9 +314,9 @@ class RolloutEngine:
         for smaller in sizes[:i]:
           prog.take_ahead(prog.resized(state, b), smaller, priority)
 
-  def _params_on(self, s: int) -> tuple[dict, dict | None]:
-    """(policy, drafter) as placed on slice s."""
-    return self.policy_on(s), self.drafter_on(s)
+  def _params_on(self, s: int) -> tuple[dict, dict]:
+    """(policy params, drafters) as placed on slice s."""
+    return self.policy_on(s), self.drafters_on(s)
 
   def shared_shape(self, batch: int, strategy: Strategy) -> Strategy | None:
     """The strategy whose program runs `strategy` at program batch `batch`: with shared SD
@@ -415,6 +442,7 @@ class _Call:
   stats: object = None
   iterations: object = None
   tail: bool = False
+  waited: bool = False  # a tail call decoded plainly for want of a compiled SD program
   host_s: float = 0.0
   t_start: float = 0.0
   cold: bool = False  # the call's program ran for the first time: it carries one-time costs
@@ -447,6 +475,7 @@ class _SliceRun:
     self.store_ids: list[int] = []
     self.store_seqs: list[np.ndarray] = []
     self.state: GenState | None = None
+    self._waiting = False  # the last choice found no SD program compiled
     self._finished: dict[int, tuple[list[int], str]] = {}
 
   @property
@@ -465,12 +494,16 @@ class _SliceRun:
     return out
 
   def _choose(self, running: int):
-    """The tuner's strategy for `running` rows; compiling ahead, among the ready ones."""
+    """The tuner's strategy for `running` rows; compiling ahead, among the ready ones (when
+    none is, the call is marked as waiting)."""
     tuner = self.engine.tuner
+    self._waiting = False
     if not self.engine.econf.compile_ahead:
       return tuner.choose(running)
     batch = self.engine.econf.batch_for(running)
-    return tuner.choose(running, lambda s: self.prog.decode_ready(batch, s, self.sampling))
+    ready = lambda s: self.prog.decode_ready(batch, s, self.sampling)  # noqa: E731
+    self._waiting = not any(ready(s) for s in tuner.strategies_for(running) if s is not None)
+    return tuner.choose(running, ready)
 
   def dispatch(self) -> _Call:
     """Carries out the scheduler's next decisions up to one prefill or decode call, and
@@ -505,7 +538,8 @@ class _SliceRun:
           *self._params(), self.state, self.key, self.sampling, action.strategy,
           action.min_running, action.max_iterations, self._corpus(action.strategy))
       call = _Call("sd" if action.strategy is not None else "plain", action.running,
-                   self.sched.batch, action.strategy, stats, iterations, action.tail)
+                   self.sched.batch, action.strategy, stats, iterations, action.tail,
+                   waited=action.tail and action.strategy is None and self._waiting)
     call.host_s = t_start - t_host
     call.t_start = t_start + (pool.compile_seconds - compile_s)
     call.cold = pool.first_uses != first_uses
@@ -550,8 +584,8 @@ class _SliceRun:
     ids[:len(keys)] = request_ids
     return self.prog.start(*self._params(), prompts, lengths, source, ids, self.key, self.sampling)
 
-  def _params(self) -> tuple[dict, dict | None]:
-    """(policy, drafter) as placed on this slice; the drafter is None without one."""
+  def _params(self) -> tuple[dict, dict]:
+    """(policy params, drafters) as placed on this slice."""
     return self.engine._params_on(self.slice)
 
   def complete(self, call: _Call, t0: float) -> StepRecord:
@@ -589,7 +623,8 @@ class _SliceRun:
     return StepRecord(slice=self.slice, mode=call.mode, active=call.active, bucket=call.bucket,
                       strategy=strategy, emitted=emitted, accept_mean=accept, wall_s=wall,
                       t_end_s=t_end - t0, iterations=iters, row_iterations=row_iterations,
-                      compiled=call.cold, host_s=call.host_s + (t_end - t_ready))
+                      compiled=call.cold, waited=call.waited,
+                      host_s=call.host_s + (t_end - t_ready))
 
   def _harvest_features(self, rows: list[int]) -> None:
     """Copies the finished rows' feature logs into the store, on device."""

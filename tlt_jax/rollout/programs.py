@@ -19,8 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.mesh import logical_shardings
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.drafters import build_drafters, reads_corpus
-from tlt_jax.models.drafter import DrafterConfig
+from tlt_jax.drafters import Drafter, reads_corpus
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.policy import Policy
 from tlt_jax.rollout.feature_log import store_rows
@@ -34,6 +33,8 @@ from tlt_jax.speculative.strategy import Strategy
 class SlicePrograms:
   """Programs of slice `s` (its sub-mesh `mesh`), compiled into the shared `pool`.
 
+  drafters: name -> the drafters the programs are built for (their settings; the weights
+  are each call's `drafters` argument, laid out on the slice), none for plain decoding only.
   capacity: cache slots per row; max_new_tokens: the output width; eos_id: end token.
   corpus_rows: responses per row that an SD program with the suffix drafter takes to copy
   from (its `corpus` argument, [batch, corpus_rows, max_new_tokens]).
@@ -43,12 +44,12 @@ class SlicePrograms:
   """
 
   def __init__(self, s: int, mesh: Mesh, pool: ExecutablePool, cfg: ModelConfig,
-               dcfg: DrafterConfig | None, capacity: int, max_new_tokens: int, eos_id: int,
+               drafters: dict[str, Drafter], capacity: int, max_new_tokens: int, eos_id: int,
                rules, log_features: bool,
                shared_shape: Callable[[int, Strategy], Strategy | None] | None = None,
                corpus_rows: int = 8):
     self.s, self.mesh, self.pool = s, mesh, pool
-    self.cfg, self.dcfg, self.rules = cfg, dcfg, rules
+    self.cfg, self.drafters, self.rules = cfg, dict(drafters), rules
     self.capacity, self.max_new_tokens, self.eos_id = capacity, max_new_tokens, eos_id
     self.log_features = log_features
     self.shared_shape = shared_shape or (lambda batch, strategy: None)
@@ -79,43 +80,42 @@ class SlicePrograms:
 
   # ---------------------------------------------------------------- programs
 
-  def start(self, params, dparams, prompts: np.ndarray, lengths: np.ndarray,
+  def start(self, params, drafters: dict, prompts: np.ndarray, lengths: np.ndarray,
             source: np.ndarray, requests: np.ndarray, key: jax.Array,
             sp: SamplingParams) -> GenState:
     """Prefills right-padded distinct prompts [U, P] (lengths [U]) into fresh caches of B
     rows: row b starts from prompt source[b] and serves requests[b] (-1 for padding rows,
-    which start done)."""
+    which start done). drafters: name -> drafter with its weights on the slice."""
     b = requests.shape[0]
     empty_caches, prefill = self._start_fns(b, sp)
     # The empty caches are made by their own program and passed in (donated): built inside
     # the prefill, they would be compile-time constants that XLA tries to fold through the
     # attention, which makes compiles slow.
     caches = self._run(("caches", b), empty_caches, ())
-    args = (params, dparams, self.put(prompts), self.put(lengths), self.put(source),
+    args = (params, drafters, self.put(prompts), self.put(lengths), self.put(source),
             self.put(requests), key, caches, self._temperature(sp))
     return self._run(("prefill", b, *prompts.shape, sp.program_key), prefill, args, donate=(7,))
 
   def _start_fns(self, b: int, sp: SamplingParams):
     """(empty caches of b rows, the prefill program's function) of `start`."""
-    cfg, dcfg = self.cfg, self.dcfg
+    cfg = self.cfg
 
     def empty_caches():
-      drafters = build_drafters(dcfg)
-      states = {name: d.init_state(cfg, b, self.capacity) for name, d in drafters.items()}
+      states = {name: d.init_state(cfg, b, self.capacity) for name, d in self.drafters.items()}
       return (init_cache(cfg, b, self.capacity),
               {name: st for name, st in states.items() if st is not None})
 
-    def prefill(params, dparams, prompts, lengths, source, requests, key, caches, temperature):
+    def prefill(params, drafters, prompts, lengths, source, requests, key, caches, temperature):
       state = start(Policy(params, cfg), prompts, lengths, caches[0], key,
                     sp.with_temperature(temperature),
-                    self.max_new_tokens, self.eos_id, drafters=build_drafters(dcfg, dparams),
+                    self.max_new_tokens, self.eos_id, drafters=drafters,
                     draft_states=caches[1], log_features=self.log_features, requests=requests,
                     source=source)
       return state.replace(done=state.done | (requests < 0))
     return empty_caches, prefill
 
-  def start_ahead(self, params, dparams, batch: int, prompts: int, width: int, key: jax.Array,
-                  sp: SamplingParams, priority: int = 0) -> GenState:
+  def start_ahead(self, params, drafters: dict, batch: int, prompts: int, width: int,
+                  key: jax.Array, sp: SamplingParams, priority: int = 0) -> GenState:
     """Queues the compiles of `start`'s programs for a batch of `batch` rows from `prompts`
     distinct prompts padded to `width` tokens (`ExecutablePool.compile_ahead`); returns the
     state it would make, abstract (jax.ShapeDtypeStruct leaves laid out on the slice), for
@@ -129,7 +129,7 @@ class SlicePrograms:
     def host(shape, dtype):
       return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     caches = self._laid_out(jax.eval_shape(empty_caches))
-    args = (params, dparams, host((prompts, width), np.int32), host((prompts,), np.int32),
+    args = (params, drafters, host((prompts, width), np.int32), host((prompts,), np.int32),
             host((batch,), np.int32), host((batch,), np.int32), key, caches,
             host((), np.float32))
     key_p = ("prefill", batch, prompts, width, sp.program_key)
@@ -159,7 +159,7 @@ class SlicePrograms:
       return ("decode", batch, strategy, sp.program_key), strategy, False
     return ("decode", batch, ("shared", shape), sp.program_key), shape, True
 
-  def decode(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
+  def decode(self, params, drafters: dict, state: GenState, key: jax.Array, sp: SamplingParams,
              strategy: Strategy | None, min_running: int, max_iterations: int,
              corpus: np.ndarray | None = None):
     """Up to max_iterations plain steps or SD iterations (`decode_loop`) -> (state, stats,
@@ -168,7 +168,7 @@ class SlicePrograms:
     padding (None: none)."""
     b = state.root.shape[0]
     key_b, shape, shared = self._decode_program(b, strategy, sp)
-    args = (params, dparams, state, key, self.put(np.int32(min_running)),
+    args = (params, drafters, state, key, self.put(np.int32(min_running)),
             self.put(np.int32(max_iterations)), self._temperature(sp))
     if shared:
       args += (self.put(np.asarray([strategy.depth, strategy.verify_tokens], np.int32)),)
@@ -181,8 +181,8 @@ class SlicePrograms:
   def _corpus_shape(self, batch: int) -> tuple[int, int, int]:
     return (batch, self.corpus_rows, self.max_new_tokens)
 
-  def decode_ahead(self, params, dparams, state: GenState, key: jax.Array, sp: SamplingParams,
-                   plan, priority: int = 0) -> None:
+  def decode_ahead(self, params, drafters: dict, state: GenState, key: jax.Array,
+                   sp: SamplingParams, plan, priority: int = 0) -> None:
     """Queues the decode programs of `plan` [(batch, strategy)] for compiling in the
     background (`ExecutablePool.compile_ahead`, at `priority`); state: any state of this slice
     (its rows are taken abstractly to each batch size)."""
@@ -193,7 +193,7 @@ class SlicePrograms:
       key_b, shape, shared = self._decode_program(b, strategy, sp)
       if self._key(key_b) in self.pool:
         continue
-      args = (params, dparams, self.resized(state, b), key, scalar, scalar, temperature)
+      args = (params, drafters, self.resized(state, b), key, scalar, scalar, temperature)
       if shared:
         args += (jax.ShapeDtypeStruct((2,), np.int32, sharding=replicated),)
       if _copies(shape):
@@ -207,15 +207,15 @@ class SlicePrograms:
     return self.pool.ready(self._key(self._decode_program(batch, strategy, sp)[0]))
 
   def _decode_fn(self, sp: SamplingParams, strategy: Strategy | None, shared: bool):
-    """The decode program's function. After (params, dparams, state, key, min_running,
+    """The decode program's function. After (params, drafters, state, key, min_running,
     max_iterations, temperature) come: for a shared program, the strategy it runs, limits =
-    int32 [2] (steps, verify_tokens); with the suffix drafter, its corpus."""
-    cfg, dcfg, eos = self.cfg, self.dcfg, self.eos_id
+    int32 [2] (steps, verify_tokens); with a drafter that reads a corpus, the corpus."""
+    cfg, eos = self.cfg, self.eos_id
 
-    def fn(params, dparams, state, key, min_running, max_iterations, temperature, *extra):
+    def fn(params, drafters, state, key, min_running, max_iterations, temperature, *extra):
       limits = extra[0] if shared else None
       corpus = extra[-1] if _copies(strategy) else None
-      return decode_loop(Policy(params, cfg), build_drafters(dcfg, dparams), state, key,
+      return decode_loop(Policy(params, cfg), drafters, state, key,
                          min_running, max_iterations, sp.with_temperature(temperature), eos,
                          strategy=strategy, limits=limits, corpus=corpus)
     return fn

@@ -18,6 +18,8 @@ Invariant between steps, per row with n committed tokens (prompt + generated so 
   feature_log   optional [B, C, F]: f_i at slot i for every committed token i < n, written in
                 the same compiled calls, so drafter training gets the policy's own features
                 without a host round trip per token (C = the cache capacity)
+  prompt        optional [B, W] int32: the row's prompt, -1 past its end (kept when a drafter
+                reads it, W = C - max_new_tokens)
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class GenState:
   done: jax.Array        # [B] bool
   request: jax.Array     # [B] int32
   feature_log: jax.Array | None = None  # [B, C, F] (see the module docstring)
+  prompt: jax.Array | None = None       # [B, W] int32 (see the module docstring)
 
   def row_axes(self) -> "GenState":
     """The batch-row axis of every array (a GenState of ints)."""
@@ -124,7 +127,8 @@ def start(policy: Policy, prompts: jax.Array, lengths: jax.Array, cache: KVCache
   key: the rollout's key; requests: [B] int32 request ids (default 0 .. B-1, -1 = padding):
     together they fix every token's noise.
   drafters: name -> drafter (`tlt_jax.drafters`); draft_states: name -> the empty state of
-    each stateful one (its `init_state`), which reads the prompts here.
+    each stateful one (its `init_state`), which reads the prompts here. When one of them
+    `reads_prompt`, the state keeps each row's prompt (`GenState.prompt`).
   log_features: keep a feature_log [B, C, F] (C = the cache capacity), starting with the
   prompt's features.
   source: optional [B] int32 when prompts [U, P] and lengths [U] hold distinct prompts: row b
@@ -145,11 +149,17 @@ def start(policy: Policy, prompts: jax.Array, lengths: jax.Array, cache: KVCache
   if log_features:
     log = jnp.zeros((b, cache.k.shape[3], hidden.shape[-1]), hidden.dtype)
     log = _log_features(log, hidden, jnp.zeros_like(lengths), lengths)
+  kept = None
+  if any(d.reads_prompt for d in (drafters or {}).values()):
+    width = max(cache.k.shape[3] - max_new_tokens, prompts.shape[1])  # one width per engine
+    kept = jnp.where(jnp.arange(prompts.shape[1])[None] < lengths[:, None], prompts, -1)
+    kept = jnp.pad(kept, ((0, 0), (0, width - prompts.shape[1])), constant_values=-1)
   last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   state = GenState(cache=cache, drafts=drafts, root=root, features=last,
                    out=jnp.zeros((b, max_new_tokens), jnp.int32),
                    num_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
-                   request=requests.astype(jnp.int32), feature_log=log)
+                   request=requests.astype(jnp.int32), feature_log=log,
+                   prompt=None if kept is None else kept.astype(jnp.int32))
   out, num_out, done, _ = _emit(state, root[:, None], jnp.ones((b,), jnp.int32), eos_id)
   return state.replace(out=out, num_out=num_out, done=done)
 
@@ -196,7 +206,7 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
   every drafter's state, emit the accepted tokens and the one after them. The tokens are
   those plain steps would emit with the same key (see `verify`), whatever was drafted.
 
-  drafters: name -> drafter (`tlt_jax.drafters.build_drafters`).
+  drafters: name -> drafter (`tlt_jax.drafters`).
   limits: optional int32 [2], (depth, verify_tokens) of a smaller strategy run in
     `strategy`'s shapes (`build_draft_tree`): the same tree, padded, so the same tokens and
     accept lengths as the smaller strategy's own program.
@@ -205,7 +215,7 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
   active = ~state.done
   act = active.astype(jnp.int32)
   ctx = DraftContext(root=state.root, features=state.features, active=active, out=state.out,
-                     num_out=state.num_out, corpus=corpus)
+                     num_out=state.num_out, corpus=corpus, prompt=state.prompt)
   tree, drafts = build_draft_tree(policy, drafters, state.drafts, ctx, strategy, limits)
   logits, hidden, tree_kv = verify(policy.params, tree.tokens, tree.depths, tree.mask,
                                    state.cache, policy.cfg)
