@@ -4,6 +4,8 @@ drafters come from its config (a weightless-only run needs no EAGLE drafter)."""
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -191,3 +193,39 @@ def test_every_registered_drafter_has_a_config_section_from_its_settings():
       fields.add("path")
     assert set(c.drafter.get(name, {})) == fields, name
   assert c.drafter.mtp.num_heads == MtpSettings().num_heads
+
+
+def _job(module, workdir, *args):
+  r = subprocess.run([sys.executable, "-m", module, "--config", "configs/default.py:runlocal",
+                      "--workdir", str(workdir), *args], cwd=REPO,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                     timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_mtp_heads_warm_up_export_and_draft_in_an_rl_run_beside_prompt_lookup(tmp_path):
+  """The warm-up trains the MTP heads (the run's only trained drafter) and exports them as
+  export/mtp; an RL run loads them by name, drafts with them merged with prompt lookup (no
+  EAGLE drafter anywhere) and exports them again (spot training them: see test_spot.py)."""
+  mtp_only = ["--config.drafter.eagle.path=", "--config.rollout.speculative.tuner=fixed",
+              "--config.drafter.mtp.num_heads=3"]
+  warm = tmp_path / "warm"
+  out = _job("tlt_jax.warmup_drafter", warm, *mtp_only,
+             "--config.rollout.speculative.strategy=3,2,6,mtp")
+  assert "greedy SD accept length" in out
+  assert sorted(os.listdir(warm / "export")) == ["mtp"]
+  config = json.loads((warm / "export" / "mtp" / "config.json").read_text())
+  assert config["family"] == "mtp" and config["drafter"]["num_heads"] == 3
+  summary = json.loads((warm / "summary.json").read_text())
+  assert summary["loss_last"] < summary["loss_first"]
+
+  run = tmp_path / "rl"
+  out = _job("tlt_jax.train", run, *mtp_only,
+             f"--config.drafter.mtp.path={warm / 'export' / 'mtp'}",
+             "--config.rollout.speculative.strategy=3,2,6,mtp+prompt_lookup")
+  assert "SD on with mtp+prompt_lookup" in out
+  metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+  assert all(m["sd_accept_len_mean"] > 1.0 for m in metrics)
+  assert sorted(os.listdir(run / "export")) == ["mtp", "policy"]

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tests.speculative.drafters import drafter_set, random_drafter
+from tests.speculative.drafters import drafter_set, random_drafter, random_mtp
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import ModelConfig, init_params, prefill, init_cache
 from tlt_jax.models.drafter import drafter_from_policy
 from tlt_jax.rollout import pool as pool_module
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams, target_probs
+from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner
 
 GREEDY = SamplingParams(0.0)
@@ -362,24 +363,26 @@ def test_sampled_engine_is_exact():
   assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 
-def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16):
+def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16, mtp=None):
   ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=max_new, sd_threshold=2)
-  return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec, drafters=drafter_set(drafter),
+  return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec, drafters=drafter_set(drafter, mtp),
                        tuner=FixedTuner(strategy))
 
 
-@pytest.mark.parametrize("strategy,drafter", [("4,1,5,suffix", None),
-                                              ("4,2,8,eagle+suffix", "random")])
-def test_suffix_and_hybrid_rollouts_return_plain_tokens(tiny_cfg, tiny_params, strategy,
-                                                        drafter):
+@pytest.mark.parametrize("strategy", ["4,1,5,suffix", "4,2,8,eagle+suffix", "4,2,8,mtp",
+                                      "4,1,5,prompt_lookup", "4,2,8,mtp+prompt_lookup",
+                                      "3,2,6,eagle+mtp+suffix+prompt_lookup"])
+def test_every_family_and_hybrid_rollouts_return_plain_tokens(tiny_cfg, tiny_params, strategy):
   """Sampled GRPO-shaped groups (4 samples per prompt) decoded by SD from the first token:
-  suffix-only (no trained drafter at all) and hybrid trees return plain decoding's tokens."""
+  suffix or prompt lookup alone (no trained drafter at all), MTP heads, and hybrid trees
+  return plain decoding's tokens."""
   sp = SamplingParams(1.0)
   ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=16)
   plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec).generate(
       PROMPTS[:2], 4, sp, jax.random.key(3))
-  engine = _tail_engine(tiny_cfg, tiny_params, strategy,
-                        random_drafter(tiny_cfg, seed=2) if drafter else None)
+  engine = _tail_engine(tiny_cfg, tiny_params, strategy, random_drafter(tiny_cfg, seed=2),
+                        mtp=random_mtp(tiny_cfg, seed=3))
+  assert set(engine.drafters) == set(Strategy.parse(strategy).drafts)
   res = engine.generate(PROMPTS[:2], 4, sp, jax.random.key(3))
   assert res.tokens == plain.tokens
   assert sum(r.mode == "sd" for r in res.timeline) > 3
@@ -452,3 +455,43 @@ def test_the_compile_plan_compiles_every_program_before_the_rollout(tiny_cfg, ti
   assert res.tokens == ref.tokens
   assert res.pool["compiles"] == 0  # nothing on the critical path
   assert any(r.mode == "sd" for r in res.timeline)
+
+
+def test_a_rollout_whose_tail_never_reached_sd_says_why(tiny_cfg, tiny_params, monkeypatch,
+                                                        tmp_path, capsys):
+  """Compiling ahead, a tail whose SD programs are never ready decodes plainly: no accept
+  length, and the step's metrics, progress line and summary say SD was not reached, and why."""
+  from tlt_jax.config import base_config
+  from tlt_jax.rollout.engine import accept_length, sd_not_reached
+  from tlt_jax.rollout.programs import SlicePrograms
+  from tlt_jax.train import _accept_shown
+  from tlt_jax.train_report import write_summary
+  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
+                    compile_ahead=True)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
+                         drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
+                         tuner=FixedTuner((3, 2, 6)))
+  monkeypatch.setattr(SlicePrograms, "decode_ready", lambda self, *args: False)
+  res = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0), compile_priority=None)
+  waited = [r for r in res.timeline if r.waited]
+  assert waited and all(r.mode == "plain" and r.active <= 2 for r in waited)
+  assert accept_length(res) is None
+  reason = sd_not_reached(res)
+  assert reason == (f"its SD programs were still compiling ahead (rollout.compile_ahead) in "
+                    f"all {len(waited)} tail calls")
+  metrics = {"sd_accept_len_mean": None, "sd_not_reached": reason}
+  assert _accept_shown(metrics) == "not reached"
+  assert _accept_shown({"sd_accept_len_mean": None}) == "off"
+  row = {"step": 1, "reward_mean": 0.0, "accuracy": 0.0, "step_s": 1.0, "rollout_s": 1.0,
+         "update_s": 0.0, "compile_s": 0.0, "drafter_steps": 0, "reclaimed_slice_s": 0.0,
+         "idle_slice_s": 0.0, **metrics}
+  summary = write_summary(str(tmp_path), [row], base_config(), wall_s=1.0)
+  assert (summary["sd_not_reached_steps"], summary["sd_not_reached"]) == (1, reason)
+  assert f"- (no SD call); SD not reached in 1 of 1 steps: {reason}" in capsys.readouterr().out
+  # Once programs are ready, the same engine's tail runs SD.
+  monkeypatch.undo()
+  ready = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0), compile_priority=0)
+  pool_module.wait_for_compiles_ahead()
+  ready = engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
+  assert accept_length(ready) is not None and sd_not_reached(ready) is None
+  assert ready.tokens == res.tokens
