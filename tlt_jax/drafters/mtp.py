@@ -81,9 +81,11 @@ class MtpDrafter(TrainedDrafter):
   def init_params(cls, settings: MtpSettings, cfg: ModelConfig, rng: jax.Array) -> dict:
     """Medusa's start: fc the identity on the feature (zero on the token), res zero."""
     params = super().init_params(settings, cfg, rng)
-    e = cfg.hidden_size
-    eye = jnp.eye(params["head_0"]["fc"]["kernel"].shape[0], e, dtype=cfg.jnp_param_dtype)
-    return {name: {**head, "fc": {**head["fc"], "kernel": eye}} for name, head in params.items()}
+    shape = params["head_0"]["fc"]["kernel"].shape
+    # One array per head: an update donates each leaf, and a shared buffer cannot be donated.
+    return {name: {**head, "fc": {**head["fc"], "kernel": jnp.eye(*shape,
+                                                                  dtype=cfg.jnp_param_dtype)}}
+            for name, head in params.items()}
 
   def heads(self, policy: Policy, features: jax.Array, tokens: jax.Array) -> jax.Array:
     """Every head's logits: features [..., F] (the policy's, final hidden state first) and
