@@ -161,7 +161,7 @@ def run_drafter_settings(config: ml_collections.ConfigDict) -> dict:
   return {name: drafter_settings(config, name) for name in run_drafters(config)}
 
 
-def drafter_settings(config: ml_collections.ConfigDict, name: str = "eagle"):
+def drafter_settings(config: ml_collections.ConfigDict, name: str):
   """The Settings of drafter `name` from its section drafter.<name> (defaults without one)."""
   cls = DRAFTERS[name]
   section = config.drafter[name] if name in config.drafter else {}

@@ -2,7 +2,6 @@
 config; and registering a drafter changes none of a run's programs that do not draft with it."""
 
 import dataclasses
-import functools
 
 import flax.struct
 import jax

@@ -222,15 +222,14 @@ class RolloutEngine:
       raise ValueError(f"the tuner's strategies {needs} draft with {missing}, which were not "
                        f"given (drafters has {sorted(drafters)}): pass them, or use strategies "
                        f"that need none of them (e.g. '4,1,5,suffix')")
-    # The drafters SD builds, weights apart (the programs take those as arguments).
-    self.drafters = {name: drafters[name] for name in used}
-    templates = {name: d.replace(params=None) if d.trained else d
-                 for name, d in self.drafters.items()}
+    # The drafters SD builds, without their weights (the programs take those as arguments).
+    self.drafters = {name: drafters[name].replace(params=None) if drafters[name].trained
+                     else drafters[name] for name in used}
     self.log_features = log_features
     self.mesh, self.slices = mesh, replica_slices(mesh)
     self.local = local_slices(self.slices)  # the slices this process drives (all, with one)
     self.pool = ExecutablePool(max_size=512 * len(self.local))  # each slice keys its own
-    self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, templates,
+    self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.drafters,
                                       econf.capacity, econf.max_new_tokens, econf.eos_id,
                                       self.rules, log_features, self.shared_shape,
                                       econf.corpus_rows) for s in self.local}
@@ -238,8 +237,8 @@ class RolloutEngine:
     self._drafter_axes = {name: type(d).logical_axes(d.settings, cfg)
                           for name, d in self.drafters.items() if d.trained}
     self._drafters_on = [dict(self.drafters) for _ in self.slices]
-    self.update_params(policy_params, {name: d.params for name, d in self.drafters.items()
-                                       if d.trained})
+    self.update_params(policy_params, {name: drafters[name].params for name in used
+                                       if drafters[name].trained})
 
   def update_params(self, policy_params: dict | None = None,
                     drafter_params: dict[str, dict] | None = None):
