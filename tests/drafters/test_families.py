@@ -229,3 +229,21 @@ def test_mtp_heads_warm_up_export_and_draft_in_an_rl_run_beside_prompt_lookup(tm
   metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
   assert all(m["sd_accept_len_mean"] > 1.0 for m in metrics)
   assert sorted(os.listdir(run / "export")) == ["mtp", "policy"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config.rollout.speculative.arms=('4,1,5,suffix',)",
+      "--config.rollout.speculative.strategy=4,1,5,suffix"],
+     "the run uses no trained drafter (its drafters: ['suffix']), so there is nothing to warm"),
+    (["--config.rollout.speculative.arms=('4,2,8,mtp',)"],
+     "rollout.speculative.strategy='4,2,8' (the warm-up's accept-length check) drafts with "
+     "['eagle'], which the run does not use (its drafters: ['mtp'])"),
+])
+def test_the_warm_up_refuses_a_run_it_cannot_warm_in_one_line(tmp_path, args, message):
+  r = subprocess.run([sys.executable, "-m", "tlt_jax.warmup_drafter", "--config",
+                      "configs/default.py:runlocal", "--workdir", str(tmp_path / "w"),
+                      "--config.drafter.eagle.path=", *args], cwd=REPO,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
