@@ -198,3 +198,20 @@ def test_a_full_disk_stops_in_one_line_naming_the_intact_checkpoint(tmp_path, mo
   monkeypatch.undo()
   ckpt.close()
   assert Checkpointer(str(tmp_path / "ckpt")).restore_latest(_state(0))[0] == 1
+
+
+def test_another_state_under_the_same_settings_is_a_mismatch_not_a_corrupt_checkpoint(tmp_path):
+  """A job restoring a checkpoint of another state (the warm-up's drafter state over a train
+  run's checkpoints, same config) stops without moving it: only an unreadable checkpoint or
+  one that fails its checksums is set aside."""
+  settings = {"rl.steps": 2}
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings=settings)
+  ckpt.save(2, _state(2), {"step": 2})
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings=settings)
+  with pytest.raises(CheckpointMismatch, match=r"step 2 .* does not fit this run: its 2 arrays "
+                     r"are not this run's 3 .*nothing was moved"):
+    ckpt.restore_latest({"a": jnp.zeros((5,)), "b": jnp.zeros((2, 2)), "c": jnp.zeros(())})
+  assert ckpt.manager.all_steps() == [2] and not os.path.exists(tmp_path / "failed_checkpoints")
+  assert ckpt.restore_latest(_state(0))[0] == 2
+  ckpt.close()

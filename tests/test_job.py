@@ -118,3 +118,70 @@ def test_a_profiler_that_cannot_start_leaves_the_job_running(tmp_path, monkeypat
   out = capsys.readouterr().out
   assert out.count("jax.profiler could not start (no profiling library); no trace") == 1
   assert not os.path.exists(tmp_path / "run" / "profile")
+
+
+def test_a_workdir_is_refused_by_every_job_but_the_one_that_made_it(tmp_path):
+  """WORKDIR/workdir.json records the job and its settings' fingerprint; another kind of job
+  stops in one line before it writes anything there; the same job (a resume) goes on."""
+  workdir = str(tmp_path / "run")
+  with Job(workdir, name="train", settings={"rl.steps": 2}) as job:
+    job.write_json("summary.json", {"steps_done": 2})
+  with open(os.path.join(workdir, "workdir.json")) as f:
+    record = json.load(f)
+  assert record["job"] == "train" and len(record["settings_fingerprint"]) == 16
+  before = {name: os.path.getmtime(os.path.join(workdir, name)) for name in os.listdir(workdir)}
+  for other in ("warmup_drafter", "sft", "generate"):
+    with pytest.raises(ConfigError, match=rf"^--workdir '.*run' holds a run of python -m "
+                       rf"tlt_jax.train; python -m tlt_jax.{other} would overwrite its files: "
+                       rf"give it another --workdir$"):
+      Job(workdir, name=other, settings={}).__enter__()
+  after = {name: os.path.getmtime(os.path.join(workdir, name)) for name in os.listdir(workdir)}
+  assert after == before
+  with Job(workdir, name="train", settings={"rl.steps": 4}):  # a resume with more steps
+    pass
+  with open(os.path.join(workdir, "workdir.json")) as f:
+    assert json.load(f) == record  # it still says what made the folder
+
+
+def test_a_workdir_from_before_the_record_is_known_by_its_files(tmp_path):
+  rows = {"train": {"step": 1, "reward_mean": 0.5}, "sft": {"step": 1, "loss": 2.0,
+                                                           "target_tokens": 9.0},
+          "warmup_drafter": {"step": 1, "loss": 1.0, "top1": 0.2}}
+  for job, row in rows.items():
+    workdir = tmp_path / job
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    others = [name for name in (*rows, "generate") if name != job]
+    with pytest.raises(ConfigError, match=f"holds a run of python -m tlt_jax.{job};"):
+      Job(str(workdir), name=others[0]).__enter__()
+    with Job(str(workdir), name=job):
+      pass
+  (tmp_path / "gen").mkdir()
+  (tmp_path / "gen" / "generations.jsonl").write_text("")
+  with pytest.raises(ConfigError, match="holds a run of python -m tlt_jax.generate;"):
+    Job(str(tmp_path / "gen"), name="train").__enter__()
+
+
+def test_the_warmup_job_refuses_a_train_run_s_workdir_in_one_line(tmp_path):
+  """The issue's case: python -m tlt_jax.warmup_drafter over a train run's workdir moved its
+  checkpoints aside and overwrote its metrics; now it exits at once and touches nothing."""
+  import subprocess
+  import sys
+
+  workdir = tmp_path / "train_run"
+  with Job(str(workdir), name="train", settings={}):
+    pass
+  (workdir / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+  (workdir / "checkpoints").mkdir()
+  listing = sorted(os.listdir(workdir))
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", "tlt_jax.warmup_drafter", "--config",
+                         "configs/default.py:runlocal", f"--workdir={workdir}"], cwd=repo,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, PYTHONPATH=repo))
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      f"config error: --workdir '{workdir}' holds a run of python -m tlt_jax.train; python -m "
+      f"tlt_jax.warmup_drafter would overwrite its files: give it another --workdir"]
+  assert sorted(os.listdir(workdir)) == listing
+  assert (workdir / "metrics.jsonl").read_text() == '{"step": 1, "reward_mean": 0.5}\n'

@@ -9,10 +9,11 @@ only ever weighs checkpoints that load; the previous one is used.
 
 Every checkpoint also carries a checksum of each array (computed on the devices, so saving
 stays asynchronous) and the settings of the run that wrote it. A restore whose arrays do not
-match their checksums is a corrupt checkpoint like any other. A checkpoint that does not fit
-the current state because the settings changed (other settings, and arrays of other shapes) is
-not corrupt: the restore stops with `CheckpointMismatch`, naming the settings that differ, and
-moves nothing. Nor is one whose restore ran out of memory: the run stops (RunStopped). On
+match their checksums is a corrupt checkpoint like any other. A checkpoint whose arrays (by
+its own metadata) are not those of the current state is not corrupt: it was written by other
+settings or another job, and the restore stops with `CheckpointMismatch`, naming the settings
+that differ, and moves nothing. Only a checkpoint that cannot be read, or fails its checksums,
+is moved aside. Nor is one whose restore ran out of memory: the run stops (RunStopped). On
 several processes they agree on every verdict, and process 0 moves the files.
 """
 
@@ -159,11 +160,12 @@ class Checkpointer:
 
     abstract_state: the state's structure as arrays or ShapeDtypeStructs with shardings; the
     restored arrays take those shardings. Raises CheckpointMismatch when the newest
-    checkpoint that fails to load was written with other settings and holds arrays of other
-    shapes than `abstract_state` (other settings alone, such as rl.steps, do not explain a
-    failure: such a checkpoint is corrupt like any other). A restore that runs out of memory
-    stops the run (RunStopped) and moves nothing. On several processes, a checkpoint is used
-    only when it loaded on all of them, and process 0 alone moves a failed one.
+    checkpoint that fails to load holds, by its metadata, other arrays than `abstract_state`
+    (other settings, or another job's state; other settings alone, such as rl.steps, do not
+    explain a failure: a checkpoint whose arrays fit but do not load is corrupt). A restore
+    that runs out of memory stops the run (RunStopped) and moves nothing. On several
+    processes, a checkpoint is used only when it loaded on all of them, and process 0 alone
+    moves a failed one.
     """
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -188,7 +190,7 @@ class Checkpointer:
       if verdict == _LOADED:
         return step, restored.state, restored.meta
       reason = reason or "it failed to load on another process"
-      self._refuse_if_settings_changed(step, abstract)
+      self._refuse_if_it_does_not_fit(step, abstract)
       moved = self._move_aside(step)  # corrupt: kept aside, the previous one is tried
       self.failures.append((step, reason))
       logging.warning("checkpoint at step %d in %s could not be restored (%s); moved to %s, "
@@ -210,25 +212,33 @@ class Checkpointer:
       return f"checksum mismatch in {', '.join(bad[:3]) or 'the array count'}"
     return None
 
-  def _refuse_if_settings_changed(self, step: int, abstract) -> None:
-    """Raises CheckpointMismatch when checkpoint `step` (which did not load) was written with
-    settings other than this run's and its arrays (by its own metadata) are not those of
-    `abstract`; returns when the settings are the same or unknown, or the arrays fit (then
-    the settings did not break it: it is corrupt)."""
+  def _refuse_if_it_does_not_fit(self, step: int, abstract) -> None:
+    """Raises CheckpointMismatch when checkpoint `step` (which did not load) holds, by its own
+    metadata, arrays other than those of `abstract` (naming the settings that differ, if its
+    settings are known); returns when its metadata cannot be read or its arrays fit (then it
+    is corrupt)."""
+    try:
+      saved = self.manager.item_metadata(step)["state"]
+      saved = getattr(saved, "tree", saved)
+    except Exception:  # noqa: BLE001 -- no readable metadata: judge it as corrupt
+      return
+    ours, theirs = _array_shapes(abstract), _array_shapes(saved)
+    if not theirs or theirs == ours:
+      return
     try:
       meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       written = meta.meta.get("settings")
-      saved = self.manager.item_metadata(step)["state"]
-      saved = getattr(saved, "tree", saved)
-    except Exception:  # noqa: BLE001 -- no readable settings or metadata: judge it as corrupt
-      return
+    except Exception:  # noqa: BLE001 -- its arrays say enough
+      written = None
     diff = settings_diff(written, self.settings) if written and self.settings else ""
-    if diff and _array_shapes(saved) != _array_shapes(abstract):
-      raise CheckpointMismatch(
-          f"the checkpoint of step {step} in {self.directory} does not fit this run: it was "
-          f"written with other settings ({diff}); rerun with the settings it was written "
-          f"with, or start from step 0 (tlt_jax.train's --start_over sets the earlier run "
-          f"aside; other jobs: another --workdir)")
+    why = (f"it was written with other settings ({diff})" if diff else
+           f"its {len(theirs)} arrays are not this run's {len(ours)} (another job's "
+           f"checkpoint, or settings it did not record)")
+    raise CheckpointMismatch(
+        f"the checkpoint of step {step} in {self.directory} does not fit this run: {why}; "
+        f"nothing was moved; rerun with the settings it was written with, or start from "
+        f"step 0 (tlt_jax.train's --start_over sets the earlier run aside; other jobs: "
+        f"another --workdir)")
 
   def _move_aside(self, step: int) -> str:
     """Moves a checkpoint that failed to load into failed_dir (a fresh name per move); on

@@ -91,8 +91,13 @@ class Job:
   export, summary), so a run on a lease of fixed length still ends with results."""
 
   def __init__(self, workdir: str, show_progress: bool = True, max_minutes: float = 0.0,
-               profile: tuple[int, int] = (0, 0)):
+               profile: tuple[int, int] = (0, 0), name: str | None = None,
+               settings: dict | None = None):
     self.workdir, self.show_progress, self.max_minutes = workdir, show_progress, max_minutes
+    # name: the job (train, sft, warmup_drafter, generate); the workdir is refused when
+    # another kind of job made it (tlt_jax.workdir.check_workdir_job). settings: its flat
+    # settings, whose fingerprint the workdir records.
+    self.name, self.settings = name, settings
     self.profile = tuple(profile)  # (first step, steps) that `traced` traces; (x, 0): none
     self.writer = jax.process_index() == 0
     self.stop = StopFlag()
@@ -100,7 +105,7 @@ class Job:
     self._trace_steps: list[int] | None = None  # while a trace runs: the steps it holds
 
   def __enter__(self) -> Job:
-    self._lock = claim_workdir(self.workdir)
+    self._lock = claim_workdir(self.workdir, self.name, self.settings)
     self.stop.__enter__()
     self.started = time.perf_counter()
     COMPILES.start()
@@ -213,10 +218,10 @@ class Job:
     return {k: v - self._compiles_before[k] for k, v in COMPILES.report().items()}
 
 
-def run_job(config_flag, workdir_flag, body, max_minutes=lambda config: 0.0,
+def run_job(config_flag, workdir_flag, body, name: str, max_minutes=lambda config: 0.0,
             quiet_logs: bool = True) -> None:
   """A job's command line (`python -m`, console script): loads --config (errors exit in one
-  line), sets the devices up and runs `body(config, job)` in a Job over --workdir with
+  line), sets the devices up and runs `body(config, job)` in a Job `name` over --workdir with
   max_minutes(config); exits with EXIT_STOPPED when body returns True (a signal stopped it,
   after its checkpoint). quiet_logs: absl logs from WARNING up (orbax logs every save at INFO)."""
 
@@ -227,7 +232,8 @@ def run_job(config_flag, workdir_flag, body, max_minutes=lambda config: 0.0,
     config = cli.load_config(config_flag)
     cli.setup_devices(config)
     with Job(workdir_flag.value, max_minutes=max_minutes(config),
-             profile=profile_window(config)) as job:
+             profile=profile_window(config), name=name,
+             settings=flat_settings(config)) as job:
       stopped = body(config, job)
     if stopped:
       exit_stopped("before the last step")

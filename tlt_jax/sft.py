@@ -168,7 +168,7 @@ def _sft(config, job: Job) -> bool:
 
 def run():
   """Console-script entry point (`tlt-sft`)."""
-  run_job(_CONFIG, _WORKDIR, _sft, max_minutes=lambda config: config.sft.max_minutes)
+  run_job(_CONFIG, _WORKDIR, _sft, "sft", max_minutes=lambda config: config.sft.max_minutes)
 
 
 if __name__ == "__main__":

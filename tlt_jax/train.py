@@ -39,7 +39,7 @@ from tlt_jax.components import (algorithm_from_config, answer_check, check_promp
                                 load_tokenizer_for, make_engine, policy_adamw, reward_from_config,
                                 sampling_params, scoring_task, spot_config, task_examples,
                                 training_model_config, training_set)
-from tlt_jax.config import ConfigError, RunStopped
+from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer
 from tlt_jax.job import Job, exit_stopped, profile_window
@@ -73,7 +73,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
   those files to WORKDIR/previous-<time>/ and start from step 0 (else: stop and say so).
   """
   with Job(workdir, show_progress=progress, max_minutes=config.rl.max_minutes,
-           profile=profile_window(config)) as job:
+           profile=profile_window(config), name="train",
+           settings=flat_settings(config)) as job:
     return _train(config, job, reward_fn, start_over)
 
 
