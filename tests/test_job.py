@@ -185,3 +185,40 @@ def test_the_warmup_job_refuses_a_train_run_s_workdir_in_one_line(tmp_path):
       f"tlt_jax.warmup_drafter would overwrite its files: give it another --workdir"]
   assert sorted(os.listdir(workdir)) == listing
   assert (workdir / "metrics.jsonl").read_text() == '{"step": 1, "reward_mean": 0.5}\n'
+
+
+def test_a_time_limit_ends_the_job_with_the_status_of_a_stopped_one(tmp_path, capsys):
+  """A job its time limit cut short exits 75 like a stopped one (the same command resumes
+  it); a job that reached its last step is not marked."""
+  from tlt_jax.job import EXIT_STOPPED, exit_stopped
+
+  with Job(str(tmp_path), max_minutes=1.0) as job:
+    assert job.last_step(3, 10, "sft.max_minutes") == 10 and job.time_limited is None
+    job.started -= 61.0
+    assert job.last_step(10, 10, "sft.max_minutes") == 10 and job.time_limited is None
+    assert job.last_step(4, 10, "sft.max_minutes") == 4
+  what, where = job.time_limited
+  with pytest.raises(SystemExit) as stopped:
+    exit_stopped(where, what)
+  assert stopped.value.code == EXIT_STOPPED == 75
+  assert capsys.readouterr().err == (
+      "sft.max_minutes=1.0 ended the job after step 4 of 10 with a checkpoint; rerun the same "
+      "command to resume (exit status 75)\n")
+
+
+def test_a_profile_window_past_the_last_step_is_one_line():
+  """profile.first_step past the job's last step traced nothing and said nothing."""
+  from tlt_jax.config import base_config
+  from tlt_jax.job import check_profile_window
+
+  config = base_config()
+  config.profile.update(first_step=21, num_steps=2)
+  with pytest.raises(ConfigError, match=r"^profile.first_step=21 is past the job's last step "
+                     r"\(rl.steps=20\): nothing would be traced; set profile.first_step "
+                     r"between 1 and 20, or profile.num_steps=0$"):
+    check_profile_window(config, config.rl.steps, "rl.steps")
+  config.profile.first_step = 20
+  check_profile_window(config, config.rl.steps, "rl.steps")  # the last step is traced
+  config.profile.update(first_step=500, num_steps=0)
+  check_profile_window(config, config.rl.steps, "rl.steps")  # no trace asked for
+

@@ -12,7 +12,11 @@ files written whole, the job's compile account, and an optional time limit.
     job.export(save_hf_checkpoint, job.path("export"), params, ...)  # process 0 writes
     job.write_json("summary.json", {...,  **job.compiles()})
 
-  run_job(_CONFIG, _WORKDIR, body)            # the job's command line (its --config, --workdir)
+  run_job(_CONFIG, _WORKDIR, body, "sft")     # the job's command line (its --config, --workdir)
+
+Exit status: 0 when the job finished; EXIT_STOPPED (75) when a signal or its time limit ended
+it before its last step (after a checkpoint; a time-limited job has also evaluated and
+exported), so a scheduler knows to rerun the same command, which resumes.
 
 Multi-host: every process runs the same job on the global mesh and takes part in every
 collective (gathers for exports included); only process 0 (`job.writer`) writes files and
@@ -38,21 +42,23 @@ from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.compile_cache import COMPILES
 from tlt_jax.components import first_line
-from tlt_jax.config import flat_settings
+from tlt_jax.config import ConfigError, flat_settings
 from tlt_jax.mesh import host_copy
 from tlt_jax.profiling import write_profile_summary
 from tlt_jax.run_log import RunLog, write_json
 from tlt_jax.workdir import claim_workdir
 
-# The exit status of a run that a signal stopped after its checkpoint (sysexits' EX_TEMPFAIL:
-# "try again later"), so a scheduler can tell a preempted run from a finished one.
+# The exit status of a run that a signal or its time limit stopped after its checkpoint
+# (sysexits' EX_TEMPFAIL: "try again later"), so a scheduler can tell a run that must be
+# resumed from a finished one.
 EXIT_STOPPED = 75
 
 
-def exit_stopped(where: str) -> NoReturn:
-  """Ends a job that a signal stopped after its checkpoint: says so on stderr and exits with
-  EXIT_STOPPED. where: how far it got, e.g. 'after step 12 of 100'."""
-  print(f"stopped {where} with a checkpoint; rerun the same command to resume (exit status "
+def exit_stopped(where: str, what: str = "stopped") -> NoReturn:
+  """Ends a job that a signal or its time limit stopped after its checkpoint: says so on
+  stderr and exits with EXIT_STOPPED. where: how far it got, e.g. 'after step 12 of 100';
+  what: what ended it."""
+  print(f"{what} {where} with a checkpoint; rerun the same command to resume (exit status "
         f"{EXIT_STOPPED})", file=sys.stderr)
   sys.exit(EXIT_STOPPED)
 
@@ -88,7 +94,8 @@ class Job:
   """A job's skeleton over `workdir`; see the module docstring. show_progress=False hides the
   progress bars (tests, notebooks). max_minutes > 0: `time_up()` turns true once the job has
   run that long, and the job then ends its training as if that step were its last (evaluation,
-  export, summary), so a run on a lease of fixed length still ends with results."""
+  export, summary), so a run on a lease of fixed length still ends with results; it then
+  exits with EXIT_STOPPED (`time_limited` says why), as its rerun resumes."""
 
   def __init__(self, workdir: str, show_progress: bool = True, max_minutes: float = 0.0,
                profile: tuple[int, int] = (0, 0), name: str | None = None,
@@ -103,6 +110,8 @@ class Job:
     self.stop = StopFlag()
     self._lock = None
     self._trace_steps: list[int] | None = None  # while a trace runs: the steps it holds
+    # Once the time limit cut the job short: what ended it, where (see `last_step`).
+    self.time_limited: tuple[str, str] | None = None
 
   def __enter__(self) -> Job:
     self._lock = claim_workdir(self.workdir, self.name, self.settings)
@@ -173,6 +182,8 @@ class Job:
     time_up() (which it says; `setting`: the config key that set max_minutes)."""
     if step < end and self.time_up():
       self.say(f"{setting}={self.max_minutes} reached: step {step} is the last")
+      self.time_limited = (f"{setting}={self.max_minutes} ended the job",
+                           f"after step {step} of {end}")
       return step
     return end
 
@@ -223,7 +234,8 @@ def run_job(config_flag, workdir_flag, body, name: str, max_minutes=lambda confi
   """A job's command line (`python -m`, console script): loads --config (errors exit in one
   line), sets the devices up and runs `body(config, job)` in a Job `name` over --workdir with
   max_minutes(config); exits with EXIT_STOPPED when body returns True (a signal stopped it,
-  after its checkpoint). quiet_logs: absl logs from WARNING up (orbax logs every save at INFO)."""
+  after its checkpoint) or its time limit ended it (`Job.time_limited`), else 0. quiet_logs:
+  absl logs from WARNING up (orbax logs every save at INFO)."""
 
   def main(argv):
     del argv
@@ -237,9 +249,22 @@ def run_job(config_flag, workdir_flag, body, name: str, max_minutes=lambda confi
       stopped = body(config, job)
     if stopped:
       exit_stopped("before the last step")
+    if job.time_limited:
+      what, where = job.time_limited
+      exit_stopped(where, what)
   cli.run_main(main)
 
 
 def profile_window(config) -> tuple[int, int]:
   """(profile.first_step, profile.num_steps): the steps a job's `Job.traced` traces."""
   return config.profile.first_step, config.profile.num_steps
+
+
+def check_profile_window(config, last_step: int, steps_key: str) -> None:
+  """ConfigError (one line) when profile.* asks for a trace that starts past the job's last
+  step (`steps_key`=`last_step`): it would trace nothing."""
+  first, count = profile_window(config)
+  if count and first > last_step:
+    raise ConfigError(f"profile.first_step={first} is past the job's last step ({steps_key}="
+                      f"{last_step}): nothing would be traced; set profile.first_step between "
+                      f"1 and {last_step}, or profile.num_steps=0")

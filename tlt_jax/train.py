@@ -42,7 +42,7 @@ from tlt_jax.components import (algorithm_from_config, answer_check, check_promp
 from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer
-from tlt_jax.job import Job, exit_stopped, profile_window
+from tlt_jax.job import Job, check_profile_window, exit_stopped, profile_window
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.models.hf import save_hf_checkpoint
@@ -80,6 +80,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
 
 def _train(config, job: Job, reward_fn, start_over) -> dict:
   workdir, say, rl = job.workdir, job.say, config.rl
+  check_profile_window(config, rl.steps, "rl.steps")
 
   # ---------------------------------------------------------------- mesh and data
   mesh = make_mesh(dict(config.mesh.axes))
@@ -296,6 +297,9 @@ def main(argv):
   summary = train(config, _WORKDIR.value, start_over=_START_OVER.value)
   if summary["stopped_early"]:
     exit_stopped(f"after step {summary['steps_done']} of {config.rl.steps}")
+  if summary["time_limited"]:  # evaluated and exported; the rerun goes on to rl.steps
+    exit_stopped(f"after step {summary['steps_done']} of {config.rl.steps}",
+                 f"rl.max_minutes={config.rl.max_minutes} ended the job")
 
 
 def run():
