@@ -7,6 +7,7 @@ import signal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tlt_jax.config import ConfigError
@@ -222,3 +223,35 @@ def test_a_profile_window_past_the_last_step_is_one_line():
   config.profile.update(first_step=500, num_steps=0)
   check_profile_window(config, config.rl.steps, "rl.steps")  # no trace asked for
 
+
+def test_an_export_is_written_whole_or_not_at_all(tmp_path):
+  """An export goes to a folder beside its place and is renamed in: a full disk mid-export
+  stops the job in one line naming the folder and the space it needs, leaving the earlier
+  export as it was and no half-written folder (it left config.json without weights)."""
+  from tlt_jax.config import RunStopped
+
+  def save(folder, tree, label):
+    with open(os.path.join(folder, "config.json"), "w") as f:
+      f.write(label)
+    if label == "full disk":
+      raise OSError(28, "No space left on device", os.path.join(folder, "model.safetensors"))
+    if label == "safetensors":  # how safetensors reports it: not an OSError
+      raise RuntimeError("Error while serializing: I/O error: No space left on device (os "
+                         "error 28)")
+    np.save(os.path.join(folder, "w.npy"), tree["w"])
+
+  tree = {"w": jnp.zeros((1024, 256), jnp.float32)}  # 1 MB
+  with Job(str(tmp_path / "run")) as job:
+    policy = job.path("export", "policy")
+    job.export(save, policy, tree, "first")
+    job.export(save, policy, tree, "second")  # replaces the earlier export whole
+    assert sorted(os.listdir(policy)) == ["config.json", "w.npy"]
+    with pytest.raises(RunStopped, match=r"^the export to .*export/policy could not be "
+                       r"written: no space left on device \(.*model.safetensors\); it needs "
+                       r"about 1 MB; no half-written export is left"):
+      job.export(save, policy, tree, "full disk")
+    with pytest.raises(RunStopped, match=r"^the export to .*export/policy could not be "
+                       r"written: no space left on device \(.*export\); it needs about 1 MB"):
+      job.export(save, policy, tree, "safetensors")
+  assert open(os.path.join(policy, "config.json")).read() == "second"
+  assert os.listdir(job.path("export")) == ["policy"]

@@ -23,7 +23,9 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,51 @@ def settings_diff(old: dict, new: dict, most: int = 6) -> str:
   return "; ".join(parts)
 
 
+# What the OS says of a write that failed, as orbax passes it on (tensorstore's ValueError
+# "RESOURCE_EXHAUSTED: Error writing ...: No space left on device [os_error_code='28']").
+_WRITE_FAILURE = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|"
+                            r"Input/output error|Permission denied")
+
+
+def write_failure(e: BaseException) -> str | None:
+  """The OS's reason when `e` is a failed write (an OSError, or orbax's error naming one),
+  else None."""
+  if isinstance(e, OSError):
+    return (e.strerror or str(e)).lower()
+  found = _WRITE_FAILURE.search(str(e))
+  return found.group(0).lower() if found else None
+
+
+class _WriteFailureFilter(logging.Filter):
+  """Drops orbax's logs of a failed background write (each with its traceback, from each of
+  its writer threads): the Checkpointer reports the failure once, in one line (RunStopped)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not ("orbax" in record.pathname and exc is not None
+                and write_failure(exc) is not None)
+
+
+_QUIET_FAILED_WRITES = _WriteFailureFilter()
+
+
+def _quiet_closed_loops(previous):
+  """sys.unraisablehook, less the "Event loop is closed" errors of tensorstore's write
+  callbacks (from its own threads) once orbax's writer thread has ended its asyncio loop on a
+  failed write: dozens of tracebacks after a full disk that the Checkpointer reports itself."""
+  def hook(unraisable):
+    last = unraisable.exc_traceback
+    while last is not None and last.tb_next is not None:
+      last = last.tb_next
+    if (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is "
+        "closed" and last is not None and last.tb_frame.f_code.co_filename.endswith(
+            os.path.join("asyncio", "base_events.py"))):
+      return
+    previous(unraisable)
+  hook._tlt_quiet = True
+  return hook
+
+
 def _out_of_memory(e: BaseException) -> bool:
   """Whether a failed restore ran out of host or device memory: not the checkpoint's fault."""
   return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) \
@@ -129,6 +176,10 @@ class Checkpointer:
     self.failures: list[tuple[int, str]] = []
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+    self._state_bytes = 0  # of the last save: what a failed write says it needs
+    logging.getLogger("absl").addFilter(_QUIET_FAILED_WRITES)  # once: a set of filters
+    if not getattr(sys.unraisablehook, "_tlt_quiet", False):
+      sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
 
   def save(self, step: int, state, meta: dict) -> None:
     """Starts an async save (arrays are copied off the devices before this returns)."""
@@ -136,24 +187,35 @@ class Checkpointer:
       return
     meta = {**meta, "checksums": checksums(state), "checksum_version": CHECKSUM_VERSION,
             "settings": self.settings}
+    self._state_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state))
     with self._writing(step):
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
 
   @contextlib.contextmanager
   def _writing(self, step: int):
-    """OSError while writing checkpoint `step` (a full disk, a lost mount; raised here or by
-    the previous async save) -> RunStopped naming the cause and the intact checkpoint."""
-    previous = [s for s in self.manager.all_steps() if s < step]
+    """A failed write of checkpoint `step` (a full disk, a lost mount; an OSError, or orbax's
+    error from its writer threads, raised here or by the previous async save) -> RunStopped
+    in one line naming the folder, the cause, the space a checkpoint needs and the intact
+    checkpoint."""
     try:
       yield
-    except OSError as e:
-      kept = (f"the checkpoint of step {max(previous)} is intact" if previous else
+    except Exception as e:  # noqa: BLE001 -- only write failures are turned into one line
+      why = write_failure(e)
+      if why is None:
+        raise
+      # On disk: the committed checkpoints, and the one orbax left unfinished (it failed in
+      # the background when a later save or the close reports it).
+      names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+      intact = [int(n) for n in names if n.isdigit() and int(n) <= step]
+      unfinished = [int(n.split(".")[0]) for n in names if "tmp" in n and n.split(".")[0].isdigit()]
+      failed = min(unfinished, default=step)
+      kept = (f"the checkpoint of step {max(intact)} is intact" if intact else
               "no earlier checkpoint exists")
-      raise RunStopped(f"the checkpoint of step {step} could not be written to "
-                       f"{self.directory}: {e.strerror or e} ({e.filename or 'orbax'}); {kept}; "
-                       f"free the space (or fix the folder) and rerun the same command to "
-                       f"resume") from None
+      raise RunStopped(f"the checkpoint of step {failed} could not be written to "
+                       f"{self.directory}: {why}; a checkpoint needs about "
+                       f"{self._state_bytes / 2 ** 20:.1f} MB; {kept}; free the space (or fix "
+                       f"the folder) and rerun the same command to resume") from None
 
   def restore_latest(self, abstract_state) -> tuple[int, object, dict] | None:
     """(step, state, meta) of the newest loadable checkpoint, or None if there is none.

@@ -28,6 +28,7 @@ import tempfile
 import zipfile
 
 from tlt_jax.models.hf import check_model_folder, load_hf_config
+from tlt_jax.run_log import replace_folder
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 DTYPES = ("float32", "bfloat16")
@@ -118,24 +119,6 @@ def check_out_folder(out: str) -> None:
                            f"or empty folder")
 
 
-def _replace_folder(staging: str, out: str) -> None:
-  """Moves the complete folder `staging` to `out` (checked by check_out_folder): renamed onto
-  a missing or empty `out`; an earlier import's `out` is renamed aside first and deleted once
-  the new one is in place."""
-  check_out_folder(out)
-  if not (os.path.isdir(out) and os.listdir(out)):
-    os.replace(staging, out)  # rename(2) replaces an empty folder
-    return
-  previous = staging + ".previous"
-  os.replace(out, previous)
-  try:
-    os.replace(staging, out)
-  except OSError:
-    os.replace(previous, out)
-    raise
-  shutil.rmtree(previous)
-
-
 def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
   """Imports the GGUF Llama or Qwen2 model at `gguf_path` into the folder `out` with weights
   in `dtype` ('float32' keeps the dequantised values exactly); returns `out`. `out` may be
@@ -195,7 +178,8 @@ def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
                              f"{_one_line(e)}") from None
     with open(os.path.join(staging, MARKER), "w") as f:
       json.dump({"gguf": os.path.abspath(gguf_path), "dtype": dtype}, f)
-    _replace_folder(staging, out)
+    check_out_folder(out)  # again: the import took a while
+    replace_folder(staging, out)
   except OSError as e:  # a full disk, a read-only folder, a file where a folder should be
     raise ImportModelError(f"could not write {out}: {(e.strerror or str(e)).lower()} "
                            f"({e.filename or out}); the model needs about {needed_mb:.0f} MB; "

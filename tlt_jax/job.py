@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import Callable, NoReturn
 
@@ -39,13 +41,13 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from tlt_jax import cli
-from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.checkpoint import Checkpointer, write_failure
 from tlt_jax.compile_cache import COMPILES
 from tlt_jax.components import first_line
-from tlt_jax.config import ConfigError, flat_settings
+from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.mesh import host_copy
 from tlt_jax.profiling import write_profile_summary
-from tlt_jax.run_log import RunLog, write_json
+from tlt_jax.run_log import RunLog, replace_folder, write_json
 from tlt_jax.workdir import claim_workdir
 
 # The exit status of a run that a signal or its time limit stopped after its checkpoint
@@ -153,10 +155,34 @@ class Job:
 
   def export(self, save, folder: str, tree, *args, **kwargs) -> None:
     """`save(folder, host copy of tree, *args, **kwargs)` on the writing process; every
-    process takes part in the gather."""
+    process takes part in the gather. The folder is written beside `folder` and renamed into
+    place (replacing an earlier export), so no half-written export is ever left; a write that
+    fails (a full disk) stops the job in one line (RunStopped) naming the folder and the
+    space it needs."""
     tree = host_copy(tree)
-    if self.writer:
-      save(folder, tree, *args, **kwargs)
+    if not self.writer:
+      return
+    folder = os.path.abspath(folder)
+    parent, staging = os.path.dirname(folder), None
+    try:
+      os.makedirs(parent, exist_ok=True)
+      staging = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", dir=parent)
+      os.chmod(staging, 0o755)  # mkdtemp's folder is private; an export need not be
+      save(staging, tree, *args, **kwargs)
+      replace_folder(staging, folder)  # an earlier export (this job's own) is replaced whole
+    except Exception as e:  # noqa: BLE001 -- an OSError, or safetensors' error naming one
+      why = write_failure(e)
+      if why is None:
+        raise
+      needed = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)) / 2 ** 20
+      raise RunStopped(f"the export to {folder} could not be written: {why} "
+                       f"({getattr(e, 'filename', None) or parent}); it needs about "
+                       f"{needed:.0f} MB; no half-written export is left, the checkpoints are "
+                       f"intact: free the space and rerun the same command (it exports "
+                       f"again)") from None
+    finally:
+      if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
 
   def checkpointer(self, config, keep: int = 2) -> Checkpointer:
     """WORKDIR/checkpoints, keeping the latest `keep`, each with the config's settings."""
