@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tests import cheap_compiles
-from tlt_jax.compile_cache import (CompileCounter, collectives_in_several_sequences,
+from tlt_jax.compile_cache import (COMPILES, CompileCounter, collectives_in_several_sequences,
                                    guard_cpu_collectives, share_across_devices)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,7 +99,9 @@ def test_programs_a_cached_copy_could_stall_never_come_from_the_cache():
 
   looped, flat, args = _fsdp_programs(mesh, salt)
   assert [hits_of(flat, args) for _ in range(2)] == [0, 1]
+  kept_out = COMPILES.kept_out
   assert [hits_of(looped, args) for _ in range(2)] == [0, 0]
+  assert COMPILES.kept_out - kept_out == 2  # the jobs' summaries say so
 
   # An entry written before the guard existed is not loaded either.
   unguarded_put = compilation_cache.put_executable_and_time.__wrapped__

@@ -166,7 +166,10 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path, whole_run)
   (again,) = _metrics(tmp_path / "again")
   assert {k: again[k] for k in SAME} == {k: whole[0][k] for k in SAME}
   summary = json.loads((tmp_path / "again" / "summary.json").read_text())
-  assert summary["xla_compiles"] == 0 and summary["xla_cache_hits"] > 0
+  # (Only the programs kept out of the cache compile again: tlt_jax.compile_cache.
+  # guard_cpu_collectives.)
+  assert summary["xla_compiles"] == summary["xla_kept_out_of_cache"]
+  assert summary["xla_cache_hits"] > 0
   assert summary["time_limited"] is True and summary["stopped_early"] is False
   assert (tmp_path / "again" / "export" / "policy" / "model.safetensors").exists()
 

@@ -173,7 +173,9 @@ def guard_cpu_collectives() -> bool:
 
   @functools.wraps(put)
   def put_ordered(cache_key, module_name, executable, backend, *args, **kwargs):
-    if not _unsafe_on_cpu(executable, backend):
+    if _unsafe_on_cpu(executable, backend):
+      COMPILES.kept_out += 1
+    else:
       put(cache_key, module_name, executable, backend, *args, **kwargs)
 
   get_ordered._tlt_guarded = True
@@ -188,6 +190,7 @@ class CompileCounter:
   def __init__(self):
     self.requests = 0
     self.hits = 0
+    self.kept_out = 0  # compiled, and not written: see guard_cpu_collectives
     self._started = False
     self._lock = threading.Lock()
 
@@ -208,8 +211,11 @@ class CompileCounter:
     return self.requests - self.hits
 
   def report(self) -> dict:
-    """{'xla_compiles': programs compiled by this process, 'xla_cache_hits': loaded}."""
-    return {"xla_compiles": self.new, "xla_cache_hits": self.hits}
+    """{'xla_compiles': programs compiled by this process, 'xla_cache_hits': loaded,
+    'xla_kept_out_of_cache': compiled programs that `guard_cpu_collectives` did not write
+    (a rerun compiles them again)}."""
+    return {"xla_compiles": self.new, "xla_cache_hits": self.hits,
+            "xla_kept_out_of_cache": self.kept_out}
 
 
 COMPILES = CompileCounter()
