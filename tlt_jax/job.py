@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.checkpoint import Checkpointer, write_failure
-from tlt_jax.compile_cache import COMPILES
+from tlt_jax.compile_cache import COMPILES, guard_cpu_collectives
 from tlt_jax.components import first_line
 from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.mesh import host_copy
@@ -119,6 +119,7 @@ class Job:
     self._lock = claim_workdir(self.workdir, self.name, self.settings)
     self.stop.__enter__()
     self.started = time.perf_counter()
+    guard_cpu_collectives()  # also where JAX's own settings turned the cache on
     COMPILES.start()
     self._compiles_before = COMPILES.report()
     return self
