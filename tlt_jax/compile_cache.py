@@ -149,8 +149,8 @@ def guard_cpu_collectives() -> bool:
   and CallThunkFromProto build the nested sequence with a ThunkSequenceSerDesProtobuf of their
   own) gives each nested sequence fresh resources. A program loaded from the cache then has
   no order between a loop holding collectives and a collective outside it, and its devices
-  may take them in different orders: the SFT step (FSDP all-gathers in the scanned layers, the
-  loss's all-reduce of the token count outside) waited in an all-gather on one device and an
+  may take them in different orders: the SFT step (FSDP all-gathers and all-reduces in its
+  scanned layers, all-reduces outside them) waited in an all-gather on one device and an
   all-reduce on the other until XLA aborted the process. Compiled in the process, the order
   holds. GPU programs are serialized another way and keep using the cache.
 
