@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from tlt_jax.config import ConfigError, check_config, flat_settings
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
+from tlt_jax.drafters import reads_corpus
 from tlt_jax.knobs import build_from
 from tlt_jax.mesh import logical_shardings
 from tlt_jax.models.config import ARCHITECTURE_FLAGS, ModelConfig, RopeConfig, ROPE_TYPES
@@ -63,6 +64,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if config.drafter.draft_vocab_size < widest:
       raise ConfigError(f"drafter.draft_vocab_size={config.drafter.draft_vocab_size} is below "
                         f"the widest strategy's topk ({widest}); use at least {widest}")
+  _check_corpus_rows(config)
   r = config.rollout
   limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
   if config.model.path:  # the checkpoint's own limit
@@ -72,6 +74,26 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   if r.max_prompt_len + r.max_new_tokens > limit:
     raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
                       f"{r.max_prompt_len + r.max_new_tokens} exceeds {source}={limit}")
+
+
+def _check_corpus_rows(config: ml_collections.ConfigDict) -> None:
+  """rollout.speculative.corpus_rows no larger than the largest group a suffix-drafting row
+  copies from (more rows are never filled, and each SD call holds them all)."""
+  sd, r = config.rollout.speculative, config.rollout
+  strategies = (sd.strategy,) if sd.tuner == "fixed" else tuple(sd.arms)
+  if not sd.enable or not any(reads_corpus(Strategy.parse(s).drafts) for s in strategies):
+    return
+  groups = {"rl.num_samples": config.rl.num_samples, "rl.eval_samples": config.rl.eval_samples,
+            "drafter.warmup.samples_per_prompt": config.drafter.warmup.samples_per_prompt}
+  limit = max(EngineConfig.corpus_rows, *groups.values())
+  if sd.corpus_rows > limit:
+    gib = r.max_batch * sd.corpus_rows * r.max_new_tokens * 4 / 2 ** 30
+    raise ConfigError(
+        f"rollout.speculative.corpus_rows={sd.corpus_rows} is more responses than any group "
+        f"holds ({', '.join(f'{k}={v}' for k, v in groups.items())}): a row copies only from "
+        f"its group's other responses, and every SD call would hold a [{r.max_batch}, "
+        f"{sd.corpus_rows}, {r.max_new_tokens}] int32 array ({gib:.1f} GiB); set it to at "
+        f"most {limit}")
 
 
 # ---------------------------------------------------------------- the subsystems' settings
@@ -133,15 +155,25 @@ def spot_config(config: ml_collections.ConfigDict) -> SpotConfig:
 
 
 def make_tuner_from_config(config: ml_collections.ConfigDict) -> Tuner:
-  """The strategy tuner that rollout.speculative describes (seeded by config.seed)."""
+  """The strategy tuner that rollout.speculative describes (seeded by config.seed); a bad
+  strategy's ValueError names the key that holds it."""
   sd = config.rollout.speculative
-  if sd.tuner == "fixed":
-    return make_tuner("fixed", strategy=sd.strategy)
+  key, value = ("strategy", sd.strategy) if sd.tuner == "fixed" else ("arms", tuple(sd.arms))
+  if sd.enable and not value:
+    raise ValueError(f"rollout.speculative.arms=() gives the {sd.tuner} tuner no strategy, so "
+                     f"SD would never run; give at least one arm (e.g. ('4,2,8',)) or set "
+                     f"rollout.speculative.enable=False")
   thresholds = tuple(sd.bucket_thresholds)
-  if sd.tuner == "table":
-    return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
-  return make_tuner(sd.tuner, thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
-                    epsilon=sd.epsilon, window=sd.window, seed=config.seed, plain_arm=sd.plain_arm)
+  try:
+    if sd.tuner == "fixed":
+      return make_tuner("fixed", strategy=sd.strategy)
+    if sd.tuner == "table":
+      return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
+    return make_tuner(sd.tuner, thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
+                      epsilon=sd.epsilon, window=sd.window, seed=config.seed,
+                      plain_arm=sd.plain_arm)
+  except ValueError as e:
+    raise ValueError(f"rollout.speculative.{key}={value!r}: {e}") from None
 
 
 def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:

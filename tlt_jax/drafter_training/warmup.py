@@ -59,7 +59,8 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
                   progress: bool = True, state: DrafterTrainState | None = None,
                   on_step=None, should_stop=None) -> tuple[dict, list[dict]]:
   """Updates on batches of `batch_rows` random windows until the train state has taken
-  `steps` steps; returns (params, metrics per step as floats).
+  `steps` steps; returns (params, metrics per step as floats). Step s draws the same rows
+  whether the run got there in one go or resumed on the way.
 
   state: resume from this train state (its `step` counts the steps already taken).
   on_step: optional `fn(step, state, metrics)` after each update (checkpoints, logs).
@@ -69,7 +70,9 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
   update = jit_train_step(cfg, dcfg, oc)
   state = init_train_state(drafter_params, oc) if state is None else state
   first = int(state.step)
-  rng = np.random.default_rng([seed, first])  # a resumed run draws fresh, reproducible rows
+  rng = np.random.default_rng([seed, 0])
+  for _ in range(first):  # a resumed run skips the rows of the steps it has taken
+    rng.integers(0, windows.tokens.shape[0], batch_rows)
   history = []
   bar = tqdm(range(first, steps), desc="drafter warm-up", disable=not progress,
              initial=first, total=steps)
