@@ -736,9 +736,9 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
 
 def device_commands(parts: str, steps: int) -> list[str]:
   """The two device calls' commands (what the README shows)."""
-  setup = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
-           f"--target /tmp/site {parts}/call1/wheels/*.whl && export PYTHONPATH=/tmp/site:. "
-           "PYTHONUNBUFFERED=1 &&")
+  setup = ("set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile "
+           f"--no-cache-dir --target /tmp/site {parts}/call1/wheels/*.whl && export "
+           "PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 &&")
   return [f"{setup} python3 experiments/gpu_headline.py check --parts {parts}",
           f"{setup} python3 experiments/gpu_headline.py run --parts {parts} --steps {steps} "
           f"--out $OUT 2>&1 | tee $OUT/headline.log"]

@@ -43,6 +43,20 @@ def test_warm_up_samples_end_before_the_last_token_as_the_buffers_do(tiny_cfg, t
   assert a.features.shape == (6, tiny_cfg.feature_size) and (a.train_from, b.train_from) == (2, 1)
 
 
+def test_samples_batched_by_length_keep_their_order_and_features(tiny_cfg, tiny_params):
+  """Long-tailed lengths go in batches of similar lengths, each at its own width: every
+  sample's features equal those of its sequence computed alone, in the order given."""
+  rng = np.random.default_rng(0)
+  lengths = [3, 40, 5, 2, 17, 9]
+  prompts = [rng.integers(1, 60, 2).tolist() for _ in lengths]
+  completions = [rng.integers(1, 60, n).tolist() for n in lengths]
+  batched = collect_samples(tiny_params, tiny_cfg, prompts, completions, batch_size=2)
+  for i, sample in enumerate(batched):
+    alone, = collect_samples(tiny_params, tiny_cfg, [prompts[i]], [completions[i]], batch_size=1)
+    assert sample.tokens.tolist() == alone.tokens.tolist() == (prompts[i] + completions[i])[:-1]
+    np.testing.assert_allclose(sample.features, alone.features, rtol=1e-5, atol=1e-5)
+
+
 def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings(tmp_path):
   calls = []
 
