@@ -125,19 +125,28 @@ def simulate_command(out: pathlib.Path, quick: bool) -> list[str]:
           *(["--quick"] if quick else [])]
 
 
+# What a job prints when its time limit (sft.max_minutes, drafter.warmup.max_minutes) ended
+# it, after its evaluation and export; it then exits 75, as a rerun would resume it. Here a
+# stage's time limit bounds the stage: its results are the stage's (a signal's stop is not).
+TIME_LIMITED = "ended the job after step"
+
+
 def run_stage(name: str, cmd: list[str], log_path: pathlib.Path) -> float:
-  """Runs one stage, echoing its output to the console and the log; seconds it took."""
+  """Runs one stage, echoing its output to the console and the log; seconds it took. A stage
+  that its time limit ended counts as done."""
   log_path.parent.mkdir(parents=True, exist_ok=True)
   print(f"=== {name}: {' '.join(cmd)}", flush=True)
   t0 = time.perf_counter()
+  time_limited = False
   with open(log_path, "w") as log:
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     for line in proc.stdout:
       sys.stdout.write(line)
       log.write(line)
+      time_limited = time_limited or TIME_LIMITED in line
     rc = proc.wait()
-  if rc != 0:
+  if rc != 0 and not (rc == 75 and time_limited):
     sys.exit(f"stage {name!r} failed (exit {rc}); its output is in {log_path}. Run the same "
              f"command again to resume from this stage.")
   return time.perf_counter() - t0

@@ -684,14 +684,62 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
   return plan
 
 
+def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int) -> dict:
+  """SD against plain decoding in bfloat16 on this CPU at the headline's task, sampling and
+  drafter (configs/smollm2.py:headline_cpu in bfloat16, one slice): `prompts` held-out
+  problems x `samples` at the rollout temperature and greedily, SD on every decode call at
+  the deepest arm; tokens compared. Writes OUT/cpu_check.json."""
+  import jax
+  import numpy as np
+  from tlt_jax.cli import config_from_file, setup_devices
+  from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,
+                                  make_engine, sampling_params, task_prompts)
+  from tlt_jax.mesh import make_mesh
+  from tlt_jax.rollout.engine import accept_length
+  from tlt_jax.speculative.sampling import SamplingParams
+  from tlt_jax.speculative.tuner import FixedTuner
+  config = config_from_file(f"{REPO / 'configs' / 'smollm2.py'}:headline_cpu", [
+      "model.dtype=bfloat16", "model.param_dtype=bfloat16", "mesh.num_cpu_devices=1",
+      "mesh.axes.replica=1", f"rollout.max_new_tokens={max_new_tokens}",
+      f"rollout.max_batch={1 << (prompts * samples - 1).bit_length()}"])
+  setup_devices(config)
+  mesh = make_mesh(dict(config.mesh.axes))
+  tokenizer = load_tokenizer_for(config)
+  cfg, params = load_policy(config, mesh)
+  drafters = load_drafters_for(config, cfg)
+  _, ids = task_prompts(config, tokenizer, prompts, eval_split=True)
+  eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
+  deepest = config.rollout.speculative.strategy
+  rows = {}
+  for name, sp in (("sampled", sampling_params(config)), ("greedy", SamplingParams(0.0))):
+    plain = make_engine(config, cfg, params, mesh, eos, pad, speculative=False)
+    sd = make_engine(config, cfg, params, mesh, eos, pad, drafters=drafters,
+                     tuner=FixedTuner(deepest), sd_threshold=config.rollout.max_batch,
+                     compile_ahead=False)
+    key = jax.random.key(1)
+    a = plain.generate(ids, samples, sp, key)
+    b = sd.generate(ids, samples, sp, key)
+    rows[name] = {"identical": a.tokens == b.tokens, "responses": len(a.tokens),
+                  "tokens": int(np.sum(a.lengths)), "at_limit": int(np.sum(
+                      a.lengths >= max_new_tokens)), "accept_len": accept_length(b)}
+    print(f"{name}: {rows[name]}", flush=True)
+  result = {"what": "SD == plain decoding in bfloat16 on CPU (experiments/gpu_headline.py "
+                    "cpu-check)", "date": datetime.date.today().isoformat(),
+            "commit": _commit(), "command": " ".join(sys.argv), "strategy": deepest,
+            "drafter": config.drafter.eagle.path, **rows}
+  out.mkdir(parents=True, exist_ok=True)
+  _write_json(out / "cpu_check.json", result)
+  return result
+
+
 # ---------------------------------------------------------------- command line
 
 
 def device_commands(parts: str, steps: int) -> list[str]:
   """The two device calls' commands (what the README shows)."""
-  setup = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
-           f"--target /tmp/site {parts}/call1/wheels/*.whl && export PYTHONPATH=/tmp/site:. "
-           "PYTHONUNBUFFERED=1 &&")
+  setup = ("set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile "
+           f"--no-cache-dir --target /tmp/site {parts}/call1/wheels/*.whl && export "
+           "PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 &&")
   return [f"{setup} python3 experiments/gpu_headline.py check --parts {parts}",
           f"{setup} python3 experiments/gpu_headline.py run --parts {parts} --steps {steps} "
           f"--out $OUT 2>&1 | tee $OUT/headline.log"]
@@ -719,6 +767,12 @@ def main(argv=None) -> None:
   p.add_argument("--warmup", type=pathlib.Path, required=True,
                  help="the warm-up's workdir: its responses' lengths and accept length")
   p.add_argument("--steps", type=int, default=10)
+  p = sub.add_parser("cpu-check", help="SD == plain in bfloat16 on this CPU, headline settings")
+  p.add_argument("--out", type=pathlib.Path, default=REPO / "docs" / "results" /
+                 "gpu_headline_plan")
+  p.add_argument("--prompts", type=int, default=4)
+  p.add_argument("--samples", type=int, default=2)
+  p.add_argument("--max-new-tokens", type=int, default=1024)
   p = sub.add_parser("quick", help="the whole pipeline on a toy model, on any machine")
   p.add_argument("--out", type=pathlib.Path, required=True)
   args = parser.parse_args(argv)
@@ -745,6 +799,10 @@ def main(argv=None) -> None:
             f"for both calls at {args.steps} steps; baseline rollout share at least "
             f"{worst['worst_baseline_rollout_share']:.0%}; peak memory "
             f"{plan['budget']['peak_bytes'] / 2**30:.1f} GiB; wrote {args.out / 'plan.json'}")
+    elif args.command == "cpu-check":
+      result = cpu_check(args.out, args.prompts, args.samples, args.max_new_tokens)
+      if not all(result[k]["identical"] for k in ("sampled", "greedy")):
+        sys.exit("cpu-check: SD's tokens differ from plain decoding's")
     elif args.command == "run":
       result = run(args.parts, args.steps, args.out, args.workdir, args.config, args.set)
       if not result["responses"]["identical"]:

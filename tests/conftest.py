@@ -28,9 +28,10 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from tlt_jax.compile_cache import share_across_devices  # noqa: E402
+from tlt_jax.compile_cache import guard_cpu_collectives, share_across_devices  # noqa: E402
 
 share_across_devices()  # the emulated slices share compiled programs, as the jobs' do
+guard_cpu_collectives()  # and keep the programs a cached copy could stall out of it, as theirs
 
 import importlib  # noqa: E402
 import sys  # noqa: E402

@@ -192,9 +192,81 @@ def test_a_full_disk_stops_in_one_line_naming_the_intact_checkpoint(tmp_path, mo
   def no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt" / "2"))
   monkeypatch.setattr(ckpt.manager, "save", no_space)
-  with pytest.raises(RunStopped, match=r"the checkpoint of step 2 could not be written to .*: "
-                     r"No space left on device .*; the checkpoint of step 1 is intact; free "):
+  with pytest.raises(RunStopped, match=r"^the checkpoint of step 2 could not be written to .*: "
+                     r"no space left on device; a checkpoint needs about 0.0 MB; the "
+                     r"checkpoint of step 1 is intact; free "):
     ckpt.save(2, _state(2), {"step": 2})
   monkeypatch.undo()
   ckpt.close()
   assert Checkpointer(str(tmp_path / "ckpt")).restore_latest(_state(0))[0] == 1
+
+
+def test_a_full_disk_in_orbax_s_writer_threads_is_one_line_too(tmp_path, monkeypatch):
+  """orbax reports a full disk from its writer threads as a ValueError (tensorstore's
+  RESOURCE_EXHAUSTED), logged with its traceback by each thread: 2,303 lines and 265
+  tracebacks in a train run. It is one line (naming the unfinished step, the space a checkpoint
+  needs, the intact one), and orbax's logs of it are dropped."""
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  big = {"w": jnp.zeros((512, 1024), jnp.float32)}  # 2 MB
+  ckpt.save(1, big, {"step": 1})
+  ckpt.manager.wait_until_finished()
+  os.makedirs(tmp_path / "ckpt" / "2.orbax-checkpoint-tmp-1")  # what orbax leaves unfinished
+  error = ValueError('RESOURCE_EXHAUSTED: Error writing "w/0.0" in OCDBT database at local '
+                     'file "ckpt/2.orbax-checkpoint-tmp": Failed to write 706744 bytes to file '
+                     '4: No space left on device [os_error_code=\'28\']')
+  from orbax.checkpoint._src.futures import future
+
+  def orbax_log(e):  # what orbax's _SignalingThread.run() logs, with e's traceback
+    return logging.LogRecord("absl", logging.ERROR, future.__file__, 389, "_SignalingThread"
+                             ".run() raised an exception: %s", (e,), (type(e), e, None))
+  assert not logging.getLogger("absl").filter(orbax_log(error))
+  assert logging.getLogger("absl").filter(orbax_log(ValueError("something else")))
+  # tensorstore's write callbacks then find orbax's loop closed, each printing a traceback
+  # (through sys.unraisablehook, which the Checkpointer wraps) unless dropped.
+  import asyncio
+  import sys
+  import types
+
+  from tlt_jax.checkpoint import _quiet_closed_loops
+
+  assert getattr(sys.unraisablehook, "_tlt_quiet", False)
+  loop = asyncio.new_event_loop()
+  loop.close()
+  try:
+    loop.call_soon_threadsafe(print)
+  except RuntimeError as e:
+    closed = e
+  printed = []
+  hook = _quiet_closed_loops(printed.append)
+  for e in (closed, RuntimeError("another")):
+    hook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=e, exc_traceback=e.__traceback__,
+                               err_msg=None, object=None))
+  assert [str(u.exc_value) for u in printed] == ["another"]
+
+  def fail(*args, **kwargs):
+    raise error
+  monkeypatch.setattr(ckpt.manager, "wait_until_finished", fail)
+  with pytest.raises(RunStopped, match=r"^the checkpoint of step 2 could not be written to "
+                     r".*ckpt: no space left on device; a checkpoint needs about 2.0 MB; the "
+                     r"checkpoint of step 1 is intact; free the space"):
+    ckpt.close()
+  with pytest.raises(ValueError, match="something else"):  # other errors are not hidden
+    with ckpt._writing(3):
+      raise ValueError("something else")
+
+
+def test_another_state_under_the_same_settings_is_a_mismatch_not_a_corrupt_checkpoint(tmp_path):
+  """A job restoring a checkpoint of another state (the warm-up's drafter state over a train
+  run's checkpoints, same config) stops without moving it: only an unreadable checkpoint or
+  one that fails its checksums is set aside."""
+  settings = {"rl.steps": 2}
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings=settings)
+  ckpt.save(2, _state(2), {"step": 2})
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings=settings)
+  with pytest.raises(CheckpointMismatch, match=r"step 2 .* does not fit this run: its 2 arrays "
+                     r"are not this run's 3 .*nothing was moved"):
+    ckpt.restore_latest({"a": jnp.zeros((5,)), "b": jnp.zeros((2, 2)), "c": jnp.zeros(())})
+  assert ckpt.manager.all_steps() == [2] and not os.path.exists(tmp_path / "failed_checkpoints")
+  assert ckpt.restore_latest(_state(0))[0] == 2
+  ckpt.close()

@@ -10,6 +10,7 @@ import ml_collections
 import pytest
 
 from tests.conftest import repo_config
+from tlt_jax.cli import config_from_file
 from tlt_jax.components import load_drafters_for, model_config, validate_config
 from tlt_jax.config import ConfigError, base_config
 from tlt_jax.models.drafter import DRAFT_TO_POLICY
@@ -282,6 +283,18 @@ def test_rollout_sections_build_the_engine_pieces():
     ("drafter.warmup.max_minutes", -2.0, r"drafter.warmup.max_minutes=-2.0 must be >= 0"),
     ("profile.first_step", 0, r"profile.first_step=0 must be positive"),
     ("profile.num_steps", -1, r"profile.num_steps=-1 must be >= 0"),
+    # Silent before: no arm means no SD, a strategy's error did not say where it was set,
+    # another algorithm's knob was ignored, a huge corpus failed to allocate mid-run.
+    ("rollout.speculative.arms", (), r"^rollout.speculative.arms=\(\) gives the beg_mab tuner "
+                                     r"no strategy, so SD would never run; .* or set "
+                                     r"rollout.speculative.enable=False$"),
+    ("rollout.speculative.arms", ("6,2",), r"^rollout.speculative.arms=\('6,2',\): bucket 0 .*"
+                                          r"a strategy is \(depth, topk, verify_tokens"),
+    ("rollout.speculative.arms", ("6,2,12,eagle+sufix",),
+     r"^rollout.speculative.arms=\('6,2,12,eagle\+sufix',\): .*unknown drafter 'sufix'"),
+    ("rl.dapo.max_rounds", 5, r"^rl.dapo.max_rounds=5 is set but rl.algorithm='grpo' does not "
+                              r"read it; set rl.algorithm='dapo', or leave rl.dapo.max_rounds "
+                              r"at its default \(3\)$"),
 ])
 def test_bad_rollout_values(path, value, match):
   c = base_config()
@@ -332,3 +345,33 @@ def test_scan_layers_picks_the_loop_or_the_scan_per_pass():
     cfg = model_config(c)
     assert (cfg.scan_layers, training_model_config(c, cfg).scan_layers) == (
         decode_scans, train_scans)
+
+
+def test_a_corpus_larger_than_any_group_is_one_line_naming_its_memory():
+  """corpus_rows=100000000 with suffix arms failed at the first evaluation ('Unable to
+  allocate 35.8 GiB'): a row copies only from its group's other responses."""
+  c = base_config()
+  c.rollout.speculative.arms = ("6,1,7,suffix", "6,2,12,eagle+suffix")
+  c.rollout.speculative.corpus_rows = 8  # the default fits
+  validate_config(c)
+  c.rollout.speculative.corpus_rows = 100_000_000
+  with pytest.raises(ConfigError, match=r"^rollout.speculative.corpus_rows=100000000 is more "
+                     r"responses than any group holds \(rl.num_samples=8, rl.eval_samples=4, "
+                     r"drafter.warmup.samples_per_prompt=1\): .*\[64, 100000000, 256\] int32 "
+                     r"array \(6103.5 GiB\); set it to at most 8$"):
+    validate_config(c)
+  c.rollout.speculative.arms = ("4,2,8",)  # no arm reads the corpus: nothing allocates it
+  validate_config(c)
+
+
+def test_config_from_file_parses_a_tuple_override_as_the_command_line_does():
+  """The command line reads --config.rollout.speculative.arms=6,2,12,eagle+suffix as one
+  strategy; config_from_file split the same string into its characters."""
+  c = config_from_file(os.path.join(REPO, "configs", "default.py"),
+                       ["rollout.speculative.arms=6,2,12,eagle+suffix",
+                        "rollout.speculative.bucket_thresholds=1,4"])
+  assert c.rollout.speculative.arms == ("6,2,12,eagle+suffix",)
+  assert c.rollout.speculative.bucket_thresholds == (1, 4)
+  c = config_from_file(os.path.join(REPO, "configs", "default.py"),
+                       ["rollout.speculative.arms='4,2,8', '6,1,7,suffix'"])
+  assert c.rollout.speculative.arms == ("4,2,8", "6,1,7,suffix")

@@ -484,3 +484,17 @@ def test_gpu_e2e_stage_overrides():
     e2e.stage_overrides(["simulate:x=1"])
   with pytest.raises(SystemExit, match="expected KEY=VALUE"):
     e2e.stage_overrides(["sft:steps"])
+
+def test_a_stage_its_time_limit_ended_counts_as_done(tmp_path, capsys):
+  """A job that its time limit ended exits 75 (its rerun would resume it); for gpu_e2e that
+  stage is done, its results exported. A stage a signal stopped (also 75) is not."""
+  e2e = load_experiment("gpu_e2e")
+
+  def stage(line):
+    return [sys.executable, "-c", f"import sys; print({line!r}); sys.exit(75)"]
+  e2e.run_stage("sft", stage("sft.max_minutes=1.5 ended the job after step 3 of 900 with a "
+                             "checkpoint; rerun the same command to resume (exit status 75)"),
+                tmp_path / "sft.log")
+  with pytest.raises(SystemExit, match="stage 'sft' failed \\(exit 75\\)"):
+    e2e.run_stage("sft", stage("stopped before the last step with a checkpoint; rerun the "
+                               "same command to resume (exit status 75)"), tmp_path / "s.log")

@@ -7,6 +7,7 @@ import signal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tlt_jax.config import ConfigError
@@ -118,3 +119,139 @@ def test_a_profiler_that_cannot_start_leaves_the_job_running(tmp_path, monkeypat
   out = capsys.readouterr().out
   assert out.count("jax.profiler could not start (no profiling library); no trace") == 1
   assert not os.path.exists(tmp_path / "run" / "profile")
+
+
+def test_a_workdir_is_refused_by_every_job_but_the_one_that_made_it(tmp_path):
+  """WORKDIR/workdir.json records the job and its settings' fingerprint; another kind of job
+  stops in one line before it writes anything there; the same job (a resume) goes on."""
+  workdir = str(tmp_path / "run")
+  with Job(workdir, name="train", settings={"rl.steps": 2}) as job:
+    job.write_json("summary.json", {"steps_done": 2})
+  with open(os.path.join(workdir, "workdir.json")) as f:
+    record = json.load(f)
+  assert record["job"] == "train" and len(record["settings_fingerprint"]) == 16
+  before = {name: os.path.getmtime(os.path.join(workdir, name)) for name in os.listdir(workdir)}
+  for other in ("warmup_drafter", "sft", "generate"):
+    with pytest.raises(ConfigError, match=rf"^--workdir '.*run' holds a run of python -m "
+                       rf"tlt_jax.train; python -m tlt_jax.{other} would overwrite its files: "
+                       rf"give it another --workdir$"):
+      Job(workdir, name=other, settings={}).__enter__()
+  after = {name: os.path.getmtime(os.path.join(workdir, name)) for name in os.listdir(workdir)}
+  assert after == before
+  with Job(workdir, name="train", settings={"rl.steps": 4}):  # a resume with more steps
+    pass
+  with open(os.path.join(workdir, "workdir.json")) as f:
+    assert json.load(f) == record  # it still says what made the folder
+
+
+def test_a_workdir_from_before_the_record_is_known_by_its_files(tmp_path):
+  rows = {"train": {"step": 1, "reward_mean": 0.5}, "sft": {"step": 1, "loss": 2.0,
+                                                           "target_tokens": 9.0},
+          "warmup_drafter": {"step": 1, "loss": 1.0, "top1": 0.2}}
+  for job, row in rows.items():
+    workdir = tmp_path / job
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    others = [name for name in (*rows, "generate") if name != job]
+    with pytest.raises(ConfigError, match=f"holds a run of python -m tlt_jax.{job};"):
+      Job(str(workdir), name=others[0]).__enter__()
+    with Job(str(workdir), name=job):
+      pass
+  (tmp_path / "gen").mkdir()
+  (tmp_path / "gen" / "generations.jsonl").write_text("")
+  with pytest.raises(ConfigError, match="holds a run of python -m tlt_jax.generate;"):
+    Job(str(tmp_path / "gen"), name="train").__enter__()
+
+
+def test_the_warmup_job_refuses_a_train_run_s_workdir_in_one_line(tmp_path):
+  """The issue's case: python -m tlt_jax.warmup_drafter over a train run's workdir moved its
+  checkpoints aside and overwrote its metrics; now it exits at once and touches nothing."""
+  import subprocess
+  import sys
+
+  workdir = tmp_path / "train_run"
+  with Job(str(workdir), name="train", settings={}):
+    pass
+  (workdir / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+  (workdir / "checkpoints").mkdir()
+  listing = sorted(os.listdir(workdir))
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", "tlt_jax.warmup_drafter", "--config",
+                         "configs/default.py:runlocal", f"--workdir={workdir}"], cwd=repo,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, PYTHONPATH=repo))
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      f"config error: --workdir '{workdir}' holds a run of python -m tlt_jax.train; python -m "
+      f"tlt_jax.warmup_drafter would overwrite its files: give it another --workdir"]
+  assert sorted(os.listdir(workdir)) == listing
+  assert (workdir / "metrics.jsonl").read_text() == '{"step": 1, "reward_mean": 0.5}\n'
+
+
+def test_a_time_limit_ends_the_job_with_the_status_of_a_stopped_one(tmp_path, capsys):
+  """A job its time limit cut short exits 75 like a stopped one (the same command resumes
+  it); a job that reached its last step is not marked."""
+  from tlt_jax.job import EXIT_STOPPED, exit_stopped
+
+  with Job(str(tmp_path), max_minutes=1.0) as job:
+    assert job.last_step(3, 10, "sft.max_minutes") == 10 and job.time_limited is None
+    job.started -= 61.0
+    assert job.last_step(10, 10, "sft.max_minutes") == 10 and job.time_limited is None
+    assert job.last_step(4, 10, "sft.max_minutes") == 4
+  what, where = job.time_limited
+  with pytest.raises(SystemExit) as stopped:
+    exit_stopped(where, what)
+  assert stopped.value.code == EXIT_STOPPED == 75
+  assert capsys.readouterr().err == (
+      "sft.max_minutes=1.0 ended the job after step 4 of 10 with a checkpoint; rerun the same "
+      "command to resume (exit status 75)\n")
+
+
+def test_a_profile_window_past_the_last_step_is_one_line():
+  """profile.first_step past the job's last step traced nothing and said nothing."""
+  from tlt_jax.config import base_config
+  from tlt_jax.job import check_profile_window
+
+  config = base_config()
+  config.profile.update(first_step=21, num_steps=2)
+  with pytest.raises(ConfigError, match=r"^profile.first_step=21 is past the job's last step "
+                     r"\(rl.steps=20\): nothing would be traced; set profile.first_step "
+                     r"between 1 and 20, or profile.num_steps=0$"):
+    check_profile_window(config, config.rl.steps, "rl.steps")
+  config.profile.first_step = 20
+  check_profile_window(config, config.rl.steps, "rl.steps")  # the last step is traced
+  config.profile.update(first_step=500, num_steps=0)
+  check_profile_window(config, config.rl.steps, "rl.steps")  # no trace asked for
+
+
+def test_an_export_is_written_whole_or_not_at_all(tmp_path):
+  """An export goes to a folder beside its place and is renamed in: a full disk mid-export
+  stops the job in one line naming the folder and the space it needs, leaving the earlier
+  export as it was and no half-written folder (it left config.json without weights)."""
+  from tlt_jax.config import RunStopped
+
+  def save(folder, tree, label):
+    with open(os.path.join(folder, "config.json"), "w") as f:
+      f.write(label)
+    if label == "full disk":
+      raise OSError(28, "No space left on device", os.path.join(folder, "model.safetensors"))
+    if label == "safetensors":  # how safetensors reports it: not an OSError
+      raise RuntimeError("Error while serializing: I/O error: No space left on device (os "
+                         "error 28)")
+    np.save(os.path.join(folder, "w.npy"), tree["w"])
+
+  tree = {"w": jnp.zeros((1024, 256), jnp.float32)}  # 1 MB
+  with Job(str(tmp_path / "run")) as job:
+    policy = job.path("export", "policy")
+    job.export(save, policy, tree, "first")
+    job.export(save, policy, tree, "second")  # replaces the earlier export whole
+    assert sorted(os.listdir(policy)) == ["config.json", "w.npy"]
+    with pytest.raises(RunStopped, match=r"^the export to .*export/policy could not be "
+                       r"written: no space left on device \(.*model.safetensors\); it needs "
+                       r"about 1 MB; no half-written export is left"):
+      job.export(save, policy, tree, "full disk")
+    with pytest.raises(RunStopped, match=r"^the export to .*export/policy could not be "
+                       r"written: no space left on device \(.*export\); it needs about 1 MB"):
+      job.export(save, policy, tree, "safetensors")
+  assert open(os.path.join(policy, "config.json")).read() == "second"
+  assert os.listdir(job.path("export")) == ["policy"]

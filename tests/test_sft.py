@@ -233,17 +233,17 @@ def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes(tmp_path):
   assert saved and max(saved) == steps[-1] >= 3
   assert not (tmp_path / "export").exists() and not (tmp_path / "summary.json").exists()
   # The rerun resumes, and its time limit (0.001 minutes: less than its start-up) makes its
-  # first step the last: it evaluates and exports as at sft.steps, and says so. (Its other
-  # sft.steps changes the learning-rate schedule, so it compiles its train step instead of
-  # loading the first run's from the compilation cache: on this XLA, that cached two-device
-  # step can stall in its collectives on a loaded CPU until XLA aborts the process.)
+  # first step the last: it evaluates and exports as at sft.steps, says so, and exits 75 like
+  # a stopped run (the same command would go on to sft.steps).
   again = subprocess.run(cmd[:-2] + [f"--config.sft.steps={steps[-1] + 50}",
                                      "--config.sft.log_every=1",
                                      "--config.sft.max_minutes=0.001"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert again.returncode == 0, again.stderr[-3000:]
+  assert again.returncode == 75, again.stderr[-3000:]
   assert f"resumed from step {steps[-1]}" in again.stdout
   assert f"sft.max_minutes=0.001 reached: step {steps[-1] + 1} is the last" in again.stdout
+  assert (f"sft.max_minutes=0.001 ended the job after step {steps[-1] + 1} of "
+          f"{steps[-1] + 50} with a checkpoint; rerun the same command to resume") in again.stderr
   # one metrics row per step: the rows past the checkpoint (if any) were dropped on resume
   resumed = [json.loads(line)["step"] for line in open(metrics)]
   assert resumed == list(range(1, steps[-1] + 2))

@@ -181,13 +181,21 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path, whole_run)
       assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}, name
   # Step 1 again from scratch: the same responses, and every program loads from the
   # persistent compilation cache (a resumed run also compiles orbax's few restore programs).
-  # Its time limit (0.001 minutes) makes step 1 the last: a finished run, exported.
-  out = _train(tmp_path / "again", *ARGS, "--config.rl.max_minutes=0.001")
+  # Its time limit (0.001 minutes) makes step 1 the last: evaluated and exported, and it exits
+  # 75 like a stopped run, since its rerun goes on to rl.steps.
+  again = _train(tmp_path / "again", *ARGS, "--config.rl.max_minutes=0.001", wait=False)
+  out, _ = again.communicate(timeout=900)
+  assert again.returncode == 75, out[-3000:]
   assert "rl.max_minutes=0.001 reached: step 1 is the last" in out
+  assert ("rl.max_minutes=0.001 ended the job after step 1 of 3 with a checkpoint; rerun the "
+          "same command to resume (exit status 75)") in out
   (again,) = _metrics(tmp_path / "again")
   assert {k: again[k] for k in SAME} == {k: whole[0][k] for k in SAME}
   summary = json.loads((tmp_path / "again" / "summary.json").read_text())
-  assert summary["xla_compiles"] == 0 and summary["xla_cache_hits"] > 0
+  # (Only the programs kept out of the cache compile again: tlt_jax.compile_cache.
+  # guard_cpu_collectives.)
+  assert summary["xla_compiles"] == summary["xla_kept_out_of_cache"]
+  assert summary["xla_cache_hits"] > 0
   assert summary["time_limited"] is True and summary["stopped_early"] is False
   assert (tmp_path / "again" / "export" / "policy" / "model.safetensors").exists()
 

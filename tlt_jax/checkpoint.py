@@ -9,10 +9,11 @@ only ever weighs checkpoints that load; the previous one is used.
 
 Every checkpoint also carries a checksum of each array (computed on the devices, so saving
 stays asynchronous) and the settings of the run that wrote it. A restore whose arrays do not
-match their checksums is a corrupt checkpoint like any other. A checkpoint that does not fit
-the current state because the settings changed (other settings, and arrays of other shapes) is
-not corrupt: the restore stops with `CheckpointMismatch`, naming the settings that differ, and
-moves nothing. Nor is one whose restore ran out of memory: the run stops (RunStopped). On
+match their checksums is a corrupt checkpoint like any other. A checkpoint whose arrays (by
+its own metadata) are not those of the current state is not corrupt: it was written by other
+settings or another job, and the restore stops with `CheckpointMismatch`, naming the settings
+that differ, and moves nothing. Only a checkpoint that cannot be read, or fails its checksums,
+is moved aside. Nor is one whose restore ran out of memory: the run stops (RunStopped). On
 several processes they agree on every verdict, and process 0 moves the files.
 """
 
@@ -22,7 +23,9 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +89,51 @@ def settings_diff(old: dict, new: dict, most: int = 6) -> str:
   return "; ".join(parts)
 
 
+# What the OS says of a write that failed, as orbax passes it on (tensorstore's ValueError
+# "RESOURCE_EXHAUSTED: Error writing ...: No space left on device [os_error_code='28']").
+_WRITE_FAILURE = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|"
+                            r"Input/output error|Permission denied")
+
+
+def write_failure(e: BaseException) -> str | None:
+  """The OS's reason when `e` is a failed write (an OSError, or orbax's error naming one),
+  else None."""
+  if isinstance(e, OSError):
+    return (e.strerror or str(e)).lower()
+  found = _WRITE_FAILURE.search(str(e))
+  return found.group(0).lower() if found else None
+
+
+class _WriteFailureFilter(logging.Filter):
+  """Drops orbax's logs of a failed background write (each with its traceback, from each of
+  its writer threads): the Checkpointer reports the failure once, in one line (RunStopped)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not ("orbax" in record.pathname and exc is not None
+                and write_failure(exc) is not None)
+
+
+_QUIET_FAILED_WRITES = _WriteFailureFilter()
+
+
+def _quiet_closed_loops(previous):
+  """sys.unraisablehook, less the "Event loop is closed" errors of tensorstore's write
+  callbacks (from its own threads) once orbax's writer thread has ended its asyncio loop on a
+  failed write: dozens of tracebacks after a full disk that the Checkpointer reports itself."""
+  def hook(unraisable):
+    last = unraisable.exc_traceback
+    while last is not None and last.tb_next is not None:
+      last = last.tb_next
+    if (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is "
+        "closed" and last is not None and last.tb_frame.f_code.co_filename.endswith(
+            os.path.join("asyncio", "base_events.py"))):
+      return
+    previous(unraisable)
+  hook._tlt_quiet = True
+  return hook
+
+
 def _out_of_memory(e: BaseException) -> bool:
   """Whether a failed restore ran out of host or device memory: not the checkpoint's fault."""
   return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) \
@@ -128,6 +176,10 @@ class Checkpointer:
     self.failures: list[tuple[int, str]] = []
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+    self._state_bytes = 0  # of the last save: what a failed write says it needs
+    logging.getLogger("absl").addFilter(_QUIET_FAILED_WRITES)  # once: a set of filters
+    if not getattr(sys.unraisablehook, "_tlt_quiet", False):
+      sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
 
   def save(self, step: int, state, meta: dict) -> None:
     """Starts an async save (arrays are copied off the devices before this returns)."""
@@ -135,35 +187,47 @@ class Checkpointer:
       return
     meta = {**meta, "checksums": checksums(state), "checksum_version": CHECKSUM_VERSION,
             "settings": self.settings}
+    self._state_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state))
     with self._writing(step):
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
 
   @contextlib.contextmanager
   def _writing(self, step: int):
-    """OSError while writing checkpoint `step` (a full disk, a lost mount; raised here or by
-    the previous async save) -> RunStopped naming the cause and the intact checkpoint."""
-    previous = [s for s in self.manager.all_steps() if s < step]
+    """A failed write of checkpoint `step` (a full disk, a lost mount; an OSError, or orbax's
+    error from its writer threads, raised here or by the previous async save) -> RunStopped
+    in one line naming the folder, the cause, the space a checkpoint needs and the intact
+    checkpoint."""
     try:
       yield
-    except OSError as e:
-      kept = (f"the checkpoint of step {max(previous)} is intact" if previous else
+    except Exception as e:  # noqa: BLE001 -- only write failures are turned into one line
+      why = write_failure(e)
+      if why is None:
+        raise
+      # On disk: the committed checkpoints, and the one orbax left unfinished (it failed in
+      # the background when a later save or the close reports it).
+      names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+      intact = [int(n) for n in names if n.isdigit() and int(n) <= step]
+      unfinished = [int(n.split(".")[0]) for n in names if "tmp" in n and n.split(".")[0].isdigit()]
+      failed = min(unfinished, default=step)
+      kept = (f"the checkpoint of step {max(intact)} is intact" if intact else
               "no earlier checkpoint exists")
-      raise RunStopped(f"the checkpoint of step {step} could not be written to "
-                       f"{self.directory}: {e.strerror or e} ({e.filename or 'orbax'}); {kept}; "
-                       f"free the space (or fix the folder) and rerun the same command to "
-                       f"resume") from None
+      raise RunStopped(f"the checkpoint of step {failed} could not be written to "
+                       f"{self.directory}: {why}; a checkpoint needs about "
+                       f"{self._state_bytes / 2 ** 20:.1f} MB; {kept}; free the space (or fix "
+                       f"the folder) and rerun the same command to resume") from None
 
   def restore_latest(self, abstract_state) -> tuple[int, object, dict] | None:
     """(step, state, meta) of the newest loadable checkpoint, or None if there is none.
 
     abstract_state: the state's structure as arrays or ShapeDtypeStructs with shardings; the
     restored arrays take those shardings. Raises CheckpointMismatch when the newest
-    checkpoint that fails to load was written with other settings and holds arrays of other
-    shapes than `abstract_state` (other settings alone, such as rl.steps, do not explain a
-    failure: such a checkpoint is corrupt like any other). A restore that runs out of memory
-    stops the run (RunStopped) and moves nothing. On several processes, a checkpoint is used
-    only when it loaded on all of them, and process 0 alone moves a failed one.
+    checkpoint that fails to load holds, by its metadata, other arrays than `abstract_state`
+    (other settings, or another job's state; other settings alone, such as rl.steps, do not
+    explain a failure: a checkpoint whose arrays fit but do not load is corrupt). A restore
+    that runs out of memory stops the run (RunStopped) and moves nothing. On several
+    processes, a checkpoint is used only when it loaded on all of them, and process 0 alone
+    moves a failed one.
     """
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -188,7 +252,7 @@ class Checkpointer:
       if verdict == _LOADED:
         return step, restored.state, restored.meta
       reason = reason or "it failed to load on another process"
-      self._refuse_if_settings_changed(step, abstract)
+      self._refuse_if_it_does_not_fit(step, abstract)
       moved = self._move_aside(step)  # corrupt: kept aside, the previous one is tried
       self.failures.append((step, reason))
       logging.warning("checkpoint at step %d in %s could not be restored (%s); moved to %s, "
@@ -210,25 +274,33 @@ class Checkpointer:
       return f"checksum mismatch in {', '.join(bad[:3]) or 'the array count'}"
     return None
 
-  def _refuse_if_settings_changed(self, step: int, abstract) -> None:
-    """Raises CheckpointMismatch when checkpoint `step` (which did not load) was written with
-    settings other than this run's and its arrays (by its own metadata) are not those of
-    `abstract`; returns when the settings are the same or unknown, or the arrays fit (then
-    the settings did not break it: it is corrupt)."""
+  def _refuse_if_it_does_not_fit(self, step: int, abstract) -> None:
+    """Raises CheckpointMismatch when checkpoint `step` (which did not load) holds, by its own
+    metadata, arrays other than those of `abstract` (naming the settings that differ, if its
+    settings are known); returns when its metadata cannot be read or its arrays fit (then it
+    is corrupt)."""
+    try:
+      saved = self.manager.item_metadata(step)["state"]
+      saved = getattr(saved, "tree", saved)
+    except Exception:  # noqa: BLE001 -- no readable metadata: judge it as corrupt
+      return
+    ours, theirs = _array_shapes(abstract), _array_shapes(saved)
+    if not theirs or theirs == ours:
+      return
     try:
       meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       written = meta.meta.get("settings")
-      saved = self.manager.item_metadata(step)["state"]
-      saved = getattr(saved, "tree", saved)
-    except Exception:  # noqa: BLE001 -- no readable settings or metadata: judge it as corrupt
-      return
+    except Exception:  # noqa: BLE001 -- its arrays say enough
+      written = None
     diff = settings_diff(written, self.settings) if written and self.settings else ""
-    if diff and _array_shapes(saved) != _array_shapes(abstract):
-      raise CheckpointMismatch(
-          f"the checkpoint of step {step} in {self.directory} does not fit this run: it was "
-          f"written with other settings ({diff}); rerun with the settings it was written "
-          f"with, or start from step 0 (tlt_jax.train's --start_over sets the earlier run "
-          f"aside; other jobs: another --workdir)")
+    why = (f"it was written with other settings ({diff})" if diff else
+           f"its {len(theirs)} arrays are not this run's {len(ours)} (another job's "
+           f"checkpoint, or settings it did not record)")
+    raise CheckpointMismatch(
+        f"the checkpoint of step {step} in {self.directory} does not fit this run: {why}; "
+        f"nothing was moved; rerun with the settings it was written with, or start from "
+        f"step 0 (tlt_jax.train's --start_over sets the earlier run aside; other jobs: "
+        f"another --workdir)")
 
   def _move_aside(self, step: int) -> str:
     """Moves a checkpoint that failed to load into failed_dir (a fresh name per move); on

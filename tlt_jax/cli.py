@@ -13,6 +13,7 @@ import traceback
 import jax
 import ml_collections
 from absl import flags
+from ml_collections.config_flags import tuple_parser
 
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.components import first_line, validate_config
@@ -181,22 +182,11 @@ def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
   return config
 
 
-def _parse_tuple(dotted: str, value: str) -> tuple:
-  """A tuple knob's command-line value, as absl's config flags read one."""
-  import ast
-  text = value.strip()
-  if not text or text in ("()", "[]"):
-    return ()
-  try:
-    parsed = ast.literal_eval(text if text[0] in "([" else f"({text},)")
-  except (ValueError, SyntaxError):  # bare words: 'a,b' -> ('a', 'b')
-    parsed = tuple(part.strip() for part in text.strip("()[]").split(","))
-  return tuple(parsed) if isinstance(parsed, (tuple, list)) else (parsed,)
-
-
 def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> None:
-  """config[dotted] = value; a string value is parsed to the type of the value it replaces.
-  Raises ConfigError naming the allowed keys when the key does not exist."""
+  """config[dotted] = value; a string value is parsed to the type of the value it replaces,
+  as the command line parses --config.KEY=VALUE (a tuple: a Python literal, e.g. "(1, 2)" or
+  "'4,2,8', '6,2,12'", else one string: "6,2,12,eagle+suffix" is one strategy). Raises
+  ConfigError naming the allowed keys when the key does not exist."""
   dotted = current_key(dotted)
   *parents, leaf = dotted.split(".")
   node = config
@@ -214,8 +204,11 @@ def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> N
       if value.lower() not in ("true", "false"):
         raise ConfigError(f"{dotted}={value!r}: expected true or false")
       value = value.lower() == "true"
-    elif isinstance(old, tuple):  # '(4,1)', '4,1', '' or "('6,2,12', '4,2,8')"
-      value = _parse_tuple(dotted, value)
+    elif isinstance(old, tuple):
+      try:
+        value = tuple(tuple_parser.TupleParser().parse(value))
+      except ValueError as e:
+        raise ConfigError(f"{dotted}={value!r}: {first_line(e)}") from None
     else:
       try:
         value = type(old)(value)

@@ -5,11 +5,18 @@ minute), and a rerun of the same config compiles the same programs. With the cac
 rerun loads them from disk instead. XLA's GPU autotuning results are cached with them.
 
 The folder: `JAX_COMPILATION_CACHE_DIR` if set, else `$XDG_CACHE_HOME/tlt_jax/jax` (by
-default `~/.cache/tlt_jax/jax`). `TLT_JAX_NO_COMPILATION_CACHE=1` turns it off.
+default `~/.cache/tlt_jax/jax`). `TLT_JAX_NO_COMPILATION_CACHE=1` turns it off, whatever else
+is set (`JAX_COMPILATION_CACHE_DIR` included).
 
 The cache also lets rollout slices share programs: the same program on another slice's
 devices is a hit (`share_across_devices`), so each is compiled once per run, not once per
 slice.
+
+One kind of program stays out of the cache on CPU (`guard_cpu_collectives`): XLA:CPU's
+deserializer gives the collectives of each nested thunk sequence (a loop body, a branch) their
+own ordering resource, so a program loaded from the cache may run a collective in a loop and
+one outside it in either order on each device; two devices that pick different orders wait
+for each other until XLA aborts the process. Such a program is compiled in every process.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import threading
 
 import jax
@@ -34,10 +42,18 @@ def default_cache_dir() -> str:
   return os.path.join(base, "tlt_jax", "jax")
 
 
+def cache_turned_off() -> bool:
+  """Whether TLT_JAX_NO_COMPILATION_CACHE asks for no persistent cache (any value but '',
+  '0' or 'false')."""
+  return os.environ.get("TLT_JAX_NO_COMPILATION_CACHE", "").lower() not in ("", "0", "false")
+
+
 def enable_compilation_cache(path: str | None = None) -> str | None:
   """Turns the persistent cache on (every program, however fast it compiles, and XLA's
-  autotune results) and returns its folder; None when turned off by the environment."""
-  if os.environ.get("TLT_JAX_NO_COMPILATION_CACHE"):
+  autotune results) and returns its folder; None when TLT_JAX_NO_COMPILATION_CACHE turns it
+  off, which it does whatever else is set (JAX itself would use JAX_COMPILATION_CACHE_DIR)."""
+  if cache_turned_off():
+    jax.config.update("jax_enable_compilation_cache", False)
     return None
   path = path or default_cache_dir()
   os.makedirs(path, exist_ok=True)
@@ -47,6 +63,13 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
   jax.config.update("jax_persistent_cache_enable_xla_caches",
                     "xla_gpu_per_fusion_autotune_cache_dir")
   share_across_devices()
+  if not guard_cpu_collectives() and jax.default_backend() == "cpu":
+    logging.getLogger(__name__).warning(
+        "the persistent compilation cache is off: jax %s has no cache functions that tlt_jax "
+        "can keep stall-prone CPU programs out of (tlt_jax.compile_cache.guard_cpu_collectives)",
+        jax.__version__)
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
   COMPILES.start()
   return path
 
@@ -83,6 +106,83 @@ def _no_sharing(why: str) -> bool:
   return False
 
 
+# A collective's opcode in XLA's HLO text (also the async -start form).
+_COLLECTIVE = re.compile(r"\b(?:all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|"
+                         r"collective-permute|collective-broadcast)(?:-start)?\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
+
+
+def collectives_in_several_sequences(hlo_text: str) -> bool:
+  """Whether a compiled program's collectives sit in more than one computation of its HLO (the
+  entry and a loop body, two loop bodies, ...): XLA:CPU runs each as its own thunk sequence,
+  and after a round trip through the cache nothing orders one sequence's collectives against
+  another's (see `guard_cpu_collectives`)."""
+  holders, current = set(), None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header.group(1)
+    elif _COLLECTIVE.search(line):
+      holders.add(current)
+  return len(holders) > 1
+
+
+def _unsafe_on_cpu(executable, backend) -> bool:
+  """A CPU program whose collectives a cached copy could run out of order (see
+  `guard_cpu_collectives`)."""
+  if getattr(backend, "platform", None) != "cpu":
+    return False
+  try:
+    return any(collectives_in_several_sequences(m.to_string())
+               for m in executable.hlo_modules())
+  except Exception:  # noqa: BLE001 -- no HLO to read: keep it out rather than risk a stall
+    return True
+
+
+def guard_cpu_collectives() -> bool:
+  """Keeps CPU programs whose collectives sit in several thunk sequences out of the persistent
+  cache: neither written nor, if an earlier version wrote one, loaded (it is compiled again).
+
+  Why: XLA:CPU orders a program's collectives through one shared resource, so every device
+  runs them in the same order. Its deserializer (openxla/xla,
+  xla/backends/cpu/runtime/thunk_proto_serdes.cc: WhileThunkFromProto, ConditionalThunkFromProto
+  and CallThunkFromProto build the nested sequence with a ThunkSequenceSerDesProtobuf of their
+  own) gives each nested sequence fresh resources. A program loaded from the cache then has
+  no order between a loop holding collectives and a collective outside it, and its devices
+  may take them in different orders: the SFT step (FSDP all-gathers and all-reduces in its
+  scanned layers, all-reduces outside them) waited in an all-gather on one device and an
+  all-reduce on the other until XLA aborted the process. Compiled in the process, the order
+  holds. GPU programs are serialized another way and keep using the cache.
+
+  Returns False, changing nothing, on a JAX without the cache functions patched here (then
+  CPU runs turn the cache off: `enable_compilation_cache`)."""
+  try:
+    from jax._src import compilation_cache as cc
+    get, put = cc.get_executable_and_time, cc.put_executable_and_time
+  except (ImportError, AttributeError):
+    return False
+  if getattr(get, "_tlt_guarded", False):
+    return True
+
+  @functools.wraps(get)
+  def get_ordered(cache_key, compile_options, backend, *args, **kwargs):
+    executable, compile_time = get(cache_key, compile_options, backend, *args, **kwargs)
+    if executable is not None and _unsafe_on_cpu(executable, backend):
+      return None, None  # compiled again, and not written (below)
+    return executable, compile_time
+
+  @functools.wraps(put)
+  def put_ordered(cache_key, module_name, executable, backend, *args, **kwargs):
+    if _unsafe_on_cpu(executable, backend):
+      COMPILES.kept_out += 1
+    else:
+      put(cache_key, module_name, executable, backend, *args, **kwargs)
+
+  get_ordered._tlt_guarded = True
+  cc.get_executable_and_time, cc.put_executable_and_time = get_ordered, put_ordered
+  return True
+
+
 class CompileCounter:
   """Counts the XLA compiles that go through the persistent cache, and how many of them it
   served: `new` is what this process really compiled."""
@@ -90,6 +190,7 @@ class CompileCounter:
   def __init__(self):
     self.requests = 0
     self.hits = 0
+    self.kept_out = 0  # compiled, and not written: see guard_cpu_collectives
     self._started = False
     self._lock = threading.Lock()
 
@@ -110,8 +211,11 @@ class CompileCounter:
     return self.requests - self.hits
 
   def report(self) -> dict:
-    """{'xla_compiles': programs compiled by this process, 'xla_cache_hits': loaded}."""
-    return {"xla_compiles": self.new, "xla_cache_hits": self.hits}
+    """{'xla_compiles': programs compiled by this process, 'xla_cache_hits': loaded,
+    'xla_kept_out_of_cache': compiled programs that `guard_cpu_collectives` did not write
+    (a rerun compiles them again)}."""
+    return {"xla_compiles": self.new, "xla_cache_hits": self.hits,
+            "xla_kept_out_of_cache": self.kept_out}
 
 
 COMPILES = CompileCounter()

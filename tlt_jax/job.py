@@ -12,7 +12,11 @@ files written whole, the job's compile account, and an optional time limit.
     job.export(save_hf_checkpoint, job.path("export"), params, ...)  # process 0 writes
     job.write_json("summary.json", {...,  **job.compiles()})
 
-  run_job(_CONFIG, _WORKDIR, body)            # the job's command line (its --config, --workdir)
+  run_job(_CONFIG, _WORKDIR, body, "sft")     # the job's command line (its --config, --workdir)
+
+Exit status: 0 when the job finished; EXIT_STOPPED (75) when a signal or its time limit ended
+it before its last step (after a checkpoint; a time-limited job has also evaluated and
+exported), so a scheduler knows to rerun the same command, which resumes.
 
 Multi-host: every process runs the same job on the global mesh and takes part in every
 collective (gathers for exports included); only process 0 (`job.writer`) writes files and
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import Callable, NoReturn
 
@@ -35,25 +41,27 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from tlt_jax import cli
-from tlt_jax.checkpoint import Checkpointer
-from tlt_jax.compile_cache import COMPILES
+from tlt_jax.checkpoint import Checkpointer, write_failure
+from tlt_jax.compile_cache import COMPILES, guard_cpu_collectives
 from tlt_jax.components import first_line
-from tlt_jax.config import flat_settings
+from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.mesh import host_copy
 from tlt_jax.metric_writers import writers_from_config
 from tlt_jax.profiling import write_profile_summary
-from tlt_jax.run_log import RunLog, write_json
+from tlt_jax.run_log import RunLog, replace_folder, write_json
 from tlt_jax.workdir import claim_workdir
 
-# The exit status of a run that a signal stopped after its checkpoint (sysexits' EX_TEMPFAIL:
-# "try again later"), so a scheduler can tell a preempted run from a finished one.
+# The exit status of a run that a signal or its time limit stopped after its checkpoint
+# (sysexits' EX_TEMPFAIL: "try again later"), so a scheduler can tell a run that must be
+# resumed from a finished one.
 EXIT_STOPPED = 75
 
 
-def exit_stopped(where: str) -> NoReturn:
-  """Ends a job that a signal stopped after its checkpoint: says so on stderr and exits with
-  EXIT_STOPPED. where: how far it got, e.g. 'after step 12 of 100'."""
-  print(f"stopped {where} with a checkpoint; rerun the same command to resume (exit status "
+def exit_stopped(where: str, what: str = "stopped") -> NoReturn:
+  """Ends a job that a signal or its time limit stopped after its checkpoint: says so on
+  stderr and exits with EXIT_STOPPED. where: how far it got, e.g. 'after step 12 of 100';
+  what: what ended it."""
+  print(f"{what} {where} with a checkpoint; rerun the same command to resume (exit status "
         f"{EXIT_STOPPED})", file=sys.stderr)
   sys.exit(EXIT_STOPPED)
 
@@ -89,21 +97,30 @@ class Job:
   """A job's skeleton over `workdir`; see the module docstring. show_progress=False hides the
   progress bars (tests, notebooks). max_minutes > 0: `time_up()` turns true once the job has
   run that long, and the job then ends its training as if that step were its last (evaluation,
-  export, summary), so a run on a lease of fixed length still ends with results."""
+  export, summary), so a run on a lease of fixed length still ends with results; it then
+  exits with EXIT_STOPPED (`time_limited` says why), as its rerun resumes."""
 
   def __init__(self, workdir: str, show_progress: bool = True, max_minutes: float = 0.0,
-               profile: tuple[int, int] = (0, 0)):
+               profile: tuple[int, int] = (0, 0), name: str | None = None,
+               settings: dict | None = None):
     self.workdir, self.show_progress, self.max_minutes = workdir, show_progress, max_minutes
+    # name: the job (train, sft, warmup_drafter, generate); the workdir is refused when
+    # another kind of job made it (tlt_jax.workdir.check_workdir_job). settings: its flat
+    # settings, whose fingerprint the workdir records.
+    self.name, self.settings = name, settings
     self.profile = tuple(profile)  # (first step, steps) that `traced` traces; (x, 0): none
     self.writer = jax.process_index() == 0
     self.stop = StopFlag()
     self._lock = None
     self._trace_steps: list[int] | None = None  # while a trace runs: the steps it holds
+    # Once the time limit cut the job short: what ended it, where (see `last_step`).
+    self.time_limited: tuple[str, str] | None = None
 
   def __enter__(self) -> Job:
-    self._lock = claim_workdir(self.workdir)
+    self._lock = claim_workdir(self.workdir, self.name, self.settings)
     self.stop.__enter__()
     self.started = time.perf_counter()
+    guard_cpu_collectives()  # also where JAX's own settings turned the cache on
     COMPILES.start()
     self._compiles_before = COMPILES.report()
     return self
@@ -145,10 +162,34 @@ class Job:
 
   def export(self, save, folder: str, tree, *args, **kwargs) -> None:
     """`save(folder, host copy of tree, *args, **kwargs)` on the writing process; every
-    process takes part in the gather."""
+    process takes part in the gather. The folder is written beside `folder` and renamed into
+    place (replacing an earlier export), so no half-written export is ever left; a write that
+    fails (a full disk) stops the job in one line (RunStopped) naming the folder and the
+    space it needs."""
     tree = host_copy(tree)
-    if self.writer:
-      save(folder, tree, *args, **kwargs)
+    if not self.writer:
+      return
+    folder = os.path.abspath(folder)
+    parent, staging = os.path.dirname(folder), None
+    try:
+      os.makedirs(parent, exist_ok=True)
+      staging = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", dir=parent)
+      os.chmod(staging, 0o755)  # mkdtemp's folder is private; an export need not be
+      save(staging, tree, *args, **kwargs)
+      replace_folder(staging, folder)  # an earlier export (this job's own) is replaced whole
+    except Exception as e:  # noqa: BLE001 -- an OSError, or safetensors' error naming one
+      why = write_failure(e)
+      if why is None:
+        raise
+      needed = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)) / 2 ** 20
+      raise RunStopped(f"the export to {folder} could not be written: {why} "
+                       f"({getattr(e, 'filename', None) or parent}); it needs about "
+                       f"{needed:.0f} MB; no half-written export is left, the checkpoints are "
+                       f"intact: free the space and rerun the same command (it exports "
+                       f"again)") from None
+    finally:
+      if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
 
   def checkpointer(self, config, keep: int = 2) -> Checkpointer:
     """WORKDIR/checkpoints, keeping the latest `keep`, each with the config's settings."""
@@ -174,6 +215,8 @@ class Job:
     time_up() (which it says; `setting`: the config key that set max_minutes)."""
     if step < end and self.time_up():
       self.say(f"{setting}={self.max_minutes} reached: step {step} is the last")
+      self.time_limited = (f"{setting}={self.max_minutes} ended the job",
+                           f"after step {step} of {end}")
       return step
     return end
 
@@ -219,12 +262,13 @@ class Job:
     return {k: v - self._compiles_before[k] for k, v in COMPILES.report().items()}
 
 
-def run_job(config_flag, workdir_flag, body, max_minutes=lambda config: 0.0,
+def run_job(config_flag, workdir_flag, body, name: str, max_minutes=lambda config: 0.0,
             quiet_logs: bool = True) -> None:
   """A job's command line (`python -m`, console script): loads --config (errors exit in one
-  line), sets the devices up and runs `body(config, job)` in a Job over --workdir with
+  line), sets the devices up and runs `body(config, job)` in a Job `name` over --workdir with
   max_minutes(config); exits with EXIT_STOPPED when body returns True (a signal stopped it,
-  after its checkpoint). quiet_logs: absl logs from WARNING up (orbax logs every save at INFO)."""
+  after its checkpoint) or its time limit ended it (`Job.time_limited`), else 0. quiet_logs:
+  absl logs from WARNING up (orbax logs every save at INFO)."""
 
   def main(argv):
     del argv
@@ -233,13 +277,27 @@ def run_job(config_flag, workdir_flag, body, max_minutes=lambda config: 0.0,
     config = cli.load_config(config_flag)
     cli.setup_devices(config)
     with Job(workdir_flag.value, max_minutes=max_minutes(config),
-             profile=profile_window(config)) as job:
+             profile=profile_window(config), name=name,
+             settings=flat_settings(config)) as job:
       stopped = body(config, job)
     if stopped:
       exit_stopped("before the last step")
+    if job.time_limited:
+      what, where = job.time_limited
+      exit_stopped(where, what)
   cli.run_main(main)
 
 
 def profile_window(config) -> tuple[int, int]:
   """(profile.first_step, profile.num_steps): the steps a job's `Job.traced` traces."""
   return config.profile.first_step, config.profile.num_steps
+
+
+def check_profile_window(config, last_step: int, steps_key: str) -> None:
+  """ConfigError (one line) when profile.* asks for a trace that starts past the job's last
+  step (`steps_key`=`last_step`): it would trace nothing."""
+  first, count = profile_window(config)
+  if count and first > last_step:
+    raise ConfigError(f"profile.first_step={first} is past the job's last step ({steps_key}="
+                      f"{last_step}): nothing would be traced; set profile.first_step between "
+                      f"1 and {last_step}, or profile.num_steps=0")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterable
 
 from tlt_jax.metric_writers import scalar_values
@@ -85,6 +86,23 @@ def write_jsonl(path: str, rows: Iterable[dict]) -> None:
   with open(tmp, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
   os.replace(tmp, path)
+
+
+def replace_folder(staging: str, folder: str) -> None:
+  """Puts the complete folder `staging` (written beside `folder`, on its file system) in
+  `folder`'s place: renamed onto a missing or empty `folder`; else the old `folder` is renamed
+  aside first (put back if the second rename fails) and deleted once the new one is in."""
+  if not (os.path.isdir(folder) and os.listdir(folder)):
+    os.replace(staging, folder)  # rename(2) replaces an empty folder
+    return
+  previous = staging + ".previous"
+  os.replace(folder, previous)
+  try:
+    os.replace(staging, folder)
+  except OSError:
+    os.replace(previous, folder)
+    raise
+  shutil.rmtree(previous)
 
 
 def append_jsonl(f, rows: Iterable[dict]) -> None:

@@ -25,7 +25,7 @@ from ml_collections import config_flags
 from tlt_jax.components import (check_prompt_lengths, load_policy, make_engine,
                                 sft_tokenizer, task_from_config, training_model_config)
 from tlt_jax.config import ConfigError
-from tlt_jax.job import Job, run_job
+from tlt_jax.job import Job, check_profile_window, run_job
 from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec, make_mesh, on_mesh
 from tlt_jax.models.hf import save_hf_checkpoint
 from tlt_jax.optim import init_optimizer
@@ -54,6 +54,7 @@ def _eval_line(step: int, result: dict) -> str:
 def _sft(config, job: Job) -> bool:
   """The job; True when a signal stopped it (after a checkpoint) before sft.steps."""
   s, num_devices = config.sft, jax.device_count()
+  check_profile_window(config, s.steps, "sft.steps")
   task = task_from_config(config)
   if task.example(0).solution is None:
     raise ConfigError(f"SFT trains on worked solutions, which task.name={config.task.name!r} "
@@ -175,7 +176,7 @@ def _sft(config, job: Job) -> bool:
 
 def run():
   """Console-script entry point (`tlt-sft`)."""
-  run_job(_CONFIG, _WORKDIR, _sft, max_minutes=lambda config: config.sft.max_minutes)
+  run_job(_CONFIG, _WORKDIR, _sft, "sft", max_minutes=lambda config: config.sft.max_minutes)
 
 
 if __name__ == "__main__":

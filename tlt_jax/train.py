@@ -41,10 +41,10 @@ from tlt_jax.components import (algorithm_from_config, answer_check, check_promp
                                 load_tokenizer_for, make_engine, policy_adamw, reward_from_config,
                                 sampling_params, scoring_task, spot_config, task_examples,
                                 training_model_config, training_set)
-from tlt_jax.config import ConfigError, RunStopped
+from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.drafter_training.spot import SpotTrainer
-from tlt_jax.job import Job, exit_stopped, profile_window
+from tlt_jax.job import Job, check_profile_window, exit_stopped, profile_window
 from tlt_jax.mesh import make_mesh
 from tlt_jax.metric_writers import TENSORBOARD_DIR
 from tlt_jax.models.drafter_io import save_drafter
@@ -77,12 +77,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, reward_fn=None,
   those files to WORKDIR/previous-<time>/ and start from step 0 (else: stop and say so).
   """
   with Job(workdir, show_progress=progress, max_minutes=config.rl.max_minutes,
-           profile=profile_window(config)) as job:
+           profile=profile_window(config), name="train",
+           settings=flat_settings(config)) as job:
     return _train(config, job, reward_fn, start_over)
 
 
 def _train(config, job: Job, reward_fn, start_over) -> dict:
   workdir, say, rl = job.workdir, job.say, config.rl
+  check_profile_window(config, rl.steps, "rl.steps")
 
   # ---------------------------------------------------------------- mesh and data
   mesh = make_mesh(dict(config.mesh.axes))
@@ -331,6 +333,9 @@ def main(argv):
   summary = train(config, _WORKDIR.value, start_over=_START_OVER.value)
   if summary["stopped_early"]:
     exit_stopped(f"after step {summary['steps_done']} of {config.rl.steps}")
+  if summary["time_limited"]:  # evaluated and exported; the rerun goes on to rl.steps
+    exit_stopped(f"after step {summary['steps_done']} of {config.rl.steps}",
+                 f"rl.max_minutes={config.rl.max_minutes} ended the job")
 
 
 def run():

@@ -170,7 +170,7 @@ def _warmup(config, job: Job) -> bool:
 
 def run():
   """Console-script entry point (`tlt-warmup-drafter`)."""
-  run_job(_CONFIG, _WORKDIR, _warmup,
+  run_job(_CONFIG, _WORKDIR, _warmup, "warmup_drafter",
           max_minutes=lambda config: config.drafter.warmup.max_minutes)
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from tests.conftest import REPO
 from tests.test_metric_writers import read_events
@@ -40,6 +41,20 @@ def test_warm_up_samples_end_before_the_last_token_as_the_buffers_do(tiny_cfg, t
   a, b = collect_samples(tiny_params, tiny_cfg, prompts, completions)
   assert a.tokens.tolist() == [1, 2, 3, 6, 7, 8] and b.tokens.tolist() == [4, 5, 9]
   assert a.features.shape == (6, tiny_cfg.feature_size) and (a.train_from, b.train_from) == (2, 1)
+
+
+def test_samples_batched_by_length_keep_their_order_and_features(tiny_cfg, tiny_params):
+  """Long-tailed lengths go in batches of similar lengths, each at its own width: every
+  sample's features equal those of its sequence computed alone, in the order given."""
+  rng = np.random.default_rng(0)
+  lengths = [3, 40, 5, 2, 17, 9]
+  prompts = [rng.integers(1, 60, 2).tolist() for _ in lengths]
+  completions = [rng.integers(1, 60, n).tolist() for n in lengths]
+  batched = collect_samples(tiny_params, tiny_cfg, prompts, completions, batch_size=2)
+  for i, sample in enumerate(batched):
+    alone, = collect_samples(tiny_params, tiny_cfg, [prompts[i]], [completions[i]], batch_size=1)
+    assert sample.tokens.tolist() == alone.tokens.tolist() == (prompts[i] + completions[i])[:-1]
+    np.testing.assert_allclose(sample.features, alone.features, rtol=1e-5, atol=1e-5)
 
 
 def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings(tmp_path):
@@ -94,3 +109,38 @@ def test_the_warm_up_job_resumes_from_its_checkpoint_beside_a_two_device_policy(
   assert scalars["metrics/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
   assert scalars["eval/accept_len_warmed"] == [
       (e["step"], pytest.approx(e["accept_len_warmed"])) for e in evals]
+
+
+@pytest.mark.slow
+def test_a_time_limited_warm_up_resumes_to_the_uninterrupted_run(tmp_path):
+  """As train and SFT: the warm-up that its time limit ended (after step 1 of :runlocal's 6;
+  it exports and exits 75) resumes with the same command to the rows and the drafter of a run
+  that was never interrupted (a resumed run drew fresh rows): the same tokens at every step,
+  the same losses and exported weights to float32 rounding. (Not to the bit: the replicated
+  drafter state's copies on the two emulated devices differ in their last bits from the first
+  step on, and a checkpoint keeps one copy.)"""
+  def warmup(workdir, *args, rc=0):
+    r = subprocess.run([sys.executable, "-m", "tlt_jax.warmup_drafter", "--config",
+                        "configs/default.py:runlocal", "--workdir", str(workdir), *args],
+                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == rc, r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+  warmup(tmp_path / "whole")
+  out = warmup(tmp_path / "cut", "--config.drafter.warmup.max_minutes=0.001", rc=75)
+  assert "drafter.warmup.max_minutes=0.001 ended the job after step 1 of 6" in out
+  assert "resumed the drafter from step 1" in warmup(tmp_path / "cut")
+
+  def metrics(workdir):
+    return [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  cut, whole = metrics(tmp_path / "cut"), metrics(tmp_path / "whole")
+  assert [m["step"] for m in cut] == list(range(1, 7))
+  assert [m["tokens"] for m in cut] == [m["tokens"] for m in whole]  # the same rows
+  for key in ("loss", "ce_loss", "feature_loss", "grad_norm", "top1"):
+    np.testing.assert_allclose([m[key] for m in cut], [m[key] for m in whole], rtol=1e-5)
+  exported = [load_file(str(run / "export" / "model.safetensors"))
+              for run in (tmp_path / "whole", tmp_path / "cut")]
+  assert exported[0].keys() == exported[1].keys()
+  for name in exported[0]:
+    np.testing.assert_allclose(exported[1][name], exported[0][name], rtol=1e-5, atol=1e-6)

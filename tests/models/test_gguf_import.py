@@ -2,6 +2,7 @@
 computes from the GGUF file, the cache is found again without downloading, and every failure
 is one line (tests/models/test_smollm2.py imports the real SmolLM2 file)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -131,3 +132,77 @@ def test_command_line_errors_are_one_line(tmp_path, capsys):
   with pytest.raises(SystemExit):
     import_model.main(["--gguf", str(tmp_path / "nothing.gguf")])
   assert "--gguf needs --out DIR" in capsys.readouterr().err
+
+
+def test_out_folders_of_other_files_are_refused_and_kept(tmp_path, monkeypatch):
+  """import_model deletes nothing it did not write: a folder holding other files, the working
+  directory and the folders above it are refused in one line, their files untouched; --out
+  naming a file is one line too."""
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("keep me")
+  with pytest.raises(SystemExit, match=r"^import_model: --out '.*mine' holds 1 file\(s\) or "
+                     r"folder\(s\) that import_model did not write; nothing was changed"):
+    import_model.main(["--gguf", path, "--out", str(mine)])
+  assert os.listdir(mine) == ["notes.txt"]
+
+  work = tmp_path / "work"
+  work.mkdir()
+  (work / "data.txt").write_text("keep me too")
+  monkeypatch.chdir(work)
+  for out in (".", str(work), "..", str(tmp_path)):
+    with pytest.raises(ImportModelError, match=r"is the working directory or a folder above "
+                                               r"it; name a new folder"):
+      import_gguf(path, out)
+  assert os.listdir(work) == ["data.txt"] and (tmp_path / "tiny.gguf").exists()
+
+  with pytest.raises(SystemExit, match=r"^import_model: --out '.*tiny.gguf' is a file, not a "
+                     r"folder"):
+    import_model.main(["--gguf", path, "--out", path])
+
+
+def test_an_earlier_import_or_an_empty_folder_is_replaced_whole(tmp_path):
+  """A folder an import made (its marker file) is replaced by the next import, an empty one
+  is filled; nothing is left beside them (no staging folder, no previous copy)."""
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+  (tmp_path / "empty").mkdir()
+  import_gguf(path, str(tmp_path / "empty"))
+  out = import_gguf(path, str(tmp_path / "model"))
+  assert import_model.MARKER in os.listdir(out)
+  import_gguf(path, out, dtype="bfloat16")
+  with open(os.path.join(out, import_model.MARKER)) as f:
+    assert json.load(f)["dtype"] == "bfloat16"
+  params = load_hf_params(out, load_hf_config(out, param_dtype="bfloat16"))
+  assert jax.tree.leaves(params)[0].dtype == np.dtype("bfloat16")
+  assert sorted(os.listdir(tmp_path)) == ["empty", "model", "tiny.gguf"]
+
+
+def test_a_truncated_gguf_file_is_one_line(tmp_path):
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+  with open(path, "rb") as f:
+    head = f.read(300)  # cut inside the header's key-value section
+  with open(path, "wb") as f:
+    f.write(head)
+  with pytest.raises(ImportModelError, match=r"tiny.gguf is not a readable GGUF file "
+                     r"\(truncated or corrupt\? 300 bytes\)") as e:
+    import_gguf(path, str(tmp_path / "model"))
+  assert "\n" not in str(e.value)
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_earlier_import(tmp_path, monkeypatch):
+  from transformers import PreTrainedModel
+
+  path = gguf_fixtures.write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+  out = import_gguf(path, str(tmp_path / "model"))
+  before = sorted(os.listdir(out))
+
+  def full(self, folder, **kwargs):
+    raise OSError(28, "No space left on device", os.path.join(folder, "model.safetensors"))
+  monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+  with pytest.raises(ImportModelError, match=r"^could not write .*model: no space left on "
+                     r"device \(.*model.safetensors\); the model needs about \d+ MB; nothing "
+                     r"was left half-written$"):
+    import_gguf(path, out)
+  assert sorted(os.listdir(out)) == before
+  assert sorted(os.listdir(tmp_path)) == ["model", "tiny.gguf"]

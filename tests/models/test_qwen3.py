@@ -278,7 +278,8 @@ def test_a_grpo_step_is_transformers(qwen3, tmp_path):
   cfg = qwen3.cfg.replace(**variant)
   prompts, completions, advantages = _grpo_batch(qwen3)
   rows = build_rows(prompts, completions, advantages, 4, pad_id=0)
-  batch = split_minibatches(rows, 1, 4, "token_mean")
+  algorithm = Grpo(loss=GrpoConfig(sampling=SamplingParams(1.0)))
+  batch = split_minibatches(rows, 1, 4, algorithm.loss_weights)
   flat = {k: jnp.asarray(batch[k][0]) for k in ("tokens", "targets", "loss_mask")}
   log_probs = make_log_probs(cfg, SamplingParams(1.0))
 
@@ -301,8 +302,7 @@ def test_a_grpo_step_is_transformers(qwen3, tmp_path):
   mesh = _one_device()
   start = shard_pytree(jax.tree.map(jnp.copy, qwen3.params), param_logical_axes(cfg), mesh,
                        DEFAULT_RULES)
-  updater = PolicyUpdater(cfg, Grpo(loss=GrpoConfig(sampling=SamplingParams(1.0))),
-                          optax.sgd(lr), start, mesh, DEFAULT_RULES, ppo_epochs=1,
+  updater = PolicyUpdater(cfg, algorithm, optax.sgd(lr), start, mesh, DEFAULT_RULES, ppo_epochs=1,
                           mini_batches=1, micro_batch_rows=4)
   new, metrics, _ = updater(start, prompts, completions, advantages, 0, max_width=64)
   assert metrics["nonfinite"] == 0.0

@@ -34,22 +34,27 @@ def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[in
   sample ends before the last token: its feature predicts what follows the response (after its EOS),
   which is never drafted; the token itself is still the previous slot's label."""
   seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-  width = -(-max(map(len, seqs)) // 16) * 16  # a few shapes, not one per length
+  # Batches of similar lengths, each padded to a power of two (at least 16, at most the
+  # longest sequence's multiple of 16): a long-tailed set of responses computes about its own
+  # tokens, in a few shapes, not one per length.
+  order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+  widest = -(-max(map(len, seqs)) // 16) * 16
   # The empty cache is an argument, not a constant XLA would fold through the attention.
   run = jax.jit(lambda params, toks, lens, cache: prefill(params, toks, lens, cache, cfg)[1])
-  samples = []
+  samples: list[Sample | None] = [None] * len(seqs)
   for start in range(0, len(seqs), batch_size):
-    group = seqs[start:start + batch_size]
+    group = order[start:start + batch_size]
+    width = min(widest, max(16, 1 << (max(len(seqs[i]) for i in group) - 1).bit_length()))
     toks = np.zeros((batch_size, width), np.int32)
     lens = np.ones((batch_size,), np.int32)
-    for i, s in enumerate(group):
-      toks[i, :len(s)], lens[i] = s, len(s)
+    for row, i in enumerate(group):
+      toks[row, :len(seqs[i])], lens[row] = seqs[i], len(seqs[i])
     feats = np.asarray(run(policy_params, jnp.asarray(toks), jnp.asarray(lens),
                            init_cache(cfg, batch_size, width)), np.float32)
-    for i, s in enumerate(group):
-      samples.append(Sample(tokens=np.asarray(s[:-1], np.int32),
-                            features=feats[i, :len(s) - 1],
-                            train_from=len(prompts[start + i]) - 1))
+    for row, i in enumerate(group):
+      samples[i] = Sample(tokens=np.asarray(seqs[i][:-1], np.int32),
+                          features=feats[row, :len(seqs[i]) - 1],
+                          train_from=len(prompts[i]) - 1)
   return samples
 
 
@@ -59,7 +64,8 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
                   progress: bool = True, state: DrafterTrainState | None = None,
                   on_step=None, should_stop=None) -> tuple[dict, list[dict]]:
   """Updates on batches of `batch_rows` random windows until the train state has taken
-  `steps` steps; returns (params, metrics per step as floats).
+  `steps` steps; returns (params, metrics per step as floats). Step s draws the same rows
+  whether the run got there in one go or resumed on the way.
 
   drafter_params / settings: name -> each trained drafter's weights / Settings.
 
@@ -71,7 +77,9 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
   update = jit_train_step(cfg, settings, oc)
   state = init_train_state(drafter_params, oc) if state is None else state
   first = int(state.step)
-  rng = np.random.default_rng([seed, first])  # a resumed run draws fresh, reproducible rows
+  rng = np.random.default_rng([seed, 0])
+  for _ in range(first):  # a resumed run skips the rows of the steps it has taken
+    rng.integers(0, windows.tokens.shape[0], batch_rows)
   history = []
   bar = tqdm(range(first, steps), desc="drafter warm-up", disable=not progress,
              initial=first, total=steps)
