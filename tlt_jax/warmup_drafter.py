@@ -86,7 +86,7 @@ def _warmup(config, job: Job) -> bool:
       made_by={**{k: v for k, v in flat_settings(config).items() if k.startswith("model.")},
                "max_new_tokens": w.max_new_tokens})
   repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
-  samples = collect_samples(params, cfg, repeated, completions)
+  samples = collect_samples(params, cfg, repeated, completions, progress=True)
 
   # ---------------------------------------------------------------- train, with checkpoints
   drafters = load_drafters_for(config, cfg, fresh=True)

@@ -16,7 +16,8 @@ from safetensors.numpy import load_file
 from tests.conftest import REPO
 from tests.test_metric_writers import read_events
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
-from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
+from tlt_jax.drafter_training.warmup import (_length_batches, cached_responses, collect_samples,
+                                             train_drafter)
 from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
 
 
@@ -50,11 +51,25 @@ def test_samples_batched_by_length_keep_their_order_and_features(tiny_cfg, tiny_
   lengths = [3, 40, 5, 2, 17, 9]
   prompts = [rng.integers(1, 60, 2).tolist() for _ in lengths]
   completions = [rng.integers(1, 60, n).tolist() for n in lengths]
-  batched = collect_samples(tiny_params, tiny_cfg, prompts, completions, batch_size=2)
-  for i, sample in enumerate(batched):
-    alone, = collect_samples(tiny_params, tiny_cfg, [prompts[i]], [completions[i]], batch_size=1)
-    assert sample.tokens.tolist() == alone.tokens.tolist() == (prompts[i] + completions[i])[:-1]
-    np.testing.assert_allclose(sample.features, alone.features, rtol=1e-5, atol=1e-5)
+  for batched in (collect_samples(tiny_params, tiny_cfg, prompts, completions, batch_size=2),
+                  collect_samples(tiny_params, tiny_cfg, prompts, completions, batch_size=4,
+                                  max_tokens=64)):
+    for i, sample in enumerate(batched):
+      alone, = collect_samples(tiny_params, tiny_cfg, [prompts[i]], [completions[i]],
+                               batch_size=1)
+      assert sample.tokens.tolist() == alone.tokens.tolist() == (prompts[i] + completions[i])[:-1]
+      np.testing.assert_allclose(sample.features, alone.features, rtol=1e-5, atol=1e-5)
+
+
+def test_the_longest_responses_go_in_fewer_rows():
+  """A long tail's prefills hold at most max_tokens padded tokens (one row at least), in
+  ascending order, each response once."""
+  lengths = sorted([20] * 40 + [300] * 5 + [1100] * 3)
+  batches = list(_length_batches(lengths, 32, 2048, 1104))
+  assert [i for group, _, _ in batches for i in group] == list(range(len(lengths)))
+  assert [(len(group), rows, width) for group, rows, width in batches] == [
+      (32, 32, 32), (8, 8, 32), (4, 4, 512), (1, 1, 512), (1, 1, 1104), (1, 1, 1104),
+      (1, 1, 1104)]
 
 
 def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings(tmp_path):

@@ -28,34 +28,54 @@ from tlt_jax.speculative.sampling import SamplingParams
 
 
 def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[int]],
-                    completions: list[list[int]], batch_size: int = 32) -> list[Sample]:
+                    completions: list[list[int]], batch_size: int = 32,
+                    max_tokens: int = 16384, progress: bool = False) -> list[Sample]:
   """Samples (tokens, policy features) of prompt + completion pairs; training starts at the last
   prompt token, whose feature predicts the first completion token. As in the feature buffer, a
   sample ends before the last token: its feature predicts what follows the response (after its EOS),
-  which is never drafted; the token itself is still the previous slot's label."""
+  which is never drafted; the token itself is still the previous slot's label.
+
+  Each prefill holds at most batch_size rows and, past one row, max_tokens padded tokens."""
   seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-  # Batches of similar lengths, each padded to a power of two (at least 16, at most the
-  # longest sequence's multiple of 16): a long-tailed set of responses computes about its own
-  # tokens, in a few shapes, not one per length.
   order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
   widest = -(-max(map(len, seqs)) // 16) * 16
   # The empty cache is an argument, not a constant XLA would fold through the attention.
   run = jax.jit(lambda params, toks, lens, cache: prefill(params, toks, lens, cache, cfg)[1])
   samples: list[Sample | None] = [None] * len(seqs)
-  for start in range(0, len(seqs), batch_size):
-    group = order[start:start + batch_size]
-    width = min(widest, max(16, 1 << (max(len(seqs[i]) for i in group) - 1).bit_length()))
-    toks = np.zeros((batch_size, width), np.int32)
-    lens = np.ones((batch_size,), np.int32)
+  bar = tqdm(total=len(seqs), desc="drafter features", unit="response", disable=not progress)
+  for group, rows, width in _length_batches([len(seqs[i]) for i in order], batch_size,
+                                            max_tokens, widest):
+    group = [order[j] for j in group]
+    toks = np.zeros((rows, width), np.int32)
+    lens = np.ones((rows,), np.int32)
     for row, i in enumerate(group):
       toks[row, :len(seqs[i])], lens[row] = seqs[i], len(seqs[i])
     feats = np.asarray(run(policy_params, jnp.asarray(toks), jnp.asarray(lens),
-                           init_cache(cfg, batch_size, width)), np.float32)
+                           init_cache(cfg, rows, width)), np.float32)
     for row, i in enumerate(group):
       samples[i] = Sample(tokens=np.asarray(seqs[i][:-1], np.int32),
                           features=feats[row, :len(seqs[i]) - 1],
                           train_from=len(prompts[i]) - 1)
+    bar.update(len(group))
+  bar.close()
   return samples
+
+
+def _length_batches(lengths: list[int], batch_size: int, max_tokens: int, widest: int):
+  """(indices into lengths, rows, width) per prefill over ascending `lengths`: batches of
+  similar lengths, each padded to a power-of-two width (at least 16, at most `widest`), of
+  batch_size rows halved while they would take more than max_tokens, so that a long-tailed set computes about its own tokens in a few shapes, and its
+  longest responses do not hold batch_size x the longest width at once."""
+  def width_of(n):
+    return min(widest, max(16, 1 << (n - 1).bit_length()))
+  start = 0
+  while start < len(lengths):
+    rows = batch_size
+    while rows > 1 and rows * width_of(lengths[min(start + rows, len(lengths)) - 1]) > max_tokens:
+      rows //= 2
+    end = min(start + rows, len(lengths))
+    yield list(range(start, end)), rows, width_of(lengths[end - 1])
+    start = end
 
 
 def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sample],
