@@ -55,6 +55,10 @@ CALL_LIMIT = 64 * MiB          # what one device call carries: working tree + ca
 MARGIN = 2 * MiB               # for files the tree gains before the lease
 WHEELS = ("ml_collections==1.1.0", "gguf==0.19.0")  # missing on the GPU image (Python 3.12)
 CONFIG = f"{REPO / 'configs' / 'smollm2.py'}:gpu_headline"
+# What the shipped drafter's warm-up set on top of configs/smollm2.py:headline_cpu.
+WARMUP_OVERRIDES = (" --config.drafter.warmup.steps=500"
+                    " --config.drafter.warmup.checkpoint_every=100"
+                    " --config.drafter.warmup.max_minutes=50")
 GGUF_NAME = "model.gguf"
 # The quick run: the headline's config at toy size on a CPU.
 QUICK_SETS = ["mesh.num_cpu_devices=0", "model.dtype=float32", "model.param_dtype=float32",
@@ -732,6 +736,59 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
   return result
 
 
+def ship_drafter(export: pathlib.Path, warmup: pathlib.Path, out: pathlib.Path,
+                 config_arg: str = CONFIG) -> dict:
+  """The warm-up's exported EAGLE drafter in bfloat16, as the headline ships it (OUT, by
+  default assets/smollm2-drafter): its weights cast, config.json recording the warm-up's
+  command, steps and held-out greedy accept length, and a README.md saying the same. Written
+  beside OUT and renamed in; an OUT that is not a drafter export is refused."""
+  from tlt_jax.cli import config_from_file
+  from tlt_jax.components import model_config
+  from tlt_jax.models.drafter_io import load_drafter, read_drafter_config, save_drafter
+  if out.exists():
+    try:
+      read_drafter_config(str(out))
+    except (OSError, ValueError) as e:
+      raise HeadlineError(f"{out} exists and is not a drafter export ({e}); give another "
+                          f"--out") from None
+  summary_path = warmup / "summary.json"
+  if not summary_path.is_file():
+    raise HeadlineError(f"{summary_path} is missing: the warm-up has not finished")
+  summary = json.loads(summary_path.read_text())
+  config = config_from_file(config_arg, ["drafter.eagle.path=", "model.param_dtype=bfloat16"])
+  cfg = model_config(config)
+  try:
+    name, settings, params = load_drafter(str(export), cfg, expect="eagle")
+  except (OSError, ValueError) as e:
+    raise HeadlineError(f"--export {export}: {e}") from None
+  warmed = {"date": datetime.date.fromtimestamp(summary_path.stat().st_mtime).isoformat(),
+            "steps": summary["steps"],
+            "responses": summary["responses"], "response_tokens": summary["response_tokens"],
+            "top1_last": summary["top1_last"], "strategy": summary["strategy"],
+            "accept_len_untrained": summary["accept_len_untrained"],
+            "accept_len_warmed": summary["accept_len_warmed"]}
+  tmp = out.with_name(f".{out.name}.tmp")
+  shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted run
+  save_drafter(str(tmp), name, settings, params, cfg, metadata={"warm_up": warmed})
+  (tmp / "README.md").write_text(
+      f"# SmolLM2-135M-Instruct's EAGLE drafter (the headline's)\n\n"
+      f"One EAGLE layer (intermediate {settings.intermediate_size}, draft vocabulary "
+      f"{settings.draft_vocab_size} tokens) in bfloat16, warmed on CPU for {warmed['steps']} "
+      f"steps on {warmed['responses']} of the model's own responses "
+      f"({warmed['response_tokens']:,} tokens) to configs/smollm2.py:headline_cpu's task at "
+      f"temperature 0.7.\n\nHeld-out greedy accept length at strategy {warmed['strategy']}: "
+      f"{warmed['accept_len_warmed']:.2f} (untrained: {warmed['accept_len_untrained']:.2f}).\n\n"
+      f"Made by:\n\n```bash\npython -m tlt_jax.warmup_drafter --config "
+      f"configs/smollm2.py:headline_cpu --config.drafter.eagle.path= --workdir {warmup}"
+      f"{WARMUP_OVERRIDES}\npython experiments/gpu_headline.py drafter --warmup {warmup}\n```\n")
+  old = out.with_name(f".{out.name}.old")
+  if out.exists():
+    out.rename(old)
+  tmp.rename(out)
+  shutil.rmtree(old, ignore_errors=True)
+  return warmed
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -773,6 +830,11 @@ def main(argv=None) -> None:
   p.add_argument("--prompts", type=int, default=4)
   p.add_argument("--samples", type=int, default=2)
   p.add_argument("--max-new-tokens", type=int, default=1024)
+  p = sub.add_parser("drafter", help="the warmed drafter in bfloat16 into assets/ (here)")
+  p.add_argument("--warmup", type=pathlib.Path, required=True, help="the warm-up's workdir")
+  p.add_argument("--export", type=pathlib.Path,
+                 help="its exported drafter (default: WARMUP/export/eagle, or WARMUP/export)")
+  p.add_argument("--out", type=pathlib.Path, default=REPO / "assets" / "smollm2-drafter")
   p = sub.add_parser("quick", help="the whole pipeline on a toy model, on any machine")
   p.add_argument("--out", type=pathlib.Path, required=True)
   args = parser.parse_args(argv)
@@ -799,6 +861,14 @@ def main(argv=None) -> None:
             f"for both calls at {args.steps} steps; baseline rollout share at least "
             f"{worst['worst_baseline_rollout_share']:.0%}; peak memory "
             f"{plan['budget']['peak_bytes'] / 2**30:.1f} GiB; wrote {args.out / 'plan.json'}")
+    elif args.command == "drafter":
+      export = args.export or next((p for p in (args.warmup / "export" / "eagle",
+                                                args.warmup / "export")
+                                    if (p / "model.safetensors").is_file()),
+                                   args.warmup / "export" / "eagle")
+      warmed = ship_drafter(export, args.warmup, args.out)
+      print(f"wrote {args.out} (held-out greedy accept length {warmed['accept_len_warmed']:.2f} "
+            f"at {warmed['strategy']})")
     elif args.command == "cpu-check":
       result = cpu_check(args.out, args.prompts, args.samples, args.max_new_tokens)
       if not all(result[k]["identical"] for k in ("sampled", "greedy")):

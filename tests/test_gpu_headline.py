@@ -190,3 +190,41 @@ def test_the_quick_pipeline_stages_checks_and_runs_both_variants_identically(tmp
   ahead = {name: sum(line["ahead_programs"] for kind, line in v["compile_bill"].items()
                      if kind.startswith("rollout")) for name, v in result["variants"].items()}
   assert ahead == {"baseline": 8, "tlt": 11}
+
+
+def test_the_shipped_drafter_is_the_warmed_one_in_bfloat16(tmp_path):
+  """`drafter` casts the warm-up's export to bfloat16 (the same weights to bfloat16's
+  rounding), records the warm-up's accept length beside them, and refuses to replace a folder
+  that is not a drafter export."""
+  import numpy as np
+  from safetensors.numpy import load_file
+  from tlt_jax.cli import config_from_file
+  from tlt_jax.components import load_drafters_for, model_config
+  from tlt_jax.models.drafter_io import load_drafter, save_drafter
+  config_arg = f"{REPO}/configs/default.py"
+  config = config_from_file(config_arg, [])
+  cfg = model_config(config)
+  drafter = load_drafters_for(config, cfg, fresh=True, names=["eagle"])["eagle"]
+  warmup = tmp_path / "warmup"
+  save_drafter(str(warmup / "export" / "eagle"), "eagle", drafter.settings, drafter.params, cfg)
+  (warmup / "summary.json").write_text(json.dumps(
+      {"steps": 7, "responses": 3, "response_tokens": 90, "top1_last": 0.5, "strategy": "4,2,8",
+       "accept_len_untrained": 1.0, "accept_len_warmed": 2.75}))
+  out = tmp_path / "asset"
+  warmed = headline.ship_drafter(warmup / "export" / "eagle", warmup, out, config_arg)
+  assert warmed["accept_len_warmed"] == 2.75 and "2.75" in (out / "README.md").read_text()
+  f32 = load_file(str(warmup / "export" / "eagle" / "model.safetensors"))
+  bf16 = load_file(str(out / "model.safetensors"))
+  assert f32.keys() == bf16.keys()
+  for k, v in f32.items():
+    if v.dtype == np.float32:
+      assert bf16[k].dtype.name == "bfloat16", k
+      np.testing.assert_array_equal(bf16[k], v.astype(bf16[k].dtype), err_msg=k)
+  assert json.loads((out / "config.json").read_text())["warm_up"]["steps"] == 7
+  assert load_drafter(str(out), cfg, expect="eagle")[0] == "eagle"
+  headline.ship_drafter(warmup / "export" / "eagle", warmup, out, config_arg)  # replaces its own
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("keep")
+  with pytest.raises(headline.HeadlineError, match="is not a drafter export"):
+    headline.ship_drafter(warmup / "export" / "eagle", warmup, tmp_path / "mine", config_arg)
+  assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
