@@ -17,6 +17,7 @@ imports it into the cache folder (`smollm2_folder()`); later runs find it there.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -68,6 +69,14 @@ def _require_gguf():
 def _gguf_reader(path: str):
   if not os.path.isfile(path):
     raise ImportModelError(f"GGUF file {path!r} does not exist")
+  stat = os.stat(path)
+  return _parsed_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_gguf(path: str, size: int, mtime_ns: int):
+  """One parse per file version: a header with a 49k-token vocabulary takes seconds."""
+  del size, mtime_ns  # the cache key: a rewritten file is parsed again
   gguf = _require_gguf()
   try:
     return gguf.GGUFReader(path)
