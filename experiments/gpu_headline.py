@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO / "experiments"))  # the sibling scripts it reuses
 
 MiB = 1 << 20
 CALL_LIMIT = 64 * MiB          # what one device call carries: working tree + carried folders
-MARGIN = 2 * MiB               # for files the tree gains before the lease
+MARGIN = MiB // 2            # files the tree gains between stage and the calls (same session)
 WHEELS = ("ml_collections==1.1.0", "gguf==0.19.0")  # missing on the GPU image (Python 3.12)
 CONFIG = f"{REPO / 'configs' / 'smollm2.py'}:gpu_headline"
 # What the shipped drafter's warm-up set on top of configs/smollm2.py:headline_cpu.
@@ -173,7 +173,10 @@ def stage(out: pathlib.Path, gguf: pathlib.Path, cache: pathlib.Path, wheels: bo
         f"the compressed model ({size / MiB:.1f} MiB) does not fit two calls beside a working "
         f"tree of {tree / MiB:.1f} MiB (each call carries {CALL_LIMIT // MiB} MiB in all); "
         f"make the tree smaller (git ls-files -co --exclude-standard lists it)")
-  first = min(size // 2 if split else size, room[0])
+  # Whole into call 1 where it fits (unless split); otherwise halved, so that each call keeps
+  # the same room for what the tree gains before the lease.
+  first = size if size <= room[0] and not split else min(room[0], max(size // 2,
+                                                                      size - room[1]))
   parts = []
   with open(xz, "rb") as src:
     for i, (call, n) in enumerate(zip(calls, (first, size - first)), start=1):
@@ -646,6 +649,13 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
   config = config_from_file(CONFIG, [f"model.path={model}", "mesh.num_cpu_devices=1"])
   setup_devices(config, compilation_cache=False)  # compile seconds are what is measured
   job = budget.job_budget(config, "train")
+  # Every program as the GPU compiles it: lowered for CUDA under an abstract H100, with the
+  # attention kernel that "auto" picks there.
+  gpu_config = config.copy_and_resolve_references()
+  with gpu_config.unlocked():
+    gpu_config.model.attention_impl = "pallas"
+  _, gpu_programs = budget.job_programs(gpu_config, "train")
+  kernel_calls = {p.name: budget.triton_calls(budget.lower_for_cuda(p)) for p in gpu_programs}
   ec, tuner = engine_config(config), make_tuner_from_config(config)
   ladder = [b for b in ec.ladder if b <= ec.max_batch]
   sd_buckets = {ec.batch_for(r) for r in range(1, ec.sd_threshold + 1)}
@@ -677,6 +687,8 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
       "command": " ".join(sys.argv), "config": CONFIG,
       "budget": {"peak_bytes": job["peak_bytes"], "resident_bytes": job["resident_bytes"],
                  "programs": programs},
+      "cuda_lowering": {"device": "H100 (abstract mesh, jax.stages lowering)",
+                        "kernel_calls_per_program": kernel_calls},
       "lengths": {"count": len(lengths), "mean": sum(lengths) / len(lengths),
                   "max": max(lengths), "prompt_mean": prompt_tokens},
       "warmup": {k: summary.get(k) for k in ("accept_len_warmed", "strategy", "steps")},
@@ -779,8 +791,9 @@ def ship_drafter(export: pathlib.Path, warmup: pathlib.Path, out: pathlib.Path,
       f"temperature 0.7.\n\nHeld-out greedy accept length at strategy {warmed['strategy']}: "
       f"{warmed['accept_len_warmed']:.2f} (untrained: {warmed['accept_len_untrained']:.2f}).\n\n"
       f"Made by:\n\n```bash\npython -m tlt_jax.warmup_drafter --config "
-      f"configs/smollm2.py:headline_cpu --config.drafter.eagle.path= --workdir {warmup}"
-      f"{WARMUP_OVERRIDES}\npython experiments/gpu_headline.py drafter --warmup {warmup}\n```\n")
+      f"configs/smollm2.py:headline_cpu --config.drafter.eagle.path= --workdir "
+      f"runs/headline_warmup{WARMUP_OVERRIDES}\npython experiments/gpu_headline.py drafter "
+      f"--warmup runs/headline_warmup\n```\n")
   old = out.with_name(f".{out.name}.old")
   if out.exists():
     out.rename(old)
