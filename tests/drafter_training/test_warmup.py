@@ -97,43 +97,16 @@ def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings
 
 
 @pytest.mark.slow
-def test_the_warm_up_job_resumes_from_its_checkpoint_beside_a_two_device_policy(tmp_path):
-  """A rerun with more steps continues from the last checkpoint (step 6 of :runlocal's 6): the
-  restored drafter state is placed with the policy, which the step requires (it came back on
-  one device and the rerun failed)."""
-  def warmup(*args):
-    r = subprocess.run([sys.executable, "-m", "tlt_jax.warmup_drafter", "--config",
-                        "configs/default.py:runlocal", "--workdir", str(tmp_path), *args],
-                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout + r.stderr
-  warmup("--config.logging.tensorboard=True")
-  assert "resumed the drafter from step 6" in warmup("--config.drafter.warmup.steps=8",
-                                                     "--config.logging.tensorboard=True")
-  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  assert [row["step"] for row in rows] == list(range(1, 9))
-  summary = json.loads((tmp_path / "summary.json").read_text())
-  assert summary["steps"] == 8
-  # eval.jsonl: each run's held-out accept length at its last step; TensorBoard holds the
-  # same numbers (the rerun's steps 7 and 8 after the first run's 1-6).
-  evals = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
-  assert [e["step"] for e in evals] == [6, 8]
-  assert evals[-1]["accept_len_warmed"] == summary["accept_len_warmed"]
-  scalars, _ = read_events(tmp_path)
-  assert scalars["metrics/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
-  assert scalars["eval/accept_len_warmed"] == [
-      (e["step"], pytest.approx(e["accept_len_warmed"])) for e in evals]
-
-
-@pytest.mark.slow
-def test_a_time_limited_warm_up_resumes_to_the_uninterrupted_run(tmp_path):
+def test_warm_up_runs_resume_exactly_from_a_time_limit_and_with_more_steps(tmp_path):
   """As train and SFT: the warm-up that its time limit ended (after step 1 of :runlocal's 6;
   it exports and exits 75) resumes with the same command to the rows and the drafter of a run
   that was never interrupted (a resumed run drew fresh rows): the same tokens at every step,
   the same losses and exported weights to float32 rounding. (Not to the bit: the replicated
   drafter state's copies on the two emulated devices differ in their last bits from the first
-  step on, and a checkpoint keeps one copy.)"""
+  step on, and a checkpoint keeps one copy.) A rerun of the finished run with more steps
+  continues from its last checkpoint (step 6): the restored drafter state is placed with the
+  two-device policy, which the step requires (it came back on one device and the rerun
+  failed), and TensorBoard holds the numbers of both runs."""
   def warmup(workdir, *args, rc=0):
     r = subprocess.run([sys.executable, "-m", "tlt_jax.warmup_drafter", "--config",
                         "configs/default.py:runlocal", "--workdir", str(workdir), *args],
@@ -142,20 +115,37 @@ def test_a_time_limited_warm_up_resumes_to_the_uninterrupted_run(tmp_path):
     assert r.returncode == rc, r.stderr[-3000:]
     return r.stdout + r.stderr
 
-  warmup(tmp_path / "whole")
-  out = warmup(tmp_path / "cut", "--config.drafter.warmup.max_minutes=0.001", rc=75)
+  whole, cut = tmp_path / "whole", tmp_path / "cut"
+  warmup(whole, "--config.logging.tensorboard=True")
+  out = warmup(cut, "--config.drafter.warmup.max_minutes=0.001", rc=75)
   assert "drafter.warmup.max_minutes=0.001 ended the job after step 1 of 6" in out
-  assert "resumed the drafter from step 1" in warmup(tmp_path / "cut")
+  assert "resumed the drafter from step 1" in warmup(cut)
 
   def metrics(workdir):
     return [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  cut, whole = metrics(tmp_path / "cut"), metrics(tmp_path / "whole")
-  assert [m["step"] for m in cut] == list(range(1, 7))
-  assert [m["tokens"] for m in cut] == [m["tokens"] for m in whole]  # the same rows
+  assert [m["step"] for m in metrics(cut)] == list(range(1, 7))
+  assert [m["tokens"] for m in metrics(cut)] == [m["tokens"] for m in metrics(whole)]
   for key in ("loss", "ce_loss", "feature_loss", "grad_norm", "top1"):
-    np.testing.assert_allclose([m[key] for m in cut], [m[key] for m in whole], rtol=1e-5)
-  exported = [load_file(str(run / "export" / "model.safetensors"))
-              for run in (tmp_path / "whole", tmp_path / "cut")]
+    np.testing.assert_allclose([m[key] for m in metrics(cut)], [m[key] for m in metrics(whole)],
+                               rtol=1e-5)
+  exported = [load_file(str(run / "export" / "eagle" / "model.safetensors"))
+              for run in (whole, cut)]
   assert exported[0].keys() == exported[1].keys()
   for name in exported[0]:
     np.testing.assert_allclose(exported[1][name], exported[0][name], rtol=1e-5, atol=1e-6)
+
+  assert "resumed the drafter from step 6" in warmup(whole, "--config.drafter.warmup.steps=8",
+                                                     "--config.logging.tensorboard=True")
+  rows = metrics(whole)
+  assert [row["step"] for row in rows] == list(range(1, 9))
+  summary = json.loads((whole / "summary.json").read_text())
+  assert summary["steps"] == 8
+  # eval.jsonl: each run's held-out accept length at its last step; TensorBoard holds the
+  # same numbers (the rerun's steps 7 and 8 after the first run's 1-6).
+  evals = [json.loads(line) for line in open(whole / "eval.jsonl")]
+  assert [e["step"] for e in evals] == [6, 8]
+  assert evals[-1]["accept_len_warmed"] == summary["accept_len_warmed"]
+  scalars, _ = read_events(whole)
+  assert scalars["metrics/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
+  assert scalars["eval/accept_len_warmed"] == [
+      (e["step"], pytest.approx(e["accept_len_warmed"])) for e in evals]
