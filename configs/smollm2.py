@@ -142,8 +142,11 @@ def get_config(arg: str | None = None):
     headline_settings(c)
     c.mesh.num_cpu_devices = 0
     c.mesh.axes.replica = 1
+    # Each layer of the update recomputed in its backward pass: kept whole, a micro-batch at
+    # 1,152 tokens holds every layer's attention scores, 128 GiB by XLA's analysis of the
+    # update (13 GiB with remat; experiments/gpu_headline.py project).
     c.model.update(dtype="bfloat16", param_dtype="bfloat16", scan_layers="train",
-                   attention_impl="auto")
+                   attention_impl="auto", remat="full")
     # 16 prompts x 8 samples on one slice of 128 rows; programs for 128, 32, 8 and 1 rows
     # only (a flat GPU step pays little for padded rows) and one prefill width, all compiled
     # before the first step on a GPU host's cores.

@@ -587,7 +587,8 @@ def step_iterations(lengths, rows: int, sd_threshold: int, accept: float, seed: 
 
 def projection(lengths, prompt_tokens: float, params: float, layers: int, rows: int,
                sd_threshold: int, accept: float, compile_s: dict, steps: int,
-               import_s: float, startup_s: float, threads: int = 16) -> dict:
+               import_s: float, startup_s: float, threads: int = 16,
+               remat: bool = False) -> dict:
   """Device seconds of `check` + `run --steps` and the steady-state step ratio, for two
   plain-step costs (a launch floor, and 11-27's per-iteration cost scaled to `layers`) and
   the two ends of the GPU's compile factor. compile_s: {program kind: (count, CPU seconds of
@@ -595,8 +596,10 @@ def projection(lengths, prompt_tokens: float, params: float, layers: int, rows: 
   import numpy as np
   sim = step_iterations(lengths, rows, sd_threshold, accept)
   mean = {k: float(np.mean([s[k] for s in sim])) for k in sim[0]}
-  # Packed into rows of the update: every response with its prompt, 8 x params FLOPs a token.
-  update_s = (mean["tokens"] + rows * prompt_tokens) * 8 * params / UPDATE_FLOPS
+  # Every response with its prompt: old log-probs (2 x params FLOPs a token), forward and
+  # backward (6), and with `remat` the forward again (2).
+  update_s = ((mean["tokens"] + rows * prompt_tokens) * (10 if remat else 8) * params
+              / UPDATE_FLOPS)
   host_s = 0.3
   compile_cpu = [secs for count, secs in compile_s.values() for _ in range(count)]
   cases = {}
@@ -622,6 +625,7 @@ def projection(lengths, prompt_tokens: float, params: float, layers: int, rows: 
               "lengths": f"{len(lengths)} responses measured on CPU (float32) at the config's "
                          f"prompts and temperature", "accept_len": accept,
               "sd_iteration_ratio": SD_ITERATION_RATIO, "update_flops_per_s": UPDATE_FLOPS,
+              "update_remat": remat,
               "machine_start_s": MACHINE_START_S, "transfer_s": TRANSFER_S, "check_s": 20.0,
               "import_s": import_s, "startup_s_per_variant": startup_s,
               "compile_cpu_s": compile_s, "compile_threads": threads,
@@ -685,6 +689,8 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
       "what": "the headline's lease projected on CPU (experiments/gpu_headline.py project)",
       "date": datetime.date.today().isoformat(), "commit": _commit(),
       "command": " ".join(sys.argv), "config": CONFIG,
+      # Compile seconds grow with what else runs: on a loaded CPU they bound the GPU's above.
+      "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg(),
       "budget": {"peak_bytes": job["peak_bytes"], "resident_bytes": job["resident_bytes"],
                  "programs": programs},
       "cuda_lowering": {"device": "H100 (abstract mesh, jax.stages lowering)",
@@ -694,7 +700,8 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
       "warmup": {k: summary.get(k) for k in ("accept_len_warmed", "strategy", "steps")},
       "projection": projection(lengths, prompt_tokens, n_params, cfg.num_layers,
                                rows, ec.sd_threshold, summary["accept_len_warmed"], kinds,
-                               steps, import_s, startup_s=20.0),
+                               steps, import_s, startup_s=20.0,
+                               remat=config.model.remat != "none"),
   }
   _write_json(out / "plan.json", plan)
   return plan
