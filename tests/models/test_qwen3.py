@@ -22,6 +22,7 @@ from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.models import hf_fixtures
+from tests.speculative.drafters import drafter_set
 from tlt_jax.drafter_training.spot import SpotConfig, SpotTrainer
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
