@@ -36,14 +36,14 @@ transformers runs only after the batch's JAX results are written and its arrays 
 preallocates 75% of GPU memory at start-up, which would leave PyTorch too little, so --hf sets
 XLA_PYTHON_CLIENT_PREALLOCATE=false unless the environment sets it already.
 
-  python experiments/bench_decode.py --out results/decode.json                # CPU: 'small'
-  python experiments/bench_decode.py --shape qwen2.5-7b --batches 1 8 --time-budget 480 \
+  python -m experiments.bench_decode --out results/decode.json                # CPU: 'small'
+  python -m experiments.bench_decode --shape qwen2.5-7b --batches 1 8 --time-budget 480 \
       --out docs/results/decode_h100.json
-  python experiments/bench_decode.py --shape qwen2.5-7b --batches 1 8 --hf \
+  python -m experiments.bench_decode --shape qwen2.5-7b --batches 1 8 --hf \
       --out results/decode_vs_hf.json
-  python experiments/bench_decode.py --batches 1 --strategies 8,4,48 \
+  python -m experiments.bench_decode --batches 1 --strategies 8,4,48 \
       --draft-vocab-sizes 7061 --out results/draft_vocab/cost.json      # 32k/152k of 32k
-  python experiments/bench_decode.py --quick --out /tmp/decode.json  # any device; 2 CPUs: ~30 s
+  python -m experiments.bench_decode --quick --out /tmp/decode.json  # any device; 2 CPUs: ~30 s
 """
 
 from __future__ import annotations
@@ -71,28 +71,27 @@ T0 = time.perf_counter()  # --time-budget counts from here
 if "--hf" in sys.argv[1:]:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
-from tlt_jax.kernels import ATTENTION_IMPLS  # noqa: E402
-from tlt_jax.models import ModelConfig, init_cache, init_params, prefill  # noqa: E402
-from tlt_jax.models.drafter import (DRAFT_TO_POLICY, DrafterConfig,  # noqa: E402
+from .common import REPO, run_metadata, write_json
+from tlt_jax.compile_cache import enable_compilation_cache
+from tlt_jax.kernels import ATTENTION_IMPLS
+from tlt_jax.models import ModelConfig, init_cache, init_params, prefill
+from tlt_jax.models.drafter import (DRAFT_TO_POLICY, DrafterConfig,
                                     init_drafter_cache, init_drafter_params)
-from tlt_jax.models.shapes import MODEL_SHAPES  # noqa: E402
-from tlt_jax.drafters import EagleDrafter  # noqa: E402
-from tlt_jax.models.policy import Policy  # noqa: E402
-from tlt_jax.speculative.decoding import plain_step, sd_step, start  # noqa: E402
-from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
-from tlt_jax.speculative.strategy import Strategy  # noqa: E402
+from tlt_jax.models.shapes import MODEL_SHAPES
+from tlt_jax.drafters import EagleDrafter
+from tlt_jax.models.policy import Policy
+from tlt_jax.speculative.decoding import plain_step, sd_step, start
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -151,30 +150,6 @@ def floor_decoder(cfg: ModelConfig):
             else params["lm_head"]["kernel"])
     return jnp.dot(x, head, preferred_element_type=jnp.float32)
   return step
-
-
-# ---------------------------------------------------------------- run records
-
-
-def run_metadata() -> dict:
-  """Where and how this run was made: device, jax version, date, commit, command line."""
-  device = jax.devices()[0]
-  try:
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                            text=True, timeout=10).stdout.strip() or None
-  except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
-    commit = None
-  return {"device": {"platform": device.platform, "device_kind": device.device_kind},
-          "jax_version": jax.__version__,
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "git_commit": commit, "command": shlex.join(sys.argv)}
-
-
-def write_json(path: pathlib.Path, doc: dict) -> None:
-  """Replaces path with doc in one step: a run killed mid-write keeps the previous version."""
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(doc, indent=2))
-  os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- transformers

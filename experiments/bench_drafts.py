@@ -9,8 +9,8 @@ its group's siblings that finished first (the engine's corpus). Every mode decod
 requests with the same key, so their tokens are identical to plain decoding (checked); each
 mode runs once to compile and once timed.
 
-  python experiments/bench_drafts.py --out results/drafts/drafts.json
-  python experiments/bench_drafts.py --config configs/smollm2.py \
+  python -m experiments.bench_drafts --out results/drafts/drafts.json
+  python -m experiments.bench_drafts --config configs/smollm2.py \
       --set drafter.eagle.path=runs/smollm2_cpu/warmup/export/eagle \
       --out results/drafts_smollm2/drafts.json
 
@@ -33,28 +33,27 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from bench_rollout import summarize  # noqa: E402
-from tlt_jax.cli import config_from_file  # noqa: E402
-from tlt_jax.config import ConfigError  # noqa: E402
-from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,  # noqa: E402
+from .bench_rollout import summarize
+from tlt_jax.cli import config_from_file
+from tlt_jax.config import ConfigError
+from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,
                                 make_engine, sampling_params, task_prompts)
-from tlt_jax.drafters import drafters_named  # noqa: E402
-from tlt_jax.mesh import make_mesh  # noqa: E402
-from tlt_jax.models import Policy, init_cache  # noqa: E402
-from tlt_jax.speculative.decoding import decode_loop, start  # noqa: E402
-from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
-from tlt_jax.speculative.strategy import Strategy  # noqa: E402
-from tlt_jax.speculative.tuner import FixedTuner  # noqa: E402
+from tlt_jax.drafters import drafters_named
+from tlt_jax.mesh import make_mesh
+from tlt_jax.models import Policy, init_cache
+from tlt_jax.speculative.decoding import decode_loop, start
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
+from tlt_jax.speculative.tuner import FixedTuner
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(0.0)  # the timed iterations' sampling

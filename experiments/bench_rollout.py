@@ -6,8 +6,8 @@ warmed on the policy's own generations (on prompts disjoint from the benchmark's
 --drafter-steps 0. Decoding is greedy by default so that every mode does exactly the same work
 (identical outputs); --temperature samples instead.
 
-  python experiments/bench_rollout.py --out results/rollout.json
-  python experiments/bench_rollout.py --policy assets/tiny-policy --out results/rollout.json
+  python -m experiments.bench_rollout --out results/rollout.json
+  python -m experiments.bench_rollout --policy assets/tiny-policy --out results/rollout.json
 
 JSON per mode: wall time, tokens/s, tail-phase tokens/s (running rows <= sd_threshold), mean
 accept length, calls and iterations, host overhead (`busy_share`: the summed wall time of the
@@ -38,27 +38,26 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from tlt_jax.drafter_training.train_step import DrafterOptConfig  # noqa: E402
-from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
-from tlt_jax.drafters import EagleDrafter  # noqa: E402
-from tlt_jax.mesh import make_mesh  # noqa: E402
-from tlt_jax.models.drafter import DrafterConfig, init_drafter_params  # noqa: E402
-from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer  # noqa: E402
-from tlt_jax.rl.tasks.arithmetic import ArithmeticTask  # noqa: E402
-from tlt_jax.rl.tokenizer import prompt_ids  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length  # noqa: E402
-from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
-from tlt_jax.speculative.strategy import Strategy  # noqa: E402
-from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner, TableTuner  # noqa: E402
+from tlt_jax.drafter_training.train_step import DrafterOptConfig
+from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
+from tlt_jax.drafters import EagleDrafter
+from tlt_jax.mesh import make_mesh
+from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
+from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
+from tlt_jax.rl.tasks.arithmetic import ArithmeticTask
+from tlt_jax.rl.tokenizer import prompt_ids
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
+from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner, TableTuner
 
 DEFAULT_POLICY = "assets/tiny-policy"
 

@@ -5,8 +5,8 @@ every (drafter, strategy), measured side by side in one run. Reports per configu
 accept length (tokens per SD iteration), the cost of an SD iteration relative to a plain
 step, and the resulting decode speedup (tokens/s ratio). Writes JSON and a PNG.
 
-  python experiments/bench_sd_step.py --out results/sd_step.json
-  python experiments/bench_sd_step.py --policy assets/tiny-policy --out results/sd_step.json
+  python -m experiments.bench_sd_step --out results/sd_step.json
+  python -m experiments.bench_sd_step --policy assets/tiny-policy --out results/sd_step.json
 
 With --shared-shape S,K,T each strategy of top-k K also runs inside the program shaped for
 (S, K, T) (`rollout.speculative.shared_max_batch`: one program per batch bucket serves every
@@ -29,28 +29,27 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import matplotlib.pyplot as plt
+from tqdm import tqdm
 
-from configs.default import get_config  # noqa: E402
-from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
-from tlt_jax.components import model_config  # noqa: E402
-from tlt_jax.drafters import EagleDrafter  # noqa: E402
-from tlt_jax.models import ModelConfig, Policy, init_cache, init_params  # noqa: E402
-from tlt_jax.models.drafter import (DrafterConfig, drafter_from_policy,  # noqa: E402
+from configs.default import get_config
+from tlt_jax.compile_cache import enable_compilation_cache
+from tlt_jax.components import model_config
+from tlt_jax.drafters import EagleDrafter
+from tlt_jax.models import ModelConfig, Policy, init_cache, init_params
+from tlt_jax.models.drafter import (DrafterConfig, drafter_from_policy,
                                     init_drafter_params)
-from tlt_jax.models.hf import load_hf_config, load_hf_params  # noqa: E402
-from tlt_jax.speculative.decoding import decode_loop, plain_step, sd_step, start  # noqa: E402
-from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
-from tlt_jax.speculative.strategy import Strategy  # noqa: E402
+from tlt_jax.models.hf import load_hf_config, load_hf_params
+from tlt_jax.speculative.decoding import decode_loop, plain_step, sd_step, start
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
 
 GREEDY = SamplingParams(temperature=0.0)
 

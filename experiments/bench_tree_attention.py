@@ -42,9 +42,9 @@ the script started, and records the points it skipped. Use --iters / --batches /
 / --tree-sizes to shrink the grid, and --k-splits 1 for an unsplit-kernel run to compare
 against.
 
-  python experiments/bench_tree_attention.py --out results/tree_attention.json \
+  python -m experiments.bench_tree_attention --out results/tree_attention.json \
       --time-budget 480 --write-crossovers tlt_jax/kernels/crossover.json
-  python experiments/bench_tree_attention.py --quick --out /tmp/bt.json    # CPU smoke run
+  python -m experiments.bench_tree_attention --quick --out /tmp/bt.json    # CPU smoke run
 
 Writes the JSON and, at the end, a PNG (time and bandwidth fraction vs prefix length, one column
 per T) next to it; with --write-crossovers also the kernel-vs-reference crossover table the
@@ -58,35 +58,34 @@ import time
 
 T0 = time.perf_counter()  # --time-budget counts from here
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import pathlib  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import os
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
 
 # Runnable as a plain script from the repository root without installing the package.
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib  # noqa: E402
+import jax
+import jax.numpy as jnp
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from tqdm import tqdm
 
-from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
-from tlt_jax.kernels import crossover  # noqa: E402
-from tlt_jax.kernels.reference import prefix_tree_attention_reference  # noqa: E402
-from tlt_jax.kernels.tree_attention_pallas import (  # noqa: E402
+from .common import REPO, run_metadata, write_json
+from tlt_jax.compile_cache import enable_compilation_cache
+from tlt_jax.kernels import crossover
+from tlt_jax.kernels.reference import prefix_tree_attention_reference
+from tlt_jax.kernels.tree_attention_pallas import (
     device_num_sms, kernel_plan, prefix_tree_attention_pallas)
 
 # Peak HBM bandwidth in bytes/s by substring of `device_kind`; first match wins, so the more
@@ -133,26 +132,6 @@ def peak_hbm_bytes_per_s(device: jax.Device) -> float | None:
     if name in device.device_kind:
       return peak
   return None
-
-
-def run_metadata(device: jax.Device) -> dict:
-  """Where and how this run was made: device, jax version, date, commit, command line."""
-  try:
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                            text=True, timeout=10).stdout.strip() or None
-  except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
-    commit = None
-  return dict(device=dict(platform=device.platform, device_kind=device.device_kind),
-              jax_version=jax.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              git_commit=commit, command=shlex.join(sys.argv))
-
-
-def write_json(path: pathlib.Path, doc: dict) -> None:
-  """Replaces path with doc in one step: a run killed mid-write keeps the previous version."""
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(doc, indent=2))
-  os.replace(tmp, path)
 
 
 def make_inputs(key, batch, prefix_len, t, heads, kv_heads, head_dim, dtype):

@@ -13,7 +13,7 @@ side by side in one run:
                      against tlt_jax SD with its EAGLE drafter (assets/tiny-drafter);
   exactness: greedy outputs compared token for token between the two libraries.
 
-  python experiments/bench_vs_hf.py --out results/vs_hf.json [--quick]
+  python -m experiments.bench_vs_hf --out results/vs_hf.json [--quick]
 
 JSON: tokens/s per library and batch size, the ratios tlt_jax / transformers, token-match
 counts; a PNG bar chart next to it. Tokens counted are the generated ones up to and including
@@ -31,26 +31,25 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from configs.default import get_config  # noqa: E402
-from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
-from tlt_jax.components import task_prompts  # noqa: E402
-from tlt_jax.mesh import make_mesh  # noqa: E402
-from tlt_jax.drafters import make_drafter  # noqa: E402
-from tlt_jax.models.drafter_io import load_drafter  # noqa: E402
-from tlt_jax.models.hf import (load_hf_config, load_hf_params, load_tokenizer,  # noqa: E402
+from configs.default import get_config
+from tlt_jax.compile_cache import enable_compilation_cache
+from tlt_jax.components import task_prompts
+from tlt_jax.mesh import make_mesh
+from tlt_jax.drafters import make_drafter
+from tlt_jax.models.drafter_io import load_drafter
+from tlt_jax.models.hf import (load_hf_config, load_hf_params, load_tokenizer,
                                save_hf_checkpoint)
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
-from tlt_jax.speculative.tuner import FixedTuner  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.tuner import FixedTuner
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(0.0)

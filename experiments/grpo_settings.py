@@ -8,9 +8,9 @@ the reward gained over the initial policy on each step's own prompts and samplin
 (`paired`: the mean over steps 2..N), held-out greedy and sampled accuracy at the first and
 the last step, the reward per step, and the run-to-run spread over seeds.
 
-  python experiments/grpo_settings.py --out results/grpo_settings
-  python experiments/grpo_settings.py --out /tmp/gs --quick    # configs/default.py:runlocal
-  python experiments/grpo_settings.py --out results/gs --seeds 0 1 2 \
+  python -m experiments.grpo_settings --out results/grpo_settings
+  python -m experiments.grpo_settings --out /tmp/gs --quick    # configs/default.py:runlocal
+  python -m experiments.grpo_settings --out results/gs --seeds 0 1 2 \
       --setting "kl=rl.kl_coef=0.1,rl.lr_warmup_steps=4" --setting "lr3e-5=rl.learning_rate=3e-5"
 
 A setting is NAME=KEY=VALUE[,KEY=VALUE...] (config overrides); `default` (no overrides) is
@@ -28,18 +28,17 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from tlt_jax.cli import config_from_file, set_config_value, setup_devices  # noqa: E402
-from tlt_jax.config import ConfigError  # noqa: E402
-from tlt_jax.train import train  # noqa: E402
+from tlt_jax.cli import config_from_file, set_config_value, setup_devices
+from tlt_jax.config import ConfigError
+from tlt_jax.train import train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # What was tried on the tiny default (README: "What GRPO does to the tiny policy").

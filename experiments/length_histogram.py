@@ -4,8 +4,8 @@ Samples one completion per held-out problem of the built-in task at temperature 
 rollout does) and records its length in tokens. The point is the long tail: most responses end
 early and a few run several times longer, which is what makes rollout wait on stragglers.
 
-  python experiments/length_histogram.py --policy assets/tiny-policy --out results/lengths
-  python experiments/length_histogram.py --policy assets/tiny-policy --out /tmp/lh --quick
+  python -m experiments.length_histogram --policy assets/tiny-policy --out results/lengths
+  python -m experiments.length_histogram --policy assets/tiny-policy --out /tmp/lh --quick
 
 Writes OUT/lengths.json (lengths, step counts, correctness, summary statistics) and
 OUT/length_histogram.png (log-scale counts). The task's parameters are read from the policy's
@@ -22,22 +22,21 @@ import sys
 import time
 
 # Runnable as a plain script from the repository root without installing the package.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import matplotlib  # noqa: E402
+import jax
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
-from tlt_jax.components import (load_policy, load_tokenizer_for, make_engine,  # noqa: E402
+from tlt_jax.compile_cache import enable_compilation_cache
+from tlt_jax.components import (load_policy, load_tokenizer_for, make_engine,
                                 task_examples)
-from tlt_jax.config import base_config, with_current_keys  # noqa: E402
-from tlt_jax.mesh import make_mesh  # noqa: E402
-from tlt_jax.rl.evaluate import evaluate  # noqa: E402
-from tlt_jax.speculative.sampling import SamplingParams  # noqa: E402
+from tlt_jax.config import base_config, with_current_keys
+from tlt_jax.mesh import make_mesh
+from tlt_jax.rl.evaluate import evaluate
+from tlt_jax.speculative.sampling import SamplingParams
 
 
 def policy_config(policy: str, batch_size: int, max_new_tokens: int):

@@ -1,9 +1,9 @@
 """Runs every figure experiment, one after another, into one results folder.
 
-  python experiments/reproduce.py --all --out results/
-  python experiments/reproduce.py --all --out /tmp/results --quick     # smoke run, minutes
-  python experiments/reproduce.py --only rl_runs simulate_cluster --out results/
-  python experiments/reproduce.py --all --out results/ --dry-run       # print the commands
+  python -m experiments.reproduce --all --out results/
+  python -m experiments.reproduce --all --out /tmp/results --quick     # smoke run, minutes
+  python -m experiments.reproduce --only rl_runs simulate_cluster --out results/
+  python -m experiments.reproduce --all --out results/ --dry-run       # print the commands
 
 Each experiment runs as its own process (a fresh JAX runtime, its own device setup) and writes
 into OUT/<name>/. A failing experiment does not stop the others: OUT/reproduce.json records
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from .common import REPO, module_command
 POLICY = "assets/tiny-policy"
 # Experiments that need a package `pip install -e .` does not install: skipped, not failed,
 # when it is missing.
@@ -31,31 +31,32 @@ REQUIRES = {"vs_hf": "torch"}
 
 
 def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
-  """name -> argument list of each experiment script (paths inside `out`)."""
+  """name -> the experiment module (experiments.<module>) and its arguments (paths inside
+  `out`)."""
   q = ["--quick"] if quick else []
   baseline_run = out / "rl_runs" / "runs" / "baseline"
   return {
       # 1: the long tail of one policy's samples (the RL runs add it per step).
-      "length_histogram": ["length_histogram.py", "--policy", POLICY,
+      "length_histogram": ["length_histogram", "--policy", POLICY,
                            "--out", str(out / "length_histogram"), *q],
       # 1, 3, 4: baseline / TLT / frozen / no-warm-up RL runs, back to back.
-      "rl_runs": ["rl_runs.py", "--out", str(out / "rl_runs"), *q],
+      "rl_runs": ["rl_runs", "--out", str(out / "rl_runs"), *q],
       # Held-out accuracy before and after GRPO, per update setting and seed.
-      "grpo_settings": ["grpo_settings.py", "--out", str(out / "grpo_settings"), *q],
+      "grpo_settings": ["grpo_settings", "--out", str(out / "grpo_settings"), *q],
       # 2, 5: rollout throughput by mode and active batch size; the tuner vs fixed strategies.
-      "rollout": ["bench_rollout.py", "--policy", POLICY,
+      "rollout": ["bench_rollout", "--policy", POLICY,
                   "--out", str(out / "rollout" / "rollout.json"), *q],
       # 6: the compiled-executable pool.
-      "executable_pool": ["executable_pool.py", "--out", str(out / "executable_pool"), *q],
+      "executable_pool": ["executable_pool", "--out", str(out / "executable_pool"), *q],
       # 7: cluster-scale projection (8 to 1024 devices), and the simulator against a measured
       # run: its lengths replayed with costs fitted to it, simulated vs measured idle time.
-      "simulate_cluster": ["simulate_cluster.py", "--out", str(out / "simulate_cluster"), *q],
-      "simulate_vs_run": ["simulate_vs_run.py", "--out", str(out / "simulate_vs_run"),
+      "simulate_cluster": ["simulate_cluster", "--out", str(out / "simulate_cluster"), *q],
+      "simulate_vs_run": ["simulate_vs_run", "--out", str(out / "simulate_vs_run"),
                           "--run", str(baseline_run)],
       # Against transformers on the same checkpoint.
-      "vs_hf": ["bench_vs_hf.py", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
+      "vs_hf": ["bench_vs_hf", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
       # The drafter trained with unrolled draft steps (training-time test), per strategy.
-      "drafter_ttt": ["drafter_ttt.py", "--out", str(out / "drafter_ttt" / "drafter_ttt.json"),
+      "drafter_ttt": ["drafter_ttt", "--out", str(out / "drafter_ttt" / "drafter_ttt.json"),
                       *q],
   }
 
@@ -82,8 +83,8 @@ def main():
   report = {"quick": args.quick, "experiments": {}}
   for i, name in enumerate(names, 1):
     # Built per experiment: the simulator reads what rl_runs has just written.
-    script, *script_args = experiments(args.out, args.quick)[name]
-    cmd = [sys.executable, str(REPO / "experiments" / script), *script_args]
+    module, *module_args = experiments(args.out, args.quick)[name]
+    cmd = module_command(module, *module_args)
     print(f"[{i}/{len(names)}] {name}: {' '.join(cmd[1:])}", flush=True)
     if args.dry_run:
       continue

@@ -15,9 +15,9 @@ programs (tlt_shared, tlt_own_programs: rollout.speculative.shared_max_batch eve
 none), to measure what one program per bucket saves against what its padding costs, and with
 SD at any number of running rows (tlt_sd_whole_batch: rollout.sd_threshold above the batch).
 
-  python experiments/rl_runs.py --out results/rl_runs
-  python experiments/rl_runs.py --out /tmp/rl --quick          # configs/default.py:runlocal
-  python experiments/rl_runs.py --out results/rl --config configs/qwen2_5_gpu.py:8gpu \
+  python -m experiments.rl_runs --out results/rl_runs
+  python -m experiments.rl_runs --out /tmp/rl --quick          # configs/default.py:runlocal
+  python -m experiments.rl_runs --out results/rl --config configs/qwen2_5_gpu.py:8gpu \
       --set model.path=/models/Qwen2.5-7B-Instruct --set drafter.eagle.path=runs/warmup/export/eagle
 
 With --resume a rerun keeps OUT's runs: a variant that finished is read back (OUT/runs/<variant>/
@@ -45,22 +45,21 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
-from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache
 
-from tlt_jax.cli import config_from_file, set_config_value, setup_devices  # noqa: E402
-from tlt_jax.compile_cache import enable_compilation_cache  # noqa: E402
-from tlt_jax.config import ConfigError  # noqa: E402
-from tlt_jax.rollout.pool import wait_for_compiles_ahead  # noqa: E402
-from tlt_jax.train import train  # noqa: E402
+from tlt_jax.cli import config_from_file, set_config_value, setup_devices
+from tlt_jax.compile_cache import enable_compilation_cache
+from tlt_jax.config import ConfigError
+from tlt_jax.rollout.pool import wait_for_compiles_ahead
+from tlt_jax.train import train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = {

@@ -8,12 +8,12 @@ row by one token (plain decode) or by the accept length (SD, once running rows <
 Iteration times come from a cost table by batch size. For each N it compares the baseline
 (plain decode, no spot training) with TLT (SD in the tail + drafter training on idle slices).
 
-  python experiments/simulate_cluster.py --out results/sim
-  python experiments/simulate_cluster.py --out /tmp/sim --quick
-  python experiments/simulate_cluster.py --out results/sim --lengths runs/lengths/lengths.json \
+  python -m experiments.simulate_cluster --out results/sim
+  python -m experiments.simulate_cluster --out /tmp/sim --quick
+  python -m experiments.simulate_cluster --out results/sim --lengths runs/lengths/lengths.json \
       --max-new-tokens 256 --costs costs.json
-  python experiments/simulate_cluster.py --out results/sim --costs-from-bench results/rollout.json
-  python experiments/simulate_cluster.py --out results/sim --sd-threshold 8 \
+  python -m experiments.simulate_cluster --out results/sim --costs-from-bench results/rollout.json
+  python -m experiments.simulate_cluster --out results/sim --sd-threshold 8 \
       --costs-from-decode docs/results/gpu_h100_2026-11-26/decode_7b.json
 
 Writes OUT/simulation.json (inputs, cost table, per-N results with per-slice finish times),
@@ -40,17 +40,16 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from tlt_jax.rollout.scheduler import (Compact, Refill, SliceScheduler, Start,  # noqa: E402
+from tlt_jax.rollout.scheduler import (Compact, Refill, SliceScheduler, Start,
                                        bucket)
-from tlt_jax.speculative.strategy import Strategy  # noqa: E402
+from tlt_jax.speculative.strategy import Strategy
 
 _EPS = 1e-9  # tokens: remaining work at or below this counts as done (float SD progress)
 
@@ -186,7 +185,7 @@ def costs_from_rollout_json(path: str, max_batch: int = 64) -> CostModel:
     s = {k: sd[k] for k in ("tail_tokens", "tail_calls", "tail_s_per_call", "accept_len")}
   except (KeyError, TypeError) as e:
     raise ValueError(f"{path!r} is not a bench_rollout.py result (missing {e}); make it with "
-                     f"`python experiments/bench_rollout.py --out FILE.json`") from None
+                     f"`python -m experiments.bench_rollout --out FILE.json`") from None
   if not p["tail_calls"] or not s["tail_calls"] or not s["accept_len"]:
     raise ValueError(f"{path!r} has no tail-phase calls to time; rerun bench_rollout.py with a "
                      f"larger --sd-threshold")
@@ -225,7 +224,7 @@ def costs_from_decode_json(path: str, max_batch: int = 64, sd_key: str | None = 
   rows = [r for r in data.get("rows", []) if isinstance(r, dict) and r.get("complete")]
   if not rows or any("tlt_plain_ms" not in r or not r.get("sd") for r in rows):
     raise ValueError(f"{path!r} holds no complete bench_decode.py rows with SD timings; make "
-                     f"it with `python experiments/bench_decode.py --out FILE.json`")
+                     f"it with `python -m experiments.bench_decode --out FILE.json`")
   keys = sorted(rows[0]["sd"], key=lambda k: rows[0]["sd"][k]["iteration_ms"])
   key = sd_key or keys[0]
   if any(key not in r["sd"] for r in rows):

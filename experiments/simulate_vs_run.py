@@ -6,7 +6,7 @@ slice-seconds it predicts with those the run measured.
 
   python -m tlt_jax.train --config configs/default.py:baseline --workdir runs/baseline \
       --config.rl.save_rollouts=True
-  python experiments/simulate_vs_run.py --run runs/baseline --out results/simulate_vs_run
+  python -m experiments.simulate_vs_run --run runs/baseline --out results/simulate_vs_run
 
 Reads RUN/metrics.jsonl, RUN/rollouts.jsonl and RUN/summary.json; writes OUT/compare.json and
 OUT/compare.png.
@@ -20,16 +20,15 @@ import os
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-import simulate_cluster as sim  # noqa: E402
-from tlt_jax.config import with_current_keys  # noqa: E402
+from . import simulate_cluster as sim
+from tlt_jax.config import with_current_keys
 
 
 def _read_jsonl(path: str, what: str, need: tuple, hint: str) -> list[dict]:

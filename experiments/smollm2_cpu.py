@@ -1,8 +1,8 @@
 """A real model on CPU: SmolLM2-135M-Instruct (configs/smollm2.py), where TLT's regime begins.
 
-  python experiments/smollm2_cpu.py --out runs/smollm2_cpu
-  python experiments/smollm2_cpu.py --out /tmp/sm --quick      # configs/smollm2.py:runlocal
-  python experiments/smollm2_cpu.py --out runs/smollm2_cpu --stages decode rollout
+  python -m experiments.smollm2_cpu --out runs/smollm2_cpu
+  python -m experiments.smollm2_cpu --out /tmp/sm --quick      # configs/smollm2.py:runlocal
+  python -m experiments.smollm2_cpu --out runs/smollm2_cpu --stages decode rollout
 
 Stages (each a subprocess; its output streams to the console and OUT/logs/STAGE.log; a stage
 that finished is recorded in OUT/stages.json and skipped when the command is run again):
@@ -32,16 +32,14 @@ import statistics
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "experiments"))  # the sibling scripts it reuses
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from gpu_e2e import run_recorded_stages  # noqa: E402
+from .common import REPO, module_command
+from .gpu_e2e import run_recorded_stages
 
 STAGES = ("decode", "warmup", "rollout", "rl")
 CONFIG = str(REPO / "configs" / "smollm2.py")
@@ -111,7 +109,7 @@ def rollout_stage(out: pathlib.Path, quick: bool, sets: list[str], num_prompts: 
   """Plain decoding against SD per fixed strategy and BEG-MAB on one batch, same key."""
   import jax
 
-  from bench_rollout import summarize
+  from .bench_rollout import summarize
   from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,
                                   make_engine, make_tuner_from_config, sampling_params,
                                   task_prompts)
@@ -164,19 +162,19 @@ def rollout_stage(out: pathlib.Path, quick: bool, sets: list[str], num_prompts: 
 
 
 def stage_commands(out: pathlib.Path, quick: bool, sets: list[str], args) -> dict:
-  py, me = sys.executable, str(pathlib.Path(__file__).resolve())
+  py = sys.executable
   config = CONFIG + (":runlocal" if quick else "")
   flags = [f"--config.{kv}" for kv in sets]
   own = ["--out", str(out), *(["--quick"] if quick else []),
          *[a for kv in sets for a in ("--set", kv)]]
   return {
-      "decode": [py, me, "--run-stage", "decode", *own, "--batches",
+      "decode": [*module_command("smollm2_cpu"), "--run-stage", "decode", *own, "--batches",
                  *map(str, args.batches), "--iters", str(args.iters)],
       "warmup": [py, "-m", "tlt_jax.warmup_drafter", f"--config={config}",
                  f"--workdir={out / 'warmup'}", *flags],
-      "rollout": [py, me, "--run-stage", "rollout", *own, "--rollout-prompts",
+      "rollout": [*module_command("smollm2_cpu"), "--run-stage", "rollout", *own, "--rollout-prompts",
                   str(args.rollout_prompts)],
-      "rl": [py, str(REPO / "experiments" / "rl_runs.py"), "--out", str(out / "rl"),
+      "rl": [*module_command("rl_runs"), "--out", str(out / "rl"),
              "--config", config, "--set",
              f"drafter.eagle.path={out / 'warmup' / 'export' / 'eagle'}",
              "--variants", "baseline", "tlt", "--resume",
@@ -186,7 +184,7 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: list[str], args) -> dic
 
 def collect(out: pathlib.Path, stages: dict) -> dict:
   """The headline numbers of every stage, from its own outputs."""
-  from bench_decode import run_metadata
+  from .common import run_metadata
   decode, roll = _read(out / "decode.json"), _read(out / "rollout.json")
   warm, rl = _read(out / "warmup" / "summary.json"), _read(out / "rl" / "rl_runs.json")
   modes = roll.get("modes", {})

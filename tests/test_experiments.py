@@ -23,10 +23,15 @@ def _jsonl(path):
   return [json.loads(line) for line in open(path)]
 
 
-def _run_script(script, *args, timeout=600):
+def _module(name):
+  """argv that runs experiments.<name> (or tools.<name> for 'tools.<name>'), from the root."""
+  return [sys.executable, "-m", name if "." in name else f"experiments.{name}"]
+
+
+def _run_script(name, *args, timeout=600):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script), *args],
-                     cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  r = subprocess.run([*_module(name), *args], cwd=REPO, env=env, capture_output=True,
+                     text=True, timeout=timeout)
   assert r.returncode == 0, r.stderr[-3000:]
   return r
 
@@ -144,8 +149,8 @@ def _check_bench_decode_quick(out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,results,skipped", [
-    ("bench_decode.py", "rows", "skipped_batches"),
-    ("bench_tree_attention.py", "results", "skipped_points")])
+    ("bench_decode", "rows", "skipped_batches"),
+    ("bench_tree_attention", "results", "skipped_points")])
 def test_bench_decode_and_tree_attention_stop_at_time_budget(tmp_path, script, results,
                                                             skipped):
   """A budget spent before the second batch (grid point) keeps the first one and says what
@@ -154,7 +159,7 @@ def test_bench_decode_and_tree_attention_stop_at_time_budget(tmp_path, script, r
   _run_script(script, "--quick", "--time-budget", "0.001", "--out", str(out))
   data = json.loads(out.read_text())
   assert data["stopped_early"] is True and len(data[results]) == 1
-  assert len(data[skipped]) == (1 if script == "bench_decode.py" else 7)
+  assert len(data[skipped]) == (1 if script == "bench_decode" else 7)
 
 
 @pytest.mark.slow
@@ -162,7 +167,7 @@ def test_bench_drafts_quick(tmp_path):
   """EAGLE and hybrid strategies on the default config: every mode's tokens are plain
   decoding's, the warmed drafter's trees are accepted, and the comparison is written."""
   out = tmp_path / "drafts.json"
-  _run_script("bench_drafts.py", "--quick", "--out", str(out))
+  _run_script("bench_drafts", "--quick", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   modes = data["modes"]
@@ -177,7 +182,7 @@ def test_bench_drafts_quick(tmp_path):
 @pytest.mark.slow
 def test_bench_sd_step_quick(tmp_path):
   out = tmp_path / "sd.json"
-  _run_script("bench_sd_step.py", "--quick", "--shared-shape", "4,2,8", "--out", str(out))
+  _run_script("bench_sd_step", "--quick", "--shared-shape", "4,2,8", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert {r["drafter"] for r in data["rows"]} == {"oracle", "random"}
@@ -238,7 +243,7 @@ def test_tuner_comparison_ranks_by_tail_time():
 @pytest.mark.slow
 def test_bench_vs_hf_quick(tmp_path):
   out = tmp_path / "vs_hf.json"
-  _run_script("bench_vs_hf.py", "--quick", "--out", str(out))
+  _run_script("bench_vs_hf", "--quick", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert set(data["greedy"]) == {"1", "4"}
@@ -253,14 +258,14 @@ def test_bench_vs_hf_quick(tmp_path):
 def test_bench_vs_revision_quick(tmp_path):
   """The committed tree against itself, extracted by git archive: the same greedy tokens."""
   out = tmp_path / "vs_rev.json"
-  _run_script("bench_vs_revision.py", "--quick", "--rev", "HEAD", "--out", str(out))
+  _run_script("tools.bench_vs_revision", "--quick", "--rev", "HEAD", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert data["outputs_identical"] is True
   assert data["revision"]["tokens"] == data["current"]["tokens"] > 0
   assert len(data["revision"]["wall_s"]) == len(data["current"]["wall_s"]) == 1
   assert data["speedup"] > 0
-  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "bench_vs_revision.py"),
+  r = subprocess.run([*_module("tools.bench_vs_revision"),
                       "--rev", "no-such-revision", "--out", str(out)], cwd=REPO,
                      capture_output=True, text=True)
   assert r.returncode != 0 and "not a revision" in r.stderr
@@ -312,7 +317,7 @@ def _check_rl_runs(out, responses_per_step):
 
 @pytest.mark.slow
 def test_grpo_settings_quick(tmp_path):
-  _run_script("grpo_settings.py", "--quick", "--out", str(tmp_path))
+  _run_script("grpo_settings", "--quick", "--out", str(tmp_path))
   data = json.loads((tmp_path / "grpo_settings.json").read_text())
   assert (tmp_path / "grpo_settings.png").stat().st_size > 1000
   assert list(data["settings"]) == ["default", "lr3e-5"]
@@ -331,7 +336,7 @@ def test_grpo_settings_names_a_bad_setting(tmp_path):
   # In a process of its own: the script imports the main job, whose flags a test process
   # that imported another job already holds.
   for bad in ("kl", "kl=", "kl=rl.kl_coef"):
-    r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "grpo_settings.py"),
+    r = subprocess.run([*_module("grpo_settings"),
                         "--out", str(tmp_path), "--setting", bad], cwd=REPO,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                        text=True, timeout=120)
@@ -341,7 +346,7 @@ def test_grpo_settings_names_a_bad_setting(tmp_path):
 
 @pytest.mark.slow
 def test_executable_pool_quick(tmp_path):
-  _run_script("executable_pool.py", "--quick", "--out", str(tmp_path))
+  _run_script("executable_pool", "--quick", "--out", str(tmp_path))
   data = json.loads((tmp_path / "executable_pool.json").read_text())
   assert (tmp_path / "executable_pool.png").exists()
   bucketed, every = data["sets"]["bucketed"], data["sets"]["every_batch_size"]
@@ -354,22 +359,22 @@ def test_executable_pool_quick(tmp_path):
 
 
 def test_reproduce_lists_every_experiment_and_rejects_unknown_names(tmp_path):
-  r = _run_script("reproduce.py", "--all", "--dry-run", "--out", str(tmp_path))
+  r = _run_script("reproduce", "--all", "--dry-run", "--out", str(tmp_path))
   names = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines()
            if line.startswith("[")]
   assert names == ["length_histogram", "rl_runs", "grpo_settings", "rollout", "executable_pool",
                    "simulate_cluster", "simulate_vs_run", "vs_hf", "drafter_ttt"]
-  for name in names:  # every script it would run exists
-    script = next(line for line in r.stdout.splitlines() if f"] {name}:" in line).split()[2]
-    assert os.path.isfile(script), script
-  bad = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "reproduce.py"),
+  for name in names:  # every module it would run (`-m experiments.<module>`) exists
+    module = next(line for line in r.stdout.splitlines() if f"] {name}:" in line).split()[3]
+    assert os.path.isfile(os.path.join(REPO, *module.split(".")) + ".py"), module
+  bad = subprocess.run([*_module("reproduce"),
                         "--only", "figure9", "--out", str(tmp_path)],
                        capture_output=True, text=True)
   assert bad.returncode != 0 and "unknown experiment" in bad.stderr
 
 
 def test_reproduce_runs_a_subset_and_records_it(tmp_path):
-  _run_script("reproduce.py", "--only", "simulate_cluster", "--quick", "--out", str(tmp_path))
+  _run_script("reproduce", "--only", "simulate_cluster", "--quick", "--out", str(tmp_path))
   report = json.loads((tmp_path / "reproduce.json").read_text())
   run = report["experiments"]["simulate_cluster"]
   assert run["returncode"] == 0 and report["quick"] is True
@@ -381,7 +386,7 @@ def test_reproduce_runs_a_subset_and_records_it(tmp_path):
 @pytest.mark.slow
 def test_drafter_ttt_quick(tmp_path):
   out = tmp_path / "ttt.json"
-  _run_script("drafter_ttt.py", "--quick", "--draft-vocab-sizes", "0", "40", "--out", str(out))
+  _run_script("drafter_ttt", "--quick", "--draft-vocab-sizes", "0", "40", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   variants = {(r["features"], r["draft_vocab_size"], r["train_depth"]) for r in data["rows"]}
@@ -400,7 +405,7 @@ def test_gpu_campaign_quick_runs_its_commands_and_gpu_e2e_resumes(tmp_path):
   """The campaign's commands at toy shapes: the kernel grid and the decode bench, then
   gpu_e2e in three parts; each step recorded with its exit status and files."""
   out = tmp_path / "campaign"
-  _run_script("gpu_campaign.py", "all", "--quick", "--out", str(out), timeout=1500)
+  _run_script("gpu_campaign", "all", "--quick", "--out", str(out), timeout=1500)
   record = json.loads((out / "campaign.json").read_text())
   assert set(record["steps"]) == {"gpu_numerics", "tree_attention", "decode_7b",
                                   "gpu_e2e_sft_warmup", "gpu_e2e_rl", "gpu_e2e_rollout"}
@@ -430,7 +435,7 @@ def test_gpu_campaign_quick_runs_its_commands_and_gpu_e2e_resumes(tmp_path):
   _check_bench_rollout(e2e / "rollout" / "rollout.json")
   _check_rl_runs(e2e / "rl", responses_per_step=4 * 4)  # gpu_demo:quick's 4 prompts x 4
   # A rerun finds every stage done and only makes the projection and the summary again.
-  r = _run_script("gpu_e2e.py", "--quick", "--out", str(e2e))
+  r = _run_script("gpu_e2e", "--quick", "--out", str(e2e))
   assert r.stdout.count("done in an earlier run") == 4
   assert "=== simulate" in r.stdout
 
@@ -444,9 +449,12 @@ def test_gpu_campaign_fits_a_lease_and_bounds_each_stage(tmp_path):
   for command in ("2", "3"):  # the deadline less the step's 20 s of margin
     assert campaign.estimated_seconds(command) <= campaign.COMMAND_SECONDS[command] - 20
   # The plan of the first H100 run (1.5 minutes of SFT, 1.25 of warm-up) did not fit.
+  plan = campaign.E2E_PLAN["2"]
   campaign.E2E_PLAN["2"] = (["sft", "warmup"], ["sft:sft.max_minutes=1.5"])
-  assert campaign.estimated_seconds("2") > 340
-  campaign = load_experiment("gpu_campaign")
+  try:
+    assert campaign.estimated_seconds("2") > 340
+  finally:
+    campaign.E2E_PLAN["2"] = plan
   argv = {c: campaign.steps(c, tmp_path, quick=False)[0][1] for c in ("2", "3", "4")}
   assert argv["2"][argv["2"].index("--stages") + 1:][:2] == ["sft", "warmup"]
   assert "sft:sft.max_minutes=1" in argv["2"] and "rl:rl.max_minutes=1.75" in argv["3"]

@@ -169,7 +169,7 @@ def test_the_quick_pipeline_stages_checks_and_runs_both_variants_identically(tmp
   and run for 2 steps as the baseline and as TLT with SD on every decode call: identical
   responses, at most 8 files to bring back, every step of both variants in headline.json."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "gpu_headline.py"),
+  r = subprocess.run([sys.executable, "-m", "experiments.gpu_headline",
                       "quick", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
                      text=True, timeout=1500)
   assert r.returncode == 0, r.stderr[-3000:]

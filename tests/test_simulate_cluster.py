@@ -328,8 +328,8 @@ def test_compare_with_run_needs_rollouts(tmp_path):
 
 # ---------------------------------------------------------------- the script
 
-def _run_script(*args, timeout=120, script="simulate_cluster.py"):
-  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script),
+def _run_script(*args, timeout=120, script="simulate_cluster"):
+  r = subprocess.run([sys.executable, "-m", f"experiments.{script}",
                       *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
   assert r.returncode == 0, r.stderr[-3000:]
   return r
@@ -353,7 +353,7 @@ def test_quick_mode_end_to_end(tmp_path):
 def test_compare_run_cli_reads_the_run_summary(tmp_path):
   _write_run(str(tmp_path / "run"), "interleaved", summary=True)
   _run_script("--run", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
-              script="simulate_vs_run.py")
+              script="simulate_vs_run")
   res = json.loads((tmp_path / "out" / "compare.json").read_text())
   assert res["settings"] == {"num_slices": 2, "max_batch": 4, "sd_threshold": 2}
   assert (tmp_path / "out" / "compare.png").exists()

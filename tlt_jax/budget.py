@@ -110,7 +110,7 @@ def job_meshes(config: ml_collections.ConfigDict, num_devices: int = 1) -> JobMe
   if num_devices > len(devices):
     raise ValueError(f"the budget asks for {num_devices} devices but this machine has "
                      f"{len(devices)}; on CPU emulate them (jax_num_cpu_devices, set before "
-                     f"JAX starts; experiments/gpu_budget.py --devices does it)")
+                     f"JAX starts; python -m tools.gpu_budget --devices does it)")
   axes = dict(config.mesh.axes) | {n: 1 for n in AXIS_ORDER if n not in config.mesh.axes}
   mesh = make_mesh(axes, devices[:num_devices])
   return JobMeshes(mesh, replica_slices(mesh)[0], tuple(config.mesh.rules),

@@ -9,7 +9,7 @@ or batch 2, were right. The kernel was right where it was checked against the CP
 flag (or `--xla_gpu_deterministic_ops=true`, or turning autotuning off) made the result right;
 `--xla_gpu_enable_triton_gemm=false` did not. The reference attention
 is what prefill and every training step run on GPU, so without it a GPU run could train on
-wrong attention without any error. `experiments/check_gpu_numerics.py` repeats the check.
+wrong attention without any error. `python -m tools.check_gpu_numerics` repeats the check.
 
 A setting of the same flag already in `XLA_FLAGS` wins (`...=false` turns this off). XLA
 reads `XLA_FLAGS` when JAX starts its first backend, so the package must be imported before

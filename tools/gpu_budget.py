@@ -1,12 +1,12 @@
 """Memory and compile budget of a config's GPU programs, checked on any machine.
 
-  python experiments/gpu_budget.py --out docs/results/gpu_budget.json   # configs/gpu_demo.py
-  python experiments/gpu_budget.py --config configs/gpu_demo.py --set model.remat=none \\
+  python -m tools.gpu_budget --out docs/results/gpu_budget.json   # configs/gpu_demo.py
+  python -m tools.gpu_budget --config configs/gpu_demo.py --set model.remat=none \\
       --jobs sft --out /tmp/no_remat.json
-  python experiments/gpu_budget.py --quick --out /tmp/budget.json        # toy shapes, seconds
-  python experiments/gpu_budget.py --config configs/qwen2_5_gpu.py:8gpu --devices 8 \
+  python -m tools.gpu_budget --quick --out /tmp/budget.json        # toy shapes, seconds
+  python -m tools.gpu_budget --config configs/qwen2_5_gpu.py:8gpu --devices 8 \
       --model-shape qwen2.5-7b --jobs train --out docs/results/gpu_budget_8gpu.json
-  python experiments/gpu_budget.py --config configs/qwen3_gpu.py:1gpu --model-shape qwen3-1.7b \
+  python -m tools.gpu_budget --config configs/qwen3_gpu.py:1gpu --model-shape qwen3-1.7b \
       --jobs train warmup --out docs/results/gpu_budget_qwen3_1.7b_1gpu.json
 
 With --devices N the config's mesh spans N devices (emulated on CPU): training programs run
@@ -35,19 +35,18 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import jax  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
+import jax
+import matplotlib.pyplot as plt
 
-from tlt_jax.budget import (GiB, H100, JOBS, job_budget, job_programs,  # noqa: E402
+from tlt_jax.budget import (GiB, H100, JOBS, job_budget, job_programs,
                             lower_for_cuda, triton_calls)
-from tlt_jax.cli import config_from_file  # noqa: E402
-from tlt_jax.config import ConfigError  # noqa: E402
-from tlt_jax.models.shapes import MODEL_SHAPES, with_model_shape  # noqa: E402
+from tlt_jax.cli import config_from_file
+from tlt_jax.config import ConfigError
+from tlt_jax.models.shapes import MODEL_SHAPES, with_model_shape
 
 
 def cuda_lowering(config, job: str, num_devices: int) -> dict:

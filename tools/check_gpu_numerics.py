@@ -9,8 +9,8 @@ wrong at batch 1, cache 8192 and 2, 8, 9 or 12 new tokens (relative error about 
 the installed jax still needs that flag. The shapes are those of that run (Qwen2.5-7B heads:
 28 query, 4 KV, dim 128, bf16); --quick uses toy ones (any device, CI).
 
-  python experiments/check_gpu_numerics.py --out runs/numerics.json
-  python experiments/check_gpu_numerics.py --quick --out /tmp/numerics.json
+  python -m tools.check_gpu_numerics --out runs/numerics.json
+  python -m tools.check_gpu_numerics --quick --out /tmp/numerics.json
 
 Writes JSON: device, jax, XLA_FLAGS of each leg, and per shape the relative error of the
 reference and (on GPU) the kernel; exits 1 when the leg with the package's flags is wrong.
@@ -26,16 +26,15 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "experiments"))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import bench_tree_attention as bench  # noqa: E402
-from tlt_jax import xla_flags  # noqa: E402
-from tlt_jax.kernels.reference import prefix_tree_attention_reference  # noqa: E402
-from tlt_jax.kernels.tree_attention_pallas import prefix_tree_attention_pallas  # noqa: E402
+from experiments import bench_tree_attention as bench
+from experiments.common import module_command, run_metadata, write_json
+from tlt_jax import xla_flags
+from tlt_jax.kernels.reference import prefix_tree_attention_reference
+from tlt_jax.kernels.tree_attention_pallas import prefix_tree_attention_pallas
 
 # (batch, cache length, new tokens): the H100 run's wrong and right shapes.
 SHAPES = [(1, 8192, t) for t in (1, 2, 4, 7, 8, 9, 12, 16, 48)] + [(1, 16384, 8), (2, 8192, 8)]
@@ -91,21 +90,21 @@ def main(argv=None):
     args.out.write_text(json.dumps(rows))
     return
   child_out = args.out.with_suffix(".flags_off.tmp")
-  argv_child = [sys.executable, __file__, "--out", str(child_out), "--leg", "flags_off",
+  argv_child = [*module_command("tools.check_gpu_numerics"), "--out", str(child_out), "--leg", "flags_off",
                 *(["--quick"] if args.quick else [])]
   env = dict(os.environ, XLA_FLAGS=flags_off())
-  done = subprocess.run(argv_child, env=env, timeout=600)
+  done = subprocess.run(argv_child, env=env, cwd=REPO, timeout=600)
   off_rows = json.loads(child_out.read_text()) if done.returncode == 0 else None
   child_out.unlink(missing_ok=True)
   device = jax.devices()[0]
-  doc = dict(bench.run_metadata(device), heads=heads, dtype="bfloat16",
+  doc = dict(run_metadata(device), heads=heads, dtype="bfloat16",
              tolerance=bench.TOLERANCE["bfloat16"],
              legs=dict(flags=dict(xla_flags=os.environ.get("XLA_FLAGS", ""), rows=rows),
                        flags_off=dict(xla_flags=env["XLA_FLAGS"], rows=off_rows,
                                       returncode=done.returncode)))
   doc["right_with_flags"] = all(r["right"] for r in rows)
   doc["right_without_flags"] = None if off_rows is None else all(r["right"] for r in off_rows)
-  bench.write_json(args.out, doc)
+  write_json(args.out, doc)
   print(f"right with the package's flags: {doc['right_with_flags']}; without them: "
         f"{doc['right_without_flags']}; wrote {args.out}")
   if not doc["right_with_flags"]:

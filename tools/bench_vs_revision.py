@@ -7,7 +7,7 @@ its own process: a warm rollout (compiles), then a timed one. The two trees take
 --repeats times each, so drift of the machine hits both alike; the median wall time of each is
 compared.
 
-  python experiments/bench_vs_revision.py --rev bfc68b1 --out results/vs_rev/vs_rev.json
+  python -m tools.bench_vs_revision --rev bfc68b1 --out results/vs_rev/vs_rev.json
 
 The earlier tree is extracted with `git archive` into a temporary folder (nothing in the
 working tree changes). JSON: per tree the timed wall times, their median and the rollout's
@@ -33,8 +33,8 @@ POLICY = REPO / "assets" / "tiny-policy"
 
 
 def time_rollout(tree: str, args) -> dict:
-  """In a fresh process whose `tlt_jax` comes from `tree`: one warm and one timed rollout."""
-  sys.path.insert(0, tree)
+  """In a fresh process whose `tlt_jax` comes from `tree` (its working directory, first on the
+  module path; `run_child` starts it there): one warm and one timed rollout."""
   import jax
   jax.config.update("jax_num_cpu_devices", 2)
   from tlt_jax.mesh import make_mesh
@@ -75,10 +75,16 @@ def extract(rev: str, into: pathlib.Path) -> pathlib.Path:
 
 
 def run_child(tree: pathlib.Path, args) -> dict:
-  cmd = [sys.executable, __file__, "--child", str(tree), "--num-prompts", str(args.num_prompts),
-         "--num-samples", str(args.num_samples), "--max-batch", str(args.max_batch),
-         "--max-new-tokens", str(args.max_new_tokens), "--out", os.devnull]
-  out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+  cmd = [sys.executable, "-m", "tools.bench_vs_revision", "--child", str(tree),
+         "--num-prompts", str(args.num_prompts), "--num-samples", str(args.num_samples),
+         "--max-batch", str(args.max_batch), "--max-new-tokens", str(args.max_new_tokens),
+         "--out", os.devnull]
+  # `python -m` puts the working directory first on the module path: the tree's tlt_jax wins,
+  # and this script's package comes from PYTHONPATH.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+  out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True,
+                       text=True).stdout
   return json.loads(out.strip().splitlines()[-1])
 
 
