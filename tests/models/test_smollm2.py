@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.speculative.drafters import drafter_set
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
 from tlt_jax.import_model import DownloadError, smollm2_folder
