@@ -57,7 +57,7 @@ from tlt_jax.rl.phases import (paired_control, rollout_rows, sample_step, step_m
 from tlt_jax.rl.policy_update import PolicyUpdater, nonfinite_update_message
 from tlt_jax.rollout.pool import merge_bills, set_compile_threads, wait_for_compiles_ahead
 from tlt_jax.run_log import read_jsonl
-from tlt_jax.train_report import write_summary
+from tlt_jax.train_report import accept_shown, write_summary
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/train", "Output folder (resumes from it).")
@@ -221,7 +221,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
       bar.update(1)
       bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.2f}",
                       len=f"{metrics['response_len_mean']:.0f}", step_s=f"{metrics['step_s']:.1f}",
-                      accept=_accept_shown(metrics))
+                      accept=accept_shown(metrics))
   bar.close()
 
   # ---------------------------------------------------------------- export and summary
@@ -236,13 +236,6 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
                               "compile_bill": merge_bills(pools),
                               **({"compile_bill_control": merge_bills([control.pool])}
                                  if control is not None else {})})
-
-
-def _accept_shown(metrics: dict) -> str:
-  """The progress line's SD accept length: 'not reached' when SD was on but never ran."""
-  if metrics["sd_accept_len_mean"] is not None:
-    return f"{metrics['sd_accept_len_mean']:.2f}"
-  return "not reached" if "sd_not_reached" in metrics else "off"
 
 
 def _compile_plan(config, engine, updater, params, sampling, say) -> None:

@@ -144,3 +144,10 @@ def _plot(history: list[dict], evals: list[dict], path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def accept_shown(metrics: dict) -> str:
+  """The progress line's SD accept length: 'not reached' when SD was on but never ran."""
+  if metrics["sd_accept_len_mean"] is not None:
+    return f"{metrics['sd_accept_len_mean']:.2f}"
+  return "not reached" if "sd_not_reached" in metrics else "off"

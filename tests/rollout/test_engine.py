@@ -464,8 +464,7 @@ def test_a_rollout_whose_tail_never_reached_sd_says_why(tiny_cfg, tiny_params, m
   from tlt_jax.config import base_config
   from tlt_jax.rollout.engine import accept_length, sd_not_reached
   from tlt_jax.rollout.programs import SlicePrograms
-  from tlt_jax.train import _accept_shown
-  from tlt_jax.train_report import write_summary
+  from tlt_jax.train_report import accept_shown, write_summary
   ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
                     compile_ahead=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
@@ -480,8 +479,8 @@ def test_a_rollout_whose_tail_never_reached_sd_says_why(tiny_cfg, tiny_params, m
   assert reason == (f"its SD programs were still compiling ahead (rollout.compile_ahead) in "
                     f"all {len(waited)} tail calls")
   metrics = {"sd_accept_len_mean": None, "sd_not_reached": reason}
-  assert _accept_shown(metrics) == "not reached"
-  assert _accept_shown({"sd_accept_len_mean": None}) == "off"
+  assert accept_shown(metrics) == "not reached"
+  assert accept_shown({"sd_accept_len_mean": None}) == "off"
   row = {"step": 1, "reward_mean": 0.0, "accuracy": 0.0, "step_s": 1.0, "rollout_s": 1.0,
          "update_s": 0.0, "compile_s": 0.0, "drafter_steps": 0, "reclaimed_slice_s": 0.0,
          "idle_slice_s": 0.0, **metrics}
