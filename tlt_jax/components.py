@@ -50,9 +50,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   check_config(config, num_devices)
   # The tuner first: its errors name the strategy key; the drafters' settings parse it too.
   builders = (model_config, engine_config, sampling_params, make_tuner_from_config,
-              run_drafter_settings, spot_config, algorithm_from_config, reward_from_config, policy_adamw,
-              sft_adamw, drafter_opt_config, functools.partial(drafter_opt_config, warmup=True),
-              task_from_config)
+              run_drafter_settings, spot_config, algorithm_from_config, reward_from_config,
+              policy_adamw, sft_adamw, drafter_opt_config,
+              functools.partial(drafter_opt_config, warmup=True), task_from_config)
   for build in builders:
     try:
       build(config)

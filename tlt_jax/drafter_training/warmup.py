@@ -64,8 +64,9 @@ def collect_samples(policy_params: dict, cfg: ModelConfig, prompts: list[list[in
 def _length_batches(lengths: list[int], batch_size: int, max_tokens: int, widest: int):
   """(indices into lengths, rows, width) per prefill over ascending `lengths`: batches of
   similar lengths, each padded to a power-of-two width (at least 16, at most `widest`), of
-  batch_size rows halved while they would take more than max_tokens, so that a long-tailed set computes about its own tokens in a few shapes, and its
-  longest responses do not hold batch_size x the longest width at once."""
+  batch_size rows halved while they would take more than max_tokens: a long-tailed set
+  computes about its own tokens in a few shapes, and its longest responses do not hold
+  batch_size x the longest width at once."""
   def width_of(n):
     return min(widest, max(16, 1 << (n - 1).bit_length()))
   start = 0
