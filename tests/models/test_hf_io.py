@@ -238,3 +238,26 @@ def test_a_saved_tokenizer_loads_as_trained_next_to_a_qwen2_config(tmp_path, tin
     assert prompt_ids(loaded, text) == prompt_ids(trained, text)
   assert (loaded.eos_token_id, loaded.pad_token_id) == (trained.eos_token_id,
                                                         trained.pad_token_id)
+
+
+def test_reading_a_config_without_torch_prints_nothing(tmp_path):
+  """torch is not a runtime dependency: a job on a torch-less install reads config.json and
+  the tokenizer through transformers, which would otherwise greet every run (and every
+  one-line config error) with its advice that PyTorch is missing."""
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  script = (
+      "import importlib.util, sys\n"
+      "find_spec = importlib.util.find_spec\n"
+      "importlib.util.find_spec = lambda name, *a, **k: (\n"
+      "    None if name.split('.')[0] == 'torch' else find_spec(name, *a, **k))\n"
+      "from tlt_jax.models.hf import load_hf_config, load_tokenizer\n"
+      f"load_hf_config({os.path.join(repo, 'assets', 'tiny-policy')!r})\n"
+      f"load_tokenizer({os.path.join(repo, 'assets', 'tiny-policy')!r})\n"
+      "import transformers\n"
+      "assert not transformers.is_torch_available()\n")
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, PYTHONPATH=repo, CI="1"))
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stderr == ""

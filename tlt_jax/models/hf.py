@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Callable, Mapping
 
 import jax
@@ -33,6 +34,23 @@ _DEFAULT_MAX_WINDOW_LAYERS = 28
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def transformers_lib():
+  """The transformers module, imported without its advice that PyTorch is missing: this
+  package reads configs, tokenizers and generation settings through it, never its models, so
+  the line would greet every run of a torch-less install with a warning that does not apply."""
+  if "transformers" not in sys.modules:
+    previous = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    try:
+      import transformers  # noqa: F401  (sys.modules holds it)
+    finally:
+      if previous is None:
+        del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+      else:
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = previous
+  return sys.modules["transformers"]
 
 
 # ---------------------------------------------------------------- config
@@ -178,16 +196,17 @@ def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
 
 def load_hf_config(path: str, **overrides) -> ModelConfig:
   """Reads `path/config.json` through transformers.AutoConfig (local files only)."""
-  from transformers import AutoConfig
   _require_config(path)
-  return model_config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True),
+  auto_config = transformers_lib().AutoConfig
+  return model_config_from_hf(auto_config.from_pretrained(path, local_files_only=True),
                               **overrides)
 
 
 def hf_config_from_model_config(cfg: ModelConfig):
   """The transformers config object (LlamaConfig, Qwen2Config or Qwen3Config) describing
   `cfg`; ValueError when cfg's architecture flags are not its model type's."""
-  from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+  lib = transformers_lib()
+  LlamaConfig, Qwen2Config, Qwen3Config = lib.LlamaConfig, lib.Qwen2Config, lib.Qwen3Config
   rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
   if cfg.rope.rope_type == "llama3":
     rope.update(factor=cfg.rope.factor, low_freq_factor=cfg.rope.low_freq_factor,
@@ -427,7 +446,7 @@ def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None
   loaded from `path` stops where this package's rollouts do. Tensors are pulled to the host
   one at a time and written shard by shard.
   """
-  from transformers import GenerationConfig
+  GenerationConfig = transformers_lib().GenerationConfig
   os.makedirs(path, exist_ok=True)
   hf_cfg = hf_config_from_model_config(cfg)
   hf_cfg.architectures = [CAUSAL_LM_CLASSES[cfg.model_type]]
@@ -510,7 +529,7 @@ def load_tokenizer(path: str):
     except (OSError, ValueError, AttributeError):
       pass  # AutoTokenizer reads (and reports) what it can
   if declared in GENERIC_TOKENIZER_CLASSES:
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-  from transformers import AutoTokenizer  # imports the model configs (and torch)
-  return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return transformers_lib().PreTrainedTokenizerFast.from_pretrained(path,
+                                                                      local_files_only=True)
+  # AutoTokenizer imports the model configs (and torch where it is installed)
+  return transformers_lib().AutoTokenizer.from_pretrained(path, local_files_only=True)

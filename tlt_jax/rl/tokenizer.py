@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tlt_jax.models.hf import transformers_lib
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"  # end of a turn; the EOS of generation
@@ -32,7 +34,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 320):
       earlier when the text has no more pairs to merge, so `len(tokenizer)` may be smaller.
   """
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  from transformers import PreTrainedTokenizerFast
+  PreTrainedTokenizerFast = transformers_lib().PreTrainedTokenizerFast
 
   min_size = 256 + len(SPECIAL_TOKENS)
   if vocab_size < min_size:
