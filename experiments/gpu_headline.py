@@ -430,7 +430,10 @@ def run(parts_dir: pathlib.Path, steps: int, out: pathlib.Path, workdir: pathlib
                         f"plan.json): use a GPU with more memory")
   shutil.rmtree(workdir / "runs", ignore_errors=True)
   try:
-    runs = run_variants(config, ["baseline", "tlt"], workdir)
+    # TLT first: its plan holds every program of the baseline's (prefill, plain decode, the
+    # update), which the baseline then loads from the compilation cache instead of compiling
+    # them again; steps 2..N, which the ratio compares, compile nothing in either order.
+    runs = run_variants(config, ["tlt", "baseline"], workdir)
   except ConfigError as e:
     raise HeadlineError(f"config error: {e}") from None
   rows = {name: step_rows(r["metrics"], _jsonl(workdir / "runs" / name / "timeline.jsonl"))
@@ -446,7 +449,9 @@ def run(parts_dir: pathlib.Path, steps: int, out: pathlib.Path, workdir: pathlib
       "responses": same,
       "variants": {name: {"wall_s": r["wall_s"], "steps": rows[name],
                           "startup_s": r["wall_s"] - sum(x["step_s"] for x in rows[name]),
-                          "compile_bill": r["summary"].get("compile_bill", {})}
+                          "compile_bill": r["summary"].get("compile_bill", {}),
+                          **{k: r["summary"].get(k) for k in ("xla_compiles",
+                                                              "xla_cache_hits")}}
                    for name, r in runs.items()},
       "seconds": time.perf_counter() - t0,
   }
@@ -583,23 +588,35 @@ def step_iterations(lengths, rows: int, sd_threshold: int, accept: float, seed: 
   return out
 
 
+def update_passes(remat: bool, reference: bool, old_log_probs: bool) -> int:
+  """FLOPs of the update per token, in units of the policy's parameters: forward and
+  backward (6), the forward again under remat (2), the reference policy's log-probs when a
+  KL term needs them (2), and the sampling policy's when more than one optimizer step
+  follows a rollout (2; with one, the ratio is 1 and they are not computed)."""
+  return 6 + 2 * remat + 2 * reference + 2 * old_log_probs
+
+
 def projection(lengths, prompt_tokens: float, params: float, layers: int, rows: int,
                sd_threshold: int, accept: float, compile_s: dict, steps: int,
                import_s: float, startup_s: float, threads: int = 16,
-               remat: bool = False) -> dict:
+               passes: int = 6, baseline_kinds: set | None = None) -> dict:
   """Device seconds of `check` + `run --steps` and the steady-state step ratio, for two
   plain-step costs (a launch floor, and 11-27's per-iteration cost scaled to `layers`) and
   the two ends of the GPU's compile factor. compile_s: {program kind: (count, CPU seconds of
-  one)}. Every input and its source is in the result."""
+  one)}; baseline_kinds: the kinds the baseline compiles (default: all; TLT compiles all,
+  those it shares with the baseline loaded from the compilation cache in the worst case
+  compiled again); passes: `update_passes`. Every input and its source is in the result."""
   import numpy as np
   sim = step_iterations(lengths, rows, sd_threshold, accept)
   mean = {k: float(np.mean([s[k] for s in sim])) for k in sim[0]}
-  # Every response with its prompt: old log-probs (2 x params FLOPs a token), forward and
-  # backward (6), and with `remat` the forward again (2).
-  update_s = ((mean["tokens"] + rows * prompt_tokens) * (10 if remat else 8) * params
-              / UPDATE_FLOPS)
+  # Every response with its prompt, `passes` x params FLOPs a token.
+  update_s = (mean["tokens"] + rows * prompt_tokens) * passes * params / UPDATE_FLOPS
   host_s = 0.3
-  compile_cpu = [secs for count, secs in compile_s.values() for _ in range(count)]
+  baseline_kinds = set(compile_s) if baseline_kinds is None else baseline_kinds
+  compile_cpu = {
+      variant: [secs for kind, (count, secs) in compile_s.items() if kind in kinds
+                for _ in range(count)]
+      for variant, kinds in (("baseline", baseline_kinds), ("tlt", set(compile_s)))}
   cases = {}
   for step_name, step_s in (("launch floor: 12 kernels of 5 us per layer", layers * 12 * 5e-6),
                             ("11-27's iteration, scaled by layers",
@@ -607,10 +624,11 @@ def projection(lengths, prompt_tokens: float, params: float, layers: int, rows: 
     base = mean["baseline"] * step_s
     tlt = (mean["tlt_plain"] + mean["tlt_sd"] * SD_ITERATION_RATIO) * step_s
     for factor in GPU_COMPILE_FACTOR:
-      per = [factor * c for c in compile_cpu]
-      plan_s = max(max(per, default=0.0), sum(per) / threads)
-      run_s = import_s + sum(startup_s + plan_s + steps * (r + update_s + host_s)
-                             for r in (base, tlt))
+      # The plan's programs compile on `threads` threads: the longest, or their sum spread.
+      plan_s = {variant: max(max(per, default=0.0) * factor, sum(per) * factor / threads)
+                for variant, per in compile_cpu.items()}
+      run_s = import_s + sum(startup_s + plan_s[variant] + steps * (r + update_s + host_s)
+                             for variant, r in (("baseline", base), ("tlt", tlt)))
       total = MACHINE_START_S + 2 * TRANSFER_S + 20.0 + run_s
       cases[f"{step_name}; compiles x{factor}"] = {
           "plain_step_ms": 1e3 * step_s, "rollout_s": {"baseline": base, "tlt": tlt},
@@ -623,7 +641,7 @@ def projection(lengths, prompt_tokens: float, params: float, layers: int, rows: 
               "lengths": f"{len(lengths)} responses measured on CPU (float32) at the config's "
                          f"prompts and temperature", "accept_len": accept,
               "sd_iteration_ratio": SD_ITERATION_RATIO, "update_flops_per_s": UPDATE_FLOPS,
-              "update_remat": remat,
+              "update_passes": passes, "baseline_compiles": sorted(baseline_kinds),
               "machine_start_s": MACHINE_START_S, "transfer_s": TRANSFER_S, "check_s": 20.0,
               "import_s": import_s, "startup_s_per_variant": startup_s,
               "compile_cpu_s": compile_s, "compile_threads": threads,
@@ -634,13 +652,56 @@ def projection(lengths, prompt_tokens: float, params: float, layers: int, rows: 
                                               for c in cases.values())}
 
 
+def lengths_at_limit(generations: list[dict], cap: int, limit: int, eos_id: int,
+                     continue_fn) -> tuple[list[int], int]:
+  """Response lengths as a rollout limited to `limit` new tokens would give them, from
+  responses generated with a limit of `cap` (the warm-up's): a response cut at `cap` without
+  its EOS goes on where it stopped (`continue_fn(prefixes) -> token lists`, the policy
+  sampling from prompt + response as the rollout would have), which samples exactly the
+  distribution of lengths at `limit`. Returns (lengths, how many were continued)."""
+  lengths = [len(g["completion"]) for g in generations]
+  if limit <= cap:
+    return [min(n, limit) for n in lengths], 0
+  cut = [i for i, g in enumerate(generations)
+         if len(g["completion"]) >= cap and g["completion"][-1] != eos_id]
+  if cut:
+    more = continue_fn([list(generations[i]["prompt"]) + list(generations[i]["completion"])
+                        for i in cut])
+    for i, tokens in zip(cut, more):
+      lengths[i] += len(tokens)
+  return lengths, len(cut)
+
+
+def continue_responses(prefixes: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+  """SmolLM2's continuations of `prefixes` (prompt + response so far) at the headline's
+  sampling, on this CPU (configs/smollm2.py:headline_cpu, float32, one device)."""
+  import jax
+  from tlt_jax.cli import config_from_file, setup_devices
+  from tlt_jax.components import load_policy, load_tokenizer_for, make_engine, sampling_params
+  from tlt_jax.mesh import make_mesh
+  width = -(-max(map(len, prefixes)) // 64) * 64
+  config = config_from_file(f"{REPO / 'configs' / 'smollm2.py'}:headline_cpu", [
+      "mesh.num_cpu_devices=1", "mesh.axes.replica=1", f"rollout.max_prompt_len={width}",
+      f"rollout.max_new_tokens={max_new_tokens}",
+      f"rollout.max_batch={1 << (len(prefixes) - 1).bit_length()}"])
+  setup_devices(config)
+  mesh = make_mesh(dict(config.mesh.axes))
+  tokenizer = load_tokenizer_for(config)
+  cfg, params = load_policy(config, mesh)
+  engine = make_engine(config, cfg, params, mesh, tokenizer.eos_token_id,
+                       tokenizer.pad_token_id or 0, speculative=False)
+  print(f"continuing {len(prefixes)} responses cut at the warm-up's limit by up to "
+        f"{max_new_tokens} tokens", flush=True)
+  return engine.generate(prefixes, 1, sampling_params(config), jax.random.key(2)).tokens
+
+
 def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
   """plan.json: the headline config's programs compiled here (XLA's memory analysis, compile
   seconds: `tlt_jax.budget.job_budget`), the model's import timed here, and the projection of
   the lease (`projection`) from them, the warm-up's response lengths and accept length."""
   from tlt_jax import budget
   from tlt_jax.cli import config_from_file, setup_devices
-  from tlt_jax.components import engine_config, make_tuner_from_config
+  from tlt_jax.components import engine_config, load_tokenizer_for, make_tuner_from_config
   from tlt_jax.import_model import cache_root, import_gguf
   out.mkdir(parents=True, exist_ok=True)
   cache = pathlib.Path(cache_root()) / "headline"
@@ -674,7 +735,12 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
   rows = config.rl.prompts_per_step * config.rl.num_samples
   generations = _jsonl(warmup / "generations.jsonl")
   summary = json.loads((warmup / "summary.json").read_text())
-  lengths = [len(g["completion"]) for g in generations]
+  cap = summary["config"]["drafter"]["warmup"]["max_new_tokens"]
+  limit = config.rollout.max_new_tokens
+  eos = load_tokenizer_for(config).eos_token_id
+  lengths, continued = lengths_at_limit(generations, cap, limit, eos,
+                                        lambda prefixes: continue_responses(prefixes,
+                                                                            limit - cap))
   prompt_tokens = sum(len(g["prompt"]) for g in generations) / len(generations)
   import jax
   import numpy as np
@@ -694,12 +760,22 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
       "cuda_lowering": {"device": "H100 (abstract mesh, jax.stages lowering)",
                         "kernel_calls_per_program": kernel_calls},
       "lengths": {"count": len(lengths), "mean": sum(lengths) / len(lengths),
-                  "max": max(lengths), "prompt_mean": prompt_tokens},
+                  "max": max(lengths), "prompt_mean": prompt_tokens,
+                  "warmup_limit": cap, "limit": limit, "continued": continued,
+                  "at_limit": sum(n >= limit for n in lengths), "values": lengths},
       "warmup": {k: summary.get(k) for k in ("accept_len_warmed", "strategy", "steps")},
       "projection": projection(lengths, prompt_tokens, n_params, cfg.num_layers,
                                rows, ec.sd_threshold, summary["accept_len_warmed"], kinds,
                                steps, import_s, startup_s=20.0,
-                               remat=config.model.remat != "none"),
+                               passes=update_passes(
+                                   remat=config.model.remat != "none",
+                                   reference=config.rl.kl_coef > 0,
+                                   old_log_probs=config.rl.ppo_epochs * config.rl.mini_batches
+                                   > 1),
+                               # TLT runs first; the baseline loads the update it
+                               # shares from the compilation cache (its prefill and plain
+                               # decode differ: TLT's also give the drafter its features).
+                               baseline_kinds={"rollout_prefill", "rollout_decode"}),
   }
   _write_json(out / "plan.json", plan)
   return plan

@@ -117,6 +117,36 @@ def test_the_projection_follows_the_tail():
     assert row["step_ratio"] > short["cases"][case]["step_ratio"]
     assert row["baseline_rollout_share"] > short["cases"][case]["baseline_rollout_share"]
   assert long["worst_device_s"] > headline.MACHINE_START_S
+  # The baseline compiles only its own programs: a slower SD program delays TLT alone.
+  kinds = {"rollout_decode": (4, 10.0), "rollout_decode_sd(8, 2, 16)": (3, 30.0)}
+  split = headline.projection(lengths, 64, 135e6, 30, 128, 32, 3.0, kinds, 10, 20.0, 20.0,
+                              baseline_kinds={"rollout_decode"})
+  for row in split["cases"].values():
+    assert row["plan_compile_s"]["baseline"] < row["plan_compile_s"]["tlt"]
+  # An update that also takes the reference policy's log-probs costs a third more.
+  kl = headline.projection(lengths, 64, 135e6, 30, 128, 32, 3.0, kinds, 10, 20.0, 20.0,
+                           passes=headline.update_passes(False, True, False))
+  case = next(iter(kl["cases"]))
+  assert kl["cases"][case]["update_s"] == pytest.approx(8 / 6 * split["cases"][case]["update_s"])
+
+
+def test_lengths_at_a_longer_limit_continue_only_the_responses_cut_there():
+  """A response the warm-up's limit cut (no EOS) goes on from where it stopped; one that
+  ended with its EOS at that length, and every shorter one, keep their lengths."""
+  eos, cap = 2, 4
+  generations = [{"prompt": [9, 9], "completion": [5, 2]},
+                 {"prompt": [9], "completion": [5, 6, 7, 8]},        # cut
+                 {"prompt": [9], "completion": [5, 6, 7, eos]},      # ended at the limit
+                 {"prompt": [8, 8], "completion": [7, 7, 7, 7]}]     # cut
+  asked = []
+
+  def continue_fn(prefixes):
+    asked.extend(prefixes)
+    return [[1] * 3, [1] * 6]
+  lengths, continued = headline.lengths_at_limit(generations, cap, 10, eos, continue_fn)
+  assert asked == [[9, 5, 6, 7, 8], [8, 8, 7, 7, 7, 7]]
+  assert lengths == [2, 7, 4, 10] and continued == 2
+  assert headline.lengths_at_limit(generations, cap, 3, eos, continue_fn) == ([2, 3, 3, 3], 0)
 
 
 def _recorded_plan(tiny_cfg, tiny_params, speculative: bool) -> list:
@@ -190,6 +220,9 @@ def test_the_quick_pipeline_stages_checks_and_runs_both_variants_identically(tmp
   ahead = {name: sum(line["ahead_programs"] for kind, line in v["compile_bill"].items()
                      if kind.startswith("rollout")) for name, v in result["variants"].items()}
   assert ahead == {"baseline": 8, "tlt": 11}
+  # TLT ran first: the baseline compiles at most its own rollout programs (its prefill and
+  # plain decode, without the drafter's features) and loads the update from the cache.
+  assert result["variants"]["baseline"]["xla_compiles"] <= 8
 
 
 def test_the_shipped_drafter_is_the_warmed_one_in_bfloat16(tmp_path):
