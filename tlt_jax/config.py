@@ -86,6 +86,8 @@ class RunStopped(RuntimeError):
 def base_config() -> ml_collections.ConfigDict:
   """Every knob with its default. Sections grow as subsystems land."""
   c = ml_collections.ConfigDict()
+  # The run's randomness: random weights, prompt order, every sampled token (with the RL step),
+  # drafter batches and the tuner's exploration. Problems are task.seed's.
   c.seed = 0
 
   c.mesh = ml_collections.ConfigDict()
@@ -96,6 +98,9 @@ def base_config() -> ml_collections.ConfigDict:
   # The training layout (FSDP over every data axis) and the rollout layout on each replica
   # slice (whole weights, or tensor-parallel); tlt_jax.mesh explains both.
   c.mesh.rules = DEFAULT_RULES
+  # The rollout layout: the training rules less the split of `embed`, so every device of a
+  # replica slice holds whole weights, or their tensor-parallel part on a slice with a
+  # `tensor` axis (no decode step gathers weights). No rule may split weights over `replica`.
   c.mesh.rollout_rules = ROLLOUT_RULES
   # Multi-host (jax.distributed): empty/0/-1 fall back to JAX_COORDINATOR_ADDRESS,
   # JAX_NUM_PROCESSES and JAX_PROCESS_ID; none set = one process. auto_detect lets JAX read
@@ -104,12 +109,33 @@ def base_config() -> ml_collections.ConfigDict:
       "coordinator_address": "", "num_processes": 0, "process_id": -1,
       "auto_detect": False, "cpu_collectives": "gloo"})
 
-  # model.path: a local Hugging Face folder; empty = random weights of the shape below.
+  # model.path: a local Hugging Face folder; empty = random weights of the shape below. With a
+  # path, the folder's config.json gives the shape (model_type to max_position_embeddings)
+  # instead of these keys; dtype, param_dtype, attention_impl and the keys after them apply.
   c.model = ml_collections.ConfigDict(dict(path=""))
-  c.model.update(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
-                 num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-                 rms_norm_eps=1e-6, tie_embeddings=False, max_position_embeddings=4096,
-                 dtype="float32", param_dtype="float32", attention_impl="auto")
+  c.model.model_type = "qwen2"          # "qwen2" (q/k/v biases), "llama" or "qwen3" (q/k norms)
+  c.model.vocab_size = 512              # token ids; at least the tokenizer's size
+  c.model.hidden_size = 64              # the residual stream's width (E)
+  c.model.intermediate_size = 128       # the MLP's hidden width
+  c.model.num_layers = 4                # decoder layers
+  c.model.num_heads = 4                 # query heads; a multiple of num_kv_heads
+  c.model.num_kv_heads = 2              # key/value heads (grouped-query attention)
+  c.model.head_dim = 16                 # width of each attention head
+  c.model.rope_theta = 10000.0          # RoPE base frequency
+  c.model.rms_norm_eps = 1e-6           # epsilon of every RMSNorm
+  c.model.tie_embeddings = False        # the LM head reuses the token embedding matrix
+  # The position limit: rollout.max_prompt_len + rollout.max_new_tokens must not exceed it.
+  c.model.max_position_embeddings = 4096
+  # Activation/compute dtype ("float32", "bfloat16", "float16"); softmax, norms and logits
+  # are float32 whatever it is. The GPU configs set bfloat16; CPU runs keep float32.
+  c.model.dtype = "float32"
+  # Storage dtype of the weights (random or loaded ones are cast to it; checkpoints and
+  # AdamW's moments take it too); bfloat16 halves their memory.
+  c.model.param_dtype = "float32"
+  # Prefix + tree attention: "auto" (on GPU the Pallas kernel where the block fits it, the
+  # jnp reference elsewhere), "reference", "pallas" (GPU only) or "pallas_interpret" (CPU
+  # tests, slow). The same function either way; only speed differs.
+  c.model.attention_impl = "auto"
   # Which forward passes run the layers as a lax.scan over the stacked weights instead of a
   # Python loop: "none", "train" (log-probs, policy and SFT updates; prefill/decode/verify
   # loop) or "all". The scan compiles faster and keeps training memory down; on GPU it copies
@@ -121,8 +147,13 @@ def base_config() -> ml_collections.ConfigDict:
   # at once). Exact either way; both trade compute for memory (see the README's GPU notes).
   c.model.update(remat="none", attention_query_chunk=0)
 
-  c.generate = ml_collections.ConfigDict(dict(num_prompts=16, prompt_len=16, max_new_tokens=64,
-                                              temperature=0.0))
+  # python -m tlt_jax.generate: plain batched decoding of random prompts, timed (a smoke test
+  # of a model and mesh, not an evaluation).
+  c.generate = ml_collections.ConfigDict()
+  c.generate.num_prompts = 16     # prompts, all decoded as one batch
+  c.generate.prompt_len = 16      # tokens per prompt at most (each prompt's length is random)
+  c.generate.max_new_tokens = 64  # tokens decoded per prompt (no EOS: every row decodes them all)
+  c.generate.temperature = 0.0    # 0 = greedy; > 0 samples at this temperature
   # Trace num_steps steps of train's or sft's loop from first_step on (1-based, as in
   # metrics.jsonl) with jax.profiler into WORKDIR/profile, and summarize where the device time
   # went (profile/summary.json, top_ops.png; tlt_jax.profiling). 0 steps: no trace.
@@ -157,18 +188,35 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft = ml_collections.ConfigDict(dict(num_train_examples=1_000_000, steps=1000))
   c.sft.rows = 16           # batch rows, split over the ('replica', 'fsdp') mesh axes
   c.sft.seq_len = 384       # tokens per row; several examples are packed into a row
-  c.sft.update(learning_rate=3e-3, lr_warmup_steps=50, end_lr_fraction=0.05, weight_decay=0.1,
-               b1=0.9, b2=0.98, grad_clip=1.0, log_every=10)
+  # AdamW (tlt_jax.optim.AdamWConfig): the peak learning rate, reached after lr_warmup_steps
+  # updates, then a cosine decay to end_lr_fraction of it at sft.steps.
+  c.sft.learning_rate = 3e-3
+  c.sft.lr_warmup_steps = 50            # updates of linear warm-up to the peak
+  c.sft.end_lr_fraction = 0.05          # the learning rate at sft.steps, as a fraction of the peak
+  c.sft.weight_decay = 0.1              # AdamW's decay, on matrices only (not norms or biases)
+  c.sft.b1 = 0.9                        # AdamW's first-moment decay
+  c.sft.b2 = 0.98                       # AdamW's second-moment decay
+  c.sft.grad_clip = 1.0                 # the global gradient norm is clipped to this (0 = no clip)
+  c.sft.log_every = 10                  # a metrics.jsonl row (loss) every N steps, and the last
   c.sft.eval_every = 250    # held-out greedy accuracy every N steps (0 = only at the end)
-  c.sft.update(num_eval_examples=256, eval_batch_size=64, eval_max_new_tokens=256,
-               checkpoint_every=250, keep_checkpoints=2, export_dtype="float32")
+  c.sft.num_eval_examples = 256         # held-out problems (task.eval_seed) per evaluation
+  c.sft.eval_batch_size = 64            # rows the evaluation decodes at once (a power of two)
+  c.sft.eval_max_new_tokens = 256       # tokens per held-out answer, at most
+  c.sft.checkpoint_every = 250          # a checkpoint every N steps (0 = only at the end or a stop)
+  c.sft.keep_checkpoints = 2            # the newest N checkpoints are kept
+  c.sft.export_dtype = "float32"        # dtype of the exported weights (export/model.safetensors)
   # Train for at most this many minutes of the job's run (0 = no limit), then evaluate and
   # export as after sft.steps (summary.json: time_limited, step): for a lease of fixed length.
   c.sft.max_minutes = 0.0
 
   # The rollout engine (tlt_jax.rollout.engine): rows per replica slice, cache sizes, sampling.
   c.rollout = ml_collections.ConfigDict(dict(max_batch=64))  # power of two, bounded by cache memory
-  c.rollout.update(max_prompt_len=128, max_new_tokens=256)
+  # Prompt tokens (chat template included) per request, at most: a longer prompt of the task
+  # or data file stops the job at its start. With max_new_tokens it sizes each row's KV cache.
+  c.rollout.max_prompt_len = 128
+  # Response tokens, at most: a response that reaches it ends there (not at EOS). Raise it for
+  # long reasoning; cache memory grows with prompt + response length.
+  c.rollout.max_new_tokens = 256
   c.rollout.sd_threshold = 4        # SD once this few sequences are still running
   # Decode iterations per compiled call, at most: a call also returns as soon as the host has
   # something to decide, so this only bounds how long the host goes unheard.
@@ -186,14 +234,19 @@ def base_config() -> ml_collections.ConfigDict:
   # threads; the first step starts once they are ready (a GPU host's cores compile in parallel).
   c.rollout.update(compile_plan=False, compile_threads=1)
   c.rollout.update(defaults_of(SamplingParams))  # temperature, top_k, top_p
+  # SD in the rollout's tail; enable=False decodes plainly throughout (the baseline; spot
+  # training is drafter.spot_training's own switch). Tokens are the same either way.
   c.rollout.speculative = ml_collections.ConfigDict(dict(enable=True))
   c.rollout.speculative.tuner = "beg_mab"   # or "table" (one arm per bucket) or "fixed"
   c.rollout.speculative.strategy = "4,2,8"  # the "fixed" tuner's (depth, topk, verify[, drafts])
   # Batch-size buckets (first batch size of each) and the arms every bucket explores
   # ("table": one arm per bucket, in bucket order).
   c.rollout.speculative.bucket_thresholds = (1, 2, 5)
-  c.rollout.speculative.arms = ("4,2,8", "3,2,6", "6,2,12")
-  c.rollout.speculative.update(epsilon=0.1, window=300)
+  c.rollout.speculative.arms = ("4,2,8", "3,2,6", "6,2,12")  # "depth,topk,verify_tokens[,drafters]"
+  # BEG-MAB: the chance that a choice explores a random ready arm instead of the best one.
+  c.rollout.speculative.epsilon = 0.1
+  # BEG-MAB: goodput samples kept per arm and bucket; the best arm has the highest median.
+  c.rollout.speculative.window = 300
   # BEG-MAB also tries plain decoding in every bucket, so adaptive SD never runs slower than
   # plain decoding where no strategy pays (it learns that from the same goodput).
   c.rollout.speculative.plain_arm = True
@@ -216,18 +269,27 @@ def base_config() -> ml_collections.ConfigDict:
   for name, algorithm in ALGORITHMS.items():
     if defaults_of(algorithm.Settings):
       c.rl[name] = ml_collections.ConfigDict(defaults_of(algorithm.Settings))
-  c.rl.update(steps=20, prompts_per_step=16, num_samples=8)
+  c.rl.steps = 20                       # RL steps: the run's length (raise it and rerun to extend)
+  c.rl.prompts_per_step = 16            # prompts per step, each a group of num_samples responses
+  c.rl.num_samples = 8                  # responses per prompt (the group size G, at least 2)
   c.rl.num_train_examples = 1_000_000   # the prompt pool (training split of the task)
   c.rl.reward = "answer+format"         # or "answer"
+  # Added to the reward of a response ending in a '#### <number>' line (rl.reward="answer+format").
   c.rl.format_bonus = 0.1
   # Judge a response that states no '#### x' or \boxed{x} by its last number (reward, accuracy
   # and evaluation alike): for a model that was never taught the answer format.
   c.rl.answer_fallback = False
-  c.rl.update(learning_rate=1e-6, lr_warmup_steps=0, weight_decay=0.0, b1=0.9, b2=0.999,
-              grad_clip=1.0)
+  # The policy's AdamW (tlt_jax.optim.AdamWConfig): constant learning rate after the warm-up;
+  # RL fine-tuning wants a small one (the paper's 7B runs: 1e-6).
+  c.rl.learning_rate = 1e-6
+  c.rl.lr_warmup_steps = 0              # optimizer updates of linear warm-up (0 = none)
+  c.rl.weight_decay = 0.0               # AdamW's decay, on every weight
+  c.rl.b1 = 0.9                         # AdamW's first-moment decay
+  c.rl.b2 = 0.999                       # AdamW's second-moment decay
+  c.rl.grad_clip = 1.0                  # the global gradient norm is clipped to this (0 = no clip)
   # The loss's knobs (clip_eps, clip_eps_high, ...): GrpoConfig's fields (tlt_jax.rl.grpo).
   c.rl.update(defaults_of(GrpoConfig, exclude=("sampling",)))
-  c.rl.ppo_epochs = 1
+  c.rl.ppo_epochs = 1                   # passes over each step's responses (PPO epochs)
   c.rl.mini_batches = 1                  # optimizer steps per epoch
   c.rl.micro_batch_rows = 32             # rows per gradient-accumulation micro-batch
   # Widths (tokens) a micro-batch of the update may be computed at: each at the narrowest that
@@ -238,13 +300,14 @@ def base_config() -> ml_collections.ConfigDict:
   # eval_every steps (0 = only then and at the end); 0 examples = no evaluation.
   c.rl.num_eval_examples = 0
   c.rl.eval_samples = 4                  # also sampled at the rollout temperature (0 = no)
-  c.rl.eval_every = 0
+  c.rl.eval_every = 0                   # held-out evaluation every N steps (0 = first and last)
   # The paired control: each step the initial policy also answers the step's prompts with the
   # same rollout key (plain decoding, outside step_s), so `reward_vs_initial` is the reward
   # the updates gained on exactly these prompts and samples' randomness (0 at step 1), free of
   # the prompt mix's noise. Costs one more rollout per step and a copy of the weights.
   c.rl.paired_control = False
-  c.rl.update(checkpoint_every=5, keep_checkpoints=2)
+  c.rl.checkpoint_every = 5             # a checkpoint every N steps (0 = only at the end or a stop)
+  c.rl.keep_checkpoints = 2             # the newest N checkpoints are kept
   c.rl.export = True                     # export policy and drafter (HF layout) at the end
   c.rl.save_rollouts = False             # every response with its reward, in rollouts.jsonl
   # Every compiled call of each step's rollout (mode, running rows, batch, strategy, tokens,
