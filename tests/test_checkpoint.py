@@ -265,8 +265,23 @@ def test_another_state_under_the_same_settings_is_a_mismatch_not_a_corrupt_check
   ckpt.close()
   ckpt = Checkpointer(str(tmp_path / "ckpt"), settings=settings)
   with pytest.raises(CheckpointMismatch, match=r"step 2 .* does not fit this run: its 2 arrays "
-                     r"are not this run's 3 .*nothing was moved"):
+                     r"are not this run's 3, e\.g\. 'n' .*nothing was moved"):
     ckpt.restore_latest({"a": jnp.zeros((5,)), "b": jnp.zeros((2, 2)), "c": jnp.zeros(())})
   assert ckpt.manager.all_steps() == [2] and not os.path.exists(tmp_path / "failed_checkpoints")
   assert ckpt.restore_latest(_state(0))[0] == 2
+  ckpt.close()
+
+
+def test_the_same_arrays_under_other_names_are_a_mismatch_not_a_corrupt_checkpoint(tmp_path):
+  """An earlier version's layout of the same state (the drafter's weights nested under its
+  name since drafters became plug-ins): same shapes, other names. The run stops naming an
+  array it does not have, and the checkpoint stays where it is."""
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings={"rl.steps": 2})
+  ckpt.save(2, {"drafter": _state(2)}, {"step": 2})
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings={"rl.steps": 2})
+  with pytest.raises(CheckpointMismatch, match=r"does not fit this run: its 2 arrays are not "
+                     r"this run's 2, e\.g\. 'drafter/.*earlier version's layout"):
+    ckpt.restore_latest({"drafter": {"eagle": _state(0)}})
+  assert ckpt.manager.all_steps() == [2] and not os.path.exists(tmp_path / "failed_checkpoints")
   ckpt.close()

@@ -255,3 +255,27 @@ def test_an_export_is_written_whole_or_not_at_all(tmp_path):
       job.export(save, policy, tree, "safetensors")
   assert open(os.path.join(policy, "config.json")).read() == "second"
   assert os.listdir(job.path("export")) == ["policy"]
+
+
+def test_a_job_that_loaded_no_checkpoint_refuses_to_overwrite_an_earlier_runs_metrics(tmp_path):
+  """The warm-up over its own earlier run whose checkpoints an earlier version wrote (none
+  loads) started from step 0 and overwrote 500 steps of metrics and evaluations; now the run
+  log refuses before writing, and a resumed run (or a fresh folder) goes on as before."""
+  workdir = tmp_path / "warm"
+  rows = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3))
+  workdir.mkdir()
+  (workdir / "metrics.jsonl").write_text(rows)
+  (workdir / "eval.jsonl").write_text('{"step": 3, "accept_len": 2.4}\n')
+  with Job(str(workdir), name="warmup_drafter", settings={}) as job:
+    with pytest.raises(ConfigError, match=r"holds an earlier run of python -m "
+                       r"tlt_jax.warmup_drafter \(metrics of steps 1-3\) but none of its "
+                       r"checkpoints loaded"):
+      job.run_log(resume_step=0)
+    assert (workdir / "metrics.jsonl").read_text() == rows
+    assert (workdir / "eval.jsonl").read_text() == '{"step": 3, "accept_len": 2.4}\n'
+    with job.run_log(resume_step=3) as log:  # resumed from its checkpoint of step 3
+      log.write("metrics", [{"step": 4, "loss": 0.2}])
+  assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == [1, 2, 3, 4]
+  with Job(str(tmp_path / "new"), name="warmup_drafter", settings={}) as job:
+    with job.run_log(resume_step=0) as log:
+      log.write("metrics", [{"step": 1, "loss": 1.0}])

@@ -140,12 +140,23 @@ def _out_of_memory(e: BaseException) -> bool:
       or "out of memory" in str(e).lower()
 
 
+def _key_name(key) -> str:
+  """A path entry as a name, whatever container holds it: a dict key, an attribute or an
+  index (a checkpoint's metadata keeps dicts where the state has named tuples)."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
 def _array_shapes(tree) -> list[tuple]:
-  """Sorted (shape, dtype name) of every array leaf: the state's arrays, whatever containers
-  hold them (a checkpoint's metadata keeps dicts where the state has named tuples)."""
-  leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-  return sorted((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves
-                if hasattr(x, "shape") and hasattr(x, "dtype"))
+  """Sorted (path, shape, dtype name) of every array leaf: the state's arrays by name, shape
+  and dtype, whatever containers hold them. Arrays of the same shapes under other names
+  (a state whose layout changed between versions) are another state, not a corrupt one."""
+  leaves = jax.tree_util.tree_leaves_with_path(
+      tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  return sorted(("/".join(_key_name(k) for k in path), tuple(x.shape), jnp.dtype(x.dtype).name)
+                for path, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
 # A restore's verdict on one process, worst last.
@@ -293,9 +304,11 @@ class Checkpointer:
     except Exception:  # noqa: BLE001 -- its arrays say enough
       written = None
     diff = settings_diff(written, self.settings) if written and self.settings else ""
+    only_theirs = sorted({a[0] for a in theirs} - {a[0] for a in ours})
+    named = f", e.g. {only_theirs[0]!r}" if only_theirs else ""
     why = (f"it was written with other settings ({diff})" if diff else
-           f"its {len(theirs)} arrays are not this run's {len(ours)} (another job's "
-           f"checkpoint, or settings it did not record)")
+           f"its {len(theirs)} arrays are not this run's {len(ours)}{named} (another job's "
+           f"checkpoint, an earlier version's layout, or settings it did not record)")
     raise CheckpointMismatch(
         f"the checkpoint of step {step} in {self.directory} does not fit this run: {why}; "
         f"nothing was moved; rerun with the settings it was written with, or start from "

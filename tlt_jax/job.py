@@ -48,7 +48,7 @@ from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.mesh import host_copy
 from tlt_jax.metric_writers import writers_from_config
 from tlt_jax.profiling import write_profile_summary
-from tlt_jax.run_log import RunLog, replace_folder, write_json
+from tlt_jax.run_log import RunLog, read_jsonl, replace_folder, write_json
 from tlt_jax.workdir import claim_workdir
 
 # The exit status of a run that a signal or its time limit stopped after its checkpoint
@@ -149,10 +149,26 @@ class Job:
     """The job's JSONL files (see RunLog), rows past resume_step dropped; process 0 writes,
     and mirrors them to the metric writers that config.logging asks for (TensorBoard, W&B:
     `tlt_jax.metric_writers`)."""
+    if resume_step == 0 and self.writer:
+      self._refuse_to_overwrite_an_earlier_run()
     mirrors = (writers_from_config(config.logging, self.workdir, resume_step,
                                    flat_settings(config))
                if config is not None and self.writer else ())
     return RunLog(self.workdir, resume_step=resume_step, write=self.writer, mirrors=mirrors)
+
+  def _refuse_to_overwrite_an_earlier_run(self) -> None:
+    """A job starting from step 0 in a folder whose metrics.jsonl holds steps of an earlier
+    run (none of its checkpoints loaded: they were written by an earlier version's layout or
+    are damaged, and were set aside or left as they are) would overwrite that run's metrics,
+    evaluations and export: ConfigError instead, before anything is written."""
+    rows, _ = read_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
+    done = sorted({r["step"] for r in rows if r["step"] >= 1})
+    if done:
+      raise ConfigError(
+          f"--workdir {self.workdir!r} holds an earlier run of python -m tlt_jax.{self.name} "
+          f"(metrics of steps {done[0]}-{done[-1]}) but none of its checkpoints loaded (see "
+          f"the warnings above); starting from step 0 would overwrite its files: give "
+          f"another --workdir, or move its files away first")
 
   def write_json(self, name: str, obj: dict, folder: str | None = None) -> None:
     """WORKDIR/name (or folder/name) as indented JSON, written whole (never half a file),
