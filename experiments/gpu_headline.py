@@ -695,30 +695,47 @@ def continue_responses(prefixes: list[list[int]], max_new_tokens: int) -> list[l
   return engine.generate(prefixes, 1, sampling_params(config), jax.random.key(2)).tokens
 
 
-def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
+def project(out: pathlib.Path, warmup: pathlib.Path, steps: int,
+            compiled_in: pathlib.Path | None = None) -> dict:
   """plan.json: the headline config's programs compiled here (XLA's memory analysis, compile
   seconds: `tlt_jax.budget.job_budget`), the model's import timed here, and the projection of
-  the lease (`projection`) from them, the warm-up's response lengths and accept length."""
+  the lease (`projection`) from them, the warm-up's response lengths and accept length.
+  compiled_in: an earlier plan.json of the same config whose compiles, CUDA lowering and
+  import time are taken instead of measured again (a new drafter or projection, minutes
+  instead of a quarter hour; the plan names where they came from)."""
   from tlt_jax import budget
   from tlt_jax.cli import config_from_file, setup_devices
   from tlt_jax.components import engine_config, load_tokenizer_for, make_tuner_from_config
   from tlt_jax.import_model import cache_root, import_gguf
+  earlier = json.loads(compiled_in.read_text()) if compiled_in else None
   out.mkdir(parents=True, exist_ok=True)
   cache = pathlib.Path(cache_root()) / "headline"
-  gguf = smollm2_gguf(cache)
-  t0 = time.perf_counter()
-  model = import_gguf(str(gguf), str(cache / "model-bf16"), dtype="bfloat16")
-  import_s = time.perf_counter() - t0
+  model = cache / "model-bf16"
+  if earlier is None or not (model / "config.json").is_file():
+    gguf = smollm2_gguf(cache)
+    t0 = time.perf_counter()
+    model = import_gguf(str(gguf), str(model), dtype="bfloat16")
+    import_s = time.perf_counter() - t0
   config = config_from_file(CONFIG, [f"model.path={model}", "mesh.num_cpu_devices=1"])
   setup_devices(config, compilation_cache=False)  # compile seconds are what is measured
-  job = budget.job_budget(config, "train")
-  # Every program as the GPU compiles it: lowered for CUDA under an abstract H100, with the
-  # attention kernel that "auto" picks there.
-  gpu_config = config.copy_and_resolve_references()
-  with gpu_config.unlocked():
-    gpu_config.model.attention_impl = "pallas"
-  _, gpu_programs = budget.job_programs(gpu_config, "train")
-  kernel_calls = {p.name: budget.triton_calls(budget.lower_for_cuda(p)) for p in gpu_programs}
+  if earlier is None:
+    job = budget.job_budget(config, "train")
+    # Every program as the GPU compiles it: lowered for CUDA under an abstract H100, with the
+    # attention kernel that "auto" picks there.
+    gpu_config = config.copy_and_resolve_references()
+    with gpu_config.unlocked():
+      gpu_config.model.attention_impl = "pallas"
+    _, gpu_programs = budget.job_programs(gpu_config, "train")
+    kernel_calls = {p.name: budget.triton_calls(budget.lower_for_cuda(p))
+                    for p in gpu_programs}
+    measured = {"cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg()}
+  else:
+    job = earlier["budget"]
+    kernel_calls = earlier["cuda_lowering"]["kernel_calls_per_program"]
+    import_s = earlier["projection"]["inputs"]["import_s"]
+    measured = {"compiled_in": {"plan": str(compiled_in),
+                                **{k: earlier.get(k) for k in ("date", "commit", "cpu_count",
+                                                               "load_average_at_end")}}}
   ec, tuner = engine_config(config), make_tuner_from_config(config)
   ladder = [b for b in ec.ladder if b <= ec.max_batch]
   sd_buckets = {ec.batch_for(r) for r in range(1, ec.sd_threshold + 1)}
@@ -754,7 +771,7 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int) -> dict:
       "date": datetime.date.today().isoformat(), "commit": _commit(),
       "command": " ".join(sys.argv), "config": CONFIG,
       # Compile seconds grow with what else runs: on a loaded CPU they bound the GPU's above.
-      "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg(),
+      **measured,
       "budget": {"peak_bytes": job["peak_bytes"], "resident_bytes": job["resident_bytes"],
                  "programs": programs},
       "cuda_lowering": {"device": "H100 (abstract mesh, jax.stages lowering)",
@@ -918,6 +935,9 @@ def main(argv=None) -> None:
   p.add_argument("--warmup", type=pathlib.Path, required=True,
                  help="the warm-up's workdir: its responses' lengths and accept length")
   p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--compiled-in", type=pathlib.Path, metavar="PLAN",
+                 help="take the compiles, CUDA lowering and import time of this earlier "
+                      "plan.json instead of measuring them again")
   p = sub.add_parser("cpu-check", help="SD == plain in bfloat16 on this CPU, headline settings")
   p.add_argument("--out", type=pathlib.Path, default=REPO / "docs" / "results" /
                  "gpu_headline_plan")
@@ -949,7 +969,7 @@ def main(argv=None) -> None:
     elif args.command == "check":
       check(args.parts)
     elif args.command == "project":
-      plan = project(args.out, args.warmup, args.steps)
+      plan = project(args.out, args.warmup, args.steps, args.compiled_in)
       worst = plan["projection"]
       print(f"projected: at most {worst['worst_device_s'] / 60:.1f} minutes of device time "
             f"for both calls at {args.steps} steps; baseline rollout share at least "
