@@ -54,9 +54,7 @@ MARGIN = MiB // 2            # files the tree gains between stage and the calls 
 WHEELS = ("ml_collections==1.1.0", "gguf==0.19.0")  # missing on the GPU image (Python 3.12)
 CONFIG = f"{REPO / 'configs' / 'smollm2.py'}:gpu_headline"
 # What the shipped drafter's warm-up set on top of configs/smollm2.py:headline_cpu.
-WARMUP_OVERRIDES = (" --config.drafter.warmup.steps=500"
-                    " --config.drafter.warmup.checkpoint_every=100"
-                    " --config.drafter.warmup.max_minutes=50")
+WARMUP_OVERRIDES = " --config.drafter.warmup.steps=1000"
 GGUF_NAME = "model.gguf"
 # The quick run: the headline's config at toy size on a CPU.
 QUICK_SETS = ["mesh.num_cpu_devices=0", "model.dtype=float32", "model.param_dtype=float32",
