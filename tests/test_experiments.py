@@ -134,7 +134,8 @@ def test_bench_tree_attention_targets():
 
 
 def _check_bench_decode_quick(out):
-  """bench_decode.py --quick's outputs (command 1 of the campaign's quick run)."""
+  """bench_decode.py --quick's outputs on random weights (command 1 of the campaign's quick
+  run)."""
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   _check_run_metadata(data, "bench_decode.py")
@@ -145,21 +146,54 @@ def _check_bench_decode_quick(out):
     assert row["complete"] and row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
     assert row["floor_ms"] > 0 and "hf_ms" not in row
     assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
+    assert row["sd"]["3,2,6"]["drafter"] == "random"
+    assert "loop_iteration_ms" not in row["sd"]["3,2,6"]  # --loop-iterations is opt-in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,results,skipped", [
-    ("bench_decode", "rows", "skipped_batches"),
-    ("bench_tree_attention", "results", "skipped_points")])
-def test_bench_decode_and_tree_attention_stop_at_time_budget(tmp_path, script, results,
-                                                            skipped):
-  """A budget spent before the second batch (grid point) keeps the first one and says what
-  was skipped."""
+def test_bench_tree_attention_stops_at_time_budget(tmp_path):
+  """A budget spent before the second grid point keeps the first one and says what was
+  skipped."""
   out = tmp_path / "out.json"
-  _run_script(script, "--quick", "--time-budget", "0.001", "--out", str(out))
+  _run_script("bench_tree_attention", "--quick", "--time-budget", "0.001", "--out", str(out))
   data = json.loads(out.read_text())
-  assert data["stopped_early"] is True and len(data[results]) == 1
-  assert len(data[skipped]) == (1 if script == "bench_decode" else 7)
+  assert data["stopped_early"] is True and len(data["results"]) == 1
+  assert len(data["skipped_points"]) == 7
+
+
+@pytest.mark.slow
+def test_bench_decode_quick_on_a_config(tmp_path):
+  """The tiny default's policy and prompts with the oracle EAGLE drafter (the policy itself)
+  in a hybrid strategy (its suffix drafter copies from a corpus), also in a shared shape,
+  timed per call and in a decode loop: every SD iteration emits plain decoding's tokens, the
+  oracle accepts every draft (depth + 1 tokens), and a budget spent after the first batch
+  keeps it and skips the second. (bench_rollout's test checks the config's trained drafter.)"""
+  out = tmp_path / "decode.json"
+  _run_script("bench_decode", "--quick", "--config", "configs/default.py", "--drafters",
+              "oracle", "--strategies", "3,2,6,eagle+suffix", "--shared-shape", "4,2,8",
+              "--loop-iterations", "4", "--time-budget", "0.001", "--out", str(out))
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").exists()
+  _check_run_metadata(data, "bench_decode.py")
+  assert data["stopped_early"] is True and data["skipped_batches"] == [2]
+  assert data["shape"] is None and data["model"].endswith("tiny-policy")
+  (row,) = data["rows"]
+  assert row["complete"] and row["batch"] == 1
+  for key in ("tlt_plain_ms", "tlt_plain_sync_ms", "tlt_plain_loop_ms", "floor_ms"):
+    assert row[key] > 0, key
+  oracle, shape = "3,2,6,eagle+suffix oracle", "4,2,8,eagle+suffix"
+  assert set(row["sd"]) == {oracle, f"{oracle} in {shape}"}
+  for name, sd in row["sd"].items():
+    assert sd["identical_to_plain"], name  # greedy SD is lossless, in a shared program too
+    assert sd["iteration_ms"] > 0 and sd["loop_iteration_ms"] > 0
+    assert sd["decode_speedup"] == pytest.approx(
+        sd["accept_len"] * row["tlt_plain_ms"] / sd["iteration_ms"])
+  own, shared = row["sd"][oracle], row["sd"][f"{oracle} in {shape}"]
+  assert own["accept_len"] == 4.0  # every draft accepted: depth 3 + the bonus token
+  assert own["drafter"] == "oracle" and own["weight_floor_vs_plain_step"] > 1.0
+  assert shared["program"] == [4, 2, 8, "eagle+suffix"] and shared["own"] == oracle
+  assert shared["accept_len"] == own["accept_len"]  # the same tree, padded
+  assert shared["padding_cost"] > 0 and shared["loop_padding_cost"] > 0
 
 
 @pytest.mark.slow
@@ -177,23 +211,6 @@ def test_bench_drafts_quick(tmp_path):
   assert set(data["iteration"]["1"]) == set(modes) - {"plain"}
   ratio = data["hybrid_vs_eagle"]["4,2,8,eagle+suffix"]
   assert ratio["accept_len"] > 0 and ratio["iteration_s"]["1"] > 0
-
-
-@pytest.mark.slow
-def test_bench_sd_step_quick(tmp_path):
-  out = tmp_path / "sd.json"
-  _run_script("bench_sd_step", "--quick", "--shared-shape", "4,2,8", "--out", str(out))
-  data = json.loads(out.read_text())
-  assert out.with_suffix(".png").exists()
-  assert {r["drafter"] for r in data["rows"]} == {"oracle", "random"}
-  for row in data["rows"]:
-    assert row["outputs_match_plain"]  # greedy SD is lossless, in a shared program too
-    assert 1.0 <= row["accept_len"] <= 4.0  # strategy (3, 2, 6): at most steps + 1
-  oracle = next(r for r in data["rows"] if r["drafter"] == "oracle")
-  assert oracle["accept_len"] > 1.5
-  shared = [r for r in data["rows"] if r["program"] == [4, 2, 8]]
-  assert len(shared) == 2  # (3, 2, 6) in the program shaped for (4, 2, 8), per drafter
-  assert all(r["accept_len_matches_own"] and r["padding_cost"] > 0 for r in shared)
 
 
 def _check_bench_rollout(out):
