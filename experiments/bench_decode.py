@@ -44,12 +44,12 @@ previous one's state. More timings on request:
                         first SD strategy with the layers as a Python loop and as a lax.scan
 
 Each program is jitted once and reused for every call of the same shapes (any iteration
-count); a new batch size compiles them again. The prefill that fills the caches is set-up, not a result: it runs with
-the layers as a scan, which compiles much faster than the unrolled loop at 28 layers. The
-persistent compilation cache (tlt_jax.compile_cache) is on, so a rerun loads the programs from
-disk, except with --compile-times, whose compile seconds are results. With --config the
-policy runs as the config says (dtype, attention, scanned layers), on one device, with a
-cache as long as the rollout's (rollout.max_prompt_len + max_new_tokens, at least).
+count); a new batch size compiles them again. The prefill that fills the caches is set-up, not
+a result: it runs with the layers as a scan, which compiles much faster than the unrolled loop
+at 28 layers. The persistent compilation cache (tlt_jax.compile_cache) is on, so a rerun loads
+the programs from disk, except with --compile-times, whose compile seconds are results. With
+--config the policy runs as the config says (dtype, attention, scanned layers), on one device,
+with a cache as long as the rollout's (rollout.max_prompt_len + max_new_tokens, at least).
 
 The JSON (the device, jax version, date, commit and command line recorded) is rewritten after
 every measurement, so a run cut short keeps what it measured; the PNG after every batch.
@@ -663,7 +663,8 @@ def load_model(args, gpu: bool) -> tuple:
   for i, p in enumerate(ids):
     prompts[i, :len(p)] = p
   return (cfg, params, prompts, lengths, prompts.shape[1], drafter_settings(config, "eagle"),
-          config, config.model.path or f"random {args.config}")
+          config, pathlib.Path(config.model.path).name if config.model.path else
+          f"random {args.config}")
 
 
 def load_drafters(args, cfg, params, settings, config, strategies) -> tuple[dict, dict]:
