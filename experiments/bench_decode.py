@@ -69,7 +69,7 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false unless the environment sets it already.
   python -m experiments.bench_decode --config configs/default.py --drafters random oracle \
       --strategies 4,2,8 3,2,6 6,2,12 --shared-shape 6,2,12 --loop-iterations 48 \
       --batches 1 2 4 --out results/shared_programs/sd_step.json
-  python -m experiments.bench_decode --quick --out /tmp/decode.json  # any device; 2 CPUs: ~30 s
+  python -m experiments.bench_decode --quick --out /tmp/decode.json  # any device; 2 CPUs: ~20 s
 """
 
 from __future__ import annotations
@@ -561,7 +561,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="model shape with random weights (default without --config: "
                            "qwen2.5-7b on GPU, small elsewhere)")
   add_config_flags(parser, default=None)
-  parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+  parser.add_argument("--batches", type=int, nargs="+", default=None,
+                      help="batch sizes (default 1 8 32)")
   parser.add_argument("--prompt-len", type=int, default=None,
                       help="random prompt tokens with --shape (default: 1024 on GPU, 256 "
                            "elsewhere)")
@@ -594,19 +595,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="start no batch after the first once this many seconds have passed "
                            "since the script started (0 = no limit)")
   parser.add_argument("--quick", action="store_true",
-                      help="smoke run on any device: batches 1 and 2, 3 iterations, shape "
-                           "'small' and 32 prompt tokens without --config, strategy 3,2,6 "
-                           "unless given, no --compile-times, no --hf")
+                      help="smoke run on any device: 3 iterations, shape 'small' and 32 prompt "
+                           "tokens without --config, batch 1 and strategy 3,2,6 unless given, "
+                           "no --compile-times, no --hf")
   args = parser.parse_args(argv)
   if args.shape and args.config:
     parser.error("give --shape (random weights) or --config (a config's policy), not both")
   if "config" in (args.drafters or []) and not args.config:
     parser.error("--drafters config needs --config")
   if args.quick:
-    args.batches, args.iters, args.prompt_len = [1, 2], 3, 32
+    args.iters, args.prompt_len = 3, 32
     args.shape = None if args.config else "small"
+    args.batches = args.batches or [1]
     args.strategies = ["3,2,6"] if args.strategies is None else args.strategies
     args.compile_times = args.hf = False
+  args.batches = args.batches or [1, 8, 32]
   for s in [*(args.strategies or []), *([args.shared_shape] if args.shared_shape else [])]:
     try:
       Strategy.parse(s)

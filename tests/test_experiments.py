@@ -141,13 +141,13 @@ def _check_bench_decode_quick(out):
   _check_run_metadata(data, "bench_decode.py")
   assert data["attention_impl"] == "auto" and data["shape"] == "small"
   assert data["hf"] is False and data["stopped_early"] is False  # --hf is opt-in
-  assert [r["batch"] for r in data["rows"]] == [1, 2]
-  for row in data["rows"]:
-    assert row["complete"] and row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
-    assert row["floor_ms"] > 0 and "hf_ms" not in row
-    assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
-    assert row["sd"]["3,2,6"]["drafter"] == "random"
-    assert "loop_iteration_ms" not in row["sd"]["3,2,6"]  # --loop-iterations is opt-in
+  (row,) = data["rows"]
+  assert row["batch"] == 1 and row["complete"]
+  assert row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
+  assert row["floor_ms"] > 0 and "hf_ms" not in row
+  assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
+  assert row["sd"]["3,2,6"]["drafter"] == "random"
+  assert "loop_iteration_ms" not in row["sd"]["3,2,6"]  # --loop-iterations is opt-in
 
 
 @pytest.mark.slow
@@ -169,9 +169,9 @@ def test_bench_decode_quick_on_a_config(tmp_path):
   oracle accepts every draft (depth + 1 tokens), and a budget spent after the first batch
   keeps it and skips the second. (bench_rollout's test checks the config's trained drafter.)"""
   out = tmp_path / "decode.json"
-  _run_script("bench_decode", "--quick", "--config", "configs/default.py", "--drafters",
-              "oracle", "--strategies", "3,2,6,eagle+suffix", "--shared-shape", "4,2,8",
-              "--loop-iterations", "4", "--time-budget", "0.001", "--out", str(out))
+  _run_script("bench_decode", "--quick", "--config", "configs/default.py", "--batches", "1", "2",
+              "--drafters", "oracle", "--strategies", "2,2,4,eagle+suffix", "--shared-shape",
+              "3,2,6", "--loop-iterations", "4", "--time-budget", "0.001", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   _check_run_metadata(data, "bench_decode.py")
@@ -181,7 +181,7 @@ def test_bench_decode_quick_on_a_config(tmp_path):
   assert row["complete"] and row["batch"] == 1
   for key in ("tlt_plain_ms", "tlt_plain_sync_ms", "tlt_plain_loop_ms", "floor_ms"):
     assert row[key] > 0, key
-  oracle, shape = "3,2,6,eagle+suffix oracle", "4,2,8,eagle+suffix"
+  oracle, shape = "2,2,4,eagle+suffix oracle", "3,2,6,eagle+suffix"
   assert set(row["sd"]) == {oracle, f"{oracle} in {shape}"}
   for name, sd in row["sd"].items():
     assert sd["identical_to_plain"], name  # greedy SD is lossless, in a shared program too
@@ -189,9 +189,9 @@ def test_bench_decode_quick_on_a_config(tmp_path):
     assert sd["decode_speedup"] == pytest.approx(
         sd["accept_len"] * row["tlt_plain_ms"] / sd["iteration_ms"])
   own, shared = row["sd"][oracle], row["sd"][f"{oracle} in {shape}"]
-  assert own["accept_len"] == 4.0  # every draft accepted: depth 3 + the bonus token
+  assert own["accept_len"] == 3.0  # every draft accepted: depth 2 + the bonus token
   assert own["drafter"] == "oracle" and own["weight_floor_vs_plain_step"] > 1.0
-  assert shared["program"] == [4, 2, 8, "eagle+suffix"] and shared["own"] == oracle
+  assert shared["program"] == [3, 2, 6, "eagle+suffix"] and shared["own"] == oracle
   assert shared["accept_len"] == own["accept_len"]  # the same tree, padded
   assert shared["padding_cost"] > 0 and shared["loop_padding_cost"] > 0
 
