@@ -1,78 +1,89 @@
-"""Benchmark: the rollout engine with plain decoding vs SD (fixed strategies, a fixed table,
-the BEG-MAB tuner).
+"""Benchmark: the rollout engine with plain decoding against SD, per strategy and tuner, in
+GRPO-shaped rollouts of one config's policy, drafters and task (--config FILE[:variant],
+--set KEY=VALUE).
 
-Same policy, same prompts, same drafter, measured side by side in one run. The drafter is
-warmed on the policy's own generations (on prompts disjoint from the benchmark's), unless
---drafter-steps 0. Decoding is greedy by default so that every mode does exactly the same work
-(identical outputs); --temperature samples instead.
+A rollout here is what an RL step samples: --prompts held-out prompts (default the config's
+rl.prompts_per_step) x --samples responses (default rl.num_samples) at --temperature (default
+rollout.temperature), on the config's
+mesh (its slices decode their shares side by side), SD once rollout.sd_threshold rows or fewer
+run on a slice. Modes, side by side in one run:
 
-  python -m experiments.bench_rollout --out results/rollout.json
-  python -m experiments.bench_rollout --policy assets/tiny-policy --out results/rollout.json
+  plain           plain decoding
+  sd(S)           SD with strategy S fixed, for each of --strategies ('depth,topk,verify
+                  [,drafts]', drafts eagle | suffix | eagle+suffix | ...; default the config's
+                  arms): EAGLE alone, the suffix drafter alone (it copies from its row, the
+                  batch and its group's finished siblings), their hybrid
+  sd-beg_mab      BEG-MAB choosing among those strategies, as rollout.speculative configures it
+  sd-table        a fixed table over rollout.speculative.bucket_thresholds: the largest tree
+                  for the fewest running rows
+(--tuners picks the last two; none: fixed strategies only). The drafters are the config's
+(drafter.eagle.path: a warmed EAGLE drafter). Every mode decodes the same requests with the
+same key (--seed; default the config's seed), so its tokens are plain decoding's at any
+temperature, which is checked. Each mode runs untimed first, to compile its programs (BEG-MAB,
+which explores, until a rollout compiles nothing new), then once timed.
 
-JSON per mode: wall time, tokens/s, tail-phase tokens/s (running rows <= sd_threshold), mean
-accept length, calls and iterations, host overhead (`busy_share`: the summed wall time of the
-compiled calls over the rollout's wall time; the rest is host work between calls), executables
-compiled and compile seconds, and tokens/s by active batch size
-(`by_active`: calls grouped by running rows, power-of-two buckets); plus speedup_wall and
-speedup_tail of the best SD mode (fastest tail) vs plain, and `tuner_comparison`: BEG-MAB
-against the best and the worst fixed strategy and a fixed table (bigger trees for fewer rows),
-by tail time. Every mode decodes plainly until the tail, so speedup_wall is bounded by the
-tail's share of the plain rollout and carries that phase's run-to-run noise. The PNG shows
-running rows and tokens/s over time; OUT_by_batch.png shows tokens/s by active batch size per
-mode and the tuner comparison.
+  python -m experiments.bench_rollout --out results/rollout/rollout.json      # configs/default.py
+  python -m experiments.bench_rollout --config configs/smollm2.py \
+      --set drafter.eagle.path=runs/smollm2_cpu/warmup/export/eagle --tuners \
+      --strategies 4,2,8 4,1,5,suffix 4,2,8,eagle+suffix --out results/drafts/smollm2.json
+  python -m experiments.bench_rollout --quick --out /tmp/rollout.json
 
-`iterations_per_call`: plain decoding again with each --sweep-iterations-per-call value N (at most N
-decode steps per compiled call; N = 1 is one host round trip per token): the median wall time
-of three timed rollouts, calls, device-busy share and whether the outputs are the plain mode's;
-OUT_iterations_per_call.png plots the wall time against N. The engine's default N comes from this
-sweep.
+JSON: the settings and the run's record; per mode (`modes`): wall and tail seconds (the tail:
+calls that start with at most sd_threshold rows running on their slice), tokens/s overall and
+in the tail, accept length, calls and iterations, SD iterations and seconds per SD iteration,
+host overhead (`busy_share`: the compiled calls' summed wall time over the rollout's),
+executables and compile seconds, tokens/s by running rows (`by_active`, power-of-two buckets),
+`identical_to_plain`, and `speedup_wall` and `speedup_tail` over plain decoding (seconds over
+seconds); `best_sd_mode` (the fastest tail among the modes that ran SD there) with its
+`speedup_wall` and `speedup_tail`; `tuner_comparison` (with sd-beg_mab): BEG-MAB against the
+best and the worst fixed strategy (and the table), by tail time; `hybrid_vs_eagle`: per hybrid
+strategy whose EAGLE-alone strategy also ran, its accept length and tail time over EAGLE's;
+with --sweep-iterations-per-call N ..., `iterations_per_call_sweep`: plain decoding at each N
+(at most N decode steps per compiled call; N = 1 is one host round trip per token), the median
+wall time of three timed rollouts each. Every mode decodes plainly until the tail, so
+speedup_wall is bounded by the tail's share of the plain rollout and carries that phase's
+run-to-run noise.
+
+PNGs: OUT.png running rows and tokens/s per call over time (plain and the best SD mode);
+OUT_by_batch.png tokens/s by running rows per mode, and each mode's tail seconds with its
+accept length; OUT_iterations_per_call.png the sweep's wall times.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
-import json
-import os
 import pathlib
 import sys
-import time
-
 
 import jax
 import matplotlib
-import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from tlt_jax.drafter_training.train_step import DrafterOptConfig
-from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
-from tlt_jax.drafters import EagleDrafter
+from .common import (add_config_flags, config_or_exit, run_metadata, strategy_label,
+                     write_json)
+from tlt_jax.cli import setup_devices
+from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,
+                                make_engine, make_tuner_from_config, sampling_params,
+                                task_prompts)
+from tlt_jax.config import ConfigError
+from tlt_jax.drafters import drafters_named
 from tlt_jax.mesh import make_mesh
-from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
-from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
-from tlt_jax.rl.tasks.arithmetic import ArithmeticTask
-from tlt_jax.rl.tokenizer import prompt_ids
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length
-from tlt_jax.speculative.sampling import SamplingParams
+from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.strategy import Strategy
-from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner, TableTuner
+from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner
 
-DEFAULT_POLICY = "assets/tiny-policy"
-
-
-def load_problem(policy: str, num_prompts: int, offset: int):
-  """(cfg, params, prompt id lists, eos id) for the policy folder and its built-in task."""
-  cfg = load_hf_config(policy, attention_impl="reference")
-  params = load_hf_params(policy, cfg)
-  tok = load_tokenizer(policy)
-  task = ArithmeticTask(seed=1234)  # held out from any training seed
-  prompts = [prompt_ids(tok, ex.prompt) for ex in task.examples(num_prompts, start=offset)]
-  return cfg, params, prompts, tok.eos_token_id
+TUNERS = ("beg_mab", "table")
 
 
-def summarize(result, threshold: int, compile_s: float, executables: int) -> dict:
+def mode_name(strategy: Strategy) -> str:
+  return f"sd({strategy_label(strategy)})"
+
+
+def summarize(result, threshold: int, timed_compiles: int = 0) -> dict:
   """One mode's numbers from its timed rollout (calls classified by their running rows at
   the start: the tail is <= threshold)."""
   steps = [r for r in result.timeline if r.mode != "prefill"]
@@ -100,39 +111,90 @@ def summarize(result, threshold: int, compile_s: float, executables: int) -> dic
               call_s=result.call_s, host_s=result.host_s,
               # Host overhead: the share of the wall time the devices had work in flight.
               busy_share=result.call_s / result.wall_s,
-              executables=executables, compile_s=compile_s,
+              executables=result.pool["executables"], compile_s=result.pool["compile_s"],
               strategies_used=sorted({r.strategy for r in sd if r.strategy}),
               tail_plain_calls=sum(r.mode == "plain" for r in tail),
-              timed_compiles=getattr(result, "timed_compiles", 0))
+              timed_compiles=timed_compiles)
 
 
-def run_mode(cfg, params, mesh, ec, drafters, tuner, prompts, samples, sp, key,
-             warmups: int = 8):
-  """Rollouts until two in a row compile nothing new (a tuner that explores may need a new
-  program in a later rollout), then the timed one. Returns (timed result, compile seconds,
-  executables); programs the timed rollout still compiled are in its wall time and counted
-  as `timed_compiles` by summarize."""
-  engine = RolloutEngine(cfg, params, mesh, ec, drafters=drafters, tuner=tuner)
-  compiles, quiet = -1, 0
-  for _ in range(warmups):
-    first = engine.generate(prompts, samples, sp, key)
-    quiet = quiet + 1 if first.pool["compiles"] == compiles else 0
-    compiles = first.pool["compiles"]
+def timed_rollout(engine, prompts, samples, sp, key, settle: bool, warmups: int = 8):
+  """Untimed rollouts that compile the mode's programs (one; with `settle`, for a tuner that
+  explores and so may need a program in a later rollout, until two in a row compile nothing
+  new), then the timed one. Returns (its result, programs it still compiled: in its wall
+  time)."""
+  compiles = engine.generate(prompts, samples, sp, key).pool["compiles"]
+  quiet = 0
+  for _ in range(warmups - 1 if settle else 0):
+    before, compiles = compiles, engine.generate(prompts, samples, sp, key).pool["compiles"]
+    quiet = quiet + 1 if compiles == before else 0
     if quiet == 2:
       break
   result = engine.generate(prompts, samples, sp, key)
-  result.timed_compiles = result.pool["compiles"] - first.pool["compiles"]
-  return result, result.pool["compile_s"], result.pool["executables"]
+  return result, result.pool["compiles"] - compiles
 
 
-def iterations_per_call_sweep(cfg, params, mesh, ec, prompts, samples, sp, key, values,
-                         plain_tokens, repeats: int = 3) -> dict:
-  """Plain decoding with at most N steps per compiled call, for each N in values: one warm
-  rollout, then the median of `repeats` timed ones (a rollout here is about a second, so one
-  alone is noisy)."""
+def fixed_table(strategies: list[Strategy], thresholds) -> list[Strategy]:
+  """One strategy per bucket: the largest verify budget for the fewest running rows."""
+  ordered = sorted(strategies, key=lambda s: -s.verify_tokens)
+  return [ordered[min(i, len(ordered) - 1)] for i in range(len(thresholds))]
+
+
+def tuner(config, kind: str, strategies: list[Strategy]):
+  """The config's tuner of `kind` choosing among `strategies` (the table: `fixed_table`)."""
+  c = copy.deepcopy(config)
+  sd = c.rollout.speculative
+  sd.tuner = kind
+  chosen = strategies if kind != "table" else fixed_table(strategies, sd.bucket_thresholds)
+  sd.arms = tuple(strategy_label(s) for s in chosen)
+  return make_tuner_from_config(c)
+
+
+def tuner_comparison(rows: dict) -> dict:
+  """The tuners against the best and worst fixed strategy, by time in the tail phase.
+
+  Strategies differ only there: before the tail every mode decodes plainly, the same work, so
+  differences in whole-rollout wall time between SD modes are that phase's noise. Ratios are
+  tail seconds of the other mode over BEG-MAB's (> 1: BEG-MAB is faster)."""
+  fixed = {n: r for n, r in rows.items() if n.startswith("sd(")}
+  best = min(fixed, key=lambda n: rows[n]["tail_s"])
+  worst = max(fixed, key=lambda n: rows[n]["tail_s"])
+  others = [("best_fixed", best), ("worst_fixed", worst)]
+  if "sd-table" in rows:
+    others.append(("table", "sd-table"))
+  out = {"best_fixed": best, "worst_fixed": worst}
+  for name in ("sd-beg_mab", *[n for _, n in others], "plain"):
+    out[name] = {"wall_s": rows[name]["wall_s"], "tail_s": rows[name]["tail_s"],
+                 "accept_len": rows[name]["accept_len"]}
+  base = rows["sd-beg_mab"]["tail_s"]
+  # No tail (every row finished before SD would start): nothing to compare.
+  for key, other in others:
+    out[f"beg_mab_vs_{key}"] = rows[other]["tail_s"] / base if base else None
+  return out
+
+
+def hybrid_vs_eagle(rows: dict, strategies: list[Strategy]) -> dict:
+  """Per strategy that drafts with EAGLE and others, whose EAGLE-alone strategy (same depth,
+  topk and verify tokens) also ran: its accept length and tail seconds over EAGLE's."""
+  out = {}
+  for s in strategies:
+    eagle = mode_name(Strategy(s.depth, s.topk, s.verify_tokens))
+    if "eagle" not in s.drafts or len(s.drafts) < 2 or eagle not in rows:
+      continue
+    mine, theirs = rows[mode_name(s)], rows[eagle]
+    out[strategy_label(s)] = dict(
+        accept_len=(mine["accept_len"] or 1) / (theirs["accept_len"] or 1),
+        tail_s=mine["tail_s"] / theirs["tail_s"] if theirs["tail_s"] else None)
+  return out
+
+
+def iterations_per_call_sweep(make, prompts, samples, sp, key, values, plain_tokens,
+                              repeats: int = 3) -> dict:
+  """Plain decoding with at most N steps per compiled call, for each N in values (make(N):
+  the engine): one warm rollout, then the median of `repeats` timed ones (a small model's
+  rollout takes about a second, so one alone is noisy)."""
   out = {}
   for n in values:
-    engine = RolloutEngine(cfg, params, mesh, dataclasses.replace(ec, iterations_per_call=n))
+    engine = make(n)
     engine.generate(prompts, samples, sp, key)
     runs = sorted((engine.generate(prompts, samples, sp, key) for _ in range(repeats)),
                   key=lambda r: r.wall_s)
@@ -143,11 +205,15 @@ def iterations_per_call_sweep(cfg, params, mesh, ec, prompts, samples, sp, key, 
                        busy_share=res.call_s / res.wall_s,
                        outputs_identical_to_plain=all(r.tokens == plain_tokens for r in runs))
     print(f"plain, iterations_per_call {n:4d}: median wall {res.wall_s:6.2f}s  "
-          f"calls {out[str(n)]['decode_calls']:5d}  busy {out[str(n)]['busy_share']:.0%}")
+          f"calls {out[str(n)]['decode_calls']:5d}  busy {out[str(n)]['busy_share']:.0%}",
+          flush=True)
   first = out[str(values[0])]["wall_s"]
   for row in out.values():
     row["speedup_vs_first"] = first / row["wall_s"]
   return out
+
+
+# ---------------------------------------------------------------- figures
 
 
 def plot_sweep(sweep: dict, path) -> None:
@@ -166,34 +232,11 @@ def plot_sweep(sweep: dict, path) -> None:
   plt.close(fig)
 
 
-def fixed_table(strategies: list[str], thresholds) -> list[Strategy]:
-  """One strategy per bucket: the largest verify budget for the fewest running rows."""
-  ordered = sorted((Strategy.parse(s) for s in strategies), key=lambda s: -s.verify_tokens)
-  return [ordered[min(i, len(ordered) - 1)] for i in range(len(thresholds))]
-
-
-def tuner_comparison(rows: dict) -> dict:
-  """The tuners against the best and worst fixed strategy, by time in the tail phase.
-
-  Strategies differ only there: before the tail every mode decodes plainly, the same work, so
-  differences in whole-rollout wall time between SD modes are that phase's noise. Ratios are
-  tail seconds of the other mode over BEG-MAB's (> 1: BEG-MAB is faster)."""
-  fixed = {n: r for n, r in rows.items() if n.startswith("sd(")}
-  best = min(fixed, key=lambda n: rows[n]["tail_s"])
-  worst = max(fixed, key=lambda n: rows[n]["tail_s"])
-  out = {"best_fixed": best, "worst_fixed": worst}
-  for name in ("sd-beg_mab", "sd-table", best, worst, "plain"):
-    out[name] = {"wall_s": rows[name]["wall_s"], "tail_s": rows[name]["tail_s"],
-                 "accept_len": rows[name]["accept_len"]}
-  base = rows["sd-beg_mab"]["tail_s"]
-  # No tail (every row finished before SD would start): nothing to compare.
-  for key, other in (("best_fixed", best), ("worst_fixed", worst), ("table", "sd-table")):
-    out[f"beg_mab_vs_{key}"] = rows[other]["tail_s"] / base if base else None
-  return out
-
-
-def plot_by_batch(rows: dict, comparison: dict, path) -> None:
-  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+def plot_by_batch(rows: dict, path) -> None:
+  """Tokens/s by running rows per mode (left); each mode's tail seconds, its accept length
+  on the bar (right; blue: EAGLE alone, orange: suffix alone, green: a hybrid, gray: plain
+  and the tuners)."""
+  fig, (a, b) = plt.subplots(1, 2, figsize=(12, 3.8))
   for name, row in rows.items():
     buckets = sorted(row["by_active"], key=int)
     a.plot([int(k) for k in buckets], [row["by_active"][k]["tokens_per_s"] for k in buckets],
@@ -203,13 +246,16 @@ def plot_by_batch(rows: dict, comparison: dict, path) -> None:
   a.set_xlabel("running sequences on the slice (bucket)")
   a.set_ylabel("tokens/s")
   a.legend(fontsize=7)
-  names = ["sd-beg_mab", "sd-table", comparison["best_fixed"], comparison["worst_fixed"],
-           "plain"]
-  labels = ["BEG-MAB", "table", f"best {comparison['best_fixed']}",
-            f"worst {comparison['worst_fixed']}", "plain"]
-  b.bar(range(len(names)), [comparison[n]["tail_s"] for n in names], color="#3b6ea5")
-  b.set_xticks(range(len(names)), labels, fontsize=7, rotation=15)
-  b.set_ylabel("seconds in the tail (running rows <= threshold)")
+  names = list(rows)
+  colors = ["#888888" if not n.startswith("sd(") else "#3b6ea5" if "suffix" not in n else
+            "#c2703d" if "eagle" not in n else "#5a9e52" for n in names]
+  b.bar(range(len(names)), [rows[n]["tail_s"] for n in names], color=colors)
+  for i, n in enumerate(names):
+    if rows[n]["accept_len"]:
+      b.text(i, rows[n]["tail_s"], f"{rows[n]['accept_len']:.2f}", ha="center", va="bottom",
+             fontsize=7)
+  b.set_xticks(range(len(names)), names, fontsize=7, rotation=25, ha="right")
+  b.set_ylabel("seconds in the tail (accept length on the bars)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -233,112 +279,130 @@ def plot(runs: dict, path, threshold):
   plt.close(fig)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", required=True, type=pathlib.Path)
-  parser.add_argument("--policy", default=DEFAULT_POLICY)
-  parser.add_argument("--num-prompts", type=int, default=96)
-  parser.add_argument("--num-samples", type=int, default=1)
-  parser.add_argument("--max-new-tokens", type=int, default=256)
-  parser.add_argument("--max-batch", type=int, default=64)
-  parser.add_argument("--sd-threshold", type=int, default=4)
-  parser.add_argument("--iterations-per-call", "--steps-per-call", type=int,
-                      default=EngineConfig.iterations_per_call)
-  parser.add_argument("--sweep-iterations-per-call", "--sweep-steps-per-call", type=int,
-                      nargs="+",
-                      default=[1, 4, 16, 32, 128])
-  parser.add_argument("--strategies", nargs="+", default=["4,2,8", "3,2,6", "6,2,12"])
-  parser.add_argument("--temperature", type=float, default=0.0)
-  parser.add_argument("--drafter-steps", type=int, default=400)
-  parser.add_argument("--drafter-prompts", type=int, default=256)
-  parser.add_argument("--quick", action="store_true", help="small run for smoke tests")
-  args = parser.parse_args()
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True, type=pathlib.Path,
+                 help="JSON path; the PNGs go next to it")
+  add_config_flags(p)
+  p.add_argument("--strategies", nargs="+", default=None,
+                 help="'depth,topk,verify[,drafts]' each (default: the config's arms)")
+  p.add_argument("--tuners", nargs="*", choices=TUNERS, default=list(TUNERS),
+                 help="tuners choosing among the strategies (none: fixed strategies only)")
+  p.add_argument("--prompts", type=int, default=0,
+                 help="held-out prompts per rollout (0: the config's rl.prompts_per_step)")
+  p.add_argument("--samples", type=int, default=0,
+                 help="responses per prompt (0: the config's rl.num_samples)")
+  p.add_argument("--temperature", type=float, default=None,
+                 help="sampling temperature (default: the config's rollout.temperature; "
+                      "0: greedy)")
+  p.add_argument("--seed", type=int, default=None,
+                 help="the rollouts' key (default: the config's seed)")
+  p.add_argument("--sweep-iterations-per-call", type=int, nargs="*", default=[], metavar="N",
+                 help="also time plain decoding at each of these rollout.iterations_per_call")
+  p.add_argument("--quick", action="store_true",
+                 help="smoke run: 2 prompts, 48 new tokens, the config's first arm unless "
+                      "--strategies")
+  args = p.parse_args(argv)
+  for s in args.strategies or []:
+    try:
+      Strategy.parse(s)
+    except ValueError as e:
+      p.error(f"--strategies {s!r}: {e}")
+  if args.prompts < 0 or args.samples < 0 or any(n < 1 for n in args.sweep_iterations_per_call):
+    p.error("--prompts and --samples must be >= 0, --sweep-iterations-per-call values >= 1")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  config = config_or_exit(args.config, args.set)
   if args.quick:
-    args.num_prompts, args.num_samples, args.max_new_tokens = 4, 2, 48
-    args.max_batch, args.strategies, args.drafter_steps, args.drafter_prompts = 8, ["3,2,6"], 20, 8
-    args.sweep_iterations_per_call = [1, 32]
-  if not os.path.isdir(args.policy):
-    sys.exit(f"policy folder {args.policy!r} not found; make it with the SFT command in the "
-             f"README or pass --policy DIR")
+    config.rollout.max_new_tokens = min(config.rollout.max_new_tokens, 48)
+    args.prompts = args.prompts or 2
+  setup_devices(config)
+  arms = [Strategy.parse(s) for s in args.strategies or config.rollout.speculative.arms]
+  strategies = arms[:1] if args.quick and not args.strategies else arms
+  try:
+    mesh = make_mesh(dict(config.mesh.axes))
+    tok = load_tokenizer_for(config)
+    cfg, params = load_policy(config, mesh)
+    drafters = load_drafters_for(config, cfg, names=drafters_named(strategies))
+    _, prompts = task_prompts(config, tok, args.prompts or config.rl.prompts_per_step,
+                              eval_split=True)
+    tuners = {f"sd-{kind}": tuner(config, kind, strategies) for kind in args.tuners}
+  except (ConfigError, ValueError) as e:
+    sys.exit(f"config error: {e}")
+  samples, sp = args.samples or config.rl.num_samples, sampling_params(config)
+  if args.temperature is not None:
+    sp = dataclasses.replace(sp, temperature=args.temperature)
+  threshold = config.rollout.sd_threshold
+  key = jax.random.key(config.seed if args.seed is None else args.seed)
+  eos, pad = tok.eos_token_id, tok.pad_token_id or 0
 
-  cfg, params, prompts, eos = load_problem(args.policy, args.num_prompts, offset=0)
-  _, _, train_prompts, _ = load_problem(args.policy, args.drafter_prompts, offset=10_000)
-  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  longest = max(len(p) for p in prompts + train_prompts)
-  ec = EngineConfig(max_batch=args.max_batch, max_prompt_len=longest,
-                    max_new_tokens=args.max_new_tokens, sd_threshold=args.sd_threshold,
-                    iterations_per_call=args.iterations_per_call, eos_id=eos)
-  sp = SamplingParams(args.temperature)
-  key = jax.random.key(0)
+  def engine(mode_tuner=None, **overrides):
+    # compile_ahead off: every tail call runs SD with the mode's strategies, as measured.
+    return make_engine(config, cfg, params, mesh, eos, pad,
+                       drafters=drafters if mode_tuner else None,
+                       speculative=mode_tuner is not None, tuner=mode_tuner,
+                       compile_ahead=False, **overrides)
 
-  # ---------------------------------------------------------------- drafter warm-up
-  dcfg = DrafterConfig()
-  dparams = init_drafter_params(cfg, dcfg, jax.random.key(1))
-  warm = {}
-  if args.drafter_steps:
-    plain_engine = RolloutEngine(cfg, params, mesh, ec)
-    gen = plain_engine.generate(train_prompts, 1, SamplingParams(1.0), jax.random.key(2))
-    samples = collect_samples(params, cfg, train_prompts, gen.tokens)
-    t0 = time.perf_counter()
-    trained, hist = train_drafter({"eagle": dparams}, params, samples, cfg, {"eagle": dcfg},
-                                  DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=20),
-                                  args.drafter_steps, window=256, batch_rows=8)
-    dparams = trained["eagle"]
-    warm = dict(steps=args.drafter_steps, seconds=time.perf_counter() - t0,
-                loss_first=hist[0]["loss"], loss_last=hist[-1]["loss"],
-                top1_last=float(np.mean([h["top1"] for h in hist[-20:]])),
-                tokens=int(sum(len(s.tokens) for s in samples)))
-
-  # ---------------------------------------------------------------- modes, side by side
-  drafter = {"eagle": EagleDrafter(dparams, dcfg)}
-  modes = {"plain": (None, None)}
-  for s in args.strategies:
-    modes[f"sd{Strategy.parse(s).as_tuple()}"] = (drafter, FixedTuner(Strategy.parse(s)))
-  thresholds = (1, 2, 5)
-  modes["sd-beg_mab"] = (drafter, BegMabTuner(
-      thresholds=thresholds, arms=[[Strategy.parse(s) for s in args.strategies]] * 3, seed=0,
-      plain_arm=True))
-  modes["sd-table"] = (drafter, TableTuner(thresholds, fixed_table(args.strategies, thresholds)))
+  modes = {"plain": None, **{mode_name(s): FixedTuner(s) for s in strategies}, **tuners}
   rows, runs = {}, {}
-  for name, (d, tuner) in modes.items():
-    res, compile_s, exes = run_mode(cfg, params, mesh, ec, d, tuner, prompts,
-                                    args.num_samples, sp, key)
-    rows[name] = summarize(res, args.sd_threshold, compile_s, exes)
-    runs[name] = res
-    print(f"{name:14s} wall {res.wall_s:6.2f}s  tail tok/s "
-          f"{rows[name]['tail_tokens_per_s'] or 0:8.1f}  accept {rows[name]['accept_len']}  "
-          f"device busy {rows[name]['busy_share']:.0%} of the wall time")
-  plain_tokens = runs["plain"].tokens
-  sweep = iterations_per_call_sweep(cfg, params, mesh, ec, prompts, args.num_samples, sp, key,
-                               args.sweep_iterations_per_call, plain_tokens)
-  lossless = {n: r.tokens == plain_tokens for n, r in runs.items()}
-  plain = rows["plain"]
+  for name, t in modes.items():
+    result, compiles = timed_rollout(engine(t), prompts, samples, sp, key,
+                                     settle=isinstance(t, BegMabTuner))
+    rows[name], runs[name] = summarize(result, threshold, compiles), result
+    row = rows[name]
+    row["identical_to_plain"] = result.tokens == runs["plain"].tokens
+    row["speedup_wall"] = rows["plain"]["wall_s"] / row["wall_s"]
+    row["speedup_tail"] = rows["plain"]["tail_s"] / row["tail_s"] if row["tail_s"] else None
+    print(f"{name:26s} wall {row['wall_s']:6.2f} s  tail {row['tail_s']:6.2f} s  accept "
+          f"{row['accept_len'] or 0:.2f}  busy {row['busy_share']:.0%}  identical "
+          f"{row['identical_to_plain']}", flush=True)
+
   # The best SD mode is the fastest in the tail, where the modes differ (see tuner_comparison),
   # among those that ran SD there: a tuner that learnt to decode the tail plainly is plain.
   sd_names = [n for n in rows if n != "plain" and rows[n]["sd_calls"]] or \
       [n for n in rows if n != "plain"]
-  best = min(sd_names, key=lambda n: rows[n]["tail_s"])
-  result = dict(
-      device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-      policy=args.policy, layers=cfg.num_layers, hidden=cfg.hidden_size,
-      prompts=args.num_prompts, samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-      sd_threshold=args.sd_threshold, iterations_per_call=args.iterations_per_call,
-      temperature=args.temperature, drafter_warmup=warm,
-      response_len=dict(mean=float(np.mean(runs["plain"].lengths)),
-                        max=int(np.max(runs["plain"].lengths))),
-      modes=rows, outputs_identical_to_plain=lossless, best_sd_mode=best,
-      speedup_wall=plain["wall_s"] / rows[best]["wall_s"],
-      speedup_tail=(rows[best]["tail_tokens_per_s"] / plain["tail_tokens_per_s"]
-                    if plain["tail_tokens_per_s"] and rows[best]["tail_tokens_per_s"] else None),
-      tuner_comparison=tuner_comparison(rows), iterations_per_call_sweep=sweep)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(result, indent=2))
-  plot({"plain": runs["plain"], best: runs[best]}, args.out.with_suffix(".png"),
-       args.sd_threshold)
-  plot_by_batch(rows, result["tuner_comparison"],
-                args.out.with_name(args.out.stem + "_by_batch.png"))
-  plot_sweep(sweep, args.out.with_name(args.out.stem + "_iterations_per_call.png"))
-  print(json.dumps({k: result[k] for k in ("best_sd_mode", "speedup_wall", "speedup_tail")}))
+  best = min(sd_names, key=lambda n: rows[n]["tail_s"]) if sd_names else None
+  result = {**run_metadata(), "config": args.config, "sets": args.set,
+            "policy": str(config.model.path), "drafter": str(config.drafter.eagle.path),
+            "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+            "prompts": len(prompts), "samples": samples, "seed": int(config.seed if args.seed
+                                                                    is None else args.seed),
+            "temperature": sp.temperature, "max_new_tokens": config.rollout.max_new_tokens,
+            "max_batch": config.rollout.max_batch, "sd_threshold": threshold,
+            "iterations_per_call": config.rollout.iterations_per_call,
+            "slices": int(mesh.shape["replica"]),
+            "response_lengths": [len(t) for t in runs["plain"].tokens],
+            "modes": rows, "identical_to_plain": all(r["identical_to_plain"]
+                                                     for r in rows.values()),
+            "best_sd_mode": best,
+            "speedup_wall": rows[best]["speedup_wall"] if best else None,
+            "speedup_tail": rows[best]["speedup_tail"] if best else None,
+            "hybrid_vs_eagle": hybrid_vs_eagle(rows, strategies)}
+  if "sd-beg_mab" in rows and strategies:
+    result["tuner_comparison"] = tuner_comparison(rows)
+  if args.sweep_iterations_per_call:
+    result["iterations_per_call_sweep"] = iterations_per_call_sweep(
+        lambda n: engine(iterations_per_call=n), prompts, samples, sp, key,
+        args.sweep_iterations_per_call, runs["plain"].tokens)
+  out = args.out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  write_json(out, result)
+  plot({n: runs[n] for n in ("plain", best) if n}, out.with_suffix(".png"), threshold)
+  plot_by_batch(rows, out.with_name(out.stem + "_by_batch.png"))
+  if args.sweep_iterations_per_call:
+    plot_sweep(result["iterations_per_call_sweep"],
+               out.with_name(out.stem + "_iterations_per_call.png"))
+  for name, r in result["hybrid_vs_eagle"].items():
+    print(f"{name} over EAGLE alone: accept length {r['accept_len']:.2f}x, tail time "
+          f"{r['tail_s'] or 0:.2f}x")
+  print(f"best SD mode {best}: {result['speedup_wall'] or 0:.2f}x the plain rollout, "
+        f"{result['speedup_tail'] or 0:.2f}x its tail; wrote {out} and its PNGs")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """What the experiments share: the repository root, a run's record (device, jax version, date,
-commit, command line), JSON written whole, and the command that runs a sibling as a module."""
+commit, command line), JSON written whole and read back, the command that runs a sibling as a
+module, the --config/--set flags of the config-driven benchmarks, and a strategy's label."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import pathlib
 import shlex
 import subprocess
@@ -45,3 +47,32 @@ def module_command(name: str, *args) -> list[str]:
   run it with cwd=REPO."""
   module = name if "." in name else f"experiments.{name}"
   return [sys.executable, "-m", module, *map(str, args)]
+
+
+def read_json(path: pathlib.Path) -> dict:
+  """The JSON object at path, or {} where there is no such file (a stage that has not run)."""
+  return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def add_config_flags(parser, default: str = str(REPO / "configs" / "default.py")) -> None:
+  """--config FILE[:variant] and --set KEY=VALUE (repeatable), as the jobs take them."""
+  parser.add_argument("--config", default=default, metavar="FILE[:variant]",
+                      help="config file (default: %(default)s)")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="config override, e.g. --set drafter.eagle.path=DIR (repeatable)")
+
+
+def config_or_exit(spec: str, sets=()):
+  """The config file's get_config(variant) with the overrides, or exit with one line that
+  names the problem."""
+  from tlt_jax.cli import config_from_file
+  from tlt_jax.config import ConfigError
+  try:
+    return config_from_file(spec, sets)
+  except (ConfigError, ValueError) as e:
+    sys.exit(f"config error: {e}")
+
+
+def strategy_label(strategy) -> str:
+  """'depth,topk,verify[,drafts]' of a Strategy, as the command line and the configs write it."""
+  return ",".join(map(str, strategy.as_tuple()))

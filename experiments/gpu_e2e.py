@@ -12,7 +12,8 @@ OUT/logs/STAGE.log):
   sft       python -m tlt_jax.sft                  -> OUT/sft/export (policy + tokenizer)
   warmup    python -m tlt_jax.warmup_drafter       -> OUT/warmup/export/eagle (drafter)
   rl        experiments/rl_runs.py, baseline + tlt -> OUT/rl (rl_runs.json, figures)
-  rollout   experiments/bench_rollout.py           -> OUT/rollout (plain vs SD cost table);
+  rollout   experiments/bench_rollout.py, one RL step's rollout with the warmed drafter
+            -> OUT/rollout (plain vs SD cost table);
             optional: the summary does not wait for it
 A stage that finished is recorded in OUT/stages.json and skipped when the command is run again,
 so a killed run resumes at the stage it was in (which resumes from its own checkpoints; the RL
@@ -49,7 +50,7 @@ import subprocess
 import sys
 import time
 
-from .common import REPO, module_command
+from .common import REPO, module_command, read_json
 
 import matplotlib
 
@@ -102,14 +103,12 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: dict[str, list[str]] | 
              "--config", config, "--set", f"model.path={policy}", "--set",
              f"drafter.eagle.path={drafter}", "--variants", "baseline", "tlt", "--resume", *spot,
              *[a for kv in sets.get("rl", []) for a in ("--set", kv)]],
-      # The cost table at the demo's shapes; the toy policy's rows all end early, so in the
-      # quick run every call counts as the tail.
-      "rollout": [*module_command("bench_rollout"), "--policy", str(policy),
-                  "--out", str(out / "rollout" / "rollout.json"),
-                  *(["--quick", "--sd-threshold", "64"] if quick else
-                    ["--max-new-tokens", "1536", "--max-batch", "128", "--sd-threshold", "8",
-                     "--num-prompts", "64", "--drafter-steps", "200",
-                     "--drafter-prompts", "128"])],
+      # The cost table at the demo's shapes, in an RL step's rollout with the warmed drafter;
+      # the toy policy's rows all end early, so in the quick run every call counts as the tail.
+      "rollout": [*module_command("bench_rollout"), "--config", config, "--set",
+                  f"model.path={policy}", "--set", f"drafter.eagle.path={drafter}",
+                  "--tuners", "beg_mab", "--out", str(out / "rollout" / "rollout.json"),
+                  *(["--quick", "--set", "rollout.sd_threshold=16"] if quick else [])],
   }
 
 
@@ -158,7 +157,7 @@ def run_recorded_stages(out: pathlib.Path, quick: bool, commands: dict[str, list
   it was in); returns {name: {command, seconds}} of every stage done so far."""
   out.mkdir(parents=True, exist_ok=True)
   record_path = out / "stages.json"
-  record = _read(record_path)
+  record = read_json(record_path)
   if record and record.get("quick") != quick:
     sys.exit(f"{out} holds a {'quick' if record.get('quick') else 'full'} run; give another "
              f"--out or delete it")
@@ -176,16 +175,12 @@ def run_recorded_stages(out: pathlib.Path, quick: bool, commands: dict[str, list
   return stages
 
 
-def _read(path: pathlib.Path) -> dict:
-  return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def collect(out: pathlib.Path, stages: dict) -> dict:
   """The headline numbers from every stage's own outputs."""
-  sft, warm = _read(out / "sft" / "summary.json"), _read(out / "warmup" / "summary.json")
-  rl, roll = _read(out / "rl" / "rl_runs.json"), _read(out / "rollout" / "rollout.json")
-  sim = _read(out / "simulate" / "simulation.json")
-  profile = _read(out / "sft" / "profile" / "summary.json")  # when the plan sets profile.*
+  sft, warm = read_json(out / "sft" / "summary.json"), read_json(out / "warmup" / "summary.json")
+  rl, roll = read_json(out / "rl" / "rl_runs.json"), read_json(out / "rollout" / "rollout.json")
+  sim = read_json(out / "simulate" / "simulation.json")
+  profile = read_json(out / "sft" / "profile" / "summary.json")  # when the plan sets profile.*
   runs = rl.get("runs", {})
   per_run = {}
   for name, r in runs.items():
@@ -224,7 +219,7 @@ def _device() -> str:
 
 
 def plot(out: pathlib.Path, summary: dict) -> None:
-  rl = _read(out / "rl" / "rl_runs.json")
+  rl = read_json(out / "rl" / "rl_runs.json")
   fig, (ax_stage, ax_step, ax_proj) = plt.subplots(1, 3, figsize=(14, 4))
   names = list(summary["stages"])
   ax_stage.barh(names, [summary["stages"][n]["seconds"] for n in names], color="#34495e")

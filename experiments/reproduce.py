@@ -25,6 +25,9 @@ import time
 
 from .common import REPO, module_command
 POLICY = "assets/tiny-policy"
+# The rollout benchmark's setting (docs/results/rollout): one slice of up to 64 rows, and below,
+# 96 held-out prompts with one greedy sample each; the config's (shipped) drafter.
+ROLLOUT_SETS = ["rollout.max_batch=64", "mesh.num_cpu_devices=1", "mesh.axes.replica=1"]
 # Experiments that need a package `pip install -e .` does not install: skipped, not failed,
 # when it is missing.
 REQUIRES = {"vs_hf": "torch"}
@@ -44,8 +47,10 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
       # Held-out accuracy before and after GRPO, per update setting and seed.
       "grpo_settings": ["grpo_settings", "--out", str(out / "grpo_settings"), *q],
       # 2, 5: rollout throughput by mode and active batch size; the tuner vs fixed strategies.
-      "rollout": ["bench_rollout", "--policy", POLICY,
-                  "--out", str(out / "rollout" / "rollout.json"), *q],
+      "rollout": ["bench_rollout", *[a for kv in ROLLOUT_SETS for a in ("--set", kv)],
+                  "--samples", "1", "--temperature", "0", *(q or ["--prompts", "96"]),
+                  "--sweep-iterations-per-call", *([1, 32] if quick else [1, 4, 16, 32, 128]),
+                  "--out", str(out / "rollout" / "rollout.json")],
       # 6: the compiled-executable pool.
       "executable_pool": ["executable_pool", "--out", str(out / "executable_pool"), *q],
       # 7: cluster-scale projection (8 to 1024 devices), and the simulator against a measured

@@ -6,17 +6,18 @@
 
 Stages (each a subprocess; its output streams to the console and OUT/logs/STAGE.log; a stage
 that finished is recorded in OUT/stages.json and skipped when the command is run again):
-  decode   the policy's decode step (float32, scanned layers, the rollout's cache size) at
-           each batch size of --batches: median of --iters steps -> OUT/decode.json
+  decode   experiments/bench_decode.py --config ...: the policy's plain decode step (float32,
+           scanned layers, a cache as long as the rollout's) at each batch size of --batches,
+           the median of --iters steps -> OUT/decode.json
   warmup   python -m tlt_jax.warmup_drafter: the EAGLE drafter on the model's own responses
            -> OUT/warmup/export/eagle
-  rollout  one long-tailed batch (--rollout-prompts problems x the config's samples, the
-           config's temperature and one key) decoded plainly and with SD under each fixed
-           strategy of the config's arms and under BEG-MAB: tokens checked identical to the
-           plain rollout's; whole-rollout and tail seconds (calls with at most
-           rollout.sd_threshold rows running), accept length -> OUT/rollout.json
+  rollout  experiments/bench_rollout.py --config ... with the warmed drafter: one long-tailed
+           batch (--rollout-prompts problems x the config's samples, the config's temperature
+           and one key) decoded plainly and with SD under each fixed strategy of the config's
+           arms and under BEG-MAB, tokens checked identical to the plain rollout's;
+           whole-rollout and tail seconds (calls with at most rollout.sd_threshold rows
+           running), accept length -> OUT/rollout.json
   rl       experiments/rl_runs.py: GRPO baseline and TLT back to back -> OUT/rl
-Every rollout mode runs once untimed (its compiles) and once timed, with the same key.
 
 OUT/smollm2_cpu.json: device, date, commit, the stages' commands and seconds, and the
 headline numbers of each stage; OUT/smollm2_cpu.png: the decode step against batch size, the
@@ -26,11 +27,8 @@ rollout's whole and tail seconds per mode, and the RL runs' reward and step time
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import statistics
 import sys
-import time
 
 
 import matplotlib
@@ -38,124 +36,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from .common import REPO, module_command
+from .common import REPO, module_command, read_json, run_metadata, write_json
 from .gpu_e2e import run_recorded_stages
 
 STAGES = ("decode", "warmup", "rollout", "rl")
 CONFIG = str(REPO / "configs" / "smollm2.py")
-
-
-def _read(path: pathlib.Path) -> dict:
-  return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _config(quick: bool, sets: list[str]):
-  """configs/smollm2.py (:runlocal when quick) with --set overrides, devices set up."""
-  from tlt_jax.cli import config_from_file, setup_devices
-  config = config_from_file(CONFIG + (":runlocal" if quick else ""), sets)
-  setup_devices(config)
-  return config
-
-
-# ---------------------------------------------------------------- decode
-
-
-def decode_stage(out: pathlib.Path, quick: bool, sets: list[str], batches: list[int],
-                 iters: int) -> None:
-  """Median decode-step milliseconds per batch size, with a cache as long as the rollout's
-  (prompt of max_prompt_len tokens already in it)."""
-  import functools
-
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  from tlt_jax.components import load_policy
-  from tlt_jax.mesh import make_mesh
-  from tlt_jax.models import decode, init_cache, prefill
-
-  config = _config(quick, sets)
-  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-  cfg, params = load_policy(config, mesh)
-  prompt_len = config.rollout.max_prompt_len
-  slots = prompt_len + config.rollout.max_new_tokens
-  pre = jax.jit(functools.partial(prefill, cfg=cfg, fresh=True))
-  step = jax.jit(functools.partial(decode, cfg=cfg), donate_argnums=(2,))
-  rows = []
-  for b in batches:
-    tokens = jnp.asarray(np.random.default_rng(b).integers(0, cfg.vocab_size, (b, prompt_len)),
-                         jnp.int32)
-    lengths = jnp.full((b,), prompt_len, jnp.int32)
-    _, _, cache = pre(params, tokens, lengths, init_cache(cfg, b, slots))
-    nxt = tokens[:, -1]
-    times = []
-    for i in range(iters + 2):
-      t0 = time.perf_counter()
-      logits, _, cache = step(params, nxt, cache)
-      jax.block_until_ready(logits)
-      times.append(time.perf_counter() - t0)
-    ms = 1e3 * statistics.median(times[2:])
-    rows.append({"batch": b, "step_ms": ms, "tokens_per_s": 1e3 * b / ms})
-    print(f"batch {b:3d}: decode step {ms:7.1f} ms, {1e3 * b / ms:7.1f} tokens/s", flush=True)
-    (out / "decode.json").write_text(json.dumps(
-        {"model": config.model.path, "dtype": cfg.dtype, "scan_layers": True,
-         "cache_slots": slots, "iters": iters, "rows": rows}, indent=2))
-
-
-# ---------------------------------------------------------------- rollout
-
-
-def rollout_stage(out: pathlib.Path, quick: bool, sets: list[str], num_prompts: int) -> None:
-  """Plain decoding against SD per fixed strategy and BEG-MAB on one batch, same key."""
-  import jax
-
-  from .bench_rollout import summarize
-  from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,
-                                  make_engine, make_tuner_from_config, sampling_params,
-                                  task_prompts)
-  from tlt_jax.mesh import make_mesh
-  from tlt_jax.speculative.tuner import FixedTuner
-
-  warmed = out / "warmup" / "export" / "eagle"
-  config = _config(quick, sets + [f"drafter.eagle.path={warmed}"])
-  mesh = make_mesh(dict(config.mesh.axes))
-  tok = load_tokenizer_for(config)
-  cfg, params = load_policy(config, mesh)
-  drafters = load_drafters_for(config, cfg)
-  # Held-out problems: another stream than the warm-up's training prompts.
-  _, prompts = task_prompts(config, tok, num_prompts, eval_split=True)
-  sp = sampling_params(config)
-  key = jax.random.key(7)
-  threshold = config.rollout.sd_threshold
-  eos, pad = tok.eos_token_id, tok.pad_token_id or 0
-  modes = {"plain": dict(speculative=False)}
-  for arm in config.rollout.speculative.arms:
-    modes[f"sd({arm})"] = dict(speculative=True, tuner=FixedTuner(arm))
-  modes["sd-beg_mab"] = dict(speculative=True, tuner=make_tuner_from_config(config))
-  rows, plain_tokens = {}, None
-  for name, kw in modes.items():
-    engine = make_engine(config, cfg, params, mesh, eos, pad,
-                         drafters=drafters if kw["speculative"] else None, compile_ahead=False,
-                         **kw)
-    first = engine.generate(prompts, config.rl.num_samples, sp, key)
-    result = engine.generate(prompts, config.rl.num_samples, sp, key)
-    result.timed_compiles = result.pool["compiles"] - first.pool["compiles"]
-    row = summarize(result, threshold, result.pool["compile_s"], result.pool["executables"])
-    if plain_tokens is None:
-      plain_tokens = result.tokens
-    row["identical_to_plain"] = result.tokens == plain_tokens
-    row["lengths"] = [len(t) for t in result.tokens]
-    rows[name] = row
-    print(f"{name:16s} wall {row['wall_s']:6.1f} s  tail {row['tail_s']:6.1f} s  accept "
-          f"{row['accept_len'] or 0:.2f}  identical {row['identical_to_plain']}", flush=True)
-  plain = rows["plain"]
-  for row in rows.values():
-    row["speedup_wall"] = plain["wall_s"] / row["wall_s"]
-    row["speedup_tail"] = plain["tail_s"] / row["tail_s"] if row["tail_s"] else None
-  (out / "rollout.json").write_text(json.dumps(
-      {"num_prompts": num_prompts, "num_samples": config.rl.num_samples,
-       "temperature": sp.temperature, "sd_threshold": threshold,
-       "max_new_tokens": config.rollout.max_new_tokens, "modes": rows}, indent=2))
 
 
 # ---------------------------------------------------------------- pipeline
@@ -165,28 +50,28 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: list[str], args) -> dic
   py = sys.executable
   config = CONFIG + (":runlocal" if quick else "")
   flags = [f"--config.{kv}" for kv in sets]
-  own = ["--out", str(out), *(["--quick"] if quick else []),
-         *[a for kv in sets for a in ("--set", kv)]]
+  own = [a for kv in sets for a in ("--set", kv)]
+  warmed = ["--set", f"drafter.eagle.path={out / 'warmup' / 'export' / 'eagle'}"]
   return {
-      "decode": [*module_command("smollm2_cpu"), "--run-stage", "decode", *own, "--batches",
-                 *map(str, args.batches), "--iters", str(args.iters)],
+      # Plain steps only: the stage measures where the step stops being flat in the batch.
+      "decode": [*module_command("bench_decode"), "--config", config, *own, "--strategies",
+                 "--batches", *map(str, args.batches), "--iters", str(args.iters),
+                 "--out", str(out / "decode.json")],
       "warmup": [py, "-m", "tlt_jax.warmup_drafter", f"--config={config}",
                  f"--workdir={out / 'warmup'}", *flags],
-      "rollout": [*module_command("smollm2_cpu"), "--run-stage", "rollout", *own, "--rollout-prompts",
-                  str(args.rollout_prompts)],
-      "rl": [*module_command("rl_runs"), "--out", str(out / "rl"),
-             "--config", config, "--set",
-             f"drafter.eagle.path={out / 'warmup' / 'export' / 'eagle'}",
-             "--variants", "baseline", "tlt", "--resume",
-             *[a for kv in sets for a in ("--set", kv)]],
+      # Held-out problems (another stream than the warm-up's training prompts), one key.
+      "rollout": [*module_command("bench_rollout"), "--config", config, *warmed, *own,
+                  "--prompts", str(args.rollout_prompts), "--seed", "7", "--tuners", "beg_mab",
+                  "--out", str(out / "rollout.json")],
+      "rl": [*module_command("rl_runs"), "--out", str(out / "rl"), "--config", config,
+             *warmed, "--variants", "baseline", "tlt", "--resume", *own],
   }
 
 
 def collect(out: pathlib.Path, stages: dict) -> dict:
   """The headline numbers of every stage, from its own outputs."""
-  from .common import run_metadata
-  decode, roll = _read(out / "decode.json"), _read(out / "rollout.json")
-  warm, rl = _read(out / "warmup" / "summary.json"), _read(out / "rl" / "rl_runs.json")
+  decode, roll = read_json(out / "decode.json"), read_json(out / "rollout.json")
+  warm, rl = read_json(out / "warmup" / "summary.json"), read_json(out / "rl" / "rl_runs.json")
   modes = roll.get("modes", {})
   runs = {}
   for name, r in rl.get("runs", {}).items():
@@ -199,7 +84,9 @@ def collect(out: pathlib.Path, stages: dict) -> dict:
                   "heldout": {k: v for k, v in r.get("summary", {}).items() if "accuracy" in k}}
   return {**run_metadata(), "device": f"CPU, {_cpu_cores()} cores (the rollout and RL stages "
           f"on 2 emulated devices)", "stages": stages,
-          "decode": decode.get("rows"),
+          "decode": [{"batch": r["batch"], "step_ms": r["tlt_plain_ms"],
+                      "tokens_per_s": 1e3 * r["batch"] / r["tlt_plain_ms"]}
+                     for r in decode.get("rows", []) if r.get("complete")],
           "drafter": {k: warm.get(k) for k in ("accept_len_untrained", "accept_len_warmed",
                                               "strategy")},
           "rollout": {name: {k: m.get(k) for k in ("wall_s", "tail_s", "accept_len",
@@ -272,18 +159,13 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--rollout-prompts", type=int, default=8,
                  help="problems in the rollout stage's batch (x the config's samples)")
-  p.add_argument("--run-stage", choices=("decode", "rollout"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   out = args.out.resolve()
   out.mkdir(parents=True, exist_ok=True)
-  if args.run_stage == "decode":
-    return decode_stage(out, args.quick, args.set, args.batches, args.iters)
-  if args.run_stage == "rollout":
-    return rollout_stage(out, args.quick, args.set, args.rollout_prompts)
   stages = run_recorded_stages(out, args.quick, stage_commands(out, args.quick, args.set, args),
                                args.stages)
   summary = collect(out, stages)
-  (out / "smollm2_cpu.json").write_text(json.dumps(summary, indent=2))
+  write_json(out / "smollm2_cpu.json", summary)
   plot(out, summary)
   print(f"wrote {out / 'smollm2_cpu.json'} and {out / 'smollm2_cpu.png'}")
 

@@ -134,87 +134,114 @@ def test_bench_tree_attention_targets():
 
 
 def _check_bench_decode_quick(out):
-  """bench_decode.py --quick's outputs (command 1 of the campaign's quick run)."""
+  """bench_decode.py --quick's outputs on random weights (command 1 of the campaign's quick
+  run)."""
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   _check_run_metadata(data, "bench_decode.py")
   assert data["attention_impl"] == "auto" and data["shape"] == "small"
   assert data["hf"] is False and data["stopped_early"] is False  # --hf is opt-in
-  assert [r["batch"] for r in data["rows"]] == [1, 2]
-  for row in data["rows"]:
-    assert row["complete"] and row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
-    assert row["floor_ms"] > 0 and "hf_ms" not in row
-    assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
+  (row,) = data["rows"]
+  assert row["batch"] == 1 and row["complete"]
+  assert row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
+  assert row["floor_ms"] > 0 and "hf_ms" not in row
+  assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
+  assert row["sd"]["3,2,6"]["drafter"] == "random"
+  assert "loop_iteration_ms" not in row["sd"]["3,2,6"]  # --loop-iterations is opt-in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,results,skipped", [
-    ("bench_decode", "rows", "skipped_batches"),
-    ("bench_tree_attention", "results", "skipped_points")])
-def test_bench_decode_and_tree_attention_stop_at_time_budget(tmp_path, script, results,
-                                                            skipped):
-  """A budget spent before the second batch (grid point) keeps the first one and says what
-  was skipped."""
+def test_bench_tree_attention_stops_at_time_budget(tmp_path):
+  """A budget spent before the second grid point keeps the first one and says what was
+  skipped."""
   out = tmp_path / "out.json"
-  _run_script(script, "--quick", "--time-budget", "0.001", "--out", str(out))
+  _run_script("bench_tree_attention", "--quick", "--time-budget", "0.001", "--out", str(out))
   data = json.loads(out.read_text())
-  assert data["stopped_early"] is True and len(data[results]) == 1
-  assert len(data[skipped]) == (1 if script == "bench_decode" else 7)
+  assert data["stopped_early"] is True and len(data["results"]) == 1
+  assert len(data["skipped_points"]) == 7
 
 
 @pytest.mark.slow
-def test_bench_drafts_quick(tmp_path):
-  """EAGLE and hybrid strategies on the default config: every mode's tokens are plain
-  decoding's, the warmed drafter's trees are accepted, and the comparison is written."""
-  out = tmp_path / "drafts.json"
-  _run_script("bench_drafts", "--quick", "--out", str(out))
+def test_bench_decode_quick_on_a_config(tmp_path):
+  """The tiny default's policy and prompts with the oracle EAGLE drafter (the policy itself)
+  in a hybrid strategy (its suffix drafter copies from a corpus), also in a shared shape,
+  timed per call and in a decode loop: every SD iteration emits plain decoding's tokens, the
+  oracle accepts every draft (depth + 1 tokens), and a budget spent after the first batch
+  keeps it and skips the second. (bench_rollout's test checks the config's trained drafter.)"""
+  out = tmp_path / "decode.json"
+  _run_script("bench_decode", "--quick", "--config", "configs/default.py", "--batches", "1", "2",
+              "--drafters", "oracle", "--strategies", "2,2,4,eagle+suffix", "--shared-shape",
+              "3,2,6", "--loop-iterations", "4", "--time-budget", "0.001", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
-  modes = data["modes"]
-  assert set(modes) == {"plain", "4,2,8", "4,2,8,eagle+suffix"}
-  assert all(m["identical_to_plain"] for m in modes.values())
-  assert modes["4,2,8"]["accept_len"] > 1.5 and modes["4,2,8,eagle+suffix"]["accept_len"] > 1.5
-  assert set(data["iteration"]["1"]) == set(modes) - {"plain"}
-  ratio = data["hybrid_vs_eagle"]["4,2,8,eagle+suffix"]
-  assert ratio["accept_len"] > 0 and ratio["iteration_s"]["1"] > 0
+  _check_run_metadata(data, "bench_decode.py")
+  assert data["stopped_early"] is True and data["skipped_batches"] == [2]
+  assert data["shape"] is None and data["model"].endswith("tiny-policy")
+  (row,) = data["rows"]
+  assert row["complete"] and row["batch"] == 1
+  for key in ("tlt_plain_ms", "tlt_plain_sync_ms", "tlt_plain_loop_ms", "floor_ms"):
+    assert row[key] > 0, key
+  oracle, shape = "2,2,4,eagle+suffix oracle", "3,2,6,eagle+suffix"
+  assert set(row["sd"]) == {oracle, f"{oracle} in {shape}"}
+  for name, sd in row["sd"].items():
+    assert sd["identical_to_plain"], name  # greedy SD is lossless, in a shared program too
+    assert sd["iteration_ms"] > 0 and sd["loop_iteration_ms"] > 0
+    assert sd["decode_speedup"] == pytest.approx(
+        sd["accept_len"] * row["tlt_plain_ms"] / sd["iteration_ms"])
+  own, shared = row["sd"][oracle], row["sd"][f"{oracle} in {shape}"]
+  assert own["accept_len"] == 3.0  # every draft accepted: depth 2 + the bonus token
+  assert own["drafter"] == "oracle" and own["weight_floor_vs_plain_step"] > 1.0
+  assert shared["program"] == [3, 2, 6, "eagle+suffix"] and shared["own"] == oracle
+  assert shared["accept_len"] == own["accept_len"]  # the same tree, padded
+  assert shared["padding_cost"] > 0 and shared["loop_padding_cost"] > 0
 
 
-@pytest.mark.slow
-def test_bench_sd_step_quick(tmp_path):
-  out = tmp_path / "sd.json"
-  _run_script("bench_sd_step", "--quick", "--shared-shape", "4,2,8", "--out", str(out))
+def _check_bench_rollout(out, modes):
+  """bench_rollout.py --quick's outputs, with plain decoding and the SD `modes` (fixed
+  strategies and tuners)."""
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
-  assert {r["drafter"] for r in data["rows"]} == {"oracle", "random"}
-  for row in data["rows"]:
-    assert row["outputs_match_plain"]  # greedy SD is lossless, in a shared program too
-    assert 1.0 <= row["accept_len"] <= 4.0  # strategy (3, 2, 6): at most steps + 1
-  oracle = next(r for r in data["rows"] if r["drafter"] == "oracle")
-  assert oracle["accept_len"] > 1.5
-  shared = [r for r in data["rows"] if r["program"] == [4, 2, 8]]
-  assert len(shared) == 2  # (3, 2, 6) in the program shaped for (4, 2, 8), per drafter
-  assert all(r["accept_len_matches_own"] and r["padding_cost"] > 0 for r in shared)
-
-
-def _check_bench_rollout(out):
-  """bench_rollout.py's outputs (its --quick run is gpu_e2e --quick's rollout stage)."""
-  data = json.loads(out.read_text())
-  assert out.with_suffix(".png").exists()
-  assert set(data["modes"]) == {"plain", "sd(3, 2, 6)", "sd-beg_mab", "sd-table"}
-  assert all(data["outputs_identical_to_plain"].values())  # greedy SD is lossless
-  assert data["drafter_warmup"]["loss_last"] < data["drafter_warmup"]["loss_first"]
+  assert (out.parent / f"{out.stem}_by_batch.png").exists()
+  assert set(data["modes"]) == {"plain", *modes}
+  assert data["identical_to_plain"] and all(m["identical_to_plain"]
+                                            for m in data["modes"].values())
   for mode in data["modes"].values():
     assert mode["executables"] > 0 and mode["tokens"] > 0
     # Every generated token is counted once across the active-batch buckets (prefill apart).
     assert sum(b["tokens"] for b in mode["by_active"].values()) <= mode["tokens"]
     assert all(int(k) & (int(k) - 1) == 0 for k in mode["by_active"])
-  comparison = data["tuner_comparison"]
-  assert comparison["best_fixed"] == comparison["worst_fixed"] == "sd(3, 2, 6)"
-  assert comparison["beg_mab_vs_best_fixed"] > 0
-  assert (out.parent / "rollout_by_batch.png").exists()
+  if "sd-beg_mab" in modes:
+    comparison = data["tuner_comparison"]
+    assert {comparison["best_fixed"], comparison["worst_fixed"]} <= set(modes)
+    assert comparison["beg_mab_vs_best_fixed"] > 0
+    assert ("beg_mab_vs_table" in comparison) == ("sd-table" in modes)
   assert data["speedup_wall"] > 0
   # The best SD mode ran SD in the tail (a tuner that decoded it plainly is not one).
   assert data["modes"][data["best_sd_mode"]]["sd_calls"] > 0
+  return data
+
+
+@pytest.mark.slow
+def test_bench_rollout_quick(tmp_path):
+  """GRPO-shaped rollouts of the tiny default (on one slice, SD for its last 8 rows) with its
+  trained EAGLE drafter alone and in the hybrid, fixed and under the table, and plain
+  decoding at 1 and 32 steps per call: every mode's tokens are plain decoding's, the warmed
+  drafter's trees are accepted, the hybrid is compared with EAGLE. (BEG-MAB: gpu_e2e's
+  rollout stage in the campaign's test.)"""
+  out = tmp_path / "rollout.json"
+  _run_script("bench_rollout", "--quick", "--set", "mesh.num_cpu_devices=1", "--set",
+              "mesh.axes.replica=1", "--set", "rollout.sd_threshold=8", "--strategies",
+              "4,2,8", "4,2,8,eagle+suffix", "--tuners", "table",
+              "--sweep-iterations-per-call", "1", "32", "--out", str(out))
+  data = _check_bench_rollout(out, {"sd(4,2,8)", "sd(4,2,8,eagle+suffix)", "sd-table"})
+  assert "tuner_comparison" not in data  # it compares BEG-MAB with the others
+  _check_run_metadata(data, "bench_rollout.py")
+  assert (data["prompts"], data["samples"], data["slices"]) == (2, 8, 1)
+  assert len(data["response_lengths"]) == 16
+  for mode in ("sd(4,2,8)", "sd(4,2,8,eagle+suffix)"):
+    assert data["modes"][mode]["accept_len"] > 1.5
+  ratio = data["hybrid_vs_eagle"]["4,2,8,eagle+suffix"]
+  assert ratio["accept_len"] > 0 and ratio["tail_s"] > 0
   sweep = data["iterations_per_call_sweep"]
   assert set(sweep) == {"1", "32"}
   assert all(row["outputs_identical_to_plain"] for row in sweep.values())
@@ -432,7 +459,7 @@ def test_gpu_campaign_quick_runs_its_commands_and_gpu_e2e_resumes(tmp_path):
   assert data["end_to_end"]["steps"] == 2 and set(data["runs"]) == {"baseline", "tlt"}
   assert data["projected"] and all(p["speedup_step"] > 0 for p in data["projected"])
   assert data["projection_costs"] == "measured by the rollout stage"
-  _check_bench_rollout(e2e / "rollout" / "rollout.json")
+  _check_bench_rollout(e2e / "rollout" / "rollout.json", {"sd(4,2,8)", "sd-beg_mab"})
   _check_rl_runs(e2e / "rl", responses_per_step=4 * 4)  # gpu_demo:quick's 4 prompts x 4
   # A rerun finds every stage done and only makes the projection and the summary again.
   r = _run_script("gpu_e2e", "--quick", "--out", str(e2e))
