@@ -18,12 +18,13 @@ Variants:
   (none)    CPU: float32 (bfloat16 matmuls are slower on CPU), 2 emulated devices as two
             rollout slices, scanned layers (a 30-layer loop compiles for minutes).
   baseline  the same run without SD and without spot training
-  gpu_headline  TLT against the baseline on one GPU (experiments/gpu_headline.py): bfloat16,
-            one slice of 128 rows, problems of 2-4 operations answered step by step (responses
-            of ~100-150 tokens, a few running on to the 1,024-token limit), the shipped
-            drafter (assets/smollm2-drafter), program batch sizes 128/32/8/1 and every
-            program compiled on 16 threads before the first step; no spot training (one
-            slice never idles), no evaluation, checkpoint or export
+  gpu_headline  TLT against the baseline on one GPU (experiments/gpu_headline.py): float32
+            (the variants' responses identical token for token), one slice of 128 rows,
+            problems of 2-4 operations answered step by step (responses of ~100-150 tokens,
+            a few running on to the 1,024-token limit), the shipped drafter
+            (assets/smollm2-drafter), program batch sizes 128/32/8/1 and every program
+            compiled on 16 threads before the first step; no spot training (one slice never
+            idles), no evaluation, checkpoint or export
   headline_cpu  the same task, sampling and drafter on CPU (float32, two emulated slices):
             the warm-up that made assets/smollm2-drafter, and CPU checks of the headline
   runlocal  the smallest settings, for smoke tests (CPU)
@@ -38,7 +39,7 @@ Variants:
 import os
 
 from tlt_jax.config import ConfigError, base_config, smoke_run_settings
-from tlt_jax.import_model import ImportModelError, smollm2_folder
+from tlt_jax.import_model import ImportModelError, smollm2_cache_folder, smollm2_folder
 
 DRAFTER = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                         "assets", "smollm2-drafter"))
@@ -74,7 +75,9 @@ def get_config(arg: str | None = None):
     raise ValueError(f"configs/smollm2.py: unknown variant {arg!r}; allowed: {variants}")
   c = base_config()
   try:
-    c.model.path = smollm2_folder()
+    # The GPU lease imports the staged GGUF itself and gives model.path, where pip reaches no
+    # package index: this variant names the cache folder and imports nothing.
+    c.model.path = smollm2_cache_folder() if arg == "gpu_headline" else smollm2_folder()
   except ImportModelError as e:
     raise ConfigError(f"configs/smollm2.py: SmolLM2-135M-Instruct is not in the cache and "
                       f"could not be imported ({e}); run python -m tlt_jax.import_model "
@@ -142,10 +145,14 @@ def get_config(arg: str | None = None):
     headline_settings(c)
     c.mesh.num_cpu_devices = 0
     c.mesh.axes.replica = 1
+    # float32 weights and compute (TF32 matmuls on the GPU), so that SD's responses are the
+    # baseline's token for token and both variants do the same work: in bfloat16 a row's
+    # tokens depend on the shapes its step ran at, for plain decoding too (on CPU, of 8
+    # greedy responses 4 kept their tokens decoded one row per program instead of 8 at once,
+    # 2 with SD; in float32 all 8, both ways: experiments/gpu_headline.py cpu-check).
     # Each layer of the update recomputed in its backward pass: kept whole, a micro-batch at
-    # 1,152 tokens holds every layer's attention scores, 128 GiB by XLA's analysis of the
-    # update (13 GiB with remat; experiments/gpu_headline.py project).
-    c.model.update(dtype="bfloat16", param_dtype="bfloat16", scan_layers="train",
+    # 1,152 tokens holds every layer's attention scores (experiments/gpu_headline.py project).
+    c.model.update(dtype="float32", param_dtype="float32", scan_layers="train",
                    attention_impl="auto", remat="full")
     # 16 prompts x 8 samples on one slice of 128 rows; programs for 128, 32, 8 and 1 rows
     # only (a flat GPU step pays little for padded rows) and one prefill width, all compiled

@@ -3,14 +3,13 @@ the projection, the program plan of configs/smollm2.py:gpu_headline, and the qui
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import jax
 import pytest
 
-from tests.conftest import REPO, repo_config
+from tests.conftest import REPO
 from tests.experiment_modules import load_experiment
 from tests.speculative.drafters import drafter_set, random_drafter
 from tlt_jax.components import engine_config, make_tuner_from_config
@@ -84,9 +83,22 @@ def test_responses_are_compared_token_for_token_with_their_rewards():
   diff = headline.compare_responses(base, other)
   assert not diff["identical"] and diff["mismatches"] == 2
   assert diff["first_mismatches"][0]["step"] == 2
+  assert diff["first_mismatches"][0]["first_difference_at"] == 0
+  longer = headline.compare_responses(_rows(1, [1, 2, 3]), _rows(1, [1, 2, 3, 4]))
+  assert longer["first_mismatches"][0]["first_difference_at"] == 3  # one stopped earlier
   rewarded = _rows(1, [1, 2, 3], reward=0.0) + _rows(2, [4])
   assert headline.compare_responses(base, rewarded)["mismatches"] == 2
   assert not headline.compare_responses(base, base[:2])["identical"]  # a response missing
+
+
+def test_agreement_counts_identical_responses_and_where_the_others_differ():
+  a = [[1, 2, 3], [4, 5], [6]]
+  assert headline.agreement(a, a) == {"identical": True, "identical_responses": 3,
+                                      "responses": 3, "first_difference_at": []}
+  b = [[1, 2, 9], [4, 5], [6, 7]]
+  got = headline.agreement(a, b)
+  assert not got["identical"] and got["identical_responses"] == 1
+  assert got["first_difference_at"] == [2, 1]
 
 
 def test_the_steady_state_leaves_the_first_step_out():
@@ -193,12 +205,35 @@ def test_the_headline_plan_compiles_12_programs_for_the_baseline_and_21_for_tlt(
   assert set(base) < set(tlt)
 
 
+def test_the_headline_config_reads_offline_where_the_lease_runs(tmp_path):
+  """On the GPU machine (no SmolLM2 in the cache, no package index) the headline's config
+  reads without importing anything (call 2 gives model.path), while a variant that needs the
+  model still says in one line how to get it."""
+  script = ("import sys\nfrom tlt_jax.cli import config_from_file\n"
+            "from tlt_jax.config import ConfigError\n"
+            "c = config_from_file('configs/smollm2.py:gpu_headline', ['model.path=/staged'])\n"
+            "print(c.model.path, c.model.dtype, c.model.param_dtype)\n"
+            "try:\n  config_from_file('configs/smollm2.py:headline_cpu')\n"
+            "except ConfigError as e:\n  print(e)\n")
+  env = dict(os.environ, TLT_JAX_CACHE=str(tmp_path / "cache"), PIP_NO_INDEX="1",
+             PYTHONPATH=str(REPO))
+  r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  first, second = r.stdout.splitlines()
+  assert first == "/staged float32 float32"
+  assert "is not in the cache" in second and "import_model --smollm2" in second
+  assert not (tmp_path / "cache" / "models").exists()
+
+
 @pytest.mark.slow
 def test_the_quick_pipeline_stages_checks_and_runs_both_variants_identically(tmp_path):
   """gpu_headline.py quick: the toy model staged in two parts, checked, joined, imported,
   and run for 2 steps as the baseline and as TLT with SD on every decode call: identical
-  responses, at most 8 files to bring back, every step of both variants in headline.json."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  responses, at most 8 files to bring back, every step of both variants in headline.json.
+  Offline, as on the GPU machine: an empty cache folder and no package index for pip."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TLT_JAX_CACHE=str(tmp_path / "empty_cache"),
+             PIP_NO_INDEX="1")
   r = subprocess.run([sys.executable, "-m", "experiments.gpu_headline",
                       "quick", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
                      text=True, timeout=1500)

