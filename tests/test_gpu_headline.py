@@ -91,6 +91,18 @@ def test_responses_are_compared_token_for_token_with_their_rewards():
   assert not headline.compare_responses(base, base[:2])["identical"]  # a response missing
 
 
+def test_run_exits_3_when_responses_differ_after_writing_its_figures(monkeypatch, tmp_path,
+                                                                    capsys):
+  """A difference between the variants is a finding (exit 3), not a failure (exit 1)."""
+  monkeypatch.setattr(headline, "run", lambda *a: {"responses": {"identical": False,
+                                                                  "mismatches": 2}})
+  with pytest.raises(SystemExit) as e:
+    headline.main(["run", "--out", str(tmp_path)])
+  assert e.value.code == 3 and "2 responses differ" in capsys.readouterr().err
+  monkeypatch.setattr(headline, "run", lambda *a: {"responses": {"identical": True}})
+  headline.main(["run", "--out", str(tmp_path)])  # returns: exit 0
+
+
 def test_agreement_counts_identical_responses_and_where_the_others_differ():
   a = [[1, 2, 3], [4, 5], [6]]
   assert headline.agreement(a, a) == {"identical": True, "identical_responses": 3,
