@@ -315,6 +315,22 @@ def step_rows(metrics: list[dict], timeline: list[dict]) -> list[dict]:
   return out
 
 
+def first_difference(u: list[int], v: list[int]) -> int | None:
+  """The index of the first token where two responses differ (the shorter one's length when
+  it is the other's beginning); None when they are equal."""
+  if u == v:
+    return None
+  return next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v)))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+  """Two decodings of the same requests, response by response: how many are identical, and
+  where each differing one first differs (its token index)."""
+  first = [first_difference(u, v) for u, v in zip(a, b) if u != v]
+  return {"identical": a == b, "identical_responses": len(a) - len(first),
+          "responses": len(a), "first_difference_at": first}
+
+
 def compare_responses(base: list[dict], tlt: list[dict]) -> dict:
   """Every response's token ids and reward, baseline against TLT (rollouts.jsonl rows)."""
   key = lambda r: (r["step"], r["prompt"], r["sample"])  # noqa: E731
@@ -323,11 +339,10 @@ def compare_responses(base: list[dict], tlt: list[dict]) -> dict:
   for r in base:
     other = tlt_by.get(key(r))
     if other is None or other["token_ids"] != r["token_ids"] or other["reward"] != r["reward"]:
-      first = None if other is None else agreement([r["token_ids"]], [other["token_ids"]])
       mismatches.append({"step": r["step"], "prompt": r["prompt"], "sample": r["sample"],
                          "missing": other is None,
-                         "first_difference_at": first and (first["first_difference_at"] or
-                                                           [None])[0]})
+                         "first_difference_at": None if other is None else
+                         first_difference(r["token_ids"], other["token_ids"])})
   return {"responses": len(base), "compared_in_tlt": len(tlt), "mismatches": len(mismatches),
           "first_mismatches": mismatches[:10],
           "identical": not mismatches and len(base) == len(tlt) and bool(base)}
@@ -814,15 +829,6 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int,
   }
   _write_json(out / "plan.json", plan)
   return plan
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-  """Two decodings of the same requests, response by response: how many are identical, and
-  where each differing one first differs (its token index)."""
-  first = [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v)))
-           for u, v in zip(a, b) if u != v]
-  return {"identical": a == b, "identical_responses": len(a) - len(first),
-          "responses": len(a), "first_difference_at": first}
 
 
 def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int,
