@@ -735,14 +735,14 @@ def project(out: pathlib.Path, warmup: pathlib.Path, steps: int,
   earlier = json.loads(compiled_in.read_text()) if compiled_in else None
   out.mkdir(parents=True, exist_ok=True)
   cache = pathlib.Path(cache_root()) / "headline"
-  dtype = config_from_file(CONFIG).model.param_dtype
-  model = cache / f"model-{dtype}"
+  config = config_from_file(CONFIG, ["mesh.num_cpu_devices=1"])
+  model = cache / f"model-{config.model.param_dtype}"
   if earlier is None or not (model / "config.json").is_file():
     gguf = smollm2_gguf(cache)
     t0 = time.perf_counter()
-    model = import_gguf(str(gguf), str(model), dtype=dtype)
+    import_gguf(str(gguf), str(model), dtype=config.model.param_dtype)
     import_s = time.perf_counter() - t0
-  config = config_from_file(CONFIG, [f"model.path={model}", "mesh.num_cpu_devices=1"])
+  config.model.path = str(model)
   setup_devices(config, compilation_cache=False)  # compile seconds are what is measured
   if earlier is None:
     job = budget.job_budget(config, "train")

@@ -48,7 +48,7 @@ from tlt_jax.config import ConfigError, RunStopped, flat_settings
 from tlt_jax.mesh import host_copy
 from tlt_jax.metric_writers import writers_from_config
 from tlt_jax.profiling import write_profile_summary
-from tlt_jax.run_log import RunLog, read_jsonl, replace_folder, write_json
+from tlt_jax.run_log import RunLog, replace_folder, steps_done, write_json
 from tlt_jax.workdir import claim_workdir
 
 # The exit status of a run that a signal or its time limit stopped after its checkpoint
@@ -161,8 +161,7 @@ class Job:
     run (none of its checkpoints loaded: they were written by an earlier version's layout or
     are damaged, and were set aside or left as they are) would overwrite that run's metrics,
     evaluations and export: ConfigError instead, before anything is written."""
-    rows, _ = read_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
-    done = sorted({r["step"] for r in rows if r["step"] >= 1})
+    done = steps_done(self.workdir)
     if done:
       raise ConfigError(
           f"--workdir {self.workdir!r} holds an earlier run of python -m tlt_jax.{self.name} "

@@ -51,6 +51,12 @@ def read_jsonl(path: str) -> tuple[list[dict], int]:
   return rows, bad
 
 
+def steps_done(workdir: str) -> list[int]:
+  """The steps (from 1, sorted) that WORKDIR/metrics.jsonl records: an earlier run's work."""
+  rows, _ = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  return sorted({r["step"] for r in rows if r["step"] >= 1})
+
+
 def resume_jsonl(path: str, up_to: int, key: Callable[[dict], object] = step_key) -> list[dict]:
   """Rewrites `path` (atomically) to the rows with step <= up_to, one per key, in order;
   returns them. Logs a warning naming what was dropped (unreadable lines, duplicates)."""

@@ -56,7 +56,7 @@ from tlt_jax.rl.phases import (paired_control, rollout_rows, sample_step, step_m
                                timeline_rows, update_policy)
 from tlt_jax.rl.policy_update import PolicyUpdater, nonfinite_update_message
 from tlt_jax.rollout.pool import merge_bills, set_compile_threads, wait_for_compiles_ahead
-from tlt_jax.run_log import read_jsonl
+from tlt_jax.run_log import steps_done
 from tlt_jax.train_report import accept_shown, write_summary
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -298,8 +298,7 @@ def _start_fresh(workdir: str, failures: list, start_over: bool, say, also=()) -
   """No checkpoint loaded. If the folder holds an earlier run's results, refuse to overwrite
   them (ConfigError saying what failed), or with start_over move them (and the files named
   in `also`) aside first."""
-  rows, _ = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  done = sorted({r["step"] for r in rows if r["step"] >= 1})
+  done = steps_done(workdir)
   if not done and not failures:
     return  # a new run (or one stopped before its first step)
   failed = "; ".join(f"step {s}: {why}" for s, why in failures) or "there are none"
