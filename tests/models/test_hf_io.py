@@ -2,15 +2,19 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from tests.conftest import REPO
 from tests.models import hf_fixtures
-from tlt_jax.models.hf import (hf_config_from_model_config, load_hf_config, load_hf_params,
-                               load_tokenizer, model_config_from_hf, save_hf_checkpoint)
+from tlt_jax.models import init_params
+from tlt_jax.models.hf import (hf_config_dict, load_hf_config, load_hf_params, load_tokenizer,
+                               model_config_from_dict, model_config_from_hf, save_hf_checkpoint)
 
 
 def _assert_trees_equal(a, b):
@@ -83,6 +87,53 @@ def test_folder_without_config(tmp_path):
     load_hf_config(str(tmp_path))
   with pytest.raises(FileNotFoundError, match="does not exist"):
     load_hf_config(str(tmp_path / "nope"))
+
+
+def _config_cases():
+  """config.json dicts as exporters write them: transformers 5's (rope_parameters), older ones
+  (top-level rope_theta, rope_scaling), and minimal ones that leave the sizes to the class's
+  defaults (Qwen2's and Qwen3's 32 KV heads, Qwen3's head_dim 128, Llama's derived ones)."""
+  full = {name: make().to_dict() for name, make in (
+      ("qwen2", hf_fixtures.qwen2_config), ("llama3_scaled", hf_fixtures.llama_config),
+      ("qwen3", hf_fixtures.qwen3_config), ("qwen3_tied", lambda: hf_fixtures.qwen3_config(True)))}
+  old_style = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8,
+               "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 50,
+               "rope_theta": 500000.0, "tie_word_embeddings": True,
+               "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64}}
+  minimal = {f"{mt}_minimal": {"model_type": mt, "hidden_size": 256, "num_attention_heads": 32}
+             for mt in ("llama", "qwen2", "qwen3")}
+  with open(os.path.join(REPO, "assets", "tiny-policy", "config.json")) as f:
+    shipped = json.load(f)
+  return {**full, "llama_old_style": old_style, **minimal, "tiny_policy": shipped}
+
+
+@pytest.mark.parametrize("name", sorted(_config_cases()))
+def test_config_json_reads_as_transformers_reads_it(tmp_path, name):
+  """load_hf_config reads config.json without transformers (whose config classes import
+  PyTorch): the same ModelConfig as through transformers' AutoConfig, omitted keys included."""
+  from transformers import AutoConfig
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(_config_cases()[name], f)
+  want = model_config_from_hf(AutoConfig.from_pretrained(str(tmp_path), local_files_only=True))
+  assert load_hf_config(str(tmp_path)) == want
+
+
+def test_reading_and_exporting_a_model_never_import_torch(tmp_path):
+  """Every job reads a config and most export one: without PyTorch's import (seconds)."""
+  code = ("import sys\n"
+          "from tlt_jax.models.hf import load_hf_config, load_hf_params, save_hf_checkpoint\n"
+          "cfg = load_hf_config('assets/tiny-policy')\n"
+          "print(cfg.num_layers, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+          f"save_hf_checkpoint({str(tmp_path)!r}, load_hf_params('assets/tiny-policy', cfg), cfg)\n"
+          "print('torch' in sys.modules)")
+  r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == ["6", "[]", "False"]
+  assert load_hf_config(str(tmp_path)) == load_hf_config(os.path.join(REPO, "assets",
+                                                                      "tiny-policy"))
 
 
 def test_unsupported_model_type():
@@ -186,21 +237,44 @@ def test_missing_weights_file(qwen_dir, tmp_path):
     load_hf_params(str(tmp_path), load_hf_config(str(tmp_path)))
 
 
-def test_config_round_trip_through_transformers(tiny_cfg):
-  llama = tiny_cfg.replace(model_type="llama", qkv_bias=False, tie_embeddings=True)
-  qwen3 = tiny_cfg.replace(model_type="qwen3", qkv_bias=False, qk_norm=True, head_dim=16)
-  for cfg in (tiny_cfg, llama, qwen3):
-    back = model_config_from_hf(hf_config_from_model_config(cfg),
-                                attention_impl=cfg.attention_impl)
+def _export_cases(tiny_cfg):
+  return {"qwen2": tiny_cfg,
+          "llama": tiny_cfg.replace(model_type="llama", qkv_bias=False, tie_embeddings=True),
+          "qwen3": tiny_cfg.replace(model_type="qwen3", qkv_bias=False, qk_norm=True,
+                                    head_dim=16)}
+
+
+def test_config_round_trip(tiny_cfg):
+  for cfg in _export_cases(tiny_cfg).values():
+    back = model_config_from_dict(hf_config_dict(cfg), attention_impl=cfg.attention_impl)
     assert back == cfg
+  qwen3 = _export_cases(tiny_cfg)["qwen3"]
   # An architecture's flags are its model type's: a Qwen3 has no qkv bias, a Qwen2 no q/k norm.
   with pytest.raises(ValueError, match=r"^a qwen3 export needs qkv_bias=False, qk_norm=True, "
                                        r"not qkv_bias=True$"):
-    hf_config_from_model_config(qwen3.replace(qkv_bias=True))
+    hf_config_dict(qwen3.replace(qkv_bias=True))
   with pytest.raises(ValueError, match=r"^a qwen2 export needs qkv_bias=True, qk_norm=False, "
                                        r"not qkv_bias=False, qk_norm=True; use "
                                        r"model_type='qwen3'$"):
-    hf_config_from_model_config(qwen3.replace(model_type="qwen2"))
+    hf_config_dict(qwen3.replace(model_type="qwen2"))
+
+
+def test_an_exported_config_is_what_transformers_own_class_holds(tiny_cfg, tiny_params,
+                                                                  tmp_path):
+  """transformers reads an export's config.json (written without its config classes) as the
+  config object its own class builds from the same values, every default included."""
+  from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config
+  classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}
+  for name, cfg in _export_cases(tiny_cfg).items():
+    params = init_params(cfg, jax.random.key(0))
+    save_hf_checkpoint(str(tmp_path / name), params, cfg)
+    got = AutoConfig.from_pretrained(str(tmp_path / name), local_files_only=True).to_dict()
+    got.pop("_name_or_path")
+    d = hf_config_dict(cfg)
+    d.pop("transformers_version"), d.pop("model_type")
+    want = classes[name](**d).to_dict()
+    want.pop("_name_or_path")
+    assert got == want, name
 
 
 def _word_tokenizer():
@@ -228,7 +302,7 @@ def test_a_saved_tokenizer_loads_as_trained_next_to_a_qwen2_config(tmp_path, tin
   from tlt_jax.rl.tokenizer import prompt_ids, train_tokenizer
   texts = ["12 + 345 = 357", "Add (3 and 40). #### 43", "it's 7\n\n#### 7"]
   trained = train_tokenizer(texts * 20, vocab_size=300)
-  hf_config_from_model_config(tiny_cfg).save_pretrained(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(tiny_cfg)))
   trained.save_pretrained(str(tmp_path))
   loaded = load_tokenizer(str(tmp_path))
   assert str(loaded.backend_tokenizer.pre_tokenizer) == str(trained.backend_tokenizer.pre_tokenizer)

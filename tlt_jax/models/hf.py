@@ -64,11 +64,9 @@ def _require_config(path: str) -> None:
                             f"(config.json + {SAFETENSORS_FILE} or {SAFETENSORS_INDEX})")
 
 
-def check_model_folder(path: str) -> None:
-  """Reads what loading `path` will need, cheaply (config.json, the safetensors headers), and
-  raises FileNotFoundError or ValueError with one line naming the file and the problem: no
-  folder or config.json, config.json that is not JSON or has no supported model_type, no
-  weights, an index naming missing shards, a truncated or corrupt safetensors file."""
+def _read_config_json(path: str) -> dict:
+  """`path/config.json` as a dict; FileNotFoundError or ValueError in one line when the folder
+  or the file is missing, the file is not JSON, or it names no model_type."""
   _require_config(path)
   config_path = os.path.join(path, "config.json")
   try:
@@ -81,7 +79,16 @@ def check_model_folder(path: str) -> None:
   if not model_type:
     raise ValueError(f"{config_path} has no model_type; a Hugging Face config of one of "
                      f"{MODEL_TYPES} is needed")
-  problem = architecture_problem(data)
+  return data
+
+
+def check_model_folder(path: str) -> None:
+  """Reads what loading `path` will need, cheaply (config.json, the safetensors headers), and
+  raises FileNotFoundError or ValueError with one line naming the file and the problem: no
+  folder or config.json, config.json that is not JSON or has no supported model_type, no
+  weights, an index naming missing shards, a truncated or corrupt safetensors file."""
+  config_path = os.path.join(path, "config.json")
+  problem = architecture_problem(_read_config_json(path))
   if problem:
     raise ValueError(f"{config_path}: {problem}")
   for fn in sorted(set(_weight_files(path).values())):
@@ -168,58 +175,68 @@ def architecture_problem(c: Mapping) -> str | None:
   return None
 
 
-def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
-  """Maps a transformers Llama/Qwen2/Qwen3 config (object) to a ModelConfig; overrides win.
-  ValueError (one line, `architecture_problem`) for a config this decoder cannot run."""
-  fields = hf_config.to_dict()
-  problem = architecture_problem(fields)
+# transformers' defaults (LlamaConfig, Qwen2Config, Qwen3Config) of the keys read below, for a
+# config.json that omits them. None: derived (head_dim: hidden / heads; Llama's KV heads: its
+# heads), as transformers derives them.
+_HF_DEFAULTS = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
+                  head_dim=None, rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  head_dim=None, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=32768),
+}
+
+
+def model_config_from_dict(c: Mapping, **overrides) -> ModelConfig:
+  """Maps a Llama/Qwen2/Qwen3 config dict (config.json's, or a transformers config's
+  `to_dict()`) to a ModelConfig, with transformers' defaults for the keys it omits; overrides
+  win. ValueError (one line, `architecture_problem`) for a config this decoder cannot run."""
+  problem = architecture_problem(c)
   if problem:
     raise ValueError(problem)
-  mt = hf_config.model_type
-  rp, rope_type = _rope_parameters(fields)
-  theta = rp.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+  mt = c["model_type"]
+
+  def get(key):
+    return c[key] if c.get(key) is not None else _HF_DEFAULTS[mt][key]
+  rp, rope_type = _rope_parameters(c)
+  theta = rp.get("rope_theta") or c.get("rope_theta") or 10000.0
   rope_kw = {k: rp[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                 "original_max_position_embeddings") if k in rp}
-  heads = hf_config.num_attention_heads
+  heads, hidden = get("num_attention_heads"), get("hidden_size")
   kw = dict(
-      vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-      intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
-      num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-      head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+      vocab_size=get("vocab_size"), hidden_size=hidden,
+      intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
+      num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
+      head_dim=get("head_dim") or hidden // heads,
       rope=RopeConfig(theta=float(theta), rope_type=rope_type, **rope_kw),
-      rms_norm_eps=hf_config.rms_norm_eps, **ARCHITECTURE_FLAGS[mt],
-      tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-      max_position_embeddings=hf_config.max_position_embeddings, model_type=mt)
+      rms_norm_eps=get("rms_norm_eps"), **ARCHITECTURE_FLAGS[mt],
+      tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+      max_position_embeddings=get("max_position_embeddings"), model_type=mt)
   kw.update(overrides)
   return ModelConfig(**kw)
 
 
+def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
+  """`model_config_from_dict` of a transformers config object."""
+  return model_config_from_dict(hf_config.to_dict(), **overrides)
+
+
 def load_hf_config(path: str, **overrides) -> ModelConfig:
-  """Reads `path/config.json` through transformers.AutoConfig (local files only)."""
-  _require_config(path)
-  auto_config = transformers_lib().AutoConfig
-  return model_config_from_hf(auto_config.from_pretrained(path, local_files_only=True),
-                              **overrides)
+  """Reads `path/config.json` (json alone: transformers' config classes import PyTorch, seconds
+  at every job's start) into a ModelConfig; transformers' defaults fill what it omits."""
+  return model_config_from_dict(_read_config_json(path), **overrides)
 
 
-def hf_config_from_model_config(cfg: ModelConfig):
-  """The transformers config object (LlamaConfig, Qwen2Config or Qwen3Config) describing
-  `cfg`; ValueError when cfg's architecture flags are not its model type's."""
-  lib = transformers_lib()
-  LlamaConfig, Qwen2Config, Qwen3Config = lib.LlamaConfig, lib.Qwen2Config, lib.Qwen3Config
-  rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
-  if cfg.rope.rope_type == "llama3":
-    rope.update(factor=cfg.rope.factor, low_freq_factor=cfg.rope.low_freq_factor,
-                high_freq_factor=cfg.rope.high_freq_factor,
-                original_max_position_embeddings=cfg.rope.original_max_position_embeddings)
-  common = dict(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-      tie_word_embeddings=cfg.tie_embeddings,
-      max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
-      dtype=cfg.param_dtype)
+def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
+  """config.json's dict describing `cfg` as transformers' LlamaConfig, Qwen2Config or
+  Qwen3Config would write it (the keys it reads; its own defaults fill the rest), with the
+  tokenizer's BOS, EOS and padding ids (None without one). Built without transformers' config
+  classes, which import PyTorch. ValueError when cfg's architecture flags are not its model
+  type's."""
   if cfg.model_type not in MODEL_TYPES:
     raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: {MODEL_TYPES}")
   flags = ARCHITECTURE_FLAGS[cfg.model_type]
@@ -231,11 +248,23 @@ def hf_config_from_model_config(cfg: ModelConfig):
     raise ValueError(f"a {cfg.model_type} export needs "
                      f"{', '.join(f'{k}={v}' for k, v in flags.items())}, not "
                      f"{', '.join(wrong)}{hint}")
-  if cfg.model_type == "qwen2":
-    return Qwen2Config(**common)
-  if cfg.model_type == "qwen3":
-    return Qwen3Config(**common)
-  return LlamaConfig(**common)
+  rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
+  if cfg.rope.rope_type == "llama3":
+    rope.update(factor=cfg.rope.factor, low_freq_factor=cfg.rope.low_freq_factor,
+                high_freq_factor=cfg.rope.high_freq_factor,
+                original_max_position_embeddings=cfg.rope.original_max_position_embeddings)
+  return dict(
+      architectures=[CAUSAL_LM_CLASSES[cfg.model_type]], model_type=cfg.model_type,
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim, hidden_act="silu", rms_norm_eps=cfg.rms_norm_eps,
+      tie_word_embeddings=cfg.tie_embeddings,
+      max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
+      layer_types=["full_attention"] * cfg.num_layers, dtype=cfg.param_dtype,
+      **{key: getattr(tokenizer, key, None)
+         for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
+      transformers_version=transformers_lib().__version__)
 
 
 # ---------------------------------------------------------------- weight name mapping
@@ -446,14 +475,16 @@ def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None
   loaded from `path` stops where this package's rollouts do. Tensors are pulled to the host
   one at a time and written shard by shard.
   """
-  GenerationConfig = transformers_lib().GenerationConfig
+  config = hf_config_dict(cfg, tokenizer)
   os.makedirs(path, exist_ok=True)
-  hf_cfg = hf_config_from_model_config(cfg)
-  hf_cfg.architectures = [CAUSAL_LM_CLASSES[cfg.model_type]]
-  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-    setattr(hf_cfg, key, getattr(tokenizer, key, None))
-  hf_cfg.save_pretrained(path)
-  GenerationConfig.from_model_config(hf_cfg).save_pretrained(path)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+    f.write("\n")
+  # What GenerationConfig.from_model_config makes of it: the special ids.
+  generation = transformers_lib().GenerationConfig(
+      **{key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
+  generation._from_model_config = True
+  generation.save_pretrained(path)
   if tokenizer is not None:
     tokenizer.save_pretrained(path)
 
