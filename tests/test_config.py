@@ -84,6 +84,17 @@ def test_mesh_larger_than_devices():
     validate_config(c, num_devices=8)
 
 
+@pytest.mark.parametrize("norm_input", [False, True])
+def test_fused_features_without_an_input_norm_are_advised_against(capsys, norm_input):
+  c = base_config()
+  with c.unlocked():
+    c.drafter.eagle.feature_layers = (0, 1)
+    c.drafter.eagle.norm_input = norm_input
+  validate_config(c)
+  advised = "set drafter.eagle.norm_input=True" in capsys.readouterr().err
+  assert advised == (not norm_input)
+
+
 def test_micro_batches_that_do_not_split_over_the_data_parallel_devices_fail_early():
   c = base_config()
   c.mesh.axes.replica = 2  # fsdp = -1: the other 4 of 8 devices

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -59,6 +60,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     except (ValueError, ImportError) as e:  # ImportError: a task's optional package
       raise ConfigError(str(e)) from None
   _check_drafters(config)
+  _advise_on_fused_features(config)
   sd = config.rollout.speculative
   if config.drafter.eagle.draft_vocab_size:
     widest = max(Strategy.parse(a).topk for a in (*sd.arms, sd.strategy))
@@ -75,6 +77,19 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   if r.max_prompt_len + r.max_new_tokens > limit:
     raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
                       f"{r.max_prompt_len + r.max_new_tokens} exceeds {source}={limit}")
+
+
+def _advise_on_fused_features(config: ml_collections.ConfigDict) -> None:
+  """A warning line (stderr) for an EAGLE drafter that fuses the policy's layer outputs
+  without a norm at its input: on a real model those outputs are the residual stream's, of
+  far larger scale than the final-norm state, and such a drafter diverged."""
+  e = config.drafter.eagle
+  if (e.feature_layers and not e.norm_input
+      and "eagle" in drafters_named(_tuner_strategies(config))):
+    print(f"warning: drafter.eagle.feature_layers={tuple(e.feature_layers)} fuses the policy's "
+          f"layer outputs before any norm; set drafter.eagle.norm_input=True (without it an "
+          f"EAGLE-3 drafter diverged on SmolLM2-135M: docs/results/drafter_ablation_smollm2)",
+          file=sys.stderr)
 
 
 def _check_drafters(config: ml_collections.ConfigDict) -> None:
