@@ -24,6 +24,7 @@ from tlt_jax.mesh import DEFAULT_RULES, logical_to_mesh_spec
 from tlt_jax.models.config import (ARCHITECTURE_FLAGS, MODEL_TYPES, ROPE_TYPES, ModelConfig,
                                    RopeConfig)
 from tlt_jax.models.decoder import param_logical_axes
+from tlt_jax.run_log import write_json
 
 SAFETENSORS_FILE = "model.safetensors"
 # The transformers class of each model type, as config.json's `architectures` names it.
@@ -231,6 +232,10 @@ def load_hf_config(path: str, **overrides) -> ModelConfig:
   return model_config_from_dict(_read_config_json(path), **overrides)
 
 
+# The tokenizer's ids an export's config.json and generation_config.json carry.
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
   """config.json's dict describing `cfg` as transformers' LlamaConfig, Qwen2Config or
   Qwen3Config would write it (the keys it reads; its own defaults fill the rest), with the
@@ -262,8 +267,7 @@ def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
       tie_word_embeddings=cfg.tie_embeddings,
       max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
       layer_types=["full_attention"] * cfg.num_layers, dtype=cfg.param_dtype,
-      **{key: getattr(tokenizer, key, None)
-         for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
+      **{key: getattr(tokenizer, key, None) for key in _SPECIAL_IDS},
       transformers_version=transformers_lib().__version__)
 
 
@@ -477,12 +481,9 @@ def save_hf_checkpoint(path: str, params: dict, cfg: ModelConfig, tokenizer=None
   """
   config = hf_config_dict(cfg, tokenizer)
   os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config, f, indent=2, sort_keys=True)
-    f.write("\n")
+  write_json(os.path.join(path, "config.json"), config)
   # What GenerationConfig.from_model_config makes of it: the special ids.
-  generation = transformers_lib().GenerationConfig(
-      **{key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
+  generation = transformers_lib().GenerationConfig(**{key: config[key] for key in _SPECIAL_IDS})
   generation._from_model_config = True
   generation.save_pretrained(path)
   if tokenizer is not None:
