@@ -1,6 +1,8 @@
 """The feature log and the hidden-state buffer: the policy's own features, kept on device,
 packed into windows whose samples never mix."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,13 +20,17 @@ from tlt_jax.speculative.tuner import FixedTuner
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [3, 3], [20, 1]]
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
+def _prefill_features(params, tokens, lengths, cfg):
+  return prefill(params, tokens, lengths, init_cache(cfg, 1, tokens.shape[1]), cfg)[1]
+
+
 def _policy_features(cfg, params, seq, width=32):
   """The policy's features of `seq`, prefilled padded to one width (one compile for all)."""
   n = len(seq)
   tokens = np.zeros((1, width), np.int32)
   tokens[0, :n] = seq
-  _, feats, _ = prefill(params, jnp.asarray(tokens), jnp.asarray([n]),
-                        init_cache(cfg, 1, width), cfg)
+  feats = _prefill_features(params, jnp.asarray(tokens), jnp.asarray([n]), cfg)
   return np.asarray(feats[0, :n])
 
 

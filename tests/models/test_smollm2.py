@@ -146,10 +146,11 @@ def drafter(smollm2, greedy):
 
 
 def _engine(smollm2, drafter=None):
-  """4 rows; with a drafter, SD on every decode call (a fixed strategy: 3 steps, top-2,
-  6 verified tokens)."""
+  """4 rows, compacted to 2 (two batch sizes: each a 30-layer program); with a drafter, SD on
+  every decode call (a fixed strategy: 3 steps, top-2, 6 verified tokens)."""
   ec = EngineConfig(max_batch=4, max_prompt_len=64, max_new_tokens=NEW_TOKENS,
-                    eos_id=smollm2.tokenizer.eos_token_id, sd_threshold=4 if drafter else 0)
+                    eos_id=smollm2.tokenizer.eos_token_id, sd_threshold=4 if drafter else 0,
+                    batch_sizes=(4, 2))
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   if drafter is None:
     return RolloutEngine(smollm2.cfg, smollm2.params, mesh, ec)
@@ -157,11 +158,16 @@ def _engine(smollm2, drafter=None):
                        tuner=FixedTuner((3, 2, 6)))
 
 
-def test_engine_with_sd_emits_greedy_decoding(smollm2, greedy, drafter):
+@pytest.fixture(scope="module")
+def sd_engine(smollm2, drafter):
+  """One SD engine for greedy and sampled decoding: they share its programs."""
+  return _engine(smollm2, drafter)
+
+
+def test_engine_with_sd_emits_greedy_decoding(smollm2, greedy, sd_engine):
   """3 prompts x 2 samples on 4 rows (refills, compaction), SD on every decode call: each
   sample is the greedy continuation, cut after EOS."""
-  res = _engine(smollm2, drafter).generate(smollm2.prompts, 2, SamplingParams(0.0),
-                                           jax.random.key(0))
+  res = sd_engine.generate(smollm2.prompts, 2, SamplingParams(0.0), jax.random.key(0))
   eos = smollm2.tokenizer.eos_token_id
   assert res.tokens == [_until_eos(t, eos) for t in greedy.tokens for _ in range(2)]
   assert {"eos", "length"} == set(res.finish_reasons)
@@ -174,11 +180,11 @@ def test_engine_with_sd_emits_greedy_decoding(smollm2, greedy, drafter):
         f"row and SD iteration")
 
 
-def test_sampled_engine_with_sd_emits_what_plain_decoding_emits(smollm2, drafter):
+def test_sampled_engine_with_sd_emits_what_plain_decoding_emits(smollm2, sd_engine):
   """Temperature 0.8, top-p 0.95, one key: the same samples with and without SD."""
   sp = SamplingParams(0.8, top_p=0.95)
   plain = _engine(smollm2).generate(smollm2.prompts, 2, sp, jax.random.key(3))
-  res = _engine(smollm2, drafter).generate(smollm2.prompts, 2, sp, jax.random.key(3))
+  res = sd_engine.generate(smollm2.prompts, 2, sp, jax.random.key(3))
   assert res.tokens == plain.tokens and res.finish_reasons == plain.finish_reasons
   assert {r.mode for r in plain.timeline} == {"prefill", "plain"}
   assert {r.mode for r in res.timeline} == {"prefill", "sd"}
