@@ -85,8 +85,9 @@ def get_config(arg: str | None = None):
     c.rollout.max_new_tokens = 48
     c.rollout.sd_threshold = 2
     # The fewest programs that show each mechanism (as the runlocal settings): plain decoding
-    # at 16 rows, the tail at 2 (SD), one update program.
-    c.rollout.batch_sizes = (16, 2)
+    # at the full batch, the tail at 2 (SD), one update program. (The full batch is always a
+    # size: naming it here would refuse the SFT evaluation's smaller batch.)
+    c.rollout.batch_sizes = (2,)
     c.rl.update_widths = (64,)
     c.drafter.warmup.num_prompts = 8
     c.drafter.warmup.steps = 8

@@ -322,6 +322,10 @@ def main(argv=None):
   if args.quick:
     config.rollout.max_new_tokens = min(config.rollout.max_new_tokens, 48)
     args.prompts = args.prompts or 2
+    # Two batch sizes, the full batch and the SD threshold's: the fewest programs that still
+    # decode plainly and then with SD (any ladder gives the same tokens).
+    config.rollout.batch_sizes = (max(1, min(config.rollout.sd_threshold,
+                                             config.rollout.max_batch)),)
   setup_devices(config)
   arms = [Strategy.parse(s) for s in args.strategies or config.rollout.speculative.arms]
   strategies = arms[:1] if args.quick and not args.strategies else arms
