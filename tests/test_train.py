@@ -90,18 +90,20 @@ def test_the_main_job_writes_its_outputs(tmp_path):
   # The programs the run built, per kind (summary's compile_bill, evaluation included), pinned
   # at what this config builds: a change that compiles more fails here (raise a count only on
   # purpose). The evaluations run the rollout's programs (the temperature is an argument of
-  # every program, not part of its key). SD programs: at most 3 arms x the one batch size at or
-  # below the SD threshold (the runlocal ladder is 8, 4) x 2 slices; which of them a run
-  # builds depends on what the timing-driven tuner tries (a run built 6). Plain decoding:
+  # every program, not part of its key). SD programs: one per slice at the one batch size at
+  # or below the SD threshold (the runlocal ladder is 8, 4), in which every arm draws its tree
+  # (rollout.speculative.shared_max_batch). Plain decoding:
   # batch 8 on each slice, and batch 4 where a tail found its SD programs still compiling
   # ahead (a run built 4). Row moves (take, harvest) depend on when rows finish: a run built
-  # 2 and 5. One update program: rl.update_widths gives every step one shape.
+  # 2 and 5. Prefill: one width (rollout.prompt_widths), one program per batch size and
+  # number of distinct prompts. One update program: rl.update_widths gives every step one
+  # shape.
   bill = {kind: line["programs"] for kind, line in summary["compile_bill"].items()}
-  assert 1 <= bill.pop("rollout_decode_sd") <= 3 * 1 * 2
+  assert 1 <= bill.pop("rollout_decode_sd") <= 1 * 1 * 2
   assert 2 <= bill.pop("rollout_decode") <= 2 * 2
   assert bill.pop("rollout_take") <= 7 and bill.pop("rollout_harvest") <= 9
   assert bill == {"drafter_update": 2, "policy_update": 1, "rollout_caches": 4,
-                  "rollout_prefill": 8, "rollout_store": 2}
+                  "rollout_prefill": 4, "rollout_store": 2}
 
 
 # The runs that the two tests below stop, kill, damage and resume: 3 steps (a checkpoint after
@@ -154,8 +156,8 @@ def _wait_for_checkpoint(proc, workdir, step, timeout=600):
 @pytest.mark.slow
 def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path, whole_run):
   """SIGTERM stops cleanly after the step; SIGKILL mid-step loses only that step; either
-  rerun continues to exactly the metrics of an uninterrupted run (timings aside), and a rerun
-  from scratch compiles nothing new."""
+  rerun continues to exactly the metrics of an uninterrupted run (timings aside). (A rerun
+  from scratch compiling nothing new: test_damaged_runs_heal_or_stop_in_one_line.)"""
   whole = _metrics(whole_run)
   # The two interrupted runs go side by side: the first run's programs are in the cache now.
   term = _train(tmp_path / "term", *ARGS, wait=False)
@@ -180,25 +182,6 @@ def test_stopped_and_killed_runs_resume_the_same_trajectory(tmp_path, whole_run)
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for a, b in zip(resumed, whole):
       assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}, name
-  # Step 1 again from scratch: the same responses, and every program loads from the
-  # persistent compilation cache (a resumed run also compiles orbax's few restore programs).
-  # Its time limit (0.001 minutes) makes step 1 the last: evaluated and exported, and it exits
-  # 75 like a stopped run, since its rerun goes on to rl.steps.
-  again = _train(tmp_path / "again", *ARGS, "--config.rl.max_minutes=0.001", wait=False)
-  out, _ = again.communicate(timeout=900)
-  assert again.returncode == 75, out[-3000:]
-  assert "rl.max_minutes=0.001 reached: step 1 is the last" in out
-  assert ("rl.max_minutes=0.001 ended the job after step 1 of 3 with a checkpoint; rerun the "
-          "same command to resume (exit status 75)") in out
-  (again,) = _metrics(tmp_path / "again")
-  assert {k: again[k] for k in SAME} == {k: whole[0][k] for k in SAME}
-  summary = json.loads((tmp_path / "again" / "summary.json").read_text())
-  # (Only the programs kept out of the cache compile again: tlt_jax.compile_cache.
-  # guard_cpu_collectives.)
-  assert summary["xla_compiles"] == summary["xla_kept_out_of_cache"]
-  assert summary["xla_cache_hits"] > 0
-  assert summary["time_limited"] is True and summary["stopped_early"] is False
-  assert (tmp_path / "again" / "export" / "policy" / "model.safetensors").exists()
 
 
 def _broken_policy(tmp_path, damage):
@@ -295,8 +278,8 @@ def _break_checkpoint(workdir, step):
 def test_damaged_runs_heal_or_stop_in_one_line(tmp_path, whole_run):
   """Nothing lost: broken checkpoints are moved aside and rewritten, run files keep one row
   per step, a run with no loadable checkpoint refuses to overwrite earlier results unless
-  asked (--start_over, which keeps them), and a stop during the step-0 evaluation does not
-  repeat its row."""
+  asked (--start_over, which keeps them and compiles nothing new), and a stop during the
+  step-0 evaluation does not repeat its row."""
   run = tmp_path / "run"
   shutil.copytree(whole_run, run)
   original, evals = _metrics(run), (run / "eval.jsonl").read_text()
@@ -342,12 +325,28 @@ def test_damaged_runs_heal_or_stop_in_one_line(tmp_path, whole_run):
   assert "holds an earlier run (metrics of steps 1-3)" in r.stderr
   assert "step 3: " in r.stderr and "--start_over" in r.stderr
   assert _metrics(run) == healed  # untouched
-  out = _train(run, *ARGS, "--start_over")
+  # --start_over keeps the earlier run aside and starts step 1 again from scratch: the same
+  # responses, and every program loads from the persistent compilation cache. Its time limit
+  # (0.001 minutes) makes step 1 the last: evaluated and exported, and it exits 75 like a
+  # stopped run, since its rerun goes on to rl.steps.
+  again = _train(run, *ARGS, "--start_over", "--config.rl.max_minutes=0.001", wait=False)
+  out, _ = again.communicate(timeout=900)
+  assert again.returncode == 75, out[-3000:]
   previous = [d for d in os.listdir(run) if d.startswith("previous-")]
   assert len(previous) == 1
   assert [json.loads(line) for line in open(run / previous[0] / "metrics.jsonl")] == healed
-  assert [{k: m[k] for k in SAME} for m in _metrics(run)] == \
-      [{k: m[k] for k in SAME} for m in original]  # the same trajectory, from scratch
+  assert "rl.max_minutes=0.001 reached: step 1 is the last" in out
+  assert ("rl.max_minutes=0.001 ended the job after step 1 of 3 with a checkpoint; rerun the "
+          "same command to resume (exit status 75)") in out
+  (first,) = _metrics(run)
+  assert {k: first[k] for k in SAME} == {k: original[0][k] for k in SAME}
+  summary = json.loads((run / "summary.json").read_text())
+  # (Only the programs kept out of the cache compile again: tlt_jax.compile_cache.
+  # guard_cpu_collectives.)
+  assert summary["xla_compiles"] == summary["xla_kept_out_of_cache"]
+  assert summary["xla_cache_hits"] > 0
+  assert summary["time_limited"] is True and summary["stopped_early"] is False
+  assert (run / "export" / "policy" / "model.safetensors").exists()
 
   # Problems from JSON-lines files, in a folder where a run was stopped during its step-0
   # evaluation (eval.jsonl holds that row, nothing else exists). Every answer is -1, which the

@@ -225,8 +225,8 @@ def base_config() -> ml_collections.ConfigDict:
   # the tuner uses a strategy once its program is ready (see EngineConfig.compile_ahead).
   c.rollout.compile_ahead = True
   # The program batch sizes of a slice (rows; max_batch is always one) and the prefill widths
-  # (tokens; max_prompt_len is always one); () = every power of two up to the maximum. A
-  # batch compacts to the smallest size that holds its running rows: fewer sizes, fewer
+  # (tokens; max_prompt_len is always one, and larger ones count as it); () = every power of
+  # two up to the maximum. A batch compacts to the smallest size that holds its running rows: fewer sizes, fewer
   # programs to compile, more padded rows per step (what a GPU's flat decode step allows).
   c.rollout.update(batch_sizes=(), prompt_widths=())
   # Queue every program of the rollout (prefill, each batch size's plain and SD programs,
@@ -392,10 +392,15 @@ def smoke_run_settings(c: ml_collections.ConfigDict) -> None:
   c.rl.update(steps=2, prompts_per_step=2, num_samples=4, micro_batch_rows=4, checkpoint_every=1,
               num_eval_examples=4)
   # The fewest programs that still show each mechanism: two batch sizes (the tail compacts to
-  # 4 rows), one update program (one width below the capacity, so the width switch runs). A
-  # warm 3-step job of configs/default.py:runlocal took 32 s instead of 53 s on 2 CPU cores,
-  # with the same metrics (any ladder gives the same tokens: tests/rollout/test_engine.py).
+  # 4 rows), one prefill width (the config's longest prompt), one SD program that every arm
+  # draws its tree in (the tuner still picks among the arms), one update program (one width
+  # below the capacity, so the width switch runs). Tokens do not change with any of them
+  # (tests/rollout/test_engine.py). A warm 3-step job of configs/default.py:runlocal took
+  # 53 s, then 32 s with the batch sizes and update width, then 24 s with the prefill width
+  # and the shared SD program, on 2 CPU cores, the metrics the same row for row.
   c.rollout.batch_sizes = (8, 4)
+  c.rollout.prompt_widths = (c.rollout.max_prompt_len,)
+  c.rollout.speculative.shared_max_batch = c.rollout.max_batch
   c.rl.update_widths = (64,)
   # Two short steps: programs compiled ahead would not be ready before the run ends, and a
   # smoke run should show SD working (compiling ahead is tested on its own).

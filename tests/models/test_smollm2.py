@@ -181,8 +181,10 @@ def test_engine_with_sd_emits_greedy_decoding(smollm2, greedy, sd_engine):
 
 
 def test_sampled_engine_with_sd_emits_what_plain_decoding_emits(smollm2, sd_engine):
-  """Temperature 0.8, top-p 0.95, one key: the same samples with and without SD."""
-  sp = SamplingParams(0.8, top_p=0.95)
+  """Temperature 0.8 over the whole vocabulary, as the configs sample, one key: the same
+  samples with and without SD. (Top-p's exactness is tested on the tiny models: here its sort
+  of 49,152 probabilities per verified token doubled the test's time on 2 CPU cores.)"""
+  sp = SamplingParams(0.8)
   plain = _engine(smollm2).generate(smollm2.prompts, 2, sp, jax.random.key(3))
   res = sd_engine.generate(smollm2.prompts, 2, sp, jax.random.key(3))
   assert res.tokens == plain.tokens and res.finish_reasons == plain.finish_reasons

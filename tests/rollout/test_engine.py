@@ -369,12 +369,15 @@ def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16, mtp=
                        tuner=FixedTuner(strategy))
 
 
-@pytest.mark.parametrize("strategy", ["4,1,5,suffix", "4,2,8,eagle+suffix", "4,2,8,mtp",
-                                      "4,1,5,prompt_lookup", "4,2,8,mtp+prompt_lookup",
+# Each family alone and each pair of them are decoded exactly by the decode loop
+# (tests/speculative/test_sd_greedy.py, test_sd_sampling.py); through the engine, which feeds
+# each family its own inputs (the group's finished responses, the prompt, draft states kept
+# across calls), one tree of every family and one without a trained drafter.
+@pytest.mark.parametrize("strategy", ["4,2,8,mtp+prompt_lookup",
                                       "3,2,6,eagle+mtp+suffix+prompt_lookup"])
 def test_every_family_and_hybrid_rollouts_return_plain_tokens(tiny_cfg, tiny_params, strategy):
   """Sampled GRPO-shaped groups (4 samples per prompt) decoded by SD from the first token:
-  suffix or prompt lookup alone (no trained drafter at all), MTP heads, and hybrid trees
+  a hybrid tree of every family, and one of MTP heads and prompt lookup (no EAGLE drafter),
   return plain decoding's tokens."""
   sp = SamplingParams(1.0)
   ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=16)
@@ -427,6 +430,19 @@ def test_any_batch_ladder_gives_the_same_tokens(tiny_cfg, tiny_params, plain_ref
       ec, batch_sizes=(), prompt_widths=(), sd_threshold=0))
   assert (engine.generate(PROMPTS, 2, sampled, jax.random.key(3)).tokens
           == plain.generate(PROMPTS, 2, sampled, jax.random.key(3)).tokens)
+
+
+def test_sizes_past_the_cap_count_as_the_cap():
+  """A config that names its batch sizes and prompt widths keeps working when max_batch or
+  max_prompt_len is lowered: a size past the cap is the cap, which is always one."""
+  ec = EngineConfig(max_batch=4, max_prompt_len=64, batch_sizes=[8, 2],
+                    prompt_widths=(128, 32))
+  assert (ec.batch_sizes, ec.ladder, ec.prompt_widths) == ((2, 4), (2, 4), (32, 64))
+  assert (ec.batch_for(3), ec.width_for(20), ec.width_for(40)) == (4, 32, 64)
+  assert EngineConfig(max_prompt_len=64, prompt_widths=(128,)).width_for(5) == 64
+  for bad in ({"batch_sizes": (0,)}, {"prompt_widths": (2.5,)}):
+    with pytest.raises(ValueError, match="must be whole numbers of at least 1"):
+      EngineConfig(**bad)
 
 
 def test_the_compile_plan_compiles_every_program_before_the_rollout(tiny_cfg, tiny_params,

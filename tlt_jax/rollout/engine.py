@@ -59,11 +59,13 @@ class EngineConfig:
   --shared-shape). Tokens and accept lengths do not change.
   corpus_rows: for suffix-drafter strategies, how many of a row's group's finished responses
   (the G - 1 siblings in GRPO; the most recent first) it may copy from.
-  batch_sizes: the program batch sizes of a slice (max_batch is always one; () = every power
-  of two up to it): a batch starts, refills and compacts to the smallest that holds its rows,
-  so fewer sizes mean fewer programs and more padded rows. Tokens do not change.
+  batch_sizes: the program batch sizes of a slice (max_batch is always one, and a size above
+  it counts as max_batch; () = every power of two up to it): a batch starts, refills and
+  compacts to the smallest that holds its rows, so fewer sizes mean fewer programs and more
+  padded rows. Tokens do not change.
   prompt_widths: the prefill widths prompts are padded to (() = powers of two up to
-  max_prompt_len, which is always one): one width, one prefill program per batch size."""
+  max_prompt_len, which is always one, and a width above it counts as max_prompt_len): one
+  width, one prefill program per batch size."""
   max_batch: int = 32
   max_prompt_len: int = 128
   max_new_tokens: int = 256
@@ -82,10 +84,13 @@ class EngineConfig:
       raise ValueError(f"rollout.max_batch={self.max_batch} must be a power of two")
     for name, cap in (("batch_sizes", "max_batch"), ("prompt_widths", "max_prompt_len")):
       values = tuple(getattr(self, name))
-      if any(not isinstance(v, int) or not 1 <= v <= getattr(self, cap) for v in values):
-        raise ValueError(f"rollout.{name}={values} must be whole numbers from 1 to "
-                         f"rollout.{cap}={getattr(self, cap)}")
-      object.__setattr__(self, name, values)  # a config's list, kept hashable
+      if any(not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"rollout.{name}={values} must be whole numbers of at least 1")
+      # Sizes past the cap count as the cap, which is always one: a config that names its
+      # sizes keeps working when rollout.max_batch or max_prompt_len is lowered on the command
+      # line. Kept hashable (a config's list becomes a tuple).
+      limit = getattr(self, cap)
+      object.__setattr__(self, name, tuple(sorted({min(v, limit) for v in values})))
     keys = {"corpus_rows": "speculative.corpus_rows",  # config keys that differ from the name
             "shared_sd_max_batch": "speculative.shared_max_batch"}
     for name, low in (("max_prompt_len", 1), ("max_new_tokens", 1), ("iterations_per_call", 1),
