@@ -54,7 +54,11 @@ def test_every_layout_generates_the_same_tokens_with_sd_and_gathers_no_weights(m
   as each device of a slice holds whole weights (or its tensor-parallel part), the compiled
   decode loops gather no weights (what they gather is a small fraction of them)."""
   cfg, params = model
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=8, sd_threshold=8)
+  # Two batch sizes and one prefill width: the programs of a sharded slice hold collectives
+  # and so compile anew on CPU (tlt_jax.compile_cache.guard_cpu_collectives); fewer programs,
+  # the same tokens.
+  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=8, sd_threshold=8,
+                    batch_sizes=(8, 2), prompt_widths=(8,))
   drafter = random_drafter(cfg, seed=1)
   weight_elements = sum(x.size for x in jax.tree.leaves((params, drafter[1])))
   results = {}
@@ -88,7 +92,8 @@ def test_a_qwen3_policy_generates_the_same_tokens_on_a_tensor_parallel_slice(mod
   for name in ("q_norm", "k_norm"):  # non-trivial norms: a missed or misplaced one shows
     attn[name]["weight"] = 1.0 + 0.3 * jax.random.normal(jax.random.key(len(name)),
                                                          attn[name]["weight"].shape)
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=8, sd_threshold=4)
+  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=8, sd_threshold=4,
+                    batch_sizes=(4, 1), prompt_widths=(8,))
   drafter = random_drafter(cfg, seed=1)
   tokens = []
   for layout in ((1, 1, 1), (1, 1, 4)):

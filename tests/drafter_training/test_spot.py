@@ -121,8 +121,9 @@ def _spot_rollouts(cfg, params, dcfg, dparams, eos, prompts, min_steps, max_roll
   """RL-like steps with a fixed policy: rollouts (sampled, 2 slices) with spot training,
   until the drafter took min_steps updates. Returns the new drafter params and step count."""
   mesh = make_mesh({"replica": 2, "fsdp": 1, "tensor": 1}, jax.devices()[:2])
+  # Two batch sizes and one prefill width: fewer programs to build, the same tokens.
   ec = EngineConfig(max_batch=8, max_prompt_len=128, max_new_tokens=192, sd_threshold=0,
-                    eos_id=eos)
+                    eos_id=eos, batch_sizes=(8, 2), prompt_widths=(128,))
   engine = RolloutEngine(cfg, params, mesh, ec, log_features=True)
   spot = SpotTrainer(cfg, {"eagle": dcfg},
                      DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=10), {"eagle": dparams},
@@ -161,7 +162,7 @@ def _permute_hidden(cfg, params, seed):
 def _sd_engine(cfg, params, dcfg, dparams, eos):
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   ec = EngineConfig(max_batch=4, max_prompt_len=128, max_new_tokens=96, sd_threshold=4,
-                    eos_id=eos)
+                    eos_id=eos, batch_sizes=(4, 1), prompt_widths=(128,))
   return RolloutEngine(cfg, params, mesh, ec, drafters=drafter_set((dcfg, dparams)),
                        tuner=FixedTuner((4, 2, 8)))
 

@@ -88,7 +88,8 @@ def test_a_toy_drafter_registered_here_runs_through_the_engine_exactly(echo, tin
   """GRPO-shaped groups (4 samples per prompt), greedy and sampled, SD from the first token
   with the toy alone and merged with the suffix drafter: plain decoding's tokens; its state
   reads every committed pair, so it is as long as the policy's cache."""
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12)
+  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, batch_sizes=(4, 1),
+                    prompt_widths=(8,))  # fewer programs, the same tokens
   prompts = [list(p[:n]) for p, n in zip(PROMPTS, LENGTHS)]
   for sp in (GREEDY, SamplingParams(0.9)):
     plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(), ec).generate(
@@ -161,12 +162,14 @@ def test_registering_a_drafter_changes_no_program_of_a_run_that_does_not_use_it(
   config = base_config()
   config.rollout.sd_threshold = 4
   config.rollout.speculative.update(tuner="fixed", strategy="3,2,6")
+  config.rollout.update(batch_sizes=(4, 1), prompt_widths=(8,))  # fewer programs to compare
   before = {sd: _run_programs(config, tiny_cfg, tiny_params, sd, monkeypatch)
             for sd in (False, True)}
   monkeypatch.setitem(DRAFTERS, "echo", EchoDrafter)
   config = base_config()  # now with the toy's section
   config.rollout.sd_threshold = 4
   config.rollout.speculative.update(tuner="fixed", strategy="3,2,6")
+  config.rollout.update(batch_sizes=(4, 1), prompt_widths=(8,))
   after = {sd: _run_programs(config, tiny_cfg, tiny_params, sd, monkeypatch)
            for sd in (False, True)}
   for sd in (False, True):

@@ -8,6 +8,7 @@ skip when pip cannot download it.
 """
 
 import functools
+import os
 import types
 
 import jax
@@ -17,13 +18,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import REPO
 from tests.speculative.drafters import drafter_set
-from tlt_jax.drafter_training.train_step import DrafterOptConfig
-from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
 from tlt_jax.import_model import DownloadError, smollm2_folder
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import decode, init_cache, prefill
-from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
+from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length
@@ -38,7 +38,6 @@ NEW_TOKENS = 32
 # float32 on both sides, 30 layers of sums in another order. Measured: 1.4e-4 over the prompts,
 # 7e-5 over the decoded positions (logits of magnitude ~20).
 LOGIT_TOL = 1e-3
-DRAFTER_STEPS = 24
 
 
 @pytest.fixture(scope="session")
@@ -130,19 +129,13 @@ def _until_eos(tokens, eos):
 
 
 @pytest.fixture(scope="module")
-def drafter(smollm2, greedy):
-  """An EAGLE drafter (one layer) briefly trained on the policy's features over the greedy
-  responses, so that drafts are accepted now and then (a random one's never are)."""
-  eos = smollm2.tokenizer.eos_token_id
-  samples = collect_samples(smollm2.params, smollm2.cfg, smollm2.prompts,
-                            [_until_eos(t, eos) for t in greedy.tokens], batch_size=4)
-  dcfg = DrafterConfig()
-  params, _ = train_drafter(
-      {"eagle": init_drafter_params(smollm2.cfg, dcfg, jax.random.key(1))}, smollm2.params,
-      samples, smollm2.cfg, {"eagle": dcfg},
-      DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5), steps=DRAFTER_STEPS, window=80,
-      batch_rows=3, progress=False)
-  return dcfg, params["eagle"]
+def drafter(smollm2):
+  """The shipped SmolLM2 drafter (assets/smollm2-drafter: one EAGLE layer with a 2,048-token
+  draft vocabulary, warmed on the model's own responses to math problems and shipped in
+  bfloat16), in the policy's float32: drafts are accepted on these chat prompts too."""
+  _, settings, params = load_drafter(os.path.join(REPO, "assets", "smollm2-drafter"),
+                                     smollm2.cfg, expect="eagle")
+  return settings, jax.tree.map(jnp.asarray, params)
 
 
 def _engine(smollm2, drafter=None):

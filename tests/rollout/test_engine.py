@@ -56,7 +56,7 @@ def test_greedy_engine_with_sd_equals_plain_engine(tiny_cfg, tiny_params, plain_
   reasons = set(ref.finish_reasons)
   assert reasons == {"eos", "length"}  # sequences finish at different times
   ec = EngineConfig(max_batch=max_batch, max_prompt_len=8, max_new_tokens=12,
-                    sd_threshold=threshold, eos_id=ec.eos_id)
+                    sd_threshold=threshold, eos_id=ec.eos_id, prompt_widths=(8,))
   d = drafter_from_policy(tiny_cfg, tiny_params) if drafter == "oracle" else random_drafter(
       tiny_cfg, seed=2)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(replicas, fsdp), ec, drafters=drafter_set(d),
@@ -364,7 +364,8 @@ def test_sampled_engine_is_exact():
 
 
 def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16, mtp=None):
-  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=max_new, sd_threshold=2)
+  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=max_new, sd_threshold=2,
+                    prompt_widths=(8,))
   return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec, drafters=drafter_set(drafter, mtp),
                        tuner=FixedTuner(strategy))
 
@@ -380,7 +381,7 @@ def test_every_family_and_hybrid_rollouts_return_plain_tokens(tiny_cfg, tiny_par
   a hybrid tree of every family, and one of MTP heads and prompt lookup (no EAGLE drafter),
   return plain decoding's tokens."""
   sp = SamplingParams(1.0)
-  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=16)
+  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=16, prompt_widths=(8,))
   plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec).generate(
       PROMPTS[:2], 4, sp, jax.random.key(3))
   engine = _tail_engine(tiny_cfg, tiny_params, strategy, random_drafter(tiny_cfg, seed=2),
