@@ -24,6 +24,25 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # (tests/cheap_compiles.py).
 os.environ["XLA_FLAGS"] = cheap_compiles.xla_flags(os.environ.get("XLA_FLAGS", ""))
 
+
+def _run_on_this_workers_share_of_the_cpus() -> None:
+  """Under pytest-xdist, each worker (and the runs it starts, which inherit it) runs on its
+  own share of the CPUs. JAX sizes its CPU thread pool by the CPUs a process may use, and the
+  tests' programs are too small to gain from threads: with 2 workers on 2 cores each worker's
+  8 emulated devices spread threads over both cores, and a test file took 28 s alone and 60 s
+  beside two busy processes; on one core, 25 s and 35 s (tests/speculative/
+  test_tree_and_strategy.py, 2026-11-29)."""
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+  count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+  if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+    return
+  cpus = sorted(os.sched_getaffinity(0))
+  index = int(worker[2:])
+  os.sched_setaffinity(0, cpus[index::count] or [cpus[index % len(cpus)]])
+
+
+_run_on_this_workers_share_of_the_cpus()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
