@@ -226,8 +226,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.compile_ahead = True
   # The program batch sizes of a slice (rows; max_batch is always one) and the prefill widths
   # (tokens; max_prompt_len is always one, and larger ones count as it); () = every power of
-  # two up to the maximum. A batch compacts to the smallest size that holds its running rows: fewer sizes, fewer
-  # programs to compile, more padded rows per step (what a GPU's flat decode step allows).
+  # two up to the maximum. A batch compacts to the smallest size that holds its running rows:
+  # fewer sizes, fewer programs to compile, more padded rows per step (what a GPU's flat
+  # decode step allows).
   c.rollout.update(batch_sizes=(), prompt_widths=())
   # Queue every program of the rollout (prefill, each batch size's plain and SD programs,
   # compactions) and the policy update when the job starts, compiled ahead on compile_threads
