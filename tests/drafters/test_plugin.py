@@ -159,19 +159,16 @@ def test_registering_a_drafter_changes_no_program_of_a_run_that_does_not_use_it(
   """The baseline (no SD) and an EAGLE run compile the same programs, byte for byte, with the
   toy family registered (a drafter with a state, which every plain step would keep in step
   if the engine built it)."""
-  config = base_config()
-  config.rollout.sd_threshold = 4
-  config.rollout.speculative.update(tuner="fixed", strategy="3,2,6")
-  config.rollout.update(batch_sizes=(4, 1), prompt_widths=(8,))  # fewer programs to compare
-  before = {sd: _run_programs(config, tiny_cfg, tiny_params, sd, monkeypatch)
+  def programs():  # of the baseline (False) and an EAGLE run (True), as registered now
+    config = base_config()  # its drafter sections: the registered families'
+    config.rollout.sd_threshold = 4
+    config.rollout.speculative.update(tuner="fixed", strategy="3,2,6")
+    config.rollout.update(batch_sizes=(4, 1), prompt_widths=(8,))  # fewer programs to compare
+    return {sd: _run_programs(config, tiny_cfg, tiny_params, sd, monkeypatch)
             for sd in (False, True)}
+  before = programs()
   monkeypatch.setitem(DRAFTERS, "echo", EchoDrafter)
-  config = base_config()  # now with the toy's section
-  config.rollout.sd_threshold = 4
-  config.rollout.speculative.update(tuner="fixed", strategy="3,2,6")
-  config.rollout.update(batch_sizes=(4, 1), prompt_widths=(8,))
-  after = {sd: _run_programs(config, tiny_cfg, tiny_params, sd, monkeypatch)
-           for sd in (False, True)}
+  after = programs()
   for sd in (False, True):
     assert len(after[sd]) == len(before[sd]) > 0  # the compiled program count
     assert after[sd] == before[sd]  # and the programs themselves
