@@ -35,6 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimised_compiles")]
 
 MESSAGES = ("What is 7 times 8?", "Name three primary colors.", "Write a haiku about the sea.")
 NEW_TOKENS = 32
+# The engine's responses, shorter: a decode step of this model reads its 540 MB of float32
+# weights, about 0.4 s on one CPU core, so the time of the engine tests goes to decode steps.
+ENGINE_NEW_TOKENS = 16
 # float32 on both sides, 30 layers of sums in another order. Measured: 1.4e-4 over the prompts,
 # 7e-5 over the decoded positions (logits of magnitude ~20).
 LOGIT_TOL = 1e-3
@@ -139,11 +142,12 @@ def drafter(smollm2):
 
 
 def _engine(smollm2, drafter=None):
-  """4 rows, compacted to 2 (two batch sizes: each a 30-layer program); with a drafter, SD on
-  every decode call (a fixed strategy: 3 steps, top-2, 6 verified tokens)."""
-  ec = EngineConfig(max_batch=4, max_prompt_len=64, max_new_tokens=NEW_TOKENS,
+  """4 rows at one batch size (a decode step's time is reading the weights, whatever the rows;
+  compaction is tested on the tiny models); with a drafter, SD on every decode call (a fixed
+  strategy: 3 steps, top-2, 6 verified tokens)."""
+  ec = EngineConfig(max_batch=4, max_prompt_len=64, max_new_tokens=ENGINE_NEW_TOKENS,
                     eos_id=smollm2.tokenizer.eos_token_id, sd_threshold=4 if drafter else 0,
-                    batch_sizes=(4, 2))
+                    batch_sizes=(4,))
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   if drafter is None:
     return RolloutEngine(smollm2.cfg, smollm2.params, mesh, ec)
@@ -158,15 +162,15 @@ def sd_engine(smollm2, drafter):
 
 
 def test_engine_with_sd_emits_greedy_decoding(smollm2, greedy, sd_engine):
-  """3 prompts x 2 samples on 4 rows (refills, compaction), SD on every decode call: each
-  sample is the greedy continuation, cut after EOS."""
+  """3 prompts x 2 samples on 4 rows (refills), SD on every decode call: each sample is the
+  greedy continuation, cut after EOS."""
   res = sd_engine.generate(smollm2.prompts, 2, SamplingParams(0.0), jax.random.key(0))
   eos = smollm2.tokenizer.eos_token_id
-  assert res.tokens == [_until_eos(t, eos) for t in greedy.tokens for _ in range(2)]
+  assert res.tokens == [_until_eos(t[:ENGINE_NEW_TOKENS], eos)
+                        for t in greedy.tokens for _ in range(2)]
   assert {"eos", "length"} == set(res.finish_reasons)
   assert {r.mode for r in res.timeline} == {"prefill", "sd"}
   assert sum(r.mode == "prefill" for r in res.timeline) > 1  # freed rows were refilled
-  assert min(r.bucket for r in res.timeline) < 4  # and the last ones compacted
   accepted = accept_length(res)
   assert accepted > 1.0  # drafts were accepted
   print(f"greedy: {sum(map(len, res.tokens))} tokens identical; {accepted:.2f} tokens per "
