@@ -149,7 +149,9 @@ def main():
 
   import torch
   from transformers import AutoModelForCausalLM
-  torch.set_num_threads(os.cpu_count() or 1)
+  # The CPUs this process may run on (os.cpu_count() counts the machine's: threads beyond the
+  # process's share of them wait on each other).
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
 
   prompts, eos, pad = load_prompts(args.policy, args.prompts)
   hf_model = AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval()

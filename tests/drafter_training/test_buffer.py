@@ -37,9 +37,11 @@ def _policy_features(cfg, params, seq, width=32):
 @pytest.mark.parametrize("threshold", [0, 2])  # plain decoding only; plain then SD
 def test_logged_features_are_the_policys_own(tiny_cfg, tiny_params, threshold):
   mesh = make_mesh({"replica": 2, "fsdp": 2, "tensor": 1}, jax.devices()[:4])
-  # max_batch 2 < requests per slice: rows are refilled and compacted while logging.
+  # max_batch 2 < requests per slice: rows are refilled and compacted while logging. One
+  # prefill width: a slice of two devices holds collectives, so its programs compile anew on
+  # CPU (tlt_jax.compile_cache.guard_cpu_collectives), and the width changes no token.
   ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=10, sd_threshold=threshold,
-                    eos_id=7)
+                    eos_id=7, prompt_widths=(8,))
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec,
                          drafters=drafter_set(random_drafter(tiny_cfg, 3)),
                          tuner=FixedTuner((3, 2, 6)), log_features=True)

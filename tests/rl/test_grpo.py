@@ -180,7 +180,8 @@ def test_one_grpo_step_moves_the_weights_as_a_hand_written_reference_says(tiny_c
     return total / tokens
 
   lr = 0.5
-  grads = jax.grad(reference_loss)(tiny_params)
+  # Jitted: run op by op, the hand-written loops took 17 s of this test's 29 on one CPU core.
+  grads = jax.jit(jax.grad(reference_loss))(tiny_params)
   want = jax.tree.map(lambda p, g: p - lr * g, tiny_params, grads)
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   updater = PolicyUpdater(tiny_cfg, Grpo(), optax.sgd(lr), jax.tree.map(jnp.copy, tiny_params),
