@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimised_compiles")]
 MESSAGES = ("What is 7 times 8?", "Name three primary colors.", "Write a haiku about the sea.")
 NEW_TOKENS = 32
 # The engine's responses, shorter: a decode step of this model reads its 540 MB of float32
-# weights, about 0.4 s on one CPU core, so the time of the engine tests goes to decode steps.
+# weights, so the time of the engine tests goes to decode steps.
 ENGINE_NEW_TOKENS = 16
 # float32 on both sides, 30 layers of sums in another order. Measured: 1.4e-4 over the prompts,
 # 7e-5 over the decoded positions (logits of magnitude ~20).
