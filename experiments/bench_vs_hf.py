@@ -51,6 +51,8 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
+from .common import usable_cpus
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(0.0)
 
@@ -149,9 +151,7 @@ def main():
 
   import torch
   from transformers import AutoModelForCausalLM
-  # The CPUs this process may run on (os.cpu_count() counts the machine's: threads beyond the
-  # process's share of them wait on each other).
-  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  torch.set_num_threads(usable_cpus())
 
   prompts, eos, pad = load_prompts(args.policy, args.prompts)
   hf_model = AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval()

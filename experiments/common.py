@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import shlex
 import subprocess
@@ -76,3 +77,9 @@ def config_or_exit(spec: str, sets=()):
 def strategy_label(strategy) -> str:
   """'depth,topk,verify[,drafts]' of a Strategy, as the command line and the configs write it."""
   return ",".join(map(str, strategy.as_tuple()))
+
+
+def usable_cpus() -> int:
+  """The CPUs this process may run on (its affinity mask; os.cpu_count() counts the machine's,
+  and threads beyond the process's share of them wait on each other)."""
+  return len(os.sched_getaffinity(0))

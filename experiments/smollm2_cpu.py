@@ -36,7 +36,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from .common import REPO, module_command, read_json, run_metadata, write_json
+from .common import REPO, module_command, read_json, run_metadata, usable_cpus, write_json
 from .gpu_e2e import run_recorded_stages
 
 STAGES = ("decode", "warmup", "rollout", "rl")
@@ -82,7 +82,7 @@ def collect(out: pathlib.Path, stages: dict) -> dict:
                   "rollout_s": [m["rollout_s"] for m in metrics],
                   "update_s": [m["update_s"] for m in metrics],
                   "heldout": {k: v for k, v in r.get("summary", {}).items() if "accuracy" in k}}
-  return {**run_metadata(), "device": f"CPU, {_cpu_cores()} cores (the rollout and RL stages "
+  return {**run_metadata(), "device": f"CPU, {usable_cpus()} cores (the rollout and RL stages "
           f"on 2 emulated devices)", "stages": stages,
           "decode": [{"batch": r["batch"], "step_ms": r["tlt_plain_ms"],
                       "tokens_per_s": 1e3 * r["batch"] / r["tlt_plain_ms"]}
@@ -95,10 +95,6 @@ def collect(out: pathlib.Path, stages: dict) -> dict:
                       for name, m in modes.items()},
           "rl": {"end_to_end": rl.get("end_to_end"), "runs": runs}}
 
-
-def _cpu_cores() -> int:
-  import os
-  return len(os.sched_getaffinity(0))
 
 
 def plot(out: pathlib.Path, summary: dict) -> None:
