@@ -40,6 +40,8 @@ def test_every_program_lowers_for_cuda_with_the_kernel(job):
       assert text_calls >= 1, p.name
     if p.name.startswith("rollout_decode_sd"):  # the drafter's attention and the verify
       assert text_calls >= 2, p.name
+    if p.name.startswith("rollout_"):  # slices that share one trace lower the same kernels
+      assert triton_calls(lower_for_cuda(p, shared=True)) == text_calls, p.name
 
 
 def test_a_qwen3_policy_lowers_for_cuda_with_the_kernel():

@@ -47,6 +47,7 @@ from tlt_jax.optim import make_adamw, optimizer_shardings
 from tlt_jax.rl.policy_update import make_log_probs, make_policy_update
 from tlt_jax.rollout.pool import ExecutablePool, with_output_layout
 from tlt_jax.rollout.programs import SlicePrograms
+from tlt_jax.rollout.traces import IN_PROCESS_CHECKS
 from tlt_jax.sft_update import make_optimizer, make_train_step
 from tlt_jax.speculative.strategy import Strategy
 
@@ -134,10 +135,12 @@ def abstract_gpu(device_kind: str = H100, axes: Sequence[str] = AXIS_ORDER):
   return jax.sharding.use_abstract_mesh(gpu_mesh(device_kind, axes))
 
 
-def lower_for_cuda(program: Program, device_kind: str = H100) -> jax.stages.Lowered:
+def lower_for_cuda(program: Program, device_kind: str = H100,
+                   shared: bool = False) -> jax.stages.Lowered:
   """program lowered for CUDA on any machine: traced under an abstract mesh of `device_kind`
   GPUs shaped like the program's mesh (one device without one), its arguments laid out on
-  that mesh as they are on the program's."""
+  that mesh as they are on the program's. shared: as a slice that shares another's trace
+  lowers it (`tlt_jax.rollout.traces`): exported for CUDA, then a call of the export."""
   mesh = program.mesh
   abstract = (gpu_mesh(device_kind) if mesh is None
               else gpu_mesh(device_kind, mesh.axis_names, mesh.axis_sizes))
@@ -148,8 +151,12 @@ def lower_for_cuda(program: Program, device_kind: str = H100) -> jax.stages.Lowe
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(abstract, spec))
   args = jax.tree.map(retarget, program.args)
   with jax.sharding.use_abstract_mesh(abstract):
-    return jax.jit(program.fn, donate_argnums=program.donate_argnums).trace(
-        *args).lower(lowering_platforms=("cuda",))
+    fn = jax.jit(program.fn, donate_argnums=program.donate_argnums)
+    if shared:
+      fn = jax.jit(jax.export.export(fn, platforms=("cuda",),
+                                     disabled_checks=IN_PROCESS_CHECKS)(*args).call,
+                   donate_argnums=program.donate_argnums)
+    return fn.trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def triton_calls(lowered: jax.stages.Lowered) -> int:
@@ -170,7 +177,8 @@ class RecordingPool(ExecutablePool):
     super().__init__()
     self.programs: dict = {}
 
-  def get(self, key, fn, args, donate_argnums=(), out_shardings=None, mesh=None, kind="program"):
+  def get(self, key, fn, args, donate_argnums=(), out_shardings=None, mesh=None, kind="program",
+          share=None):
     if out_shardings is not None:
       fn = with_output_layout(fn, out_shardings)
     self.programs[key] = (fn, tuple(args), tuple(donate_argnums), mesh)

@@ -217,6 +217,11 @@ def test_every_slice_compiles_its_tail_ahead(tiny_cfg, tiny_params):
   for s in (0, 1):
     for batch, strategy in engine.tail_plan():
       assert engine.programs[s].decode_ready(batch, strategy, GREEDY)  # raises if it failed
+  # Both slices' programs came from one trace each (tlt_jax.rollout.traces): every key of
+  # slice 1 has slice 0's twin, and each pair was traced once.
+  keys = {s: {key[1:] for key in engine.pool if key[0] == s} for s in (0, 1)}
+  assert keys[0] == keys[1]
+  assert engine.pool.traces.traced == len(keys[0]) == engine.pool.traces.reused
 
 
 def _beg_mab_engine(tiny_cfg, tiny_params, eos_id, slices, max_batch):

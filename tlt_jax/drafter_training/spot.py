@@ -182,7 +182,9 @@ class SpotTrainer:
 
   def _executable(self, mesh: Mesh, args, ahead: bool = False):
     how = self.pool.compile_ahead if ahead else self.pool.get
-    return how(mesh, self._step, args, donate_argnums=(0,), mesh=mesh, kind="drafter_update")
+    # Every slice runs the one update: traced once where this process drives several.
+    return how(mesh, self._step, args, donate_argnums=(0,), mesh=mesh, kind="drafter_update",
+               share="drafter_update" if len(self.local) > 1 else None)
 
   def precompile(self, meshes: list[Mesh], policy_on: Callable[[int], dict],
                  ahead: bool = False) -> float:

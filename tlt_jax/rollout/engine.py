@@ -237,7 +237,8 @@ class RolloutEngine:
     self.programs = {s: SlicePrograms(s, self.slices[s], self.pool, cfg, self.drafters,
                                       econf.capacity, econf.max_new_tokens, econf.eos_id,
                                       self.rules, log_features, self.shared_shape,
-                                      econf.corpus_rows) for s in self.local}
+                                      econf.corpus_rows, share_traces=len(self.local) > 1)
+                     for s in self.local}
     self._policy_axes = param_logical_axes(cfg)
     self._drafter_axes = {name: type(d).logical_axes(d.settings, cfg)
                           for name, d in self.drafters.items() if d.trained}

@@ -27,6 +27,7 @@ from collections.abc import Callable, Hashable, Sequence
 import jax
 
 from tlt_jax.mesh import on_mesh
+from tlt_jax.rollout.traces import SharedTraces
 
 
 class ExecutablePool:
@@ -46,16 +47,20 @@ class ExecutablePool:
     self._used: set[Hashable] = set()
     self._ahead: dict[Hashable, concurrent.futures.Future] = {}
     self._failed: dict[Hashable, BaseException] = {}
+    self.traces = SharedTraces()  # programs traced once for every mesh of one shape
 
   def get(self, key: Hashable, fn: Callable, args: Sequence, donate_argnums=(),
           out_shardings: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
-          kind: str = "program") -> object:
+          kind: str = "program", share: Hashable | None = None) -> object:
     """The executable for `key`, compiling fn for `args` (arrays or ShapeDtypeStructs with
     shardings) on first use. `out_shardings(output_shapes)` pins the outputs' layout, so that a
     program's results can feed any other program of the pool. `mesh`: traced under
     `jax.set_mesh(mesh)`, so that the attention kernel runs per shard (kernels.per_shard). `kind`:
-    the line of the bill its compile goes on. A key whose compile ahead is running is waited for
-    (the wait is billed to the critical path); one still queued is compiled here instead."""
+    the line of the bill its compile goes on. `share`: the program's name among meshes of one
+    shape (the same function for the same argument shapes on other devices): traced once for
+    them all (`SharedTraces`), each mesh lowering a call of that trace. A key whose compile
+    ahead is running is waited for (the wait is billed to the critical path); one still queued
+    is compiled here instead."""
     with self._lock:  # both at once: a compile ahead moves its key from one to the other
       exe, future = self._exes.get(key), self._ahead.get(key)
     if exe is None:
@@ -72,7 +77,7 @@ class ExecutablePool:
         exe = self._exes[key]
       else:
         self._check_room(key)
-        exe, seconds = _compile(fn, args, donate_argnums, out_shardings, mesh, kind)
+        exe, seconds = self._compile(fn, args, donate_argnums, out_shardings, mesh, kind, share)
         with self._lock:
           self._exes[key] = exe
         self._book(kind, seconds)
@@ -85,7 +90,8 @@ class ExecutablePool:
 
   def compile_ahead(self, key: Hashable, fn: Callable, args: Sequence, donate_argnums=(),
                     out_shardings: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
-                    kind: str = "program", priority: int = 0) -> None:
+                    kind: str = "program", priority: int = 0,
+                    share: Hashable | None = None) -> None:
     """Queues `key`'s compile (arguments as in `get`) on the process's background compile
     thread, unless it is compiled or queued already; they run one at a time, the lowest
     `priority` first, then in the order asked. Arrays among `args` are queued abstract, so a
@@ -96,11 +102,12 @@ class ExecutablePool:
       self._check_room(key, queued=len(self._ahead))
       self._ahead[key] = _BACKGROUND.submit(priority, functools.partial(
           self._compile_ahead, key, fn, abstract_arrays(args), donate_argnums, out_shardings,
-          mesh, kind))
+          mesh, kind, share))
 
-  def _compile_ahead(self, key, fn, args, donate_argnums, out_shardings, mesh, kind) -> None:
+  def _compile_ahead(self, key, fn, args, donate_argnums, out_shardings, mesh, kind,
+                     share) -> None:
     try:
-      exe, seconds = _compile(fn, args, donate_argnums, out_shardings, mesh, kind)
+      exe, seconds = self._compile(fn, args, donate_argnums, out_shardings, mesh, kind, share)
     except BaseException as e:  # noqa: BLE001 -- kept, and raised where the key is asked for
       with self._lock:
         self._failed[key] = e
@@ -110,6 +117,18 @@ class ExecutablePool:
     with self._lock:
       self._exes[key] = exe
       del self._ahead[key]
+
+  def _compile(self, fn, args, donate_argnums, out_shardings, mesh, kind,
+               share) -> tuple[object, float]:
+    """(executable, seconds) of `_compile`, from the shared trace where `share` is given."""
+    t0 = time.perf_counter()
+    if share is not None and mesh is not None:
+      pinned = fn if out_shardings is None else with_output_layout(fn, out_shardings)
+      call = self.traces.program(share, pinned, abstract_arrays(args), donate_argnums, mesh,
+                                 kind)
+      fn = fn if call is None else call
+    exe, _ = _compile(fn, args, donate_argnums, out_shardings, mesh, kind)
+    return exe, time.perf_counter() - t0
 
   def ready(self, key: Hashable) -> bool:
     """Whether `key` is compiled (a call would not wait); raises if its compile ahead failed."""

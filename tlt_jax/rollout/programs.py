@@ -41,19 +41,22 @@ class SlicePrograms:
   shared_shape(batch, strategy) -> Strategy | None: the larger strategy whose program runs
   `strategy` at this batch size (one program serves several strategies, each drawing its own
   tree within the larger one's shapes; see `build_draft_tree`), or None for its own program.
+  share_traces: whether programs are traced once for every slice of the pool
+  (`ExecutablePool.get`'s `share`; worth it where a process drives several slices).
   """
 
   def __init__(self, s: int, mesh: Mesh, pool: ExecutablePool, cfg: ModelConfig,
                drafters: dict[str, Drafter], capacity: int, max_new_tokens: int, eos_id: int,
                rules, log_features: bool,
                shared_shape: Callable[[int, Strategy], Strategy | None] | None = None,
-               corpus_rows: int = 8):
+               corpus_rows: int = 8, share_traces: bool = False):
     self.s, self.mesh, self.pool = s, mesh, pool
     self.cfg, self.drafters, self.rules = cfg, dict(drafters), rules
     self.capacity, self.max_new_tokens, self.eos_id = capacity, max_new_tokens, eos_id
     self.log_features = log_features
     self.shared_shape = shared_shape or (lambda batch, strategy: None)
     self.corpus_rows = corpus_rows
+    self.share_traces = share_traces
 
   def put(self, x: np.ndarray) -> jax.Array:
     """A host array onto the slice, replicated."""
@@ -72,11 +75,16 @@ class SlicePrograms:
     """The pool's key of this slice's program `key` = (kind, shape and setting ...)."""
     return (self.s, *key)
 
+  def _share(self, key: tuple) -> tuple | None:
+    """The name that program `key` shares with the other slices' (None: traced here)."""
+    return ("rollout", *key) if self.share_traces else None
+
   def _run(self, key, fn, args, donate=()):
     """Runs the pool's program for key = (kind, shape and setting ...) on this slice on args;
     its compile is billed as `rollout_<kind>` (SD decode calls as `rollout_decode_sd`)."""
     return self.pool.get(self._key(key), fn, args, donate_argnums=donate,
-                         out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key))(*args)
+                         out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key),
+                         share=self._share(key))(*args)
 
   # ---------------------------------------------------------------- programs
 
@@ -123,7 +131,8 @@ class SlicePrograms:
     empty_caches, prefill = self._start_fns(batch, sp)
     self.pool.compile_ahead(self._key(("caches", batch)), empty_caches, (),
                             out_shardings=self._layout, mesh=self.mesh,
-                            kind=_bill_kind(("caches",)), priority=priority)
+                            kind=_bill_kind(("caches",)), priority=priority,
+                            share=self._share(("caches", batch)))
     replicated = NamedSharding(self.mesh, P())
 
     def host(shape, dtype):
@@ -135,7 +144,7 @@ class SlicePrograms:
     key_p = ("prefill", batch, prompts, width, sp.program_key)
     self.pool.compile_ahead(self._key(key_p), prefill, args, donate_argnums=(7,),
                             out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key_p),
-                            priority=priority)
+                            priority=priority, share=self._share(key_p))
     return self._laid_out(jax.eval_shape(prefill, *args))
 
   def resized(self, state: GenState, rows: int) -> GenState:
@@ -200,7 +209,8 @@ class SlicePrograms:
         args += (jax.ShapeDtypeStruct(self._corpus_shape(b), np.int32, sharding=replicated),)
       self.pool.compile_ahead(self._key(key_b), self._decode_fn(sp, shape, shared), args,
                               donate_argnums=(2,), out_shardings=self._layout, mesh=self.mesh,
-                              kind=_bill_kind(key_b), priority=priority)
+                              kind=_bill_kind(key_b), priority=priority,
+                              share=self._share(key_b))
 
   def decode_ready(self, batch: int, strategy: Strategy | None, sp: SamplingParams) -> bool:
     """Whether the decode program that runs (batch, strategy, sp) is compiled."""
@@ -237,7 +247,7 @@ class SlicePrograms:
     order = jax.ShapeDtypeStruct((rows,), np.int32, sharding=NamedSharding(self.mesh, P()))
     self.pool.compile_ahead(self._key(key), take_rows, (state, order),
                             out_shardings=self._layout, mesh=self.mesh, kind=_bill_kind(key),
-                            priority=priority)
+                            priority=priority, share=self._share(key))
 
   def empty_store(self, rows: int) -> jax.Array:
     """An empty feature store [rows, C, F] on the slice."""
