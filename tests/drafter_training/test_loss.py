@@ -22,11 +22,14 @@ from tlt_jax.models.drafter import (DRAFT_TO_POLICY, drafter_forward, policy_tok
 def _samples(cfg, params, lengths, seed=0):
   """Sequences of random tokens with their true policy features."""
   rng = np.random.default_rng(seed)
+  # Jitted: op by op, each operation would compile on its own for every length.
+  features = jax.jit(lambda params, toks: prefill(
+      params, toks, jnp.full((1,), toks.shape[1], jnp.int32),
+      init_cache(cfg, 1, toks.shape[1]), cfg)[1])
   out = []
   for n in lengths:
     toks = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
-    _, feats, _ = prefill(params, jnp.asarray(toks[None]), jnp.asarray([n], jnp.int32),
-                          init_cache(cfg, 1, n), cfg)
+    feats = features(params, jnp.asarray(toks[None]))
     out.append(Sample(tokens=toks, features=np.asarray(feats[0]), train_from=1))
   return out
 

@@ -56,11 +56,14 @@ def test_unrolled_steps_are_what_drafting_computes(tiny_cfg, tiny_params, fused)
              for n in (5, 11)]
   w = jax.tree.map(jnp.asarray, pack_windows(samples, window=16))
   seg = np.asarray(w.segment_ids[0])
-  steps = unrolled_forward(dparams, tiny_params, w, tiny_cfg, dcfg, 3)
+  # Jitted, both: op by op, each operation of these shapes would compile on its own.
+  steps = jax.jit(unrolled_forward, static_argnums=(3, 4, 5))(dparams, tiny_params, w,
+                                                              tiny_cfg, dcfg, 3)
+  chain = jax.jit(_chain, static_argnums=(4, 5, 6, 7))
   start = int(np.argmax(seg == np.bincount(seg).argmax()))  # the 11-token sample
   tokens, feats = jnp.asarray(samples[1].tokens), jnp.asarray(samples[1].features)
   for root in (1, 4, 7):
-    want = _chain(dparams, tiny_params, tokens, feats, root, 2, tiny_cfg, dcfg)
+    want = chain(dparams, tiny_params, tokens, feats, root, 2, tiny_cfg, dcfg)
     for k in range(3):  # step k at slot root + k is the depth-k node of the chain
       np.testing.assert_allclose(np.asarray(steps[k][0][0, start + root + k]),
                                  np.asarray(want[k]), atol=2e-5, rtol=2e-5)
@@ -84,18 +87,18 @@ def test_unrolled_training_lowers_the_later_steps_loss(tiny_cfg, tiny_params):
   batch = jax.tree.map(jnp.asarray, pack_windows(
       _samples(tiny_cfg, tiny_params, [12, 9, 15, 7, 10], seed=2), window=16))
   oc = DrafterOptConfig(learning_rate=3e-3, lr_warmup_steps=5, train_depth=3)
-  one = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg)[0]
-  first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, train_depth=1)
+  loss = jax.jit(drafter_loss, static_argnums=(3, 4), static_argnames=("train_depth",))
+  one = loss(dparams, tiny_params, batch, tiny_cfg, dcfg)[0]
+  first, first_aux = loss(dparams, tiny_params, batch, tiny_cfg, dcfg, train_depth=1)
   assert float(one) == float(first)  # K = 1 is the single-step loss
-  first, first_aux = drafter_loss(dparams, tiny_params, batch, tiny_cfg, dcfg, train_depth=3)
+  first, first_aux = loss(dparams, tiny_params, batch, tiny_cfg, dcfg, train_depth=3)
   # Fewer slots have a 3-step chain inside their sample than a 1-step one.
   assert 0 < float(first_aux["tokens"])
   step = jit_train_step(tiny_cfg, {"eagle": dcfg}, oc)
   state = init_train_state({"eagle": dparams}, oc)
   for _ in range(60):
     state, metrics = step(state, tiny_params, batch)
-  last, aux = drafter_loss(state.params["eagle"], tiny_params, batch, tiny_cfg, dcfg,
-                           train_depth=3)
+  last, aux = loss(state.params["eagle"], tiny_params, batch, tiny_cfg, dcfg, train_depth=3)
   assert np.isfinite(float(metrics["loss"]))
   assert float(last) < 0.8 * float(first)
   assert float(aux["top1_ahead"]) > float(first_aux["top1_ahead"]) + 0.2

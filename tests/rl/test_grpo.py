@@ -308,12 +308,13 @@ def test_trainer_log_probs_stay_finite_when_the_token_leaves_the_top_p_support(t
   """After an update the nucleus may exclude a sampled token; it keeps a finite log-prob."""
   from tlt_jax.speculative.sampling import SamplingParams
   sp = SamplingParams(temperature=0.6, top_p=0.05)  # a nucleus of about one token
-  logp, entropy = token_log_probs(tiny_params, batch["tokens"], batch["targets"],
-                                  batch["loss_mask"], tiny_cfg, sp, with_entropy=True)
+  logp, entropy = jax.jit(lambda p: token_log_probs(
+      p, batch["tokens"], batch["targets"], batch["loss_mask"], tiny_cfg, sp,
+      with_entropy=True))(tiny_params)
   assert np.isfinite(np.asarray(logp)).all() and np.isfinite(np.asarray(entropy)).all()
-  grads = jax.grad(lambda p: token_log_probs(p, batch["tokens"], batch["targets"],
-                                             batch["loss_mask"], tiny_cfg, sp)[0].sum())(
-                                                 tiny_params)
+  grads = jax.jit(jax.grad(lambda p: token_log_probs(  # jitted, as the update computes it
+      p, batch["tokens"], batch["targets"], batch["loss_mask"], tiny_cfg, sp)[0].sum()))(
+          tiny_params)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
 
@@ -323,8 +324,8 @@ def test_the_entropy_bonus_has_a_finite_gradient_under_top_k_and_top_p(tiny_cfg,
   """Off the truncated support log q is -inf; the entropy term must not send 0 * -inf back."""
   from tlt_jax.speculative.sampling import SamplingParams
   gc = GrpoConfig(sampling=SamplingParams(0.7, top_k=top_k, top_p=top_p), entropy_coef=0.01)
-  (_, metrics), grads = jax.value_and_grad(Grpo(gc).loss_fn, has_aux=True)(tiny_params, batch,
-                                                                           tiny_cfg)
+  (_, metrics), grads = jax.jit(jax.value_and_grad(  # jitted, as the update computes it
+      lambda p, b: Grpo(gc).loss_fn(p, b, tiny_cfg), has_aux=True))(tiny_params, batch)
   assert float(metrics["entropy"]) > 0
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 

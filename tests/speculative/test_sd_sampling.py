@@ -55,9 +55,9 @@ def _exact_joint(cfg, params, sp):
   """[V, V] exact probabilities of (t2, t3) after PROMPT + FIRST."""
   ctx = np.array(PROMPT + [FIRST], np.int32)
   seqs = np.concatenate([np.tile(ctx, (VOCAB, 1)), np.arange(VOCAB)[:, None]], 1)
-  logits, _, _ = prefill(params, jnp.asarray(seqs, jnp.int32),
-                         jnp.full((VOCAB,), seqs.shape[1], jnp.int32),
-                         init_cache(cfg, VOCAB, seqs.shape[1]), cfg)
+  logits, _, _ = jax.jit(lambda params: prefill(
+      params, jnp.asarray(seqs, jnp.int32), jnp.full((VOCAB,), seqs.shape[1], jnp.int32),
+      init_cache(cfg, VOCAB, seqs.shape[1]), cfg))(params)
   q2 = np.asarray(target_probs(logits[0, len(ctx) - 1], sp), np.float64)
   q3 = np.asarray(target_probs(logits[:, -1], sp), np.float64)  # [t2, t3]
   return q2[:, None] * q3
@@ -78,9 +78,12 @@ def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None, strategy=STRATEGY
   policy = Policy(params, cfg)
   drafters = {**drafter_set((dcfg, dparams), random_mtp(cfg, seed=12)),
               "suffix": SuffixDrafter(SuffixSettings(min_match=1))}
-  state = start(policy, prompts, lengths, init_cache(cfg, rows, cap), jax.random.key(seed), sp,
-                max_new_tokens=4, eos_id=-1, drafters=drafters,
-                draft_states={"eagle": init_drafter_cache(cfg, dcfg, rows, cap)})
+  # Jitted: op by op, each of the prefill's operations would compile on its own for these shapes.
+  state = jax.jit(lambda policy, key: start(
+      policy, prompts, lengths, init_cache(cfg, rows, cap), key, sp, max_new_tokens=4,
+      eos_id=-1, drafters=drafters,
+      draft_states={"eagle": init_drafter_cache(cfg, dcfg, rows, cap)}))(policy,
+                                                                         jax.random.key(seed))
   state = state.replace(root=jnp.full((rows,), FIRST, jnp.int32),
                         out=state.out.at[:, 0].set(FIRST))
   corpus = jax.random.randint(jax.random.key(5), (rows, 2, 6), 0, VOCAB)
