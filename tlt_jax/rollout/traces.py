@@ -52,14 +52,15 @@ class SharedTraces:
       if first:
         future = self._traces[key] = concurrent.futures.Future()
     if first:
+      exported = None
       try:
         with on_mesh(mesh):
           exported = jax.export.export(jax.jit(fn, donate_argnums=donate_argnums),
                                        disabled_checks=IN_PROCESS_CHECKS)(*args)
       except Exception as e:  # noqa: BLE001 -- the program still runs, traced per slice
-        exported = None
         self._warn(kind, e)
-      future.set_result(exported)
+      finally:  # even when interrupted: another thread may be waiting for this trace
+        future.set_result(exported)
     exported = future.result()
     if exported is None:
       return None
