@@ -47,7 +47,7 @@ from tlt_jax.optim import make_adamw, optimizer_shardings
 from tlt_jax.rl.policy_update import make_log_probs, make_policy_update
 from tlt_jax.rollout.pool import ExecutablePool, with_output_layout
 from tlt_jax.rollout.programs import SlicePrograms
-from tlt_jax.rollout.traces import IN_PROCESS_CHECKS
+from tlt_jax.rollout.traces import export_program
 from tlt_jax.sft_update import make_optimizer, make_train_step
 from tlt_jax.speculative.strategy import Strategy
 
@@ -151,12 +151,11 @@ def lower_for_cuda(program: Program, device_kind: str = H100,
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(abstract, spec))
   args = jax.tree.map(retarget, program.args)
   with jax.sharding.use_abstract_mesh(abstract):
-    fn = jax.jit(program.fn, donate_argnums=program.donate_argnums)
+    fn = program.fn
     if shared:
-      fn = jax.jit(jax.export.export(fn, platforms=("cuda",),
-                                     disabled_checks=IN_PROCESS_CHECKS)(*args).call,
-                   donate_argnums=program.donate_argnums)
-    return fn.trace(*args).lower(lowering_platforms=("cuda",))
+      fn = export_program(fn, args, program.donate_argnums, platforms=("cuda",)).call
+    return jax.jit(fn, donate_argnums=program.donate_argnums).trace(
+        *args).lower(lowering_platforms=("cuda",))
 
 
 def triton_calls(lowered: jax.stages.Lowered) -> int:

@@ -77,7 +77,8 @@ class ExecutablePool:
         exe = self._exes[key]
       else:
         self._check_room(key)
-        exe, seconds = self._compile(fn, args, donate_argnums, out_shardings, mesh, kind, share)
+        exe, seconds = _compile(fn, args, donate_argnums, out_shardings, mesh, kind,
+                                self.traces, share)
         with self._lock:
           self._exes[key] = exe
         self._book(kind, seconds)
@@ -107,7 +108,8 @@ class ExecutablePool:
   def _compile_ahead(self, key, fn, args, donate_argnums, out_shardings, mesh, kind,
                      share) -> None:
     try:
-      exe, seconds = self._compile(fn, args, donate_argnums, out_shardings, mesh, kind, share)
+      exe, seconds = _compile(fn, args, donate_argnums, out_shardings, mesh, kind,
+                              self.traces, share)
     except BaseException as e:  # noqa: BLE001 -- kept, and raised where the key is asked for
       with self._lock:
         self._failed[key] = e
@@ -117,18 +119,6 @@ class ExecutablePool:
     with self._lock:
       self._exes[key] = exe
       del self._ahead[key]
-
-  def _compile(self, fn, args, donate_argnums, out_shardings, mesh, kind,
-               share) -> tuple[object, float]:
-    """(executable, seconds) of `_compile`, from the shared trace where `share` is given."""
-    t0 = time.perf_counter()
-    if share is not None and mesh is not None:
-      pinned = fn if out_shardings is None else with_output_layout(fn, out_shardings)
-      call = self.traces.program(share, pinned, abstract_arrays(args), donate_argnums, mesh,
-                                 kind)
-      fn = fn if call is None else call
-    exe, _ = _compile(fn, args, donate_argnums, out_shardings, mesh, kind)
-    return exe, time.perf_counter() - t0
 
   def ready(self, key: Hashable) -> bool:
     """Whether `key` is compiled (a call would not wait); raises if its compile ahead failed."""
@@ -306,11 +296,17 @@ def abstract_arrays(tree):
                       if isinstance(x, jax.Array) else x, tree)
 
 
-def _compile(fn, args, donate_argnums, out_shardings, mesh, kind) -> tuple[object, float]:
+def _compile(fn, args, donate_argnums, out_shardings, mesh, kind,
+             traces: SharedTraces | None = None,
+             share: Hashable | None = None) -> tuple[object, float]:
   """(executable, seconds): fn lowered for args and compiled, as the program `jit_<kind>` (the
-  name profiles and XLA dumps show, e.g. jit_rollout_decode_sd, jit_policy_update)."""
+  name profiles and XLA dumps show, e.g. jit_rollout_decode_sd, jit_policy_update); with a
+  `share` key, lowered as a call of its trace in `traces` (traced there on first use)."""
   t0 = time.perf_counter()
-  if out_shardings is not None:
+  if share is not None and mesh is not None:
+    pinned = fn if out_shardings is None else with_output_layout(fn, out_shardings)
+    fn = traces.program(share, pinned, abstract_arrays(args), donate_argnums, mesh, kind) or fn
+  if out_shardings is not None:  # on this mesh (a shared trace pinned them on the first one)
     fn = with_output_layout(fn, out_shardings)
 
   def program(*args):

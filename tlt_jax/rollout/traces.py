@@ -24,8 +24,17 @@ from tlt_jax.mesh import on_mesh
 # a serialized program runs on later versions of JAX is not needed: the custom calls it would
 # refuse for lack of that promise (the attention kernel's, lowered by Pallas to Triton on GPU)
 # are allowed.
-IN_PROCESS_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(target)
-                          for target in ("__gpu$xla.gpu.triton", "triton_kernel_call"))
+_IN_PROCESS_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(target)
+                           for target in ("__gpu$xla.gpu.triton", "triton_kernel_call"))
+
+
+def export_program(fn: Callable, args: Sequence, donate_argnums=(),
+                   platforms: Sequence[str] | None = None) -> jax.export.Exported:
+  """fn traced and lowered once for args (ShapeDtypeStructs or arrays with shardings), as an
+  Exported that any devices of the same mesh shape can call (`Exported.call` inside a jit);
+  platforms: those to lower for (None: this machine's)."""
+  return jax.export.export(jax.jit(fn, donate_argnums=donate_argnums), platforms=platforms,
+                           disabled_checks=_IN_PROCESS_CHECKS)(*args)
 
 
 class SharedTraces:
@@ -55,8 +64,7 @@ class SharedTraces:
       exported = None
       try:
         with on_mesh(mesh):
-          exported = jax.export.export(jax.jit(fn, donate_argnums=donate_argnums),
-                                       disabled_checks=IN_PROCESS_CHECKS)(*args)
+          exported = export_program(fn, args, donate_argnums)
       except Exception as e:  # noqa: BLE001 -- the program still runs, traced per slice
         self._warn(kind, e)
       finally:  # even when interrupted: another thread may be waiting for this trace
