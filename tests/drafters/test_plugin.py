@@ -136,12 +136,12 @@ def _run_programs(config, cfg, params, speculative: bool, monkeypatch) -> list:
   (kind, StableHLO text) of every program, in compile order."""
   compiled, compile_once = [], pool_module._compile
 
-  def recording(fn, args, donate_argnums, out_shardings, mesh, kind):
+  def recording(fn, args, donate_argnums, out_shardings, mesh, kind, *sharing):
     laid_out = pool_module.with_output_layout(fn, out_shardings) if out_shardings else fn
     with on_mesh(mesh):
       compiled.append((kind, jax.jit(laid_out, donate_argnums=donate_argnums).lower(
           *args).as_text()))
-    return compile_once(fn, args, donate_argnums, out_shardings, mesh, kind)
+    return compile_once(fn, args, donate_argnums, out_shardings, mesh, kind, *sharing)
   monkeypatch.setattr(pool_module, "_compile", recording)
   drafters = load_drafters_for(config, cfg) if speculative else None
   engine = make_engine(config, cfg, params, _mesh(), 0, 0, drafters=drafters,
