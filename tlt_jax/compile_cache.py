@@ -117,6 +117,8 @@ def collectives_in_several_sequences(hlo_text: str) -> bool:
   entry and a loop body, two loop bodies, ...): XLA:CPU runs each as its own thunk sequence,
   and after a round trip through the cache nothing orders one sequence's collectives against
   another's (see `guard_cpu_collectives`)."""
+  if not _COLLECTIVE.search(hlo_text):  # most programs: one scan, no lines
+    return False
   holders, current = set(), None
   for line in hlo_text.splitlines():
     header = _COMPUTATION.match(line)
