@@ -20,9 +20,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # compiles (most optimisation passes off) take about 40% less time. The command-line runs
 # that tests start inherit it; the jobs and benchmarks themselves keep XLA's defaults.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# XLA:CPU's older emitters, where this XLA has them: cheaper compiles still
-# (tests/cheap_compiles.py).
-os.environ["XLA_FLAGS"] = cheap_compiles.xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 def _run_on_this_workers_share_of_the_cpus() -> None:
@@ -42,6 +39,13 @@ def _run_on_this_workers_share_of_the_cpus() -> None:
 
 
 _run_on_this_workers_share_of_the_cpus()
+# XLA:CPU's older emitters, where this XLA has them, and one code module per CPU this worker
+# may use: cheaper compiles still (tests/cheap_compiles.py). From the XLA_FLAGS the session
+# started with: xdist's workers inherit the controller's environment, flags included, and
+# each sizes its own after the pinning above.
+_session_flags = os.environ.setdefault("TLT_JAX_TESTS_SESSION_XLA_FLAGS",
+                                      os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = cheap_compiles.xla_flags(_session_flags)
 
 import jax  # noqa: E402
 

@@ -37,5 +37,12 @@ def test_the_suites_cheap_compile_flag_is_one_this_xla_knows():
                         env=env, capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.split() == ["3.0"]
-  own = f"{cheap_compiles.NAME}=true"
-  assert cheap_compiles.xla_flags(own) == own  # a setting of its own wins
+  own = f"{cheap_compiles.NAME}=true {cheap_compiles.SPLIT}=3"
+  assert cheap_compiles.xla_flags(own) == own  # settings of one's own win
+
+
+def test_the_suite_compiles_one_code_module_per_cpu_of_its_worker():
+  # Each worker runs on its share of the CPUs (tests/conftest.py); its flags, which the runs it
+  # starts inherit, split XLA:CPU's code into as many modules.
+  split = [w for w in os.environ["XLA_FLAGS"].split() if w.startswith(cheap_compiles.SPLIT)]
+  assert split == [f"{cheap_compiles.SPLIT}={len(os.sched_getaffinity(0))}"]
