@@ -25,7 +25,8 @@ SPLIT = "--xla_cpu_parallel_codegen_split_count"
 
 
 def usable_cpus() -> int:
-  """The CPUs this process may run on (its affinity where the OS has one)."""
+  """The CPUs this process may run on (its affinity where the OS has one). As
+  experiments.common.usable_cpus, which imports the package (and jax) that this file must not."""
   if hasattr(os, "sched_getaffinity"):
     return max(len(os.sched_getaffinity(0)), 1)
   return os.cpu_count() or 1
