@@ -49,6 +49,7 @@ def _training_params(cfg, params, mesh):
   return shard_pytree(params, param_logical_axes(cfg), mesh, DEFAULT_RULES)
 
 
+@pytest.mark.slow  # a minute on one core: scheduled with the end-to-end tests (conftest.py)
 def test_every_layout_generates_the_same_tokens_with_sd_and_gathers_no_weights(model):
   """Greedy and sampled generation with SD give the same tokens on every rollout layout; and
   as each device of a slice holds whole weights (or its tensor-parallel part), the compiled
