@@ -33,9 +33,7 @@ def _run_on_this_workers_share_of_the_cpus() -> None:
   count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
   if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
     return
-  cpus = sorted(os.sched_getaffinity(0))
-  index = int(worker[2:])
-  os.sched_setaffinity(0, cpus[index::count] or [cpus[index % len(cpus)]])
+  os.sched_setaffinity(0, cheap_compiles.worker_cpus(int(worker[2:]), count))
 
 
 _run_on_this_workers_share_of_the_cpus()

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tests import cheap_compiles
+from tests.conftest import REPO
 from tlt_jax import xla_flags
 
 
@@ -51,3 +52,24 @@ def test_the_suite_compiles_one_code_module_per_cpu_of_its_worker():
     pytest.skip("the session's XLA_FLAGS set the split themselves")
   split = [w for w in os.environ["XLA_FLAGS"].split() if w.startswith(cheap_compiles.SPLIT)]
   assert split == [f"{cheap_compiles.SPLIT}={cheap_compiles.usable_cpus()}"]
+
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
+                    reason="needs CPU affinity and at least 2 CPUs")
+def test_the_smoke_run_compiles_with_the_flags_of_a_test_worker():
+  # .ci/run's smoke run fills the compilation cache that the suite loads from, and the cache
+  # keys on the XLA flags: what it computes on the whole machine (`--workers 2`, the test
+  # command's -n 2) must be what the first worker computes once conftest.py has pinned it.
+  worker = ("import os, sys; sys.path.insert(0, 'tests'); import cheap_compiles; "
+            "os.sched_setaffinity(0, cheap_compiles.worker_cpus(0, 2)); "
+            "print(cheap_compiles.xla_flags(''))")
+
+  def flags(*argv):  # run on every CPU of the machine, as the smoke run is
+    return subprocess.run(
+        [sys.executable, *argv], env=dict(os.environ, XLA_FLAGS=""), cwd=REPO,
+        capture_output=True, text=True, timeout=60, check=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, range(os.cpu_count()))).stdout.strip()
+  smoke = flags("tests/cheap_compiles.py", "--workers", "2")
+  assert smoke == flags("-c", worker)
+  assert smoke != flags("tests/cheap_compiles.py")  # the whole machine's split differs
