@@ -234,6 +234,12 @@ def make_tuner_from_config(config: ml_collections.ConfigDict) -> Tuner:
       return make_tuner("fixed", strategy=sd.strategy)
     if sd.tuner == "table":
       return make_tuner("table", thresholds=thresholds, strategies=tuple(sd.arms))
+    if sd.tuner == "cheapest":
+      return make_tuner("cheapest", thresholds=thresholds,
+                        arms=[tuple(sd.arms)] * len(thresholds), epsilon=sd.epsilon,
+                        window=sd.window, seed=config.seed,
+                        explore_iterations=sd.explore_iterations,
+                        iterations_per_call=config.rollout.iterations_per_call)
     return make_tuner(sd.tuner, thresholds=thresholds, arms=[tuple(sd.arms)] * len(thresholds),
                       epsilon=sd.epsilon, window=sd.window, seed=config.seed,
                       plain_arm=sd.plain_arm)

@@ -238,16 +238,23 @@ def base_config() -> ml_collections.ConfigDict:
   # SD in the rollout's tail; enable=False decodes plainly throughout (the baseline; spot
   # training is drafter.spot_training's own switch). Tokens are the same either way.
   c.rollout.speculative = ml_collections.ConfigDict(dict(enable=True))
-  c.rollout.speculative.tuner = "beg_mab"   # or "table" (one arm per bucket) or "fixed"
+  # "beg_mab", "cheapest" (per bucket the arm, plain included, whose token costs the fewest
+  # seconds as measured), "table" (one arm per bucket) or "fixed"
+  c.rollout.speculative.tuner = "beg_mab"
   c.rollout.speculative.strategy = "4,2,8"  # the "fixed" tuner's (depth, topk, verify[, drafts])
   # Batch-size buckets (first batch size of each) and the arms every bucket explores
   # ("table": one arm per bucket, in bucket order).
   c.rollout.speculative.bucket_thresholds = (1, 2, 5)
   c.rollout.speculative.arms = ("4,2,8", "3,2,6", "6,2,12")  # "depth,topk,verify_tokens[,drafters]"
-  # BEG-MAB: the chance that a choice explores a random ready arm instead of the best one.
+  # BEG-MAB and cheapest: the chance that a choice explores a random ready arm instead of the
+  # best one.
   c.rollout.speculative.epsilon = 0.1
-  # BEG-MAB: goodput samples kept per arm and bucket; the best arm has the highest median.
+  # BEG-MAB: goodput samples kept per arm and bucket, the best arm has the highest median;
+  # cheapest: calls kept per arm and bucket.
   c.rollout.speculative.window = 300
+  # cheapest: decode iterations of a call that explores an arm (the others run
+  # rollout.iterations_per_call), so that a losing arm costs a few iterations.
+  c.rollout.speculative.explore_iterations = 4
   # BEG-MAB also tries plain decoding in every bucket, so adaptive SD never runs slower than
   # plain decoding where no strategy pays (it learns that from the same goodput).
   c.rollout.speculative.plain_arm = True

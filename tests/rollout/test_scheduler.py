@@ -97,3 +97,21 @@ def test_a_batch_ladder_sets_where_batches_start_and_compact():
   s.finished([0, 1, 2])
   assert s.next_action() == Compact((3,))
   assert s.next_action() == Decode(None, 1, 1, 8, False)
+
+
+def test_a_tail_call_runs_until_the_tuners_choice_or_the_batch_changes():
+  """With a floor (the tuner bucket's first batch size), rows that finish inside the bucket
+  and the program batch do not end the call; an exploring choice caps its iterations."""
+  s = SliceScheduler(range(8), max_batch=8, sd_threshold=8, iterations_per_call=32,
+                     choose_strategy=lambda n: SD if n >= 3 else None,
+                     choice_floor=lambda n: 3 if n >= 3 else 1,
+                     iterations_for=lambda n, strategy: 4 if strategy is None else None)
+  s.next_action()
+  # 8 rows: until 4 fit half the batch (the bucket's floor, 3, is lower).
+  assert s.next_action() == Decode(SD, 8, 5, 32, True)
+  s.finished([0, 1, 2, 3])
+  assert s.next_action() == Compact((4, 5, 6, 7))
+  assert s.next_action() == Decode(SD, 4, 3, 32, True)  # the bucket ends below 3 rows
+  s.finished([0, 1])
+  assert s.next_action() == Compact((2, 3))
+  assert s.next_action() == Decode(None, 2, 2, 4, True)  # explored: 4 iterations at most

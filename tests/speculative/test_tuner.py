@@ -8,7 +8,7 @@ import pytest
 
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import (
-    DEFAULT_ARMS, DEFAULT_TABLE, PLAIN, BegMabTuner, FixedTuner, TableTuner,
+    DEFAULT_ARMS, DEFAULT_TABLE, PLAIN, BegMabTuner, CheapestTuner, FixedTuner, TableTuner,
     goodput, make_tuner)
 
 BUDGETS = (48, 32, 16, 8)
@@ -312,7 +312,7 @@ def test_table_and_fixed_errors():
 
 
 def test_make_tuner_unknown_kind_lists_the_kinds():
-  allowed = r"\('beg_mab', 'table', 'fixed'\)"
+  allowed = r"\('beg_mab', 'cheapest', 'table', 'fixed'\)"
   with pytest.raises(ValueError, match=rf"tuner='bandit' is not allowed.*{allowed}"):
     make_tuner("bandit")
 
@@ -368,3 +368,57 @@ def test_only_ready_arms_are_chosen_and_plain_when_none_is():
   for tuner in (TableTuner(), FixedTuner()):
     assert tuner.choose(3, lambda s: False) is PLAIN
     assert tuner.choose(3, lambda s: True) == tuner.choose(3)
+
+
+def _cheapest_env(tuner, batch, calls, costs, accepts, call_s=0.0):
+  """Runs `calls` choices at `batch`: an arm's call of n iterations (the tuner's cap, else
+  32) takes call_s + n * costs[arm] seconds and gains accepts[arm] tokens per iteration.
+  Returns the iterations each arm ran."""
+  ran = {}
+  for _ in range(calls):
+    arm = tuner.choose(batch)
+    n = tuner.iterations_for(batch, arm) or 32
+    name = "plain" if arm is PLAIN else arm.as_tuple()
+    ran[name] = ran.get(name, 0) + n
+    tuner.update(batch, arm, accepts[name], (call_s + n * costs[name]) / n, n)
+  return ran
+
+
+def test_cheapest_tuner_takes_the_arm_whose_token_costs_least():
+  """At 1 row SD costs 2.2 plain steps and gains 1.9 tokens: plain wins. At 100 rows the same
+  arm costs 1.2 steps for 3 tokens: SD wins. A losing arm runs a few short calls, no more."""
+  arms = [[(8, 2, 16)], [(8, 2, 16)]]
+  tuner = CheapestTuner(thresholds=(1, 2), arms=arms, epsilon=0.0, explore_iterations=4)
+  assert tuner.arms[0][-1] is PLAIN  # plain decoding is always an arm
+  sd = (8, 2, 16)
+  tail = _cheapest_env(tuner, 1, 40, {sd: 4.2e-3, "plain": 1.9e-3}, {sd: 1.9, "plain": 1.0})
+  assert tuner.choose(1) is PLAIN
+  assert tail[sd] <= 8 and tail["plain"] > 1000
+  bulk = _cheapest_env(tuner, 100, 40, {sd: 13e-3, "plain": 11e-3}, {sd: 3.0, "plain": 1.0})
+  assert tuner.choose(100) == Strategy(*sd)
+  assert bulk["plain"] <= 8
+  rows = {(r["batch_sizes"], r["strategy"] if r["strategy"] == "plain" else tuple(
+      r["strategy"])): r for r in tuner.summary()}
+  assert rows[(">=2", sd)]["median_reward"] == pytest.approx(3.0 / 13e-3, rel=1e-6)
+  state = json.loads(json.dumps(tuner.state_dict()))
+  again = CheapestTuner(thresholds=(1, 2), arms=arms, epsilon=0.0)
+  again.load_state_dict(state)
+  assert again.choose(1) is PLAIN and again.choose(100) == Strategy(*sd)
+
+
+def test_cheapest_tuner_shares_out_each_calls_fixed_seconds():
+  """Calls cost 9 ms each besides their iterations. Explored in calls of 4 iterations, an SD
+  arm would look 2.25 ms an iteration dearer than plain decoding measured in calls of 32;
+  the fitted fixed part puts both at what a call of 32 costs: SD (1.4 ms a token) beats
+  plain (1.9 + 9 / 32 ms)."""
+  sd = (4, 2, 8)
+  tuner = CheapestTuner(thresholds=(1,), arms=[[sd]], epsilon=0.2, seed=1,
+                        explore_iterations=4)
+  costs, accepts = {sd: 2.8e-3, "plain": 1.9e-3}, {sd: 2.0, "plain": 1.0}
+  # Plain decoding first, in full calls (as it runs before the tail), then the tuner's turn.
+  for _ in range(20):
+    tuner.update(1, PLAIN, 1.0, (9e-3 + 32 * 1.9e-3) / 32, 32)
+  _cheapest_env(tuner, 1, 60, costs, accepts, call_s=9e-3)
+  assert tuner._call_s == pytest.approx(9e-3, rel=1e-6)
+  assert tuner.choose(1) == Strategy(*sd) or tuner._exploring
+  assert tuner.cost_per_token(0, 0) < tuner.cost_per_token(0, 1)

@@ -472,8 +472,13 @@ class _SliceRun:
     # On the slice's devices: a program compiled ahead takes its arguments' placement, and one
     # for another slice than the key's device would not lower.
     self.key = self.prog.put(key)
-    self.sched = SliceScheduler(request_ids, ec.max_batch, ec.sd_threshold, ec.iterations_per_call,
-                                self._choose if engine.speculative else None, ec.batch_sizes)
+    tuner = engine.tuner if engine.speculative else None
+    self.sched = SliceScheduler(
+        request_ids, ec.max_batch, ec.sd_threshold, ec.iterations_per_call,
+        self._choose if tuner else None, ec.batch_sizes,
+        choice_floor=(lambda running: tuner.bucket_range(tuner.bucket_of(running))[0])
+        if tuner else None,
+        iterations_for=tuner.iterations_for if tuner else None)
     n_logged = sum(r in logged for r in request_ids)
     # The feature store: logged rows land here as they finish, in finishing order.
     self.store = self.prog.empty_store(bucket(n_logged, 1 << 30)) if n_logged else None
@@ -610,7 +615,7 @@ class _SliceRun:
       tuner = self.engine.tuner
       if (call.tail and iters and not call.cold  # a program's first run would mislead it
           and tuner.knows(call.active, call.strategy)):  # not PLAIN for want of a ready arm
-        tuner.update(call.active, call.strategy, accept, wall / iters)
+        tuner.update(call.active, call.strategy, accept, wall / iters, iters)
     rows = self.sched.rows
     finished = [i for i, r in enumerate(rows) if r >= 0 and done[i]]
     if finished:

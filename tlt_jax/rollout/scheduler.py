@@ -10,10 +10,12 @@ request `rows[i]` or -1 when free. Decisions, in order:
             (continuous batching);
   compact   nothing waits and the running rows fit a smaller power-of-two batch: gather them
             into it (finished rows ride along as inert padding);
-  decode    run up to `iterations_per_call` decode iterations in one compiled call: plain steps, or
-            SD iterations with the tuner's strategy once `sd_threshold` or fewer rows run. The
-            call stops early, on the device, once fewer than `min_running` rows are running:
-            the first point at which one of the decisions above would change.
+  decode    run up to `iterations_per_call` decode iterations in one compiled call (fewer when
+            the tuner explores: `iterations_for`): plain steps, or SD iterations with the
+            tuner's strategy once `sd_threshold` or fewer rows run. The call stops early, on
+            the device, once fewer than `min_running` rows are running: the first point at
+            which one of the decisions above would change (a refill, a smaller program batch,
+            the tail's start, or another tuner bucket: `choice_floor`).
 
 A tuner may answer None for a batch size ("decode plainly here"): adaptive SD then never does
 worse than plain decoding where no strategy pays.
@@ -88,12 +90,19 @@ class SliceScheduler:
   (running rows <= sd_threshold); None there, or sd_threshold 0, means plain decoding.
   batch_sizes: the program batch sizes a batch may have (`batch_ladder`; () = every power of
   two): batches start, refill and compact to the smallest of them that holds their rows.
+  choice_floor(running) -> int: the fewest running rows for which the tail's choice is the
+  one made for `running` (the tuner bucket's first batch size); a tail call runs until the
+  rows fall below it or out of the program batch's range. None: until any row finishes.
+  iterations_for(running, strategy) -> int | None: at most how many iterations the call
+  about to run the tail's choice takes (None: iterations_per_call).
   """
 
   def __init__(self, requests: Sequence[int], max_batch: int, sd_threshold: int = 0,
                iterations_per_call: int = 1,
                choose_strategy: Callable[[int], Strategy | None] | None = None,
-               batch_sizes: Sequence[int] = ()):
+               batch_sizes: Sequence[int] = (),
+               choice_floor: Callable[[int], int] | None = None,
+               iterations_for: Callable[[int, Strategy | None], int | None] | None = None):
     if max_batch < 1 or max_batch & (max_batch - 1):
       raise ValueError(f"max_batch={max_batch} must be a power of two")
     if iterations_per_call < 1:
@@ -103,6 +112,8 @@ class SliceScheduler:
     self.sd_threshold = sd_threshold
     self.iterations_per_call = iterations_per_call
     self.choose_strategy = choose_strategy
+    self.choice_floor = choice_floor
+    self.iterations_for = iterations_for
     self.sizes = batch_ladder(max_batch, batch_sizes)
     self.rows: list[int] = []
 
@@ -154,18 +165,23 @@ class SliceScheduler:
   def _decode(self, running: int) -> Decode:
     tail = self.choose_strategy is not None and running <= self.sd_threshold
     strategy = self.choose_strategy(running) if tail else None
-    if self.queue or tail:
-      # A finished row is work for the host: a refill, or (in the tail) a new batch size for
-      # compaction and the tuner.
+    # Decode until the rows fit the next smaller batch (compaction) ...
+    smaller = [b for b in self.sizes if b < len(self.rows)]
+    fits_smaller = max(smaller, default=0) + 1
+    if self.queue or (tail and self.choice_floor is None):
+      # ... unless a finished row is work for the host at once: a refill, or (in the tail,
+      # without a floor) a new choice of the tuner.
       min_running = running
-    else:
-      # Plain decoding until the rows fit the next smaller batch (compaction) or the tail
-      # begins.
-      smaller = [b for b in self.sizes if b < len(self.rows)]
-      min_running = max(smaller, default=0) + 1
+    elif tail:  # ... or the tuner's choice changes
+      min_running = max(fits_smaller, self.choice_floor(running))
+    else:  # ... or the tail begins
+      min_running = fits_smaller
       if self.choose_strategy is not None:
         min_running = max(min_running, self.sd_threshold + 1)
-    return Decode(strategy, running, min(min_running, running), self.iterations_per_call, tail)
+    iterations = self.iterations_per_call
+    if tail and self.iterations_for is not None:
+      iterations = min(iterations, self.iterations_for(running, strategy) or iterations)
+    return Decode(strategy, running, min(min_running, running), iterations, tail)
 
   def finished(self, done_rows: Sequence[int]) -> list[int]:
     """Frees the rows that finished (row indices of the current batch); returns their

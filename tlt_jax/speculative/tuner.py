@@ -14,6 +14,12 @@ Batch sizes map to buckets by thresholds: with [1, 2, 5, 21], bs 1 -> bucket 0, 
 5-20 -> 2, >= 21 -> 3. One bucket per verify-token budget, because the best tree size shrinks as
 the batch grows (verification stops being free once decode is compute-bound).
 
+The cheapest-per-token tuner (`CheapestTuner`) compares arms by what a token costs: an arm's
+seconds per iteration over the tokens a row gains in it, with each compiled call's fixed
+seconds shared out over a call's iterations, plain decoding always among the arms. It explores
+in short calls (`iterations_for`), so a losing arm costs a few iterations, and it may be given
+every row count (rollout.sd_threshold = max_batch): SD then runs wherever it pays.
+
 `strategies()` lists every strategy a tuner may return and `strategies_for(batch_size)` those of
 one bucket. The engine compiles a strategy's program the first time it is chosen (a pool keyed
 by strategy and batch bucket), so an arm never chosen costs no compile; or, compiling ahead, it
@@ -156,6 +162,35 @@ def _parse_strategies(values, what: str, allow_plain: bool = False) -> tuple:
   return tuple(parsed)
 
 
+def _bucket_arms(thresholds: tuple, arms, plain_arm: bool) -> tuple:
+  """One tuple of distinct arms per bucket (PLAIN appended with plain_arm); the error names
+  the bucket."""
+  arms = list(arms)
+  if len(arms) != len(thresholds):
+    raise ValueError(f"got {len(arms)} arm lists for {len(thresholds)} buckets "
+                     f"(thresholds {list(thresholds)}); pass one list of strategies per "
+                     f"threshold")
+  parsed = []
+  for b, bucket_arms in enumerate(arms):
+    what = f"bucket {b} (batch sizes {describe_bucket(thresholds, b)})"
+    bucket_arms = _parse_strategies(bucket_arms, what, allow_plain=True)
+    if plain_arm and PLAIN not in bucket_arms:
+      bucket_arms = bucket_arms + (PLAIN,)
+    if not bucket_arms:
+      raise ValueError(f"{what} has no arms; give it at least one strategy")
+    if len(set(bucket_arms)) != len(bucket_arms):
+      raise ValueError(f"{what} lists a strategy twice: {_tuples(bucket_arms)}; "
+                       f"each arm must be distinct so rewards have one owner")
+    parsed.append(bucket_arms)
+  return tuple(parsed)
+
+
+def _check_epsilon(epsilon) -> None:
+  if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not 0 <= epsilon <= 1:
+    raise ValueError(f"epsilon is the exploration probability and must be in [0, 1], "
+                     f"got {epsilon!r}")
+
+
 def _tuples(strategies: Sequence) -> list:
   return [arm_name(s) for s in strategies]
 
@@ -192,11 +227,18 @@ class Tuner(abc.ABC):
     return parse_arm(strategy) in self.arms[self.bucket_of(batch_size)]
 
   def update(self, batch_size: int, strategy, accepted_tokens: float,
-             iteration_seconds: float) -> float:
-    """Report one finished iteration; returns its reward (goodput). Default: nothing is learnt."""
+             iteration_seconds: float, iterations: int = 1) -> float:
+    """Report a call of `iterations` iterations of `strategy` (their mean seconds and tokens
+    per running row); returns its reward (goodput). Default: nothing is learnt."""
     bucket = self.bucket_of(batch_size)
     self._arm_index(bucket, strategy)
     return goodput(batch_size, accepted_tokens, iteration_seconds)
+
+  def iterations_for(self, batch_size: int, strategy) -> int | None:
+    """At most how many iterations the call about to run `strategy` (what `choose` just
+    returned) should take; None: as many as the engine's calls take. Default: None."""
+    del batch_size, strategy
+    return None
 
   @abc.abstractmethod
   def state_dict(self) -> dict:
@@ -270,27 +312,8 @@ class BegMabTuner(Tuner):
   def __init__(self, thresholds=DEFAULT_THRESHOLDS, arms=DEFAULT_ARMS, epsilon=DEFAULT_EPSILON,
                window=DEFAULT_WINDOW, seed=0, plain_arm=False):
     self.thresholds = validate_thresholds(thresholds)
-    arms = list(arms)
-    if len(arms) != len(self.thresholds):
-      raise ValueError(f"got {len(arms)} arm lists for {len(self.thresholds)} buckets "
-                       f"(thresholds {list(self.thresholds)}); pass one list of strategies per "
-                       f"threshold")
-    parsed = []
-    for b, bucket_arms in enumerate(arms):
-      what = f"bucket {b} (batch sizes {describe_bucket(self.thresholds, b)})"
-      bucket_arms = _parse_strategies(bucket_arms, what, allow_plain=True)
-      if plain_arm and PLAIN not in bucket_arms:
-        bucket_arms = bucket_arms + (PLAIN,)
-      if not bucket_arms:
-        raise ValueError(f"{what} has no arms; give it at least one strategy")
-      if len(set(bucket_arms)) != len(bucket_arms):
-        raise ValueError(f"{what} lists a strategy twice: {_tuples(bucket_arms)}; "
-                         f"each arm must be distinct so rewards have one owner")
-      parsed.append(bucket_arms)
-    self.arms = tuple(parsed)
-    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not 0 <= epsilon <= 1:
-      raise ValueError(f"epsilon is the exploration probability and must be in [0, 1], "
-                       f"got {epsilon!r}")
+    self.arms = _bucket_arms(self.thresholds, arms, plain_arm)
+    _check_epsilon(epsilon)
     self.epsilon = float(epsilon)
     if not _is_int(window) or window < 1:
       raise ValueError(f"window is the number of rewards kept per arm and must be an integer "
@@ -317,7 +340,7 @@ class BegMabTuner(Tuner):
     return arms[max(eligible, key=lambda i: (medians[i], -i))]  # ties: earliest arm
 
   def update(self, batch_size: int, strategy, accepted_tokens: float,
-             iteration_seconds: float) -> float:
+             iteration_seconds: float, iterations: int = 1) -> float:
     """accepted_tokens: mean tokens per running row per iteration (1 for a PLAIN arm)."""
     bucket = self.bucket_of(batch_size)
     arm = self._arm_index(bucket, strategy)
@@ -363,6 +386,138 @@ class BegMabTuner(Tuner):
     # learnt (windows, counts) and where the random stream stands (so the seed no longer matters).
     self._rng, self._rewards, self._pulls = rng, rewards, pulls
     self._medians = [[statistics.median(w) if w else None for w in bucket] for bucket in rewards]
+
+
+# ---------------------------------------------------------------------------------------------
+# The cheapest arm per token, plain decoding included.
+# ---------------------------------------------------------------------------------------------
+
+class CheapestTuner(Tuner):
+  """Per bucket, the arm whose token costs the fewest seconds, as measured in the run.
+
+  Every arm (PLAIN always among them) keeps its last `window` calls: iterations, seconds and
+  tokens gained per running row per iteration. A call's seconds are a fixed part (dispatch,
+  the host's wait; one estimate shared by all arms) plus the arm's seconds per iteration
+  times its iterations. An arm's cost per token is (its median seconds per iteration + the
+  fixed part / iterations_per_call) / its mean tokens per iteration: what a token costs in the
+  calls the engine runs. Running rows cancel out of the comparison (a bucket runs at one
+  program batch, whose iteration costs the same whatever its rows), so an arm measured at 100
+  rows and one at 40 compare fairly.
+
+  Untried arms first, then with probability epsilon a random ready arm, else the cheapest.
+  Those exploring choices run `explore_iterations` iterations (`iterations_for`): a losing arm
+  costs a few iterations, never a whole call.
+  """
+
+  kind = "cheapest"
+
+  def __init__(self, thresholds=DEFAULT_THRESHOLDS, arms=DEFAULT_ARMS, epsilon=0.05,
+               window=64, seed=0, explore_iterations=4, iterations_per_call=32):
+    self.thresholds = validate_thresholds(thresholds)
+    self.arms = _bucket_arms(self.thresholds, arms, plain_arm=True)
+    _check_epsilon(epsilon)
+    for name, value in (("window", window), ("explore_iterations", explore_iterations),
+                        ("iterations_per_call", iterations_per_call)):
+      if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    self.epsilon, self.window, self.seed = float(epsilon), int(window), int(seed)
+    self.explore_iterations = int(explore_iterations)
+    self.iterations_per_call = int(iterations_per_call)
+    self._rng = np.random.default_rng(self.seed)
+    self._calls = [[deque(maxlen=self.window) for _ in a] for a in self.arms]
+    self._call_s = 0.0
+    self._exploring = False
+
+  def choose(self, batch_size: int, ready: Ready = None) -> Strategy | None:
+    bucket = self.bucket_of(batch_size)
+    arms, calls = self.arms[bucket], self._calls[bucket]
+    eligible = [i for i, a in enumerate(arms) if _is_ready(a, ready)]
+    self._exploring = True
+    for i in eligible:
+      if not calls[i]:
+        return arms[i]
+    if self._rng.random() < self.epsilon:
+      return arms[eligible[int(self._rng.integers(len(eligible)))]]
+    self._exploring = False
+    costs = [self.cost_per_token(bucket, i) for i in eligible]
+    return arms[eligible[int(np.argmin(costs))]]  # ties: earliest arm
+
+  def iterations_for(self, batch_size: int, strategy) -> int | None:
+    return self.explore_iterations if self._exploring else None
+
+  def cost_per_token(self, bucket: int, arm: int) -> float:
+    """Seconds per token of arm `arm` of `bucket` in a call of iterations_per_call (inf when
+    it has no calls yet)."""
+    calls = self._calls[bucket][arm]
+    if not calls:
+      return math.inf
+    n, seconds, tokens = (np.asarray(x, np.float64) for x in zip(*calls))
+    per_iteration = max(float(np.median((seconds - self._call_s) / n)), 0.0)
+    accept = float(np.sum(tokens * n) / np.sum(n))
+    return (per_iteration + self._call_s / self.iterations_per_call) / max(accept, 1e-9)
+
+  def update(self, batch_size: int, strategy, accepted_tokens: float,
+             iteration_seconds: float, iterations: int = 1) -> float:
+    """accepted_tokens: mean tokens per running row per iteration (1 for PLAIN);
+    iteration_seconds: the call's seconds over its iterations."""
+    bucket = self.bucket_of(batch_size)
+    arm = self._arm_index(bucket, strategy)
+    reward = goodput(batch_size, accepted_tokens, iteration_seconds)
+    if not _is_int(iterations) or iterations < 1:
+      raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+    self._calls[bucket][arm].append((int(iterations), float(iteration_seconds) * iterations,
+                                     float(accepted_tokens)))
+    self._call_s = self._fit_call_s()
+    return reward
+
+  def _fit_call_s(self) -> float:
+    """The calls' fixed seconds: least squares of seconds = fixed + (the arm's seconds per
+    iteration) x iterations over every kept call. Only an arm whose calls ran different
+    numbers of iterations tells the two apart; without one, 0 (and then nothing needs it)."""
+    kept = [(n, s, (b, i)) for b, arms in enumerate(self._calls) for i, calls in enumerate(arms)
+            for n, s, _ in calls]
+    lengths: dict = {}
+    for n, _, arm in kept:
+      lengths.setdefault(arm, set()).add(n)
+    if not any(len(v) > 1 for v in lengths.values()):
+      return 0.0
+    arms = sorted(lengths)
+    a = np.zeros((len(kept), 1 + len(arms)))
+    a[:, 0] = 1.0
+    for row, (n, _, arm) in enumerate(kept):
+      a[row, 1 + arms.index(arm)] = n
+    solution = np.linalg.lstsq(a, np.asarray([s for _, s, _ in kept]), rcond=None)[0]
+    return max(float(solution[0]), 0.0)
+
+  def summary(self) -> list[dict]:
+    rows = super().summary()
+    flat = [(b, i) for b, a in enumerate(self.arms) for i in range(len(a))]
+    for row, (b, i) in zip(rows, flat):
+      cost = self.cost_per_token(b, i)
+      row.update(pulls=len(self._calls[b][i]),
+                 median_reward=None if math.isinf(cost) else 1.0 / cost)
+    return rows
+
+  def state_dict(self) -> dict:
+    return dict(kind=self.kind, thresholds=list(self.thresholds),
+                arms=[_tuples(a) for a in self.arms], window=self.window,
+                rng=self._rng.bit_generator.state, call_s=self._call_s,
+                calls=[[[list(c) for c in calls] for calls in b] for b in self._calls])
+
+  def load_state_dict(self, state: dict) -> None:
+    self._check_config(state, thresholds=list(self.thresholds),
+                       arms=[_tuples(a) for a in self.arms], window=self.window)
+    if any(k not in state for k in ("rng", "calls", "call_s")):
+      raise ValueError("tuner state lacks rng, calls or call_s; pass what "
+                       "CheapestTuner.state_dict() returned")
+    calls = [[deque((tuple(c) for c in arm), maxlen=self.window) for arm in b]
+             for b in state["calls"]]
+    if [len(b) for b in calls] != [len(a) for a in self.arms]:
+      raise ValueError("tuner state has call windows that do not match the arms; the state "
+                       "is corrupt or from another tuner")
+    rng = np.random.default_rng()
+    rng.bit_generator.state = state["rng"]
+    self._rng, self._calls, self._call_s = rng, calls, float(state["call_s"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,11 +578,13 @@ class FixedTuner(Tuner):
 # Construction from configs.
 # ---------------------------------------------------------------------------------------------
 
-TUNERS = {"beg_mab": BegMabTuner, "table": TableTuner, "fixed": FixedTuner}
+TUNERS = {"beg_mab": BegMabTuner, "cheapest": CheapestTuner, "table": TableTuner,
+          "fixed": FixedTuner}
 
 
 def make_tuner(kind: str, **kwargs) -> Tuner:
-  """A tuner by name ("beg_mab", "table", "fixed"); kwargs go to its constructor."""
+  """A tuner by name ("beg_mab", "cheapest", "table", "fixed"); kwargs go to its
+  constructor."""
   if kind not in TUNERS:
     raise ValueError(f"rollout.speculative.tuner={kind!r} is not allowed; allowed values: "
                      f"{tuple(TUNERS)}")
