@@ -78,8 +78,20 @@ def test_task_slice_is_a_lazy_sequence():
     data[10]
 
 
+def test_ops_draw_only_the_operations_named():
+  every = ArithmeticTask(seed=2)
+  assert every.examples(200) == ArithmeticTask(seed=2, ops=["add", "subtract", "multiply"]
+                                               ).examples(200)  # a config's list reads the same
+  adds = ArithmeticTask(seed=2, min_ops=1, max_ops=3, max_value=20, max_operand=9, ops=("add",))
+  for ex in adds.examples(300):
+    assert str(_replay(ex)) == ex.answer and set(re.findall(r"[+\-*]", ex.solution)) == {"+"}
+    assert 1 <= ex.metadata["num_ops"] <= 3 and int(ex.answer) <= 20  # chains drawn again
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(min_ops=3, max_ops=2), "min_ops <= max_ops"),
+    (dict(ops=("add", "divide")), "task.ops=.*from \\('add'"),
+    (dict(ops=()), "task.ops"),
     (dict(body_p=0.0), "body_p"),
     (dict(max_value=5), "max_value=5 is too small"),
 ])

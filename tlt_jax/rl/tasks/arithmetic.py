@@ -62,6 +62,8 @@ class ArithmeticTask(Task):
     max_multiplier: multiply operands are in [2, max_multiplier].
     instruction: a sentence appended to every prompt ('' = none), e.g. how to state the answer
       for a model that was not fine-tuned on the task.
+    ops: the operations drawn (of "add", "subtract", "multiply"): fewer make easier problems
+      for a model that was never taught the task.
   """
   seed: int = 0
   min_ops: int = 1
@@ -73,9 +75,14 @@ class ArithmeticTask(Task):
   max_operand: int = 9
   max_multiplier: int = 5
   instruction: str = ""
+  ops: tuple[str, ...] = OPS
   breakdown_name: ClassVar[str] = "ops"
 
   def __post_init__(self):
+    object.__setattr__(self, "ops", tuple(self.ops))  # a config's list reads as a tuple
+    if not self.ops or any(op not in OPS for op in self.ops) or len(set(self.ops)) < len(
+        self.ops):
+      raise ValueError(f"task.ops={self.ops} must name each operation at most once, from {OPS}")
     if not 1 <= self.min_ops <= self.max_ops:
       raise ValueError(f"task operations: need 1 <= min_ops <= max_ops, got min_ops="
                        f"{self.min_ops}, max_ops={self.max_ops}")
@@ -101,12 +108,12 @@ class ArithmeticTask(Task):
     return example.metadata.get("num_ops")
 
   def _allowed(self, value: int) -> list[tuple[str, int]]:
-    """Every (op, operand) whose result stays in [0, max_value]."""
+    """Every (op, operand) of task.ops whose result stays in [0, max_value]."""
     out = [("add", k) for k in range(1, self.max_operand + 1) if value + k <= self.max_value]
     out += [("subtract", k) for k in range(1, self.max_operand + 1) if value - k >= 0]
     out += [("multiply", k) for k in range(2, self.max_multiplier + 1)
             if value * k <= self.max_value]
-    return out
+    return [(op, k) for op, k in out if op in self.ops]
 
   def example(self, index: int) -> Example:
     """Problem number `index` (any int >= 0) of this task."""
@@ -115,20 +122,25 @@ class ArithmeticTask(Task):
     rng = np.random.default_rng([self.seed, index])
     n = sample_num_ops(rng, self.min_ops, self.max_ops, self.body_p, self.tail_prob,
                          self.tail_alpha)
-    value = int(rng.integers(0, self.max_value + 1))
-    words, lines = [f"Start with {value}."], []
-    for _ in range(n):
-      # Pick the operation first, then its operand, so that the three operations are about
-      # equally common whatever the current value allows.
-      allowed = self._allowed(value)
-      ops = sorted({op for op, _ in allowed}, key=OPS.index)
-      op = ops[int(rng.integers(len(ops)))]
-      ks = [k for o, k in allowed if o == op]
-      k = ks[int(rng.integers(len(ks)))]
-      new = apply_op(value, op, k)
-      words.append(_WORDS[op].format(k=k))
-      lines.append(f"{value}{_SYMBOL[op]}{k}={new}")
-      value = new
+    while True:  # with some operations left out, a chain can run out of room: draw again
+      value = int(rng.integers(0, self.max_value + 1))
+      words, lines = [f"Start with {value}."], []
+      for _ in range(n):
+        # Pick the operation first, then its operand, so that the operations are about
+        # equally common whatever the current value allows.
+        allowed = self._allowed(value)
+        if not allowed:
+          break
+        ops = sorted({op for op, _ in allowed}, key=OPS.index)
+        op = ops[int(rng.integers(len(ops)))]
+        ks = [k for o, k in allowed if o == op]
+        k = ks[int(rng.integers(len(ks)))]
+        new = apply_op(value, op, k)
+        words.append(_WORDS[op].format(k=k))
+        lines.append(f"{value}{_SYMBOL[op]}{k}={new}")
+        value = new
+      if len(lines) == n:
+        break
     words += ["What is the result?"] + [self.instruction] * bool(self.instruction)
     solution = "\n".join(lines + [f"#### {value}"])
     return Example(prompt=" ".join(words), answer=str(value), solution=solution,
