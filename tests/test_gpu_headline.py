@@ -3,6 +3,8 @@ the projection, the program plan of configs/smollm2.py:gpu_headline, and the qui
 
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -18,57 +20,92 @@ from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 
 headline = load_experiment("gpu_headline")
+lease = load_experiment("gpu_lease")
 
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory):
-  """The toy model's GGUF staged in two parts (no wheels)."""
+  """The toy model's GGUF, xz-compressed and staged in three calls (no wheels)."""
   root = tmp_path_factory.mktemp("headline")
   gguf = headline.write_toy_gguf(root / "toy.gguf")
-  manifest = headline.stage(root / "stage", gguf, root / "cache", wheels=False, split=True,
-                            tree_bytes=1 << 20)
+  xz = lease.compressed(gguf, root / "cache")
+  manifest = lease.stage(root / "stage", {headline.GGUF_XZ: xz}, tree=1 << 20, min_calls=3)
   return root, gguf, manifest
 
 
-def test_stage_cuts_the_model_into_verified_parts_that_join_to_the_file(staged, tmp_path):
+def test_stage_cuts_the_payload_into_verified_parts_that_join_to_the_file(staged, tmp_path):
   root, gguf, manifest = staged
-  assert [p["call"] for p in manifest["parts"]] == [1, 2]
-  assert all(b <= headline.CALL_LIMIT for b in manifest["payload_bytes"])
-  assert (root / "stage" / "call1" / "manifest.json").is_file()
-  assert (root / "stage" / "call2" / "manifest.json").is_file()
-  assert headline.verify(root / "stage", calls=(1,)) == headline.verify(root / "stage")
-  joined = headline.join(root / "stage", manifest, tmp_path)
-  assert joined.read_bytes() == gguf.read_bytes()
+  assert manifest["calls"] == 3 and sorted({p["call"] for p in manifest["parts"]}) == [1, 2, 3]
+  assert all(b <= lease.CALL_LIMIT for b in manifest["payload_bytes"])
+  assert all((root / "stage" / f"call{k}" / "manifest.json").is_file() for k in (1, 2, 3))
+  assert lease.verify(root / "stage", 1) == lease.verify(root / "stage")
+  joined = lease.join(root / "stage", manifest, headline.GGUF_XZ, tmp_path)
+  assert joined.name == "model.gguf" and joined.read_bytes() == gguf.read_bytes()
 
 
-def test_a_missing_or_damaged_part_names_the_call_to_repeat(staged, tmp_path):
+def test_a_missing_or_damaged_part_names_the_calls_to_repeat(staged, tmp_path):
   root, _, manifest = staged
   copy = tmp_path / "stage"
-  import shutil
   shutil.copytree(root / "stage", copy)
-  part2 = copy / manifest["parts"][1]["file"]
-  part2.unlink()
-  headline.verify(copy, calls=(1,))  # call 1's parts are all there: check passes
-  with pytest.raises(headline.HeadlineError, match="has not arrived: repeat device call 2"):
-    headline.verify(copy)
-  part1 = copy / manifest["parts"][0]["file"]
-  part1.write_bytes(b"x" + part1.read_bytes()[1:])
-  with pytest.raises(headline.HeadlineError, match="damaged.*repeat device call 1 \\(check\\)"):
-    headline.verify(copy, calls=(1,))
-  with pytest.raises(headline.HeadlineError, match="no call folder"):
-    headline.verify(tmp_path / "nothing")
+  last = next(p for p in manifest["parts"] if p["call"] == 3)
+  (copy / last["file"]).unlink()
+  lease.verify(copy, 2)  # calls 1 and 2 have arrived: their check passes
+  with pytest.raises(lease.LeaseError, match="has not arrived: repeat device call 3$"):
+    lease.verify(copy)
+  first = next(p for p in manifest["parts"] if p["call"] == 1)
+  (copy / first["file"]).write_bytes(b"x" + (copy / first["file"]).read_bytes()[1:])
+  with pytest.raises(lease.LeaseError, match="damaged.*repeat device call 1, then calls 2..2"):
+    lease.verify(copy, 2)
+  (copy / "call1" / "manifest.json").write_text("{not json")
+  with pytest.raises(lease.LeaseError, match="manifest.json is damaged.*repeat device call 1"):
+    lease.verify(copy, 1)
+  with pytest.raises(lease.LeaseError, match="no call folder"):
+    lease.verify(tmp_path / "nothing")
 
 
-def test_stage_refuses_a_tree_that_leaves_no_room_for_the_model(staged, tmp_path):
+def test_stage_refuses_a_tree_that_leaves_no_room_and_a_folder_it_did_not_make(staged,
+                                                                               tmp_path):
   root, gguf, _ = staged
-  with pytest.raises(headline.HeadlineError, match="does not fit two calls"):
-    headline.stage(tmp_path / "stage", gguf, root / "cache", wheels=False,
-                   tree_bytes=headline.CALL_LIMIT)
+  with pytest.raises(lease.LeaseError, match="leaves no room"):
+    lease.stage(tmp_path / "stage", {"model.gguf": gguf}, tree=lease.CALL_LIMIT)
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("keep")
+  with pytest.raises(lease.LeaseError, match="which staging did not write"):
+    lease.stage(tmp_path / "mine", {"model.gguf": gguf}, tree=1 << 20)
+  assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
 
 def test_a_wheel_pip_cannot_fetch_is_one_line(tmp_path):
-  with pytest.raises(headline.HeadlineError, match="pip could not download the wheels"):
-    headline.download_wheels(tmp_path, ("no-such-package-tlt-jax-headline==0.0.1",))
+  with pytest.raises(lease.LeaseError, match="pip could not download the wheels"):
+    lease.download_wheels(tmp_path, ("no-such-package-tlt-jax-headline==0.0.1",))
+
+
+def test_the_calls_stage_through_tmp_under_the_devices_rules(staged, tmp_path):
+  """The plan's calls, rehearsed: each carries only its own folder (the last one's is gone
+  on the next call), the parts meet in the device's /tmp, and the last call finds them all.
+  The two-call plan of 2026-12-04, which read call 1's folder where call 2 ran, fails here as
+  it failed on the device; so does a call that carries too much or leaves too much in $OUT."""
+  root, _, manifest = staged
+  carry = lambda k: {f".lease/call{k}": root / "stage" / f"call{k}"}  # noqa: E731
+  final = "python3 -c 'import os; print(sorted(os.listdir(os.environ[\"PARTS\"])))'"
+  env = {"PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+  device = lease.Rehearsal(tmp_path / "device")
+  for k, cmd in enumerate(lease.commands(".lease", 3, final, wheels=False), start=1):
+    status, output, _ = device.call(cmd, carry(k), env=env)
+    assert status == 0, output
+  assert "['call1', 'call2', 'call3']" in output
+  old = lease.Rehearsal(tmp_path / "old")
+  old.call("true", carry(1), env=env)
+  status, output, _ = old.call("python3 -m experiments.gpu_lease check --parts .lease --call 3",
+                               carry(3), env=env)
+  assert status == 1 and "has not arrived: repeat device call 1" in output
+  small = lease.Rehearsal(tmp_path / "small", limit=1 << 20)
+  with pytest.raises(lease.RuleBroken, match="call 1 carries .* MiB"):
+    small.call("true", carry(1))
+  with pytest.raises(lease.RuleBroken, match="left 9 files in \\$OUT"):
+    device.call("for i in 1 2 3 4 5 6 7 8 9; do touch $OUT/f$i; done")
+  with pytest.raises(lease.RuleBroken, match="deeper than"):
+    device.call("mkdir -p $OUT/a/b/c && touch $OUT/a/b/c/f")
 
 
 def _rows(step, tokens, reward=1.0):
@@ -91,16 +128,36 @@ def test_responses_are_compared_token_for_token_with_their_rewards():
   assert not headline.compare_responses(base, base[:2])["identical"]  # a response missing
 
 
-def test_run_exits_3_when_responses_differ_after_writing_its_figures(monkeypatch, tmp_path,
-                                                                    capsys):
-  """A difference between the variants is a finding (exit 3), not a failure (exit 1)."""
-  monkeypatch.setattr(headline, "run", lambda *a: {"responses": {"identical": False,
-                                                                  "mismatches": 2}})
-  with pytest.raises(SystemExit) as e:
-    headline.main(["run", "--out", str(tmp_path)])
-  assert e.value.code == 3 and "2 responses differ" in capsys.readouterr().err
-  monkeypatch.setattr(headline, "run", lambda *a: {"responses": {"identical": True}})
-  headline.main(["run", "--out", str(tmp_path)])  # returns: exit 0
+def test_run_exits_3_when_responses_differ_where_they_must_not(monkeypatch, tmp_path, capsys):
+  """Responses that differ under TF32 are a finding; where every matmul is exact (the
+  identity check) they fail it: exit 3 after every figure is written (1: nothing written)."""
+  same, differ = {"identical": True, "mismatches": 0}, {"identical": False, "mismatches": 2}
+  for result, code in (({"responses": differ}, 3), ({"responses": same}, 0),
+                       ({"responses": differ, "identity": {"responses": same}}, 0),
+                       ({"responses": same, "identity": {"responses": differ}}, 3)):
+    monkeypatch.setattr(headline, "run", lambda *a, result=result, **k: result)
+    if code:
+      with pytest.raises(SystemExit) as e:
+        headline.main(["run", "--out", str(tmp_path)])
+      assert e.value.code == 3 and "2 responses differ" in capsys.readouterr().err
+    else:
+      headline.main(["run", "--out", str(tmp_path)])  # returns: exit 0
+
+
+def test_run_writes_only_where_it_may(tmp_path):
+  """`run` replaces its own runs in its workdir and refuses one holding other files (the
+  repository root, say); an --out that is a file is one line."""
+  (tmp_path / "repo").mkdir()
+  (tmp_path / "repo" / "runs").mkdir()
+  (tmp_path / "repo" / "runs" / "mine.txt").write_text("keep")
+  with pytest.raises(headline.HeadlineError, match="holds files that `run` did not write"):
+    headline.run(tmp_path / "parts", 1, tmp_path / "out", tmp_path / "repo")
+  assert (tmp_path / "repo" / "runs" / "mine.txt").read_text() == "keep"
+  (tmp_path / "file").write_text("")
+  with pytest.raises(headline.HeadlineError, match="--out .* is a file"):
+    headline.run(tmp_path / "parts", 1, tmp_path / "file", tmp_path / "work")
+  with pytest.raises(headline.HeadlineError, match="no call folder"):  # its own: taken
+    headline.run(tmp_path / "parts", 1, tmp_path / "out", tmp_path / "work")
 
 
 def test_agreement_counts_identical_responses_and_where_the_others_differ():
@@ -125,52 +182,6 @@ def test_the_steady_state_leaves_the_first_step_out():
   assert s["rollout_ratio"] == pytest.approx(18.0 / 7.0)
   assert s["baseline_rollout_share"] == pytest.approx(18.0 / 22.0)
   assert s["accept_len_tail"] == pytest.approx((3.0 * 10 + 2.0 * 30) / 40)
-
-
-def test_the_projection_follows_the_tail():
-  """A tail of one long response: SD shortens TLT's rollout by the accept length over the
-  iteration's cost, and a longer tail makes the baseline's rollout a larger share."""
-  lengths = [100] * 127 + [1000]
-  sim = headline.step_iterations(lengths, rows=128, sd_threshold=32, accept=3.0, steps=4)
-  assert all(s["baseline"] == 1000 for s in sim)
-  assert all(s["tlt_plain"] == 100 and s["tlt_sd"] == pytest.approx(300.0) for s in sim)
-  kinds = {"rollout_decode": (4, 10.0)}
-  short = headline.projection([100] * 128, 64, 135e6, 30, 128, 32, 3.0, kinds, 10, 20.0, 20.0)
-  long = headline.projection(lengths, 64, 135e6, 30, 128, 32, 3.0, kinds, 10, 20.0, 20.0)
-  for case, row in long["cases"].items():
-    assert row["step_ratio"] > short["cases"][case]["step_ratio"]
-    assert row["baseline_rollout_share"] > short["cases"][case]["baseline_rollout_share"]
-  assert long["worst_device_s"] > headline.MACHINE_START_S
-  # The baseline compiles only its own programs: a slower SD program delays TLT alone.
-  kinds = {"rollout_decode": (4, 10.0), "rollout_decode_sd(8, 2, 16)": (3, 30.0)}
-  split = headline.projection(lengths, 64, 135e6, 30, 128, 32, 3.0, kinds, 10, 20.0, 20.0,
-                              baseline_kinds={"rollout_decode"})
-  for row in split["cases"].values():
-    assert row["plan_compile_s"]["baseline"] < row["plan_compile_s"]["tlt"]
-  # An update that also takes the reference policy's log-probs costs a third more.
-  kl = headline.projection(lengths, 64, 135e6, 30, 128, 32, 3.0, kinds, 10, 20.0, 20.0,
-                           passes=headline.update_passes(False, True, False))
-  case = next(iter(kl["cases"]))
-  assert kl["cases"][case]["update_s"] == pytest.approx(8 / 6 * split["cases"][case]["update_s"])
-
-
-def test_lengths_at_a_longer_limit_continue_only_the_responses_cut_there():
-  """A response the warm-up's limit cut (no EOS) goes on from where it stopped; one that
-  ended with its EOS at that length, and every shorter one, keep their lengths."""
-  eos, cap = 2, 4
-  generations = [{"prompt": [9, 9], "completion": [5, 2]},
-                 {"prompt": [9], "completion": [5, 6, 7, 8]},        # cut
-                 {"prompt": [9], "completion": [5, 6, 7, eos]},      # ended at the limit
-                 {"prompt": [8, 8], "completion": [7, 7, 7, 7]}]     # cut
-  asked = []
-
-  def continue_fn(prefixes):
-    asked.extend(prefixes)
-    return [[1] * 3, [1] * 6]
-  lengths, continued = headline.lengths_at_limit(generations, cap, 10, eos, continue_fn)
-  assert asked == [[9, 5, 6, 7, 8], [8, 8, 7, 7, 7, 7]]
-  assert lengths == [2, 7, 4, 10] and continued == 2
-  assert headline.lengths_at_limit(generations, cap, 3, eos, continue_fn) == ([2, 3, 3, 3], 0)
 
 
 def _recorded_plan(tiny_cfg, tiny_params, speculative: bool) -> list:
@@ -240,10 +251,12 @@ def test_the_headline_config_reads_offline_where_the_lease_runs(tmp_path):
 
 @pytest.mark.slow
 def test_the_quick_pipeline_stages_checks_and_runs_both_variants_identically(tmp_path):
-  """gpu_headline.py quick: the toy model staged in two parts, checked, joined, imported,
-  and run for 2 steps as the baseline and as TLT with SD on every decode call: identical
-  responses, at most 8 files to bring back, every step of both variants in headline.json.
-  Offline, as on the GPU machine: an empty cache folder and no package index for pip."""
+  """gpu_headline.py quick: the toy model staged in two calls, each rehearsed under the
+  device's rules (the second finds the first's parts in the device's /tmp), joined, imported,
+  and run for 2 steps as the baseline and as TLT with SD on every decode call, then 1 step of
+  each with every matmul exact: identical responses, at most 8 files to bring back (the
+  responses among them, with their prompts), every step and call of both variants in
+  headline.json. Offline, as on the GPU machine: an empty cache folder, no package index."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", TLT_JAX_CACHE=str(tmp_path / "empty_cache"),
              PIP_NO_INDEX="1")
   r = subprocess.run([sys.executable, "-m", "experiments.gpu_headline",
@@ -252,14 +265,26 @@ def test_the_quick_pipeline_stages_checks_and_runs_both_variants_identically(tmp
   assert r.returncode == 0, r.stderr[-3000:]
   result_dir = tmp_path / "result"
   files = sorted(p.name for p in result_dir.iterdir())
-  assert files == ["compiles.png", "end_to_end.png", "headline.json", "runs.json",
+  assert files == ["compiles.png", "end_to_end.png", "headline.json", "responses.jsonl.xz",
                    "timeline.png"]
   result = json.loads((result_dir / "headline.json").read_text())
   assert result["responses"]["identical"] and result["responses"]["responses"] == 2 * 8
+  assert result["identity"]["precision"] == "highest"
+  assert result["identity"]["responses"]["identical"]
+  assert result["identity"]["responses"]["responses"] == 8
+  import lzma
+  rows = [json.loads(line) for line in lzma.open(result_dir / "responses.jsonl.xz", "rt")]
+  assert len(rows) == 2 * 16 + 2 * 8 and all(r["prompt_ids"] and r["token_ids"] for r in rows)
+  assert {(r["precision"], r["variant"]) for r in rows} == {
+      (p, v) for p in ("default", "highest") for v in ("tlt", "baseline")}
   for name in ("baseline", "tlt"):
     steps = result["variants"][name]["steps"]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["running"] and s["tokens"] > 0 for s in steps)
+    assert all(len(s["lengths"]) == 8 and sum(s["lengths"]) == s["tokens"] for s in steps)
+    decode = [c for s in steps for c in s["calls"] if c["mode"] != "prefill"]
+    assert decode and all(c["iterations"] > 0 and c["seconds"] >= c["wall_s"] > 0
+                          for c in decode)
   tlt = result["variants"]["tlt"]
   assert all(s["sd_iterations"] > 0 and s["plain_iterations"] == 0 for s in tlt["steps"])
   assert result["steady_state"]["count"] == 1 and result["steady_state"]["accept_len_tail"] >= 1

@@ -210,7 +210,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
       log.histogram("rollout/response_len", step, samples.rolled.result.lengths)
       if rl.save_rollouts:
         log.write("rollouts", rollout_rows(step, samples.scored, samples.rolled.result,
-                                           rl.num_samples))
+                                           rl.num_samples, samples.prompts))
       if rl.save_timeline:
         log.write("timeline", timeline_rows(step, samples.rolled.result))
       if eval_examples and (step == end or (rl.eval_every and step % rl.eval_every == 0)):

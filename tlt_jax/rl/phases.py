@@ -226,13 +226,16 @@ def step_metrics(step: int, samples: StepSamples, update: dict, algorithm: Grpo,
   return metrics
 
 
-def rollout_rows(step: int, scored: Scored, result, num_samples: int) -> list[dict]:
-  """One rollouts.jsonl row per response of the step (its token ids too: two runs' responses
-  compare exactly)."""
+def rollout_rows(step: int, scored: Scored, result, num_samples: int,
+                 prompts: list[list[int]]) -> list[dict]:
+  """One rollouts.jsonl row per response of the step, with its prompt's and its own token
+  ids (two runs' responses compare exactly; a drafter trains on them)."""
   return [{"step": step, "prompt": i // num_samples, "sample": i % num_samples,
            "completion": scored.completions[i], "tokens": len(toks),
            "finish_reason": result.finish_reasons[i], "reward": float(scored.rewards[i]),
-           "correct": bool(scored.correct[i]), "token_ids": [int(t) for t in toks]}
+           "correct": bool(scored.correct[i]),
+           "prompt_ids": [int(t) for t in prompts[i // num_samples]],
+           "token_ids": [int(t) for t in toks]}
           for i, toks in enumerate(result.tokens)]
 
 
