@@ -23,10 +23,11 @@ a measured run.
 
 Cost file (--costs, seconds per iteration of one slice, at each batch size):
   {"batch": [1, 2, 4, ...], "plain_s": [...], "sd_s": [...], "accept_len": [...],
-   "prefill_s": 0.0}
+   "prefill_s": 0.0, "call_s": 0.0}
 accept_len is the mean number of tokens a running row gains per SD iteration (accepted drafts
 plus the bonus token); it may be one number. prefill_s (optional) is the cost of one prefill
-call, paid each time a slice admits requests.
+call, paid each time a slice admits requests; call_s (optional) what each compiled decode call
+costs besides its iterations (dispatch, the host's wait for its results).
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class CostModel:
   """Per-iteration costs of one slice by batch size (the program's batch, see `bucket`).
 
   batch: ascending batch sizes; plain_s / sd_s: seconds per plain / SD iteration at each;
-  accept_len: tokens per running row per SD iteration; prefill_s: seconds per prefill call.
-  Values between table points are interpolated linearly; see `check_covers` for the range.
+  accept_len: tokens per running row per SD iteration; prefill_s: seconds per prefill call;
+  call_s: seconds per compiled decode call besides its iterations. Values between table
+  points are interpolated linearly; see `check_covers` for the range.
   """
   batch: np.ndarray
   plain_s: np.ndarray
@@ -70,6 +72,7 @@ class CostModel:
   accept_len: np.ndarray
   prefill_s: float = 0.0
   source: str = ""
+  call_s: float = 0.0
 
   def __post_init__(self):
     n = len(self.batch)
@@ -80,7 +83,8 @@ class CostModel:
     if n == 0 or np.any(np.diff(self.batch) <= 0) or self.batch[0] < 1:
       raise ValueError(f"cost table {self.source!r}: batch must be ascending sizes >= 1, got "
                        f"{self.batch.tolist()}")
-    if np.any(self.plain_s < 0) or np.any(self.sd_s < 0) or self.prefill_s < 0:
+    if (np.any(self.plain_s < 0) or np.any(self.sd_s < 0) or self.prefill_s < 0
+        or self.call_s < 0):
       raise ValueError(f"cost table {self.source!r}: iteration times must be >= 0 seconds")
     if np.any(self.accept_len < 1):
       raise ValueError(f"cost table {self.source!r}: accept_len must be >= 1 token per SD "
@@ -95,6 +99,10 @@ class CostModel:
   def accept_at(self, b):
     return np.interp(b, self.batch, self.accept_len)
 
+  def sd_pays_at(self, b) -> bool:
+    """Whether an SD iteration costs less per token than a plain step at program batch b."""
+    return bool(self.sd_at(b) / self.accept_at(b) < self.plain_at(b))
+
   def check_covers(self, max_batch: int) -> None:
     """Raises unless the table reaches the largest program batch a slice runs."""
     if bucket(max_batch, max_batch) > self.batch[-1]:
@@ -106,10 +114,11 @@ class CostModel:
   def to_dict(self) -> dict:
     return {"source": self.source, "batch": self.batch.tolist(), "plain_s": self.plain_s.tolist(),
             "sd_s": self.sd_s.tolist(), "accept_len": self.accept_len.tolist(),
-            "prefill_s": self.prefill_s}
+            "prefill_s": self.prefill_s, "call_s": self.call_s}
 
 
-def make_costs(batch, plain_s, sd_s, accept_len, prefill_s=0.0, source="") -> CostModel:
+def make_costs(batch, plain_s, sd_s, accept_len, prefill_s=0.0, source="",
+               call_s=0.0) -> CostModel:
   """A CostModel from lists or arrays; a scalar accept_len applies to every batch size."""
   batch = np.asarray(batch, np.float64)
 
@@ -117,7 +126,7 @@ def make_costs(batch, plain_s, sd_s, accept_len, prefill_s=0.0, source="") -> Co
     return np.broadcast_to(np.asarray(v, np.float64), batch.shape).copy()
 
   return CostModel(batch, as_table(plain_s), as_table(sd_s), as_table(accept_len),
-                   float(prefill_s), source)
+                   float(prefill_s), source, float(call_s))
 
 
 def pow2_upto(max_batch: int) -> np.ndarray:
@@ -161,7 +170,7 @@ def load_costs(path: str) -> CostModel:
     raise ValueError(f"cost file {path!r} lacks {missing}; it needs keys {list(need)} "
                      f"(seconds per iteration by batch size; see the module docstring)")
   return make_costs(data["batch"], data["plain_s"], data["sd_s"], data["accept_len"],
-                    data.get("prefill_s", 0.0), source=path)
+                    data.get("prefill_s", 0.0), source=path, call_s=data.get("call_s", 0.0))
 
 
 def costs_from_rollout_json(path: str, max_batch: int = 64) -> CostModel:
@@ -307,7 +316,8 @@ def sample_lengths(rng: np.random.Generator, n: int, dist: str, max_new_tokens: 
 
 def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
                      sd_threshold: int = 0, schedule: str = "parallel",
-                     iterations_per_call: int = 1) -> dict:
+                     iterations_per_call: int = 1, batch_sizes=(),
+                     sd_where_it_pays: bool = False) -> dict:
   """One rollout: every slice driven by the engine's own scheduler
   (`tlt_jax.rollout.scheduler.SliceScheduler`), with iteration times from the cost model.
 
@@ -315,7 +325,10 @@ def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
   prefill emits a response's first token, so a response of L tokens needs L - 1 decode
   tokens. sd_threshold: SD when a slice's running rows <= it (0: plain decode only).
   iterations_per_call: decode iterations per compiled call, at most (the engine's
-  rollout.iterations_per_call); only "interleaved" depends on it.
+  rollout.iterations_per_call); "interleaved" and the costs' call_s depend on it.
+  batch_sizes: the program batch sizes (the engine's rollout.batch_sizes; () = powers of two).
+  sd_where_it_pays: at or below sd_threshold, SD only at program batches where it costs less
+  per token than a plain step (`CostModel.sd_pays_at`), as a tuner that measures both would.
   schedule: "parallel", slices advance concurrently (one host per slice, a cluster);
   "interleaved", one host loop makes one call per busy slice in turn and waits for each
   (slices whose calls never overlap).
@@ -338,7 +351,8 @@ def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
   if work.size and work.min() < 0:
     raise ValueError("response lengths must be >= 1 token (the prefill emits the first)")
   runs = [_simulate_slice(work, range(s, work.size, num_slices), max_batch, costs, sd_threshold,
-                          iterations_per_call) for s in range(num_slices)]
+                          iterations_per_call, batch_sizes, sd_where_it_pays)
+          for s in range(num_slices)]
   finish = np.asarray([r["trace"][-1][1] if r["trace"][-1][0] else 0.0 for r in runs])
   if schedule == "interleaved":
     finish = _interleave([np.asarray(r["trace"]) for r in runs])
@@ -353,11 +367,16 @@ _SD = Strategy(1, 1, 2)
 
 
 def _simulate_slice(work: np.ndarray, requests, max_batch: int, costs: CostModel,
-                    sd_threshold: int, iterations_per_call: int) -> dict:
+                    sd_threshold: int, iterations_per_call: int, batch_sizes=(),
+                    sd_where_it_pays: bool = False) -> dict:
   """One slice's rollout. trace: (calls, seconds) breakpoints of its own clock, linear in
   between (the calls of one decode decision all cost the same)."""
+  def choose(running):
+    if not sd_where_it_pays:
+      return _SD
+    return _SD if costs.sd_pays_at(bucket(running, max_batch, sched.sizes)) else None
   sched = SliceScheduler(list(requests), max_batch, sd_threshold, iterations_per_call,
-                         (lambda running: _SD) if sd_threshold else None)
+                         choose if sd_threshold else None, batch_sizes)
   rem: dict[int, float] = {}  # decode tokens left, by row
   t, calls, sd_iterations, prefill_calls = 0.0, 0, 0.0, 0
   trace = [(0, 0.0)]
@@ -390,8 +409,9 @@ def _simulate_slice(work: np.ndarray, requests, max_batch: int, costs: CostModel
         running = {i: x for i, x in running.items() if x > _EPS}
       for i in running:
         rem[i] = running[i]
-      t += iterations * cost
-      calls += int(np.ceil(iterations / iterations_per_call))
+      n_calls = int(np.ceil(iterations / iterations_per_call))
+      t += iterations * cost + n_calls * costs.call_s
+      calls += n_calls
       sd_iterations += iterations * sd
       sched.finished(done)
     trace.append((calls, t))

@@ -1,0 +1,151 @@
+"""experiments/replay.py: the replay of a GPU headline reproduces the run it came from, fits
+costs it was given back, rebuilds a rollout's lengths from its calls, and projects changes in
+the direction they must go."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO
+from tests.experiment_modules import load_experiment
+
+replay = load_experiment("replay")
+sim = load_experiment("simulate_cluster")
+H200 = REPO + "/docs/results/gpu_h200_2026-12-04"
+
+
+@pytest.mark.parametrize("run", ["tf32", "fp32-highest"])
+def test_the_replay_reproduces_the_2026_12_04_run(run):
+  """From the run's own costs, rebuilt lengths and accept lengths: its steady-state step
+  ratio within 0.1 (1.25x under TF32, 1.11x at the highest precision), and each step's
+  baseline rollout within 10%."""
+  headline = json.load(open(f"{H200}/{run}/headline.json"))
+  cal = replay.calibrate(headline)
+  got = replay.validate(headline, cal)
+  assert abs(got["error"]) < 0.1, got
+  for step in got["steps"]:
+    assert step["baseline_rollout_s"] == pytest.approx(step["measured_baseline_rollout_s"],
+                                                       rel=0.1)
+  # 128 responses a step, the longest at the limit where the run had one there.
+  assert all(len(lengths) == 128 for lengths in cal.lengths)
+  steps = headline["variants"]["baseline"]["steps"]
+  assert [int(lengths.max()) for lengths in cal.lengths] == [s["response_len_max"]
+                                                             for s in steps]
+
+
+def _engine():
+  return replay.Engine(max_batch=8, batch_sizes=(1, 4), sd_threshold=4, iterations_per_call=8)
+
+
+def _recorded_steps(lengths_per_step, plain, sd, call_s, accept, engine):
+  """Steps as `run` records them (calls with their iterations) from the engine's scheduler
+  driven by the simulator's model: every call costs call_s + its iterations' seconds."""
+  from tlt_jax.rollout.scheduler import Compact, Refill, SliceScheduler, Start
+  out = {"baseline": [], "tlt": []}
+  for variant in out:
+    for n, lengths in enumerate(lengths_per_step, start=1):
+      speculative = variant == "tlt"
+      sched = SliceScheduler(range(len(lengths)), engine.max_batch,
+                             engine.sd_threshold if speculative else 0,
+                             engine.iterations_per_call,
+                             (lambda r: "sd") if speculative else None, engine.batch_sizes)
+      left, rows, calls, t = {}, {}, [], 0.0
+      while sched.busy:
+        action = sched.next_action()
+        if isinstance(action, Start):
+          rows = {i: float(lengths[r] - 1) for i, r in enumerate(action.requests)}
+          calls.append({"mode": "prefill", "active": len(action.requests), "bucket": action.batch,
+                        "iterations": 0, "seconds": 0.01})
+          continue
+        if isinstance(action, (Compact, Refill)):
+          rows = {new: rows[old] for new, old in enumerate(action.order) if old in rows}
+          continue
+        mode = "sd" if action.strategy else "plain"
+        step = accept if mode == "sd" else 1.0
+        batch = sched.batch
+        i = 0
+        while i < action.max_iterations and sum(v > 1e-9 for v in rows.values()) >= \
+            action.min_running:
+          rows = {k: v - step if v > 1e-9 else v for k, v in rows.items()}
+          i += 1
+        done = [k for k, v in rows.items() if v <= 1e-9 and sched.rows[k] >= 0]
+        secs = call_s + i * (sd if mode == "sd" else plain)[batch]
+        calls.append({"mode": mode, "active": action.running, "bucket": batch, "iterations": i,
+                      "seconds": secs})
+        sched.finished(done)
+        t += secs
+      for c, nxt in zip(calls, calls[1:] + [None]):
+        c["after"] = nxt["active"] if nxt else 0
+      out[variant].append({"step": n, "calls": calls, "lengths": list(lengths),
+                           "rollout_s": t + 0.01, "prefill_s": 0.01, "update_s": 1.0,
+                           "step_s": t + 1.01, "accept_len": accept if speculative else None,
+                           "plain_iterations": sum(c["iterations"] for c in calls
+                                                   if c["mode"] == "plain"),
+                           "sd_iterations": sum(c["iterations"] for c in calls
+                                                if c["mode"] == "sd")})
+  return out
+
+
+def test_costs_recorded_with_their_iterations_are_fitted_back():
+  engine = _engine()
+  rng = np.random.default_rng(0)
+  lengths = [rng.integers(2, 60, 8) for _ in range(4)]
+  plain = {1: 1e-3, 4: 2e-3, 8: 3e-3}
+  sd = {1: 2e-3, 4: 2.5e-3, 8: 4e-3}
+  steps = _recorded_steps(lengths, plain, sd, 5e-3, 2.0, engine)
+  calls = {v: [replay.calls_of(s, engine, v == "tlt") for s in steps[v]] for v in steps}
+  base = replay.fit_costs(steps["baseline"], calls["baseline"], engine)
+  tlt = replay.fit_costs(steps["tlt"], calls["tlt"], engine)
+  assert base.call_s == pytest.approx(5e-3, rel=1e-6)
+  for b, s in plain.items():
+    assert base.per_iteration["plain"][b] == pytest.approx(s, rel=1e-6)
+  for b in tlt.per_iteration["sd"]:
+    assert tlt.per_iteration["sd"][b] == pytest.approx(sd[b], rel=1e-6)
+  assert base.update_s == 1.0
+
+
+def test_lengths_are_rebuilt_from_a_plain_rollouts_calls():
+  """Without recorded iterations or lengths (2026-12-04's record): each call's rows ended
+  within its iterations, the full calls ran all of theirs, the step's total fixes the rest."""
+  engine = _engine()
+  lengths = np.asarray([3, 9, 17, 20, 33, 41, 52, 80])
+  plain = {1: 1e-3, 4: 2e-3, 8: 3e-3}
+  step = _recorded_steps([lengths], plain, plain, 0.0, 1.0, engine)["baseline"][0]
+  t, running = 0.0, []
+  for c in step["calls"]:
+    running.append([t, c["active"], c["mode"]])
+    t += c["seconds"]
+  old = {k: v for k, v in step.items() if k not in ("calls", "lengths")}
+  old.update(running=running, rollout_s=t)
+  calls = replay.calls_of(old, engine, speculative=False)
+  costs = replay.fit_costs([old], [calls], engine)
+  rebuilt = replay.rebuild_lengths(old, calls, costs, engine)
+  assert len(rebuilt) == 8 and rebuilt.max() == lengths.max()
+  assert abs(int(rebuilt.sum()) - int(lengths.sum())) <= 8 * 8  # within a call per response
+
+
+def test_the_projection_moves_the_way_each_change_must():
+  """On the 2026-12-04 run: a drafter that accepts more raises the ratio; cheaper calls
+  raise it further (the tail's calls are many and short); a baseline step made faster at
+  many rows lowers it (the baseline gains more there)."""
+  headline = json.load(open(f"{H200}/tf32/headline.json"))
+  cal = replay.calibrate(headline)
+  rows = replay.project(cal, accept={1: 3.0, 8: 3.0, 32: 3.0, 128: 3.0}, depth=6)
+  by = {r["change"]: r["step_ratio"] for r in rows}
+  assert by["the new drafter and arm"] > by["the run as it was"]
+  assert by["decode calls cost 1 ms each"] > by["SD wherever it pays (any row count)"]
+  assert rows[0]["step_ratio"] == pytest.approx(replay.validate(headline, cal)[
+      "replayed_step_ratio"])
+
+
+def test_sd_where_it_pays_skips_batches_where_a_token_costs_more():
+  """A table where SD pays at one row only: with the rule, the 4-row phase decodes plainly
+  and the rollout is no slower than plain decoding there."""
+  costs = sim.make_costs([1, 4], [1.0, 1.0], [1.5, 3.0], 2.0)
+  assert costs.sd_pays_at(1) and not costs.sd_pays_at(4)
+  lengths = [40, 40, 40, 100]
+  always = sim.simulate_rollout(lengths, 1, 4, costs, 4)["rollout_s"]
+  paid = sim.simulate_rollout(lengths, 1, 4, costs, 4, sd_where_it_pays=True)["rollout_s"]
+  plain = sim.simulate_rollout(lengths, 1, 4, costs, 0)["rollout_s"]
+  assert paid < always and paid < plain
