@@ -248,11 +248,16 @@ def cost_model(costs: Costs, engine: Engine, accept: float | dict, sd: Costs | N
 
 
 def rollout_s(lengths, model: sim.CostModel, engine: Engine, sd_threshold: int,
-              where_it_pays: bool = False) -> float:
+              where_it_pays: bool = False, floors: tuple | None = None) -> float:
+  """One replayed rollout's seconds. floors: the tuner's bucket thresholds, where a tail
+  call ends (`SliceScheduler`'s choice_floor); None: at every finished row (the engine
+  before 2026-12-05)."""
+  floor = None if floors is None else (lambda r: max(f for f in floors if f <= r))
   return sim.simulate_rollout(lengths, 1, engine.max_batch, model, sd_threshold,
                               iterations_per_call=engine.iterations_per_call,
                               batch_sizes=engine.batch_sizes,
-                              sd_where_it_pays=where_it_pays)["rollout_s"]
+                              sd_where_it_pays=where_it_pays,
+                              choice_floor=floor)["rollout_s"]
 
 
 @dataclasses.dataclass
@@ -284,7 +289,7 @@ def calibrate(headline: dict) -> Calibration:
 
 def replay_steps(cal: Calibration, lengths=None, accept=None, sd_threshold=None,
                  where_it_pays=False, tlt_costs: Costs | None = None,
-                 base_costs: Costs | None = None) -> dict:
+                 base_costs: Costs | None = None, floors: tuple | None = None) -> dict:
   """Per step, the replayed rollout and step seconds of both variants, with the given
   changes (None: the run's)."""
   eng = cal.engine
@@ -297,7 +302,7 @@ def replay_steps(cal: Calibration, lengths=None, accept=None, sd_threshold=None,
     plain = cost_model(base_c, eng, 1.0)
     spec = cost_model(tlt_c, eng, acc, sd=tlt_c)
     b = rollout_s(step_lengths, plain, eng, 0)
-    t = rollout_s(step_lengths, spec, eng, threshold, where_it_pays)
+    t = rollout_s(step_lengths, spec, eng, threshold, where_it_pays, floors)
     rows.append({"baseline_rollout_s": b, "tlt_rollout_s": t,
                  "baseline_step_s": b + base_c.update_s + base_c.other_s,
                  "tlt_step_s": t + tlt_c.update_s + tlt_c.other_s})
@@ -361,57 +366,99 @@ def with_costs(costs: Costs, scale: dict | None = None, call_s: float | None = N
 
 
 def project(cal: Calibration, lengths=None, accept=None, depth: int | None = None,
-            ref_depth: float = 6.0) -> list[dict]:
-  """The run replayed with changes added one at a time (each row keeps the ones above):
-  the responses' lengths, the accept lengths, SD at any row count where it pays, and the
-  cuts of the per-call and per-iteration costs that the fast-baseline work aims at. An arm of
-  another depth costs the run's SD iteration plus (depth - ref_depth) drafter passes, a pass
-  being the run's one-row SD iteration over a plain step divided by ref_depth + 1 (the verify
-  counted as one): an assumption, stated in each row."""
+            ref_depth: float = 6.0, floors: tuple = (1, 2, 9, 33),
+            target: float = 1.6) -> dict:
+  """The run replayed with changes added one at a time (each row keeps the ones above): the
+  responses' lengths, the accept lengths, tail calls that run to their tuner bucket's end
+  (`floors`), SD at any row count where it pays, then the cuts of the per-call and
+  per-iteration costs that a fast baseline aims at. An arm of another depth costs the run's
+  SD iteration plus (depth - ref_depth) drafter passes, a pass being the run's one-row SD
+  iteration over a plain step divided by ref_depth + 1 (the verify counted as one); SD at
+  128 rows, which the run never measured, costs the 32-row SD/plain ratio times the 128-row
+  plain step, with a bound row at the 1-row ratio. Assumptions are stated in their rows.
+  Returns {"rows": ..., "needed": what one cost must fall to for `target` with the changes
+  that need no faster step (`needed`)}."""
   eng, base, tlt = cal.engine, cal.costs["baseline"], cal.costs["tlt"]
-  plain1 = base.per_iteration["plain"][1]
-  sd_per = tlt.per_iteration.get("sd", {})
-  pass_s = max(sd_per.get(1, plain1) - plain1, 0.0) / (ref_depth + 1)
-  rows, state = [], {}
+  plain = base.per_iteration["plain"]
+  sd_run = tlt.per_iteration.get("sd", {})
+  pass_s = max(sd_run.get(1, plain[1]) - plain[1], 0.0) / (ref_depth + 1)
+  rows, state = [], {"tlt_costs": tlt}
+
+  def row(label, assumes, changed, bound=False):
+    got = replay_steps(cal, **changed)
+    rows.append({"change": label, "assumes": assumes, "bound": bound,
+                 "step_ratio": got["step_ratio"], "rollout_ratio": got["rollout_ratio"],
+                 "baseline_step_s": float(np.mean([r["baseline_step_s"] for r in got["steps"]])),
+                 "tlt_step_s": float(np.mean([r["tlt_step_s"] for r in got["steps"]]))})
 
   def add(label, assumes, **change):
     state.update(change)
-    got = replay_steps(cal, **state)
-    rows.append({"change": label, "assumes": assumes, "step_ratio": got["step_ratio"],
-                 "rollout_ratio": got["rollout_ratio"],
-                 "baseline_step_s": float(np.mean([r["baseline_step_s"] for r in got["steps"]])),
-                 "tlt_step_s": float(np.mean([r["tlt_step_s"] for r in got["steps"]]))})
+    row(label, assumes, state)
 
   add("the run as it was", "the run's costs, lengths and accept length per step")
   if lengths is not None:
     add("the new task's response lengths", "CPU-sampled responses grouped into steps",
         lengths=lengths)
   if accept is not None:
-    extra = {}
-    if depth is not None:
-      extra = {"sd": {b: s + (depth - ref_depth) * pass_s for b, s in sd_per.items()}}
+    extra = (depth or ref_depth) - ref_depth
     add("the new drafter and arm", f"accept per running-row bucket measured on CPU "
-        f"(teacher-forced); SD iteration +{(depth or ref_depth) - ref_depth:g} drafter "
-        f"passes of {pass_s * 1e3:.2f} ms", accept=accept,
-        tlt_costs=with_costs(tlt, extra))
-  cur_tlt = state.get("tlt_costs", tlt)
-  # SD at 33-128 rows: the run never measured it; a verify of a 128-row tree is taken to cost
-  # what the 32-row one does over a 32-row plain step, scaled to the 128-row plain step.
+        f"(teacher-forced); SD iteration +{extra:g} drafter passes of {pass_s * 1e3:.2f} ms",
+        accept=accept, tlt_costs=with_costs(tlt, {"sd": {b: s + extra * pass_s
+                                                         for b, s in sd_run.items()}}))
+  add("tail calls run to their bucket's end", f"a tail call ends where the rows leave the "
+      f"tuner's bucket {tuple(floors)} or the program batch, not at each finished row",
+      floors=tuple(floors))
   add("SD wherever it pays (any row count)", "SD at 128 rows costs the 32-row SD/plain ratio "
       "times the 128-row plain step", sd_threshold=eng.max_batch, where_it_pays=True)
-  cheap_call = 1e-3
-  add("decode calls cost 1 ms each", f"per-call cost {cur_tlt.call_s * 1e3:.1f} -> 1 ms "
-      f"(issue: a fast baseline)", base_costs=with_costs(base, call_s=cheap_call),
-      tlt_costs=with_costs(cur_tlt, call_s=cheap_call))
-  flat = {b: min(s, 2 * plain1) for b, s in base.per_iteration["plain"].items()}
+  reached = dict(state)
   sd_now = state["tlt_costs"].per_iteration.get("sd", {})
-  sd_flat = {b: min(s, 1.3 * flat.get(b, plain1) * max(1.0, s / max(sd_now.get(1, s), 1e-9)))
-             for b, s in sd_now.items()}
+  ratio_1 = sd_now.get(1, plain[1]) / plain[1]
+  row("SD wherever it pays, dearer at 128 rows", f"SD at 128 rows costs {ratio_1:.2f} plain "
+      f"steps (the 1-row ratio); not carried below",
+      dict(state, tlt_costs=with_costs(state["tlt_costs"], {"sd": {
+          eng.max_batch: plain[eng.max_batch] * ratio_1}})), bound=True)
+  cheap_call = 1e-3
+  add("decode calls cost 1 ms each", f"per-call cost {tlt.call_s * 1e3:.1f} -> 1 ms",
+      base_costs=with_costs(base, call_s=cheap_call),
+      tlt_costs=with_costs(state["tlt_costs"], call_s=cheap_call))
+  flat = {b: min(s, 2 * plain[1]) for b, s in plain.items()}
   add("a plain step flat in rows, an SD iteration <= 1.3 steps",
-      "plain at any batch <= 2x the 1-row step; SD at 1 row <= 1.3 plain steps",
+      "plain at any batch <= 2x the 1-row step; SD <= 1.3 plain steps at its batch",
       base_costs=with_costs(state["base_costs"], {"plain": flat}),
-      tlt_costs=with_costs(state["tlt_costs"], {"plain": flat, "sd": sd_flat}))
-  return rows
+      tlt_costs=with_costs(state["tlt_costs"], {
+          "plain": flat,
+          "sd": {b: min(s, 1.3 * flat.get(b, plain[1])) for b, s in sd_now.items()}}))
+  return {"rows": rows, "needed": needed(cal, reached, target)}
+
+
+def needed(cal: Calibration, state: dict, target: float) -> dict:
+  """What one cost must fall to for `state`'s replay to reach `target`, each alone: the
+  per-call seconds (both variants), and TLT's SD seconds per iteration (as a fraction of
+  what `state` has); bisection, None where even zero does not reach it."""
+  base, tlt = state.get("base_costs", cal.costs["baseline"]), state["tlt_costs"]
+  sd = tlt.per_iteration.get("sd", {})
+  levers = {
+      "call_ms": (tlt.call_s * 1e3, lambda v: dict(
+          state, base_costs=with_costs(base, call_s=v / 1e3),
+          tlt_costs=with_costs(tlt, call_s=v / 1e3))),
+      "sd_iteration_fraction": (1.0, lambda v: dict(
+          state, tlt_costs=with_costs(tlt, {"sd": {b: s * v for b, s in sd.items()}}))),
+  }
+  out = {"target": target, "ratio_now": replay_steps(cal, **state)["step_ratio"]}
+  for name, (now, change) in levers.items():
+    ratio = lambda v, change=change: replay_steps(cal, **change(v))["step_ratio"]  # noqa: E731
+    if out["ratio_now"] >= target:
+      out[name] = {"now": now, "needed": now}
+      continue
+    value = None
+    if ratio(0.0) >= target:
+      low, high = 0.0, now
+      for _ in range(20):
+        mid = (low + high) / 2
+        low, high = (mid, high) if ratio(mid) >= target else (low, mid)
+      value = low
+    out[name] = {"now": now, "needed": value, "at_zero": ratio(0.0)}
+  return out
 
 
 def read_lengths(path: pathlib.Path) -> np.ndarray:
@@ -439,15 +486,17 @@ def plot(result: dict, path: pathlib.Path) -> None:
   a.set_title(f"replay vs run: step ratio {val['replayed_step_ratio']:.2f}x vs "
               f"{val['measured_step_ratio']:.2f}x", fontsize=9)
   a.legend(fontsize=7)
-  rows = result["projection"]
-  b.barh(range(len(rows)), [r["step_ratio"] for r in rows], color="#2e86c1")
+  rows = result["projection"]["rows"]
+  b.barh(range(len(rows)), [r["step_ratio"] for r in rows],
+         color=["#aab7c4" if r.get("bound") else "#2e86c1" for r in rows])
   for i, r in enumerate(rows):
     b.text(r["step_ratio"], i, f" {r['step_ratio']:.2f}x", va="center", fontsize=8)
   b.set_yticks(range(len(rows)))
   b.set_yticklabels([r["change"] for r in rows], fontsize=7)
   b.invert_yaxis()
   b.axvline(1.5, color="#999", lw=0.8, ls=":")
-  b.set_xlabel("projected step ratio baseline / TLT (each row adds to the ones above)")
+  b.set_xlabel("projected step ratio baseline / TLT (each row adds to the ones above; "
+               "grey: a bound)")
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
@@ -495,8 +544,13 @@ def main(argv=None) -> None:
   print(f"replay of {args.headline}: step ratio {val['replayed_step_ratio']:.3f}x against "
         f"{val['measured_step_ratio']:.3f}x measured (rollout {val['replayed_rollout_ratio']:.3f}x "
         f"against {val['measured_rollout_ratio']:.3f}x)")
-  for row in result["projection"]:
+  for row in result["projection"]["rows"]:
     print(f"  {row['step_ratio']:.2f}x  {row['change']}  ({row['assumes']})")
+  need = result["projection"]["needed"]
+  for name, lever in need.items():
+    if isinstance(lever, dict):
+      print(f"  for {need['target']}x before a faster step: {name} {lever['now']:.3g} -> "
+            f"{'unreachable' if lever['needed'] is None else format(lever['needed'], '.3g')}")
   print(f"wrote {args.out / 'replay.json'}")
 
 

@@ -317,7 +317,7 @@ def sample_lengths(rng: np.random.Generator, n: int, dist: str, max_new_tokens: 
 def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
                      sd_threshold: int = 0, schedule: str = "parallel",
                      iterations_per_call: int = 1, batch_sizes=(),
-                     sd_where_it_pays: bool = False) -> dict:
+                     sd_where_it_pays: bool = False, choice_floor=None) -> dict:
   """One rollout: every slice driven by the engine's own scheduler
   (`tlt_jax.rollout.scheduler.SliceScheduler`), with iteration times from the cost model.
 
@@ -329,6 +329,8 @@ def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
   batch_sizes: the program batch sizes (the engine's rollout.batch_sizes; () = powers of two).
   sd_where_it_pays: at or below sd_threshold, SD only at program batches where it costs less
   per token than a plain step (`CostModel.sd_pays_at`), as a tuner that measures both would.
+  choice_floor: the scheduler's (`SliceScheduler`): a tail call runs until the rows fall
+  below it; None, until a row finishes.
   schedule: "parallel", slices advance concurrently (one host per slice, a cluster);
   "interleaved", one host loop makes one call per busy slice in turn and waits for each
   (slices whose calls never overlap).
@@ -351,7 +353,7 @@ def simulate_rollout(lengths, num_slices: int, max_batch: int, costs: CostModel,
   if work.size and work.min() < 0:
     raise ValueError("response lengths must be >= 1 token (the prefill emits the first)")
   runs = [_simulate_slice(work, range(s, work.size, num_slices), max_batch, costs, sd_threshold,
-                          iterations_per_call, batch_sizes, sd_where_it_pays)
+                          iterations_per_call, batch_sizes, sd_where_it_pays, choice_floor)
           for s in range(num_slices)]
   finish = np.asarray([r["trace"][-1][1] if r["trace"][-1][0] else 0.0 for r in runs])
   if schedule == "interleaved":
@@ -368,7 +370,7 @@ _SD = Strategy(1, 1, 2)
 
 def _simulate_slice(work: np.ndarray, requests, max_batch: int, costs: CostModel,
                     sd_threshold: int, iterations_per_call: int, batch_sizes=(),
-                    sd_where_it_pays: bool = False) -> dict:
+                    sd_where_it_pays: bool = False, choice_floor=None) -> dict:
   """One slice's rollout. trace: (calls, seconds) breakpoints of its own clock, linear in
   between (the calls of one decode decision all cost the same)."""
   def choose(running):
@@ -376,7 +378,8 @@ def _simulate_slice(work: np.ndarray, requests, max_batch: int, costs: CostModel
       return _SD
     return _SD if costs.sd_pays_at(bucket(running, max_batch, sched.sizes)) else None
   sched = SliceScheduler(list(requests), max_batch, sd_threshold, iterations_per_call,
-                         choose if sd_threshold else None, batch_sizes)
+                         choose if sd_threshold else None, batch_sizes,
+                         choice_floor=choice_floor)
   rem: dict[int, float] = {}  # decode tokens left, by row
   t, calls, sd_iterations, prefill_calls = 0.0, 0, 0.0, 0
   trace = [(0, 0.0)]

@@ -126,15 +126,26 @@ def test_lengths_are_rebuilt_from_a_plain_rollouts_calls():
 
 
 def test_the_projection_moves_the_way_each_change_must():
-  """On the 2026-12-04 run: a drafter that accepts more raises the ratio; cheaper calls
-  raise it further (the tail's calls are many and short); a baseline step made faster at
-  many rows lowers it (the baseline gains more there)."""
+  """On the 2026-12-04 run: a drafter that accepts more raises the ratio, and so do tail calls
+  that run to their bucket's end (the tail made one call per finished row); cheaper calls
+  and steps make both variants faster."""
   headline = json.load(open(f"{H200}/tf32/headline.json"))
   cal = replay.calibrate(headline)
-  rows = replay.project(cal, accept={1: 3.0, 8: 3.0, 32: 3.0, 128: 3.0}, depth=6)
+  got = replay.project(cal, accept={1: 3.0, 8: 3.0, 32: 3.0, 128: 3.0}, depth=6)
+  rows = got["rows"]
   by = {r["change"]: r["step_ratio"] for r in rows}
   assert by["the new drafter and arm"] > by["the run as it was"]
-  assert by["decode calls cost 1 ms each"] > by["SD wherever it pays (any row count)"]
+  assert by["tail calls run to their bucket's end"] > by["the new drafter and arm"]
+  for before, after in zip(rows[-3:], rows[-2:]):
+    assert after["tlt_step_s"] < before["tlt_step_s"]
+    assert after["baseline_step_s"] < before["baseline_step_s"]
+  need = replay.needed(cal, {"tlt_costs": cal.costs["tlt"]}, target=1.5)
+  assert need["ratio_now"] < 1.5
+  lever = need["sd_iteration_fraction"]
+  assert lever["needed"] is not None and 0 < lever["needed"] < 1  # cheaper SD reaches it
+  at = replay.with_costs(cal.costs["tlt"], {"sd": {b: s * lever["needed"] for b, s in
+                                                   cal.costs["tlt"].per_iteration["sd"].items()}})
+  assert replay.replay_steps(cal, tlt_costs=at)["step_ratio"] >= 1.5
   assert rows[0]["step_ratio"] == pytest.approx(replay.validate(headline, cal)[
       "replayed_step_ratio"])
 

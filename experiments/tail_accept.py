@@ -1,0 +1,293 @@
+"""What SD accepts in the long tail, measured on the policy's own held-out responses at the
+run's temperature, without decoding them again (`tlt_jax.speculative.teacher_forced`).
+
+The policy answers held-out problems of the config's task (plain decoding, its sampling, one
+engine call; kept in OUT/responses.jsonl and reused by a rerun with the same settings, or read
+from a GPU lease's responses with --responses). The responses are grouped into RL steps of
+rl.prompts_per_step x rl.num_samples as the run draws them; a response's token at position j
+is decoded while as many rows run as the step has responses longer than j (plain decoding's
+schedule). SD starts once rollout.sd_threshold rows or fewer run: each response is walked from
+there, its iterations credited to the running-row bucket they start in. For every drafter
+variant (an EAGLE export with --drafter LABEL=PATH; by default the config's) and strategy,
+the accept length (tree nodes accepted per SD iteration, the bonus token included) per bucket
+and over the tail.
+
+  python -m experiments.tail_accept --config configs/smollm2.py:headline_cpu --out results/tail
+  python -m experiments.tail_accept --config configs/smollm2.py:headline_cpu --out results/tail \
+      --drafter shipped=assets/smollm2-drafter --drafter longer=runs/warm/export/eagle \
+      --strategies 8,2,16 8,4,32 8,4,32,eagle+suffix
+  python -m experiments.tail_accept --quick --out /tmp/tail          # the tiny default (CI)
+
+Writes OUT/tail_accept.json (settings, the responses' lengths and reward, per variant and
+strategy the accept length per bucket and over the tail) and OUT/tail_accept.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import sys
+import time
+import types
+
+import numpy as np
+
+from experiments.common import (REPO, add_config_flags, config_or_exit, git_commit,
+                                strategy_label, write_json)
+
+BUCKETS = (1, 2, 9, 33)  # running-row buckets: 1, 2-8, 9-32, 33 and more
+
+
+def bucket_name(thresholds, b: int) -> str:
+  low = thresholds[b]
+  high = thresholds[b + 1] - 1 if b + 1 < len(thresholds) else None
+  return f">={low}" if high is None else (str(low) if low == high else f"{low}-{high}")
+
+
+def running_rows(lengths: np.ndarray) -> np.ndarray:
+  """[max length] rows still decoding at each response position of one step (plain
+  decoding's schedule): running[j] = responses longer than j + 1 tokens (a response of L
+  tokens decodes positions 0 .. L-2 after the prefill's first token)."""
+  top = int(lengths.max())
+  return np.asarray([(lengths > j + 1).sum() for j in range(top)], np.int64)
+
+
+def tail_starts(lengths: np.ndarray, threshold: int) -> np.ndarray:
+  """Per response of one step, the position from which it decodes with SD: the first where
+  `threshold` rows or fewer run (its length, i.e. never, when it ends before)."""
+  running = running_rows(lengths)
+  low = np.nonzero(running <= threshold)[0]
+  first = int(low[0]) if low.size else int(lengths.max())
+  return np.minimum(first, lengths)
+
+
+def credit(walk, running: np.ndarray, thresholds) -> dict[int, list[int]]:
+  """The walk's accepted counts by the running-row bucket each iteration starts in."""
+  out: dict[int, list[int]] = {}
+  for j, a in walk:
+    rows = int(running[min(j, len(running) - 1)])
+    b = int(np.searchsorted(thresholds, max(rows, 1), side="right") - 1)
+    out.setdefault(b, []).append(a)
+  return out
+
+
+def summarise(by_bucket: dict[int, list[int]], thresholds) -> dict:
+  """Accept length per bucket and over all of them (the tail), with iteration counts."""
+  every = [a for v in by_bucket.values() for a in v]
+  return {"tail": float(np.mean(every)) if every else None, "iterations": len(every),
+          "buckets": {bucket_name(thresholds, b): {"accept": float(np.mean(v)),
+                                                   "iterations": len(v)}
+                      for b, v in sorted(by_bucket.items())}}
+
+
+def _responses(config, out: pathlib.Path, prompts: int, given: pathlib.Path | None):
+  """(prompt ids, response ids, reward) of every held-out request, in request order
+  (prompt-major); generated and cached in OUT, or read from `given`."""
+  from tlt_jax.components import (load_policy, load_tokenizer_for, make_engine,
+                                  reward_from_config, task_prompts)
+  from tlt_jax.drafter_training.warmup import cached_responses
+  from tlt_jax.mesh import make_mesh
+  samples = config.rl.num_samples
+  if given is not None:
+    rows = [json.loads(line) for line in open(given)]
+    return ([r["prompt"] for r in rows], [r["completion"] for r in rows],
+            [r.get("reward") for r in rows])
+  mesh = make_mesh(dict(config.mesh.axes))
+  tokenizer = load_tokenizer_for(config)
+  examples, ids = task_prompts(config, tokenizer, prompts, eval_split=True)
+  cfg, params = load_policy(config, mesh)
+  engine = make_engine(config, cfg, params, mesh, tokenizer.eos_token_id,
+                       tokenizer.pad_token_id or 0, speculative=False)
+  shim = types.SimpleNamespace(say=lambda m: print(m, flush=True), writer=True)
+  made_by = {"model.path": config.model.path, "model.dtype": config.model.dtype,
+             "max_new_tokens": config.rollout.max_new_tokens, "task": config.task.to_dict()}
+  completions = cached_responses(engine, ids, samples, config.rollout.temperature, config.seed,
+                                 str(out / "responses.jsonl"), shim, made_by)
+  engine.close()
+  texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+  repeated = [ex for ex in examples for _ in range(samples)]
+  rewards = reward_from_config(config)([ex.prompt for ex in repeated], texts,
+                                       answer=[ex.answer for ex in repeated],
+                                       metadata=[ex.metadata for ex in repeated])
+  return [ids[i // samples] for i in range(len(completions))], completions, list(rewards)
+
+
+def _variants(config, cfg, labelled: list[str]) -> dict[str, dict]:
+  """label -> name -> drafter: the config's drafters, with EAGLE from each --drafter
+  LABEL=PATH (the config's drafter.eagle.path when none is given)."""
+  from tlt_jax.components import drafter_settings
+  from tlt_jax.drafters import DRAFTERS, make_drafter
+  from tlt_jax.models.drafter_io import load_drafter
+  weightless = {name: make_drafter(name, drafter_settings(config, name))
+                for name, cls in DRAFTERS.items() if not cls.trained}
+  pairs = [item.split("=", 1) for item in labelled] or [["config", config.drafter.eagle.path]]
+  out = {}
+  for label, path in pairs:
+    if not path:
+      sys.exit(f"--drafter {label}=: give the path of an EAGLE export")
+    try:
+      _, settings, params = load_drafter(path, cfg, expect="eagle")
+    except (OSError, ValueError) as e:
+      sys.exit(f"--drafter {label}={path}: {e}")
+    out[label] = {**weightless, "eagle": make_drafter("eagle", settings, params)}
+  return out
+
+
+def measure(config, out: pathlib.Path, prompts: int, strategies: list, labelled: list[str],
+            given: pathlib.Path | None = None, thresholds=BUCKETS, min_length: int = 0,
+            bulk_every: int = 1) -> dict:
+  """Runs the measurement (see the module docstring); returns what tail_accept.json holds.
+  bulk_every: of the responses that end before their step's last `thresholds[-1] - 1` rows
+  run (they decode only where many rows do), measure every k-th (their iterations are many
+  and alike)."""
+  import jax
+  from tqdm import tqdm
+  from tlt_jax.components import load_policy
+  from tlt_jax.mesh import make_mesh
+  from tlt_jax.models.policy import Policy
+  from tlt_jax.speculative.strategy import Strategy
+  from tlt_jax.speculative.teacher_forced import response_depths
+  t0 = time.perf_counter()
+  out.mkdir(parents=True, exist_ok=True)
+  prompt_ids, responses, rewards = _responses(config, out, prompts, given)
+  lengths = np.asarray([len(r) for r in responses])
+  per_step = config.rl.prompts_per_step * config.rl.num_samples
+  steps = [range(s, min(s + per_step, len(responses))) for s in range(0, len(responses),
+                                                                       per_step)]
+  threshold = config.rollout.sd_threshold
+  mesh = make_mesh(dict(config.mesh.axes))
+  cfg, params = load_policy(config, mesh)
+  params = jax.device_put(params, mesh.devices.flat[0])
+  policy = Policy(params, cfg)
+  variants = _variants(config, cfg, labelled)
+  strategies = [Strategy.parse(s) for s in strategies]
+  width = -(-(config.rollout.max_prompt_len + config.rollout.max_new_tokens) // 64) * 64
+  samples = config.rl.num_samples
+  # Which responses reach the tail, where each starts SD, and the rows running there.
+  work = []
+  for step in steps:
+    step_lengths = lengths[list(step)]
+    starts = tail_starts(step_lengths, threshold)
+    running = running_rows(step_lengths)
+    bulk = running
+    for n, (i, first) in enumerate(zip(step, starts)):
+      in_bulk_only = bulk[min(max(lengths[i] - 2, 0), len(bulk) - 1)] >= thresholds[-1]
+      if in_bulk_only and n % bulk_every:
+        continue
+      if first < lengths[i] - 1 and lengths[i] >= min_length:
+        group = [responses[g] for g in range((i // samples) * samples,
+                                             (i // samples + 1) * samples) if g != i]
+        work.append((i, int(first), running, group))
+  results = {}
+  total = sum(int(lengths[i]) - first for i, first, _, _ in work)
+  for label, drafters in variants.items():
+    results[label] = {}
+    for strategy in strategies:
+      by_bucket: dict[int, list[int]] = {}
+      bar = tqdm(total=total, desc=f"{label} {strategy_label(strategy)}", unit="position")
+      t = time.perf_counter()
+      for i, first, running, group in work:
+        depths = response_depths(policy, drafters, strategy, prompt_ids[i], responses[i],
+                                 group, width=width, first=first)
+        for b, v in credit(depths.walk(first), running, thresholds).items():
+          by_bucket.setdefault(b, []).extend(v)
+        bar.update(int(lengths[i]) - first)
+      bar.close()
+      results[label][strategy_label(strategy)] = {**summarise(by_bucket, thresholds),
+                                                  "seconds": time.perf_counter() - t}
+  known = [r for r in rewards if r is not None]
+  return {
+      "what": "SD accept length in the tail on held-out responses, teacher-forced "
+              "(experiments/tail_accept.py)",
+      "date": datetime.date.today().isoformat(), "commit": git_commit(),
+      "command": " ".join(sys.argv), "config": config.to_dict().get("task"),
+      "model": config.model.path, "dtype": config.model.dtype,
+      "temperature": config.rollout.temperature, "sd_threshold": threshold,
+      "step_responses": per_step, "buckets": [bucket_name(thresholds, b)
+                                              for b in range(len(thresholds))],
+      "bulk_every": bulk_every,
+      "responses": {"count": len(responses), "mean": float(lengths.mean()),
+                    "median": float(np.median(lengths)),
+                    "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max()),
+                    "at_limit": int((lengths >= config.rollout.max_new_tokens).sum()),
+                    "reward_mean": float(np.mean(known)) if known else None,
+                    "in_tail": len(work)},
+      "variants": results, "seconds": time.perf_counter() - t0}
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+  """Accept length per running-row bucket, one group of bars per strategy and variant."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [(label, s, r) for label, v in result["variants"].items() for s, r in v.items()]
+  buckets = result["buckets"]
+  fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows)), 3.8), dpi=100)
+  width = 0.8 / (len(buckets) + 1)
+  for k, name in enumerate(buckets + ["tail"]):
+    values = [(r["tail"] if name == "tail" else r["buckets"].get(name, {}).get("accept")) or 0
+              for _, _, r in rows]
+    ax.bar(np.arange(len(rows)) + k * width, values, width, label=f"{name} rows"
+           if name != "tail" else f"tail (<= {result['sd_threshold']} rows)")
+  ax.set_xticks(np.arange(len(rows)) + width * len(buckets) / 2)
+  ax.set_xticklabels([f"{label}\n{s}" for label, s, _ in rows], fontsize=7)
+  ax.set_ylabel("tokens per SD iteration")
+  ax.set_title(f"accept length by running rows, T={result['temperature']}, "
+               f"{result['responses']['in_tail']} responses in the tail", fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_config_flags(parser, str(REPO / "configs" / "smollm2.py") + ":headline_cpu")
+  parser.add_argument("--out", type=pathlib.Path, required=True)
+  parser.add_argument("--prompts", type=int, default=32, help="held-out problems")
+  parser.add_argument("--responses", type=pathlib.Path,
+                      help="a responses.jsonl to read instead of generating")
+  parser.add_argument("--drafter", action="append", default=[], metavar="LABEL=PATH",
+                      help="an EAGLE export to measure (repeatable)")
+  parser.add_argument("--strategies", nargs="+", help="default: the config's arms")
+  parser.add_argument("--min-length", type=int, default=0,
+                      help="measure responses of at least this many tokens only")
+  parser.add_argument("--bulk-every", type=int, default=1, metavar="K",
+                      help="of the responses that end while 33 or more rows run, measure "
+                           "every K-th")
+  parser.add_argument("--quick", action="store_true",
+                      help="configs/default.py's tiny policy, 8 problems (CI)")
+  args = parser.parse_args(argv)
+  if args.out.exists() and not args.out.is_dir():
+    sys.exit(f"--out {args.out} is a file; give a folder")
+  if args.quick:
+    config = config_or_exit(str(REPO / "configs" / "default.py"), [
+        "mesh.num_cpu_devices=1", "mesh.axes.replica=1", "rollout.max_new_tokens=48",
+        "rl.prompts_per_step=4", "rl.num_samples=4", "rollout.sd_threshold=8", *args.set])
+    args.prompts = 8
+  else:
+    config = config_or_exit(args.config, ["mesh.num_cpu_devices=1", "mesh.axes.replica=1",
+                                          *args.set])
+  from tlt_jax.cli import setup_devices
+  setup_devices(config)
+  strategies = args.strategies or list(dict.fromkeys(config.rollout.speculative.arms))
+  result = measure(config, args.out, args.prompts, strategies, args.drafter, args.responses,
+                   min_length=args.min_length, bulk_every=args.bulk_every)
+  write_json(args.out / "tail_accept.json", result)
+  plot(result, args.out / "tail_accept.png")
+  print(f"{result['responses']['count']} responses (mean {result['responses']['mean']:.0f} "
+        f"tokens, {result['responses']['at_limit']} at the limit, reward "
+        f"{result['responses']['reward_mean']}); {result['responses']['in_tail']} reach the "
+        f"tail (<= {result['sd_threshold']} rows)")
+  for label, v in result["variants"].items():
+    for s, r in v.items():
+      cells = " ".join(f"{k}:{b['accept']:.2f}" for k, b in r["buckets"].items())
+      print(f"{label:>12} {s:>24}  tail {r['tail'] or 0:.2f}  {cells}")
+  print(f"wrote {args.out / 'tail_accept.json'}")
+
+
+if __name__ == "__main__":
+  main()
