@@ -533,3 +533,33 @@ def test_a_stage_its_time_limit_ended_counts_as_done(tmp_path, capsys):
   with pytest.raises(SystemExit, match="stage 'sft' failed \\(exit 75\\)"):
     e2e.run_stage("sft", stage("stopped before the last step with a checkpoint; rerun the "
                                "same command to resume (exit status 75)"), tmp_path / "s.log")
+
+
+def test_tail_accept_quick(tmp_path):
+  """tail_accept.py --quick: the tiny policy answers held-out problems once (cached), and each
+  arm's accept length per running-row bucket is measured on them, between 1 and depth + 1."""
+  out = tmp_path / "tail"
+  _run_script("tail_accept", "--quick", "--out", str(out))
+  data = json.loads((out / "tail_accept.json").read_text())
+  assert (out / "tail_accept.png").is_file() and (out / "responses.jsonl").is_file()
+  assert data["responses"]["count"] == 8 * 4 and data["responses"]["in_tail"] > 0
+  for strategy, row in data["variants"]["config"].items():
+    depth = int(strategy.split(",")[0])
+    assert 1.0 <= row["tail"] <= depth + 1 and row["iterations"] > 0
+    assert sum(b["iterations"] for b in row["buckets"].values()) == row["iterations"]
+  again = _run_script("tail_accept", "--quick", "--out", str(out))  # reuses the responses
+  assert "reusing 32 responses" in again.stdout
+
+
+def test_tail_accept_credits_iterations_to_the_rows_then_running():
+  tail = load_experiment("tail_accept")
+  lengths = __import__("numpy").asarray([2, 5, 9, 9])
+  running = tail.running_rows(lengths)
+  # Position j decodes token j + 1: a response of 2 tokens runs at position 0 only.
+  assert running.tolist() == [4, 3, 3, 3, 2, 2, 2, 2, 0]
+  assert tail.tail_starts(lengths, 2).tolist() == [2, 4, 4, 4]  # a response ends before
+  assert tail.credit([(0, 2), (3, 2), (5, 3)], running, (1, 2, 9)) == {1: [2, 2, 3]}
+  assert tail.credit([(8, 1)], running, (1, 2, 9)) == {0: [1]}
+  summary = tail.summarise({0: [1, 1], 1: [4]}, (1, 2))
+  assert summary["tail"] == 2.0 and summary["buckets"] == {
+      "1": {"accept": 1.0, "iterations": 2}, ">=2": {"accept": 4.0, "iterations": 1}}

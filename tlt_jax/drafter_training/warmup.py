@@ -125,7 +125,9 @@ def cached_responses(engine, prompts, samples: int, temperature: float, seed: in
   else decides them: the policy, the token budget) in path + '.json'. The cache serves a
   rerun only when it holds these prompts and was made with these settings."""
   n = len(prompts) * samples
-  made_by = dict(made_by, samples=samples, temperature=temperature, seed=seed)
+  # As the file will hold it (tuples read back as lists), so that a like rerun matches it.
+  made_by = json.loads(json.dumps(dict(made_by, samples=samples, temperature=temperature,
+                                       seed=seed)))
   asked = [list(prompts[i // samples]) for i in range(n)]  # each request's prompt
   if os.path.isfile(path) and os.path.isfile(path + ".json"):
     with open(path) as f, open(path + ".json") as g:
