@@ -89,7 +89,7 @@ def _generate(config, job: Job) -> None:
 
 def run():
   """Console-script entry point (`tlt-generate`)."""
-  run_job(_CONFIG, _WORKDIR, _generate, "generate", quiet_logs=False)
+  run_job(_CONFIG, _WORKDIR, _generate, "generate", quiet_logs=False, writes_metrics=False)
 
 
 if __name__ == "__main__":

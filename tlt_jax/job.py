@@ -278,19 +278,20 @@ class Job:
 
 
 def run_job(config_flag, workdir_flag, body, name: str, max_minutes=lambda config: 0.0,
-            quiet_logs: bool = True) -> None:
+            quiet_logs: bool = True, writes_metrics: bool = True) -> None:
   """A job's command line (`python -m`, console script): loads --config (errors exit in one
   line), sets the devices up and runs `body(config, job)` in a Job `name` over --workdir with
   max_minutes(config); exits with EXIT_STOPPED when body returns True (a signal stopped it,
   after its checkpoint) or its time limit ended it (`Job.time_limited`), else 0. quiet_logs:
-  absl logs from WARNING up (orbax logs every save at INFO)."""
+  absl logs from WARNING up (orbax logs every save at INFO). writes_metrics=False: the job
+  writes no run log, so the config's logging.* knobs are refused (`validate_config`)."""
 
   def main(argv):
     del argv
     if quiet_logs:
       logging.set_verbosity(logging.WARNING)
     config = cli.load_config(config_flag)
-    cli.setup_devices(config)
+    cli.setup_devices(config, writes_metrics=writes_metrics)
     with Job(workdir_flag.value, max_minutes=max_minutes(config),
              profile=profile_window(config), name=name,
              settings=flat_settings(config)) as job:

@@ -35,9 +35,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
-from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_drafters_for,
-                                load_policy, load_tokenizer_for, make_engine, run_drafters,
-                                task_prompts)
+from tlt_jax.components import (check_prompt_lengths, configured_strategy, drafter_opt_config,
+                                load_drafters_for, load_policy, load_tokenizer_for, make_engine,
+                                run_drafters, task_prompts)
 from tlt_jax.config import ConfigError, flat_settings
 from tlt_jax.drafters import DRAFTERS, make_drafter
 from tlt_jax.job import Job, run_job
@@ -47,7 +47,6 @@ from tlt_jax.mesh import make_mesh, to_mesh
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.sampling import SamplingParams
-from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -64,7 +63,7 @@ def _warmup(config, job: Job) -> bool:
     raise ConfigError(f"the run uses no trained drafter (its drafters: {list(used)}), so there "
                       f"is nothing to warm; name one of {trainable} in "
                       f"rollout.speculative.arms or drafter.names")
-  if missing := [n for n in Strategy.parse(strategy).drafts if n not in used]:
+  if missing := [n for n in configured_strategy(config).drafts if n not in used]:
     raise ConfigError(f"rollout.speculative.strategy={strategy!r} (the warm-up's accept-length "
                       f"check) drafts with {missing}, which the run does not use (its drafters: "
                       f"{list(used)}); set it to a strategy of the run's drafters")
