@@ -65,6 +65,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     except (ValueError, ImportError) as e:  # ImportError: a task's optional package
       raise ConfigError(str(e)) from None
   _check_drafters(config)
+  _check_mtp_heads(config)
   for knob in unread_knobs(config, writes_metrics):
     raise ConfigError(knob.message)
   _advise_on_fused_features(config)
@@ -107,6 +108,24 @@ def _check_drafters(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"{key} drafts with {missing}, which drafter.names={tuple(d.names)!r} "
                       f"does not list; add them (or set drafter.names=() for the drafters the "
                       f"strategies name)")
+
+
+def _check_mtp_heads(config: ml_collections.ConfigDict) -> None:
+  """drafter.mtp.num_heads no more than the deepest strategy that drafts with MTP drafts
+  (the tuner's, and rollout.speculative.strategy, the warm-up's): head k drafts at depth
+  k + 1 only, so heads past that depth would be trained and never draft."""
+  if "mtp" not in run_drafters(config):
+    return
+  strategies = [s for s in (*_tuner_strategies(config), configured_strategy(config))
+                if "mtp" in s.drafts]
+  deepest = max((s.depth for s in strategies), default=None)
+  heads = config.drafter.mtp.num_heads
+  if deepest is not None and heads > deepest:
+    raise ConfigError(f"drafter.mtp.num_heads={heads} is more heads than the deepest strategy "
+                      f"that drafts with MTP drafts ({deepest} tokens, in "
+                      f"{_strategies_key(config)} or rollout.speculative.strategy): heads past "
+                      f"depth {deepest} are trained and never draft; set "
+                      f"drafter.mtp.num_heads={deepest}, or draft deeper with MTP")
 
 
 class UnreadKnob(NamedTuple):
