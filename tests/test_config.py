@@ -124,6 +124,9 @@ def _cli(*args, timeout=300):
     (["--config.mesh.axes.replica=3"], "config error: mesh.axes="),
     (["--config.model.dtype=fp8"], "config error: model.dtype='fp8' is not allowed"),
     (["--config.model.path=/nope"], "config error: model.path='/nope' does not exist"),
+    (["--config.generate.max_new_tokens=2000"], "config error: generate.prompt_len + "
+                                                "generate.max_new_tokens = 2016 exceeds "
+                                                "max_position_embeddings of "),
     (["--config.logging.tensorboard=True"], "config error: logging.tensorboard=True is set but "
                                             "this job writes no metrics"),
 ])
@@ -309,7 +312,8 @@ def test_rollout_sections_build_the_engine_pieces():
                               r"read it; set rl.algorithm='dapo', or leave rl.dapo.max_rounds "
                               r"at its default \(3\)$"),
     # Silent before: the strategy was read by the fixed tuner and the warm-up alone, a knob of
-    # a tuner that is not the run's or the W&B project without W&B was ignored.
+    # a tuner that is not the run's or the W&B project without W&B was ignored, generate
+    # decoded past the model's positions.
     ("rollout.speculative.strategy", "4,2,8,medusa",
      r"^rollout.speculative.strategy='4,2,8,medusa': unknown drafter 'medusa' in a strategy"),
     ("rollout.speculative.strategy", "fast", r"^rollout.speculative.strategy='fast': a strategy "
@@ -321,6 +325,8 @@ def test_rollout_sections_build_the_engine_pieces():
     ("logging.wandb_project", "mine", r"^logging.wandb_project='mine' is set but logging.wandb="
                                       r"False \(no W&B run\); set logging.wandb=True, or leave "
                                       r"logging.wandb_project at its default \('tlt_jax'\)$"),
+    ("generate.max_new_tokens", 5000, r"^generate.prompt_len \+ generate.max_new_tokens = 5016 "
+                                      r"exceeds model.max_position_embeddings=4096; lower them$"),
 ])
 def test_bad_rollout_values(path, value, match):
   c = base_config()

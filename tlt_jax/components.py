@@ -76,15 +76,18 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
       raise ConfigError(f"drafter.eagle.draft_vocab_size={config.drafter.eagle.draft_vocab_size}"
                         f" is below the widest strategy's topk ({widest}); use at least {widest}")
   _check_corpus_rows(config)
-  r = config.rollout
   limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
   if config.model.path:  # the checkpoint's own limit
     with open(os.path.join(config.model.path, "config.json")) as f:
       limit = json.load(f).get("max_position_embeddings", limit)
     source = f"max_position_embeddings of {config.model.path}/config.json"
-  if r.max_prompt_len + r.max_new_tokens > limit:
-    raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
-                      f"{r.max_prompt_len + r.max_new_tokens} exceeds {source}={limit}")
+  # The rollout's requests (every RL job) and python -m tlt_jax.generate's: no position past
+  # the model's limit, where its RoPE was never trained.
+  for section, prompt in (("rollout", "max_prompt_len"), ("generate", "prompt_len")):
+    longest = config[section][prompt] + config[section].max_new_tokens
+    if longest > limit:
+      raise ConfigError(f"{section}.{prompt} + {section}.max_new_tokens = {longest} exceeds "
+                        f"{source}={limit}; lower them")
 
 
 def _advise_on_fused_features(config: ml_collections.ConfigDict) -> None:
