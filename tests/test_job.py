@@ -50,6 +50,28 @@ def test_sigterm_asks_for_a_stop_and_the_handlers_come_back(tmp_path):
   assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize("problem", ["a file", "not writable"])
+def test_a_tensorboard_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, problem):
+  from tlt_jax.config import base_config
+  config = base_config()
+  config.logging.tensorboard = True
+  folder = tmp_path / "tensorboard"
+  if problem == "a file":
+    folder.write_text("")
+    why = "file exists"
+  else:  # as root any folder is writable: the check asks os.access
+    folder.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: p != str(folder) and real(p, mode))
+    why = "not writable"
+  with Job(str(tmp_path)) as job:
+    with pytest.raises(ConfigError) as e:
+      job.run_log(config=config)
+  assert str(e.value) == (f"logging.tensorboard=True writes to {folder}, which cannot be a "
+                          f"writable folder ({why}); move what is there away, or set "
+                          f"logging.tensorboard=False")
+
+
 def test_the_compile_account_counts_the_job_s_compiles(tmp_path):
   with Job(str(tmp_path)) as job:
     assert job.compiles()["xla_compiles"] == 0

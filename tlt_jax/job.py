@@ -151,9 +151,12 @@ class Job:
     `tlt_jax.metric_writers`)."""
     if resume_step == 0 and self.writer:
       self._refuse_to_overwrite_an_earlier_run()
-    mirrors = (writers_from_config(config.logging, self.workdir, resume_step,
-                                   flat_settings(config))
-               if config is not None and self.writer else ())
+    try:
+      mirrors = (writers_from_config(config.logging, self.workdir, resume_step,
+                                     flat_settings(config))
+                 if config is not None and self.writer else ())
+    except ValueError as e:  # a writer's folder that cannot be written
+      raise ConfigError(str(e)) from None
     return RunLog(self.workdir, resume_step=resume_step, write=self.writer, mirrors=mirrors)
 
   def _refuse_to_overwrite_an_earlier_run(self) -> None:
