@@ -22,8 +22,7 @@ def test_dapo_on_reasoning_gym_runs_from_the_command_line(tmp_path):
   run = tmp_path / "dapo_gym"
   r = subprocess.run(
       [sys.executable, "-m", "tlt_jax.train", "--config", "configs/default.py:runlocal",
-       "--workdir", str(run), "--config.rl.algorithm=dapo",
-       "--config.rl.dapo.overlong_buffer=16", "--config.task.name=reasoning_gym",
+       "--workdir", str(run), "--config.rl.algorithm=dapo", "--config.task.name=reasoning_gym",
        "--config.rollout.max_prompt_len=384", "--config.rollout.speculative.enable=False",
        "--config.drafter.spot_training=False", "--config.rl.save_rollouts=True",
        "--config.rl.export=False", "--config.rl.eval_samples=0",
