@@ -78,6 +78,14 @@ def renamed_hint(message: str) -> str:
                  if any(f"{q}{old.rpartition('.')[2]}{q}" in message for q in "'\""))
 
 
+# Settings a rerun of a job in the same workdir may change alone: they extend the run, limit
+# or watch it, and never decide an array's shape (a checkpoint's refusal does not name them).
+RERUN_SETTINGS = ("rl.steps", "rl.max_minutes", "sft.steps", "sft.max_minutes",
+                  "drafter.warmup.steps", "drafter.warmup.max_minutes", "profile.first_step",
+                  "profile.num_steps", "logging.tensorboard", "logging.wandb",
+                  "logging.wandb_project")
+
+
 class RunStopped(RuntimeError):
   """The run cannot go on (e.g. a non-finite update); the message says why, at which step,
   and what on disk is intact."""
