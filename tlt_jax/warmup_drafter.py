@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 import jax
 import numpy as np
@@ -162,8 +163,10 @@ def _warmup(config, job: Job) -> bool:
                    "steps", "responses", "loss_last", "top1_last", "accept_len_untrained",
                    "accept_len_warmed", "strategy")}})
   job.write_json("summary.json", summary)
-  job.say(f"exported {', '.join(settings)} to {job.path('export')}/; "
-          f"{summary['wall_s']:.0f} s")
+  passed = " ".join(f"--config.drafter.{name}.path={os.path.abspath(job.path('export', name))}"
+                    for name in settings)
+  job.say(f"exported {', '.join(settings)} in {summary['wall_s']:.0f} s; an RL run loads "
+          f"{'it' if len(settings) == 1 else 'them'} with {passed}")
   return False
 
 
