@@ -71,6 +71,8 @@ def _warmup(config, job: Job) -> bool:
 
   # ---------------------------------------------------------------- policy and prompts
   mesh = make_mesh(dict(config.mesh.axes))
+  job.phase(f"mesh {dict(mesh.shape)} on {jax.device_count()} devices; loading the "
+            f"tokenizer, policy and prompts")
   tokenizer = load_tokenizer_for(config)
   check_prompt_lengths(config, tokenizer)
   cfg, params = load_policy(config, mesh)
@@ -79,6 +81,9 @@ def _warmup(config, job: Job) -> bool:
   eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
 
   # ---------------------------------------------------------------- the policy's responses
+  job.phase(f"the policy's responses to {len(prompts)} prompts x {w.samples_per_prompt}, up "
+            f"to {w.max_new_tokens} tokens each (compiling the rollout's programs first), or "
+            f"those a like run left in {job.path('generations.jsonl')}")
   engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
   completions = cached_responses(
       engine, prompts, w.samples_per_prompt, w.temperature, config.seed,
@@ -86,9 +91,13 @@ def _warmup(config, job: Job) -> bool:
       made_by={**{k: v for k, v in flat_settings(config).items() if k.startswith("model.")},
                "max_new_tokens": w.max_new_tokens})
   repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
-  samples = collect_samples(params, cfg, repeated, completions, progress=True)
+  job.phase(f"the policy's features of the {len(completions)} responses")
+  samples = collect_samples(params, cfg, repeated, completions,
+                            progress=job.writer and job.show_progress)
 
   # ---------------------------------------------------------------- train, with checkpoints
+  job.phase(f"training {', '.join(n for n in used if DRAFTERS[n].trained)} for "
+            f"{w.steps} steps (compiling the update first)")
   drafters = load_drafters_for(config, cfg, fresh=True)
   settings = {n: d.settings for n, d in drafters.items() if d.trained}
   # Fresh weights adapted to the responses (e.g. EAGLE-3's draft vocabulary).
@@ -131,6 +140,8 @@ def _warmup(config, job: Job) -> bool:
       return True
 
     # -------------------------------------------------------------- held-out accept length
+    job.phase(f"the greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "
+              f"{strategy} (compiling its programs first)")
     accept = {}
     for label, weights in (("untrained", untrained), ("warmed", dparams)):
       with_weights = {n: make_drafter(n, d.settings, weights[n]) if d.trained else d
