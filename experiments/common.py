@@ -1,6 +1,7 @@
 """What the experiments share: the repository root, a run's record (device, jax version, date,
-commit, command line), JSON written whole and read back, the command that runs a sibling as a
-module, the --config/--set flags of the config-driven benchmarks, and a strategy's label."""
+commit, command line), JSON written whole and read back, folders a script may replace (its
+own, marked), the command that runs a sibling as a module, the --config/--set flags of the
+config-driven benchmarks, and a strategy's label."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import subprocess
 import sys
 
 from tlt_jax import run_log
+from tlt_jax.config import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,6 +51,30 @@ def module_command(name: str, *args) -> list[str]:
   run it with cwd=REPO."""
   module = name if "." in name else f"experiments.{name}"
   return [sys.executable, "-m", module, *map(str, args)]
+
+
+def check_own_folder(path: pathlib.Path, script: str) -> pathlib.Path:
+  """The mark file of `script`'s own folder `path`; ConfigError (one line, naming the folder
+  and the fix) when `path` is a file, or a folder that holds anything without that mark."""
+  mark = path / f".made_by_{script}"
+  if path.exists() and not mark.is_file() and (not path.is_dir() or any(path.iterdir())):
+    what = "is a file" if not path.is_dir() else f"holds files that {script} did not write"
+    raise ConfigError(f"{path} {what}; nothing was changed: move it away, or give {script} "
+                      f"another output folder")
+  return mark
+
+
+def own_folder(path: pathlib.Path, script: str, replace: bool = True) -> pathlib.Path:
+  """`path` as a folder of `script`'s own (a mark file in it says so): one it marked earlier
+  is emptied first (kept as it is with replace=False); a new or empty one is made and marked;
+  one that holds anything else is refused, untouched (`check_own_folder`): no script deletes
+  what it did not make."""
+  mark = check_own_folder(path, script)
+  if replace and mark.is_file():
+    shutil.rmtree(path)
+  path.mkdir(parents=True, exist_ok=True)
+  mark.write_text(f"made by experiments/{script}.py, which may replace this folder\n")
+  return path
 
 
 def read_json(path: pathlib.Path) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import shutil
 import sys
 import time
 
@@ -36,6 +35,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from .common import own_folder
 from tlt_jax.cli import config_from_file, set_config_value, setup_devices
 from tlt_jax.config import ConfigError
 from tlt_jax.train import train
@@ -73,8 +73,7 @@ def run_one(base, overrides: list[str], seed: int, workdir: pathlib.Path) -> dic
   config.rl.export = False
   config.rl.paired_control = True
   config.lock()
-  if workdir.exists():
-    shutil.rmtree(workdir)
+  own_folder(workdir, "grpo_settings")
   t0 = time.perf_counter()
   train(config, str(workdir), progress=False)
   evals = [json.loads(line) for line in open(workdir / "eval.jsonl")]
@@ -167,7 +166,10 @@ def main():
     runs = []
     for seed in seeds:
       print(f"=== {name} (seed {seed}): {' '.join(overrides) or 'no overrides'}", flush=True)
-      runs.append(run_one(config, overrides, seed, args.out / "runs" / f"{name}-seed{seed}"))
+      try:
+        runs.append(run_one(config, overrides, seed, args.out / "runs" / f"{name}-seed{seed}"))
+      except ConfigError as e:  # a run folder this script did not make
+        sys.exit(f"error: {e}")
     result["settings"][name] = {"overrides": overrides, "runs": runs, **summarize(runs)}
     with open(args.out / "grpo_settings.json", "w") as f:  # a killed sweep keeps what ran
       json.dump(result, f, indent=2)

@@ -55,6 +55,7 @@ from matplotlib.ticker import MaxNLocator
 
 from jax.experimental.compilation_cache import compilation_cache
 
+from .common import check_own_folder, own_folder
 from tlt_jax.cli import config_from_file, set_config_value, setup_devices
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.config import ConfigError
@@ -85,7 +86,11 @@ def run_variants(base, variants: list[str], out: pathlib.Path, resume: bool = Fa
   unless `resume`: then a variant that finished (its run.json) is read back, and one that was
   cut off resumes from its own checkpoints (its compiles and wall time count again).
   fresh_cache: each run gets an empty persistent compilation cache of its own, as on a new
-  machine: its slices share programs through it, and no run loads another's."""
+  machine: its slices share programs through it, and no run loads another's. A variant's
+  folder, OUT/runs/<variant>, is replaced only when an earlier run of this script made it:
+  ConfigError (before any run) for one that holds anything else."""
+  for name in variants:  # every folder refused before any run starts
+    check_own_folder(out / "runs" / name, "rl_runs")
   runs = {}
   for name in variants:
     config = base.copy_and_resolve_references()
@@ -100,8 +105,7 @@ def run_variants(base, variants: list[str], out: pathlib.Path, resume: bool = Fa
       print(f"=== {name}: finished in an earlier run, read back", flush=True)
       done = json.loads(record.read_text())
     else:
-      if workdir.exists() and not resume:
-        shutil.rmtree(workdir)
+      own_folder(workdir, "rl_runs", replace=not resume)
       print(f"=== {name}", flush=True)
       with _own_cache(out / "xla-cache" / name, fresh_cache):
         t0 = time.perf_counter()
@@ -118,11 +122,12 @@ def run_variants(base, variants: list[str], out: pathlib.Path, resume: bool = Fa
 
 @contextlib.contextmanager
 def _own_cache(path: pathlib.Path, fresh: bool):
-  """With `fresh`, an empty compilation cache at `path` while the block runs, removed after."""
+  """With `fresh`, an empty compilation cache at `path` (a folder of this script's own) while
+  the block runs, removed after."""
   if not fresh:
     yield
     return
-  shutil.rmtree(path, ignore_errors=True)
+  own_folder(path, "rl_runs")
   enable_compilation_cache(str(path))
   compilation_cache.reset_cache()  # the next compile opens the new folder
   try:
@@ -318,8 +323,11 @@ def main():
   # takes what the user's cache holds.
   setup_devices(config, compilation_cache=args.quick)
   args.out.mkdir(parents=True, exist_ok=True)
-  runs = run_variants(config, args.variants, args.out, resume=args.resume,
-                      fresh_cache=not args.quick)
+  try:
+    runs = run_variants(config, args.variants, args.out, resume=args.resume,
+                        fresh_cache=not args.quick)
+  except ConfigError as e:
+    sys.exit(f"rl_runs: {e}")
 
   base = runs["baseline"]
   lengths = length_percentiles(base["rollouts"])

@@ -138,6 +138,8 @@ def test_checkpoints_of_checksum_version_1_are_checked_as_written(tmp_path):
 
 
 def test_a_checkpoint_of_other_settings_stops_the_restore_and_is_kept(tmp_path):
+  """The refusal names the settings that differ, less those a rerun may change alone
+  (rl.steps: raised to extend a run)."""
   ckpt = Checkpointer(str(tmp_path / "ckpt"), settings={"drafter.spot_training": True,
                                                         "rl.steps": 4})
   ckpt.save(4, _state(4), {"step": 4})
@@ -145,8 +147,13 @@ def test_a_checkpoint_of_other_settings_stops_the_restore_and_is_kept(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"), settings={"drafter.spot_training": False,
                                                         "rl.steps": 6})
   with pytest.raises(CheckpointMismatch, match=r"step 4 .* other settings \("
-                     r"drafter.spot_training: True -> False; rl.steps: 4 -> 6\).*--start_over"):
+                     r"drafter.spot_training: True -> False\); nothing.*--start_over"):
     ckpt.restore_latest({"w": _state(0)["w"]})  # the state's structure changed
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), settings={"drafter.spot_training": True,
+                                                        "rl.steps": 6})
+  with pytest.raises(CheckpointMismatch, match=r"fit this run: its 2 arrays are not this run's 1"):
+    ckpt.restore_latest({"w": _state(0)["w"]})  # rl.steps alone explains nothing
   assert ckpt.manager.all_steps() == [4] and not os.path.exists(tmp_path / "failed_checkpoints")
   # Settings that leave the state as it was (rl.steps) just resume.
   assert ckpt.restore_latest(_state(0))[0] == 4

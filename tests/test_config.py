@@ -124,6 +124,11 @@ def _cli(*args, timeout=300):
     (["--config.mesh.axes.replica=3"], "config error: mesh.axes="),
     (["--config.model.dtype=fp8"], "config error: model.dtype='fp8' is not allowed"),
     (["--config.model.path=/nope"], "config error: model.path='/nope' does not exist"),
+    (["--config.generate.max_new_tokens=2000"], "config error: generate.prompt_len + "
+                                                "generate.max_new_tokens = 2016 exceeds "
+                                                "max_position_embeddings of "),
+    (["--config.logging.tensorboard=True"], "config error: logging.tensorboard=True is set but "
+                                            "this job writes no metrics"),
 ])
 def test_cli_config_errors_are_one_line(args, message):
   r = _cli("--config", "configs/default.py", *args)
@@ -306,6 +311,22 @@ def test_rollout_sections_build_the_engine_pieces():
     ("rl.dapo.max_rounds", 5, r"^rl.dapo.max_rounds=5 is set but rl.algorithm='grpo' does not "
                               r"read it; set rl.algorithm='dapo', or leave rl.dapo.max_rounds "
                               r"at its default \(3\)$"),
+    # Silent before: the strategy was read by the fixed tuner and the warm-up alone, a knob of
+    # a tuner that is not the run's or the W&B project without W&B was ignored, generate
+    # decoded past the model's positions.
+    ("rollout.speculative.strategy", "4,2,8,medusa",
+     r"^rollout.speculative.strategy='4,2,8,medusa': unknown drafter 'medusa' in a strategy"),
+    ("rollout.speculative.strategy", "fast", r"^rollout.speculative.strategy='fast': a strategy "
+                                             r"is \(depth, topk, verify_tokens\[, drafts\]\)"),
+    ("rollout.speculative.explore_iterations", 8,
+     r"^rollout.speculative.explore_iterations=8 is set but rollout.speculative.tuner='beg_mab' "
+     r"does not read it; use the 'cheapest' tuner, or leave "
+     r"rollout.speculative.explore_iterations at its default \(4\)$"),
+    ("logging.wandb_project", "mine", r"^logging.wandb_project='mine' is set but logging.wandb="
+                                      r"False \(no W&B run\); set logging.wandb=True, or leave "
+                                      r"logging.wandb_project at its default \('tlt_jax'\)$"),
+    ("generate.max_new_tokens", 5000, r"^generate.prompt_len \+ generate.max_new_tokens = 5016 "
+                                      r"exceeds model.max_position_embeddings=4096; lower them$"),
 ])
 def test_bad_rollout_values(path, value, match):
   c = base_config()
@@ -316,6 +337,74 @@ def test_bad_rollout_values(path, value, match):
   node[key] = value
   with pytest.raises(ConfigError, match=match):
     validate_config(c)
+
+
+@pytest.mark.parametrize("tuner", ["cheapest", "table", "fixed"])
+def test_the_strategy_is_checked_under_every_tuner(tuner):
+  """The warm-up's accept-length check reads rollout.speculative.strategy whatever the tuner."""
+  c = base_config()
+  c.rollout.speculative.tuner = tuner
+  validate_config(c)
+  c.rollout.speculative.strategy = "4,2,8,eagle+medusa"
+  with pytest.raises(ConfigError, match=r"^rollout.speculative.strategy='4,2,8,eagle\+medusa': "
+                                        r"unknown drafter 'medusa'"):
+    validate_config(c)
+
+
+@pytest.mark.parametrize("tuner,knob,value,readers", [
+    ("fixed", "epsilon", 0.3, "'beg_mab' or 'cheapest'"),
+    ("table", "window", 10, "'beg_mab' or 'cheapest'"),
+    ("cheapest", "plain_arm", False, "'beg_mab'"),
+    ("fixed", "explore_iterations", 2, "'cheapest'"),
+])
+def test_a_tuner_knob_the_tuner_does_not_read_is_refused(tuner, knob, value, readers):
+  """Each tuner knob is read by the tuners whose constructors take it, and by no other."""
+  c = base_config()
+  c.rollout.speculative.tuner = tuner
+  c.rollout.speculative[knob] = value
+  default = base_config().rollout.speculative[knob]
+  with pytest.raises(ConfigError) as e:
+    validate_config(c)
+  assert str(e.value) == (f"rollout.speculative.{knob}={value!r} is set but "
+                          f"rollout.speculative.tuner={tuner!r} does not read it; use the "
+                          f"{readers} tuner, or leave rollout.speculative.{knob} at its default "
+                          f"({default!r})")
+  c.rollout.speculative.tuner = readers.split("'")[1]
+  validate_config(c)
+  c.rollout.speculative.update(tuner=tuner, enable=False)  # no SD: no tuner reads any of them
+  validate_config(c)
+
+
+def test_logging_on_a_job_that_writes_no_metrics_is_refused():
+  c = base_config()
+  c.logging.tensorboard = True
+  validate_config(c)
+  with pytest.raises(ConfigError, match=r"^logging.tensorboard=True is set but this job writes "
+                                        r"no metrics; log a job that does"):
+    validate_config(c, writes_metrics=False)
+
+
+def test_a_value_the_command_line_made_unread_goes_and_one_it_gives_stays():
+  """configs/default.py's EAGLE drafter path, once the arms draft without EAGLE, is dropped
+  with it (the user only switched to weightless drafters); the same path given with them is
+  refused, and so is a config file's own value that its own run does not read."""
+  weightless = "rollout.speculative.arms=('4,1,5,suffix',)"
+  c = config_from_file(f"{REPO}/configs/default.py:runlocal", [weightless])
+  validate_config(c)
+  assert c.drafter.eagle.path == ""
+  drafter = os.path.join(REPO, "assets", "tiny-drafter")
+  c = config_from_file(f"{REPO}/configs/default.py:runlocal",
+                       [weightless, f"drafter.eagle.path={drafter}"])
+  with pytest.raises(ConfigError, match=r"^drafter.eagle.path='.*tiny-drafter' is set but the "
+                                        r"run does not use drafter 'eagle'"):
+    validate_config(c)
+  c = config_from_file(f"{REPO}/configs/default.py:runlocal", ["drafter.mtp.num_heads=2"])
+  with pytest.raises(ConfigError, match=r"^drafter.mtp.num_heads=2 is set but the run does not"):
+    validate_config(c)
+  # On a job's command line: the config passes (the job stops at its workdir, after it).
+  r = _cli("--config", "configs/default.py:runlocal", "--workdir", "/dev/null/x",
+           f"--config.{weightless}")
+  assert "--workdir '/dev/null/x' cannot be a folder" in r.stderr, r.stderr[-2000:]
 
 
 def test_gpu_configs_need_a_model_path_and_validate_with_one():

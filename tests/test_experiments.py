@@ -342,6 +342,45 @@ def _check_rl_runs(out, responses_per_step):
         [{k: m[k] for k in same} for m in data["runs"]["baseline"]["metrics"]], name
 
 
+def test_a_script_replaces_only_folders_it_made(tmp_path):
+  """own_folder: a new or empty folder is made the script's own (marked), and replaced on
+  its next run; a file, or a folder holding what the script did not write, is refused whole."""
+  from tlt_jax.config import ConfigError
+  own_folder = load_experiment("common").own_folder
+  run = own_folder(tmp_path / "runs" / "tlt", "rl_runs")
+  (run / "metrics.jsonl").write_text("{}\n")
+  assert own_folder(run, "rl_runs", replace=False) == run and (run / "metrics.jsonl").exists()
+  own_folder(run, "rl_runs")
+  assert [p.name for p in run.iterdir()] == [".made_by_rl_runs"]
+  theirs = tmp_path / "theirs"
+  theirs.mkdir()
+  (theirs / "notes.txt").write_text("mine")
+  (tmp_path / "a-file").write_text("mine")
+  for path, what in ((theirs, "holds files that rl_runs did not write"), (tmp_path / "a-file",
+                                                                         "is a file")):
+    with pytest.raises(ConfigError) as e:
+      own_folder(path, "rl_runs")
+    assert str(e.value) == (f"{path} {what}; nothing was changed: move it away, or give "
+                            f"rl_runs another output folder")
+  assert (theirs / "notes.txt").read_text() == (tmp_path / "a-file").read_text() == "mine"
+
+
+def test_rl_runs_refuses_a_run_folder_it_did_not_make_before_any_run(tmp_path):
+  """It deleted OUT/runs/<variant> whoever wrote it (the quick start's runs, given the
+  repository root as --out)."""
+  theirs = tmp_path / "runs" / "tlt"
+  theirs.mkdir(parents=True)
+  (theirs / "metrics.jsonl").write_text("{}\n")
+  r = subprocess.run([*_module("rl_runs"), "--quick", "--out", str(tmp_path)], cwd=REPO,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+      f"rl_runs: {theirs} holds files that rl_runs did not write; nothing was changed: move it "
+      f"away, or give rl_runs another output folder"], r.stderr[-2000:]
+  assert (theirs / "metrics.jsonl").read_text() == "{}\n"
+  assert [p.name for p in (tmp_path / "runs").iterdir()] == ["tlt"]  # nothing ran
+
+
 @pytest.mark.slow
 def test_grpo_settings_quick(tmp_path):
   _run_script("grpo_settings", "--quick", "--out", str(tmp_path))

@@ -4,6 +4,7 @@ a clean stop on SIGTERM, JSON written whole, the compile account."""
 import json
 import os
 import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,91 @@ def test_sigterm_asks_for_a_stop_and_the_handlers_come_back(tmp_path):
     os.kill(os.getpid(), signal.SIGTERM)
     assert job.stop.requested
   assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_after_the_first_signal_the_next_one_ends_the_process_in_the_kernel(tmp_path):
+  """A Python handler runs only between bytecodes, not in a compile's C++: the first signal
+  leaves the default actions in place, so that a second stops the process at once."""
+  before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+  with Job(str(tmp_path)):
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, before[signal.SIGTERM])
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+  assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_phase_says_what_the_job_does_beats_while_silent_and_ends_a_stopped_job(tmp_path,
+                                                                                 capsys):
+  from tlt_jax.job import EXIT_STOPPED
+  with pytest.raises(SystemExit) as stopped:
+    with Job(str(tmp_path), heartbeat_s=0.5) as job:
+      job.phase("compiling the rollout")
+      time.sleep(2.5)  # silent: the heartbeat says the phase still runs
+      out = capsys.readouterr().out
+      assert out.startswith("[     0 s] compiling the rollout\n")
+      assert "s] still compiling the rollout (0 programs compiled so far)" in out
+      os.kill(os.getpid(), signal.SIGTERM)
+      job.phase("the policy update")
+  assert stopped.value.code == EXIT_STOPPED
+  err = capsys.readouterr().err
+  assert err.endswith("stopped by a signal before the policy update; rerun the same command to "
+                      "go on (exit status 75)\n")
+  with Job(str(tmp_path)):  # the lock was released before the exit
+    pass
+
+
+@pytest.mark.parametrize("problem", ["a file", "not writable"])
+def test_a_tensorboard_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, problem):
+  from tlt_jax.config import base_config
+  config = base_config()
+  config.logging.tensorboard = True
+  folder = tmp_path / "tensorboard"
+  if problem == "a file":
+    folder.write_text("")
+    why = "file exists"
+  else:  # as root any folder is writable: the check asks os.access
+    folder.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: p != str(folder) and real(p, mode))
+    why = "not writable"
+  with Job(str(tmp_path)) as job:
+    with pytest.raises(ConfigError) as e:
+      job.run_log(config=config)
+  assert str(e.value) == (f"logging.tensorboard=True writes to {folder}, which cannot be a "
+                          f"writable folder ({why}); move what is there away, or set "
+                          f"logging.tensorboard=False")
+
+
+@pytest.mark.slow
+def test_a_job_says_what_it_does_at_once_stops_on_a_signal_in_setup_and_at_once_on_two(
+    tmp_path):
+  """The warm-up job (the issue's: silent for minutes, then deaf to a second SIGTERM): its
+  first line, at its start, names the mesh; a signal during setup ends it at the next phase
+  (exit 75), two end it at once; the same command then runs to the end and names the folder
+  to pass as drafter.eagle.path."""
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "-m", "tlt_jax.warmup_drafter", "--config", "configs/default.py:runlocal",
+         "--workdir", str(tmp_path / "w")]
+  for signals, returncode in ((1, 75), (2, -signal.SIGTERM)):
+    proc = subprocess.Popen(cmd, cwd=repo, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    assert first.startswith("[     0 s] mesh {'replica': 2, 'fsdp': 1, 'tensor': 1} on 2 "
+                            "devices; loading"), first + proc.stderr.read()[-2000:]
+    for _ in range(signals):
+      proc.send_signal(signal.SIGTERM)
+      time.sleep(0.1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == returncode, err[-2000:]
+    assert "received SIGTERM: stopping after this step" in out + err
+    assert ("stopped by a signal before " in err) == (signals == 1)
+  done = subprocess.run(cmd, cwd=repo, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert f"--config.drafter.eagle.path={tmp_path / 'w' / 'export' / 'eagle'}" in done.stdout
+  assert "s] training eagle for 6 steps" in done.stdout
 
 
 def test_the_compile_account_counts_the_job_s_compiles(tmp_path):

@@ -33,7 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from tlt_jax.config import ConfigError, RunStopped
+from tlt_jax.config import RERUN_SETTINGS, ConfigError, RunStopped
 
 FAILED_DIR = "failed_checkpoints"
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -81,8 +81,10 @@ def checksums(tree, version: int = CHECKSUM_VERSION) -> list[int]:
 
 
 def settings_diff(old: dict, new: dict, most: int = 6) -> str:
-  """'key: old -> new; ...' over the keys whose values differ ('' when none)."""
-  keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+  """'key: old -> new; ...' over the keys whose values differ, those a rerun may change alone
+  (RERUN_SETTINGS) left out ('' when none)."""
+  keys = sorted(k for k in old.keys() | new.keys()
+                if old.get(k) != new.get(k) and k not in RERUN_SETTINGS)
   parts = [f"{k}: {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys[:most]]
   if len(keys) > most:
     parts.append(f"and {len(keys) - most} more")

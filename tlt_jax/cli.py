@@ -16,7 +16,7 @@ from absl import flags
 from ml_collections.config_flags import tuple_parser
 
 from tlt_jax.compile_cache import enable_compilation_cache
-from tlt_jax.components import first_line, validate_config
+from tlt_jax.components import drop_values_made_unread, first_line, validate_config
 from tlt_jax.config import RENAMED_KEYS, ConfigError, RunStopped, current_key, renamed_hint
 from tlt_jax.mesh import initialize_distributed
 
@@ -88,22 +88,31 @@ def _one_line(e: Exception) -> str:
 
 
 def load_config(flag):
-  """The value of a config_flags flag; errors raised by the config file exit in one line."""
+  """The value of a config_flags flag; errors raised by the config file exit in one line. A
+  value the config file set for a part of the run that the command line switched off is
+  dropped (`components.drop_values_made_unread`)."""
   try:
-    return flag.value
+    config = flag.value
   except (AttributeError, KeyError, ValueError, TypeError) as e:
     sys.exit(f"config error: {_one_line(e)}")
+  parsed = flags.FLAGS[flag.name]
+  try:
+    file_config = read_config_file(parsed.config_filename)
+  except ConfigError as e:
+    sys.exit(f"config error: {e}")
+  return drop_values_made_unread(config, file_config, parsed.override_values)
 
 
-def setup_devices(config, compilation_cache: bool = True) -> int:
+def setup_devices(config, compilation_cache: bool = True, writes_metrics: bool = True) -> int:
   """Applies mesh.num_cpu_devices and mesh.distributed (before JAX starts a backend), turns
   on the persistent compilation cache (unless compilation_cache=False: benchmarks that time
-  compiles), and validates the config against the (global) device count. Exits with a
-  one-line message on a config error."""
+  compiles), and validates the config against the (global) device count (writes_metrics=False:
+  for a job that writes no metrics, see validate_config). Exits with a one-line message on a
+  config error."""
   # JAX logs each accelerator plugin it probes and does not find; that is not news here.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   try:
-    validate_config(config)
+    validate_config(config, writes_metrics=writes_metrics)
     if config.mesh.num_cpu_devices:
       jax.config.update("jax_num_cpu_devices", config.mesh.num_cpu_devices)
     try:
@@ -111,7 +120,7 @@ def setup_devices(config, compilation_cache: bool = True) -> int:
     except ValueError as e:
       raise ConfigError(str(e)) from None
     num_devices = jax.device_count()
-    validate_config(config, num_devices)
+    validate_config(config, num_devices, writes_metrics)
     if compilation_cache:
       enable_compilation_cache()
   except ConfigError as e:
@@ -171,22 +180,26 @@ def read_config_file(spec: str) -> ml_collections.ConfigDict:
 
 def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
   """`get_config(arg)` of a config file given as 'path[:arg]' (as --config takes it), unlocked,
-  with 'key=value' overrides (dotted keys; values parsed to the existing value's type)."""
+  with 'key=value' overrides (dotted keys; values parsed to the existing value's type), as
+  the command line sets them (`load_config`)."""
   config = read_config_file(spec)
+  file_config = config.copy_and_resolve_references()
   config.unlock()
+  given = []
   for item in overrides:
     key, sep, value = item.partition("=")
     if not sep:
       raise ConfigError(f"override {item!r}: expected key=value, e.g. rl.steps=8")
-    set_config_value(config, key, value)
-  return config
+    given.append(set_config_value(config, key, value))
+  return drop_values_made_unread(config, file_config, given)
 
 
-def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> None:
+def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> str:
   """config[dotted] = value; a string value is parsed to the type of the value it replaces,
   as the command line parses --config.KEY=VALUE (a tuple: a Python literal, e.g. "(1, 2)" or
-  "'4,2,8', '6,2,12'", else one string: "6,2,12,eagle+suffix" is one strategy). Raises
-  ConfigError naming the allowed keys when the key does not exist."""
+  "'4,2,8', '6,2,12'", else one string: "6,2,12,eagle+suffix" is one strategy). Returns the
+  key's current name (see RENAMED_KEYS). Raises ConfigError naming the allowed keys when the
+  key does not exist."""
   dotted = current_key(dotted)
   *parents, leaf = dotted.split(".")
   node = config
@@ -215,3 +228,4 @@ def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> N
       except (TypeError, ValueError):
         raise ConfigError(f"{dotted}={value!r}: expected a {type(old).__name__}") from None
   node[leaf] = value
+  return dotted

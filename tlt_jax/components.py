@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from tlt_jax.config import ConfigError, check_config, flat_settings
+from tlt_jax.config import ConfigError, base_config, check_config, flat_settings
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.drafters import DRAFTERS, Drafter, drafters_named, make_drafter, reads_corpus
@@ -27,7 +29,7 @@ from tlt_jax.models.decoder import init_params, param_logical_axes
 from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
-from tlt_jax.rl.algorithms import Grpo, make_algorithm
+from tlt_jax.rl.algorithms import ALGORITHMS, Grpo, make_algorithm
 from tlt_jax.rl.data import load_numbered_examples
 from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.phases import rl_prompts
@@ -38,19 +40,22 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.run_log import write_json
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
-from tlt_jax.speculative.tuner import Tuner, make_tuner
+from tlt_jax.speculative.tuner import TUNERS, Tuner, make_tuner
 
 
 # ---------------------------------------------------------------- validation
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
+                    writes_metrics: bool = True) -> None:
   """`check_config` (the mesh must fit `num_devices` devices, when given), then every component
-  below is built once (their dataclasses check their own ranges). Raises ConfigError naming the
-  key and the fix."""
+  below is built once (their dataclasses check their own ranges), and no knob the run does not
+  read is set (`unread_knobs`; writes_metrics=False: a job that writes no metrics, so
+  logging.* is not read either). Raises ConfigError naming the key and the fix."""
   check_config(config, num_devices)
   # The tuner first: its errors name the strategy key; the drafters' settings parse it too.
-  builders = (model_config, engine_config, sampling_params, make_tuner_from_config,
+  builders = (model_config, engine_config, sampling_params, configured_strategy,
+              make_tuner_from_config,
               run_drafter_settings, spot_config, algorithm_from_config, reward_from_config,
               policy_adamw, sft_adamw, drafter_opt_config,
               functools.partial(drafter_opt_config, warmup=True), task_from_config)
@@ -60,6 +65,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     except (ValueError, ImportError) as e:  # ImportError: a task's optional package
       raise ConfigError(str(e)) from None
   _check_drafters(config)
+  _check_mtp_heads(config)
+  for knob in unread_knobs(config, writes_metrics):
+    raise ConfigError(knob.message)
   _advise_on_fused_features(config)
   sd = config.rollout.speculative
   if config.drafter.eagle.draft_vocab_size:
@@ -68,15 +76,18 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
       raise ConfigError(f"drafter.eagle.draft_vocab_size={config.drafter.eagle.draft_vocab_size}"
                         f" is below the widest strategy's topk ({widest}); use at least {widest}")
   _check_corpus_rows(config)
-  r = config.rollout
   limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
   if config.model.path:  # the checkpoint's own limit
     with open(os.path.join(config.model.path, "config.json")) as f:
       limit = json.load(f).get("max_position_embeddings", limit)
     source = f"max_position_embeddings of {config.model.path}/config.json"
-  if r.max_prompt_len + r.max_new_tokens > limit:
-    raise ConfigError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
-                      f"{r.max_prompt_len + r.max_new_tokens} exceeds {source}={limit}")
+  # The rollout's requests (every RL job) and python -m tlt_jax.generate's: no position past
+  # the model's limit, where its RoPE was never trained.
+  for section, prompt in (("rollout", "max_prompt_len"), ("generate", "prompt_len")):
+    longest = config[section][prompt] + config[section].max_new_tokens
+    if longest > limit:
+      raise ConfigError(f"{section}.{prompt} + {section}.max_new_tokens = {longest} exceeds "
+                        f"{source}={limit}; lower them")
 
 
 def _advise_on_fused_features(config: ml_collections.ConfigDict) -> None:
@@ -93,25 +104,122 @@ def _advise_on_fused_features(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_drafters(config: ml_collections.ConfigDict) -> None:
-  """The drafters the strategies name are among drafter.names (when it is set), and no
-  section drafter.<name> of a drafter the run does not use is set away from its defaults."""
+  """The drafters the strategies name are among drafter.names (when it is set)."""
   d, key = config.drafter, _strategies_key(config)
   named = drafters_named(_tuner_strategies(config))
   if d.names and (missing := [n for n in named if n not in d.names]):
     raise ConfigError(f"{key} drafts with {missing}, which drafter.names={tuple(d.names)!r} "
                       f"does not list; add them (or set drafter.names=() for the drafters the "
                       f"strategies name)")
-  used = run_drafters(config)
+
+
+def _check_mtp_heads(config: ml_collections.ConfigDict) -> None:
+  """drafter.mtp.num_heads no more than the deepest strategy that drafts with MTP drafts
+  (the tuner's, and rollout.speculative.strategy, the warm-up's): head k drafts at depth
+  k + 1 only, so heads past that depth would be trained and never draft."""
+  if "mtp" not in run_drafters(config):
+    return
+  strategies = [s for s in (*_tuner_strategies(config), configured_strategy(config))
+                if "mtp" in s.drafts]
+  deepest = max((s.depth for s in strategies), default=None)
+  heads = config.drafter.mtp.num_heads
+  if deepest is not None and heads > deepest:
+    raise ConfigError(f"drafter.mtp.num_heads={heads} is more heads than the deepest strategy "
+                      f"that drafts with MTP drafts ({deepest} tokens, in "
+                      f"{_strategies_key(config)} or rollout.speculative.strategy): heads past "
+                      f"depth {deepest} are trained and never draft; set "
+                      f"drafter.mtp.num_heads={deepest}, or draft deeper with MTP")
+
+
+class UnreadKnob(NamedTuple):
+  """A knob set away from its default that the run does not read: `reader` says why (what
+  would read it), `fix` how to make the run read it."""
+  key: str
+  value: object
+  default: object
+  reader: str
+  fix: str
+
+  @property
+  def message(self) -> str:
+    return (f"{self.key}={self.value!r} is set but {self.reader}; {self.fix}, or leave "
+            f"{self.key} at its default ({self.default!r})")
+
+
+# The tuners' own knobs under rollout.speculative: each is read by the tuners whose
+# constructors take it (`make_tuner_from_config` passes it to those alone).
+TUNER_KNOBS = ("epsilon", "window", "plain_arm", "explore_iterations")
+
+
+def unread_knobs(config: ml_collections.ConfigDict,
+                 writes_metrics: bool = True) -> list[UnreadKnob]:
+  """Every knob set away from its default (base_config's) that the run does not read: another
+  algorithm's section rl.<name>; the section drafter.<name> of a drafter the run does not use;
+  a tuner knob the configured tuner does not take (with SD on); the W&B project without W&B;
+  and with writes_metrics=False (a job that writes no metrics.jsonl) TensorBoard and W&B.
+  A run must not look as if it used them: `validate_config` refuses the first."""
+  defaults, out = base_config(), []
+
+  def unread(section: str, knob: str, reader: str, fix: str) -> None:
+    value, default = _get(config, section)[knob], _get(defaults, section)[knob]
+    if value != default:
+      out.append(UnreadKnob(f"{section}.{knob}", value, default, reader, fix))
+
+  r = config.rl
+  for name in ALGORITHMS:
+    if name != r.algorithm and name in r:
+      for knob in r[name]:
+        unread(f"rl.{name}", knob, f"rl.algorithm={r.algorithm!r} does not read it",
+               f"set rl.algorithm={name!r}")
+  used, key = run_drafters(config), _strategies_key(config)
   for name, cls in DRAFTERS.items():
-    if name in used or name not in d:
-      continue
-    defaults = {**defaults_of(cls.Settings), **({"path": ""} if cls.trained else {})}
-    for knob, default in defaults.items():
-      if d[name][knob] != default:
-        raise ConfigError(f"drafter.{name}.{knob}={d[name][knob]!r} is set but the run does not "
-                          f"use drafter {name!r} (its drafters: {list(used)}, from {key}); name "
-                          f"it in a strategy (e.g. '4,2,8,{name}') or drafter.names, or leave "
-                          f"drafter.{name}.{knob} at its default ({default!r})")
+    if name not in used and name in config.drafter:
+      for knob in config.drafter[name]:
+        unread(f"drafter.{name}", knob, f"the run does not use drafter {name!r} (its drafters: "
+               f"{list(used)}, from {key})", f"name it in a strategy (e.g. '4,2,8,{name}') or "
+               f"drafter.names")
+  sd = config.rollout.speculative
+  if sd.enable:
+    for knob in TUNER_KNOBS:
+      readers = [t for t in TUNERS if knob in inspect.signature(TUNERS[t]).parameters]
+      if sd.tuner not in readers:
+        unread("rollout.speculative", knob, f"rollout.speculative.tuner={sd.tuner!r} does not "
+               f"read it", f"use the {' or '.join(map(repr, readers))} tuner")
+  g = config.logging
+  if not writes_metrics:
+    for knob in ("tensorboard", "wandb"):
+      unread("logging", knob, "this job writes no metrics", "log a job that does (train, sft, "
+             "warmup_drafter)")
+  elif not g.wandb:
+    unread("logging", "wandb_project", "logging.wandb=False (no W&B run)",
+           "set logging.wandb=True")
+  return out
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str):
+  for part in dotted.split("."):
+    config = config[part]
+  return config
+
+
+def drop_values_made_unread(config: ml_collections.ConfigDict,
+                            file_config: ml_collections.ConfigDict,
+                            given) -> ml_collections.ConfigDict:
+  """`config` (a config file's, `file_config`, with the command line's values for the keys in
+  `given`) with each knob that only the command line made unread reset to its default: a value
+  the file set for a part of the run the command line switched off (the default config's EAGLE
+  drafter path, once the arms draft with weightless drafters alone) goes with that part. A
+  knob given on the command line, or unread in the file's own config, stays (and is refused)."""
+  try:
+    kept = set(given) | {k.key for k in unread_knobs(file_config)}
+    stale = [k for k in unread_knobs(config) if k.key not in kept]
+  except ValueError:  # a value validate_config refuses in one line, naming it
+    return config
+  with config.unlocked():
+    for knob in stale:
+      section, _, leaf = knob.key.rpartition(".")
+      _get(config, section)[leaf] = knob.default
+  return config
 
 
 def _tuner_strategies(config: ml_collections.ConfigDict) -> list[Strategy]:
@@ -217,6 +325,16 @@ def drafter_opt_config(config: ml_collections.ConfigDict, warmup: bool = False) 
 def spot_config(config: ml_collections.ConfigDict) -> SpotConfig:
   """The SpotConfig of drafter.spot."""
   return build_from(SpotConfig, config.drafter.spot)
+
+
+def configured_strategy(config: ml_collections.ConfigDict) -> Strategy:
+  """rollout.speculative.strategy: the fixed tuner's, and always the warm-up's accept-length
+  check's, so checked under every tuner (ConfigError naming the key)."""
+  value = config.rollout.speculative.strategy
+  try:
+    return Strategy.parse(value)
+  except ValueError as e:
+    raise ConfigError(f"rollout.speculative.strategy={value!r}: {e}") from None
 
 
 def make_tuner_from_config(config: ml_collections.ConfigDict) -> Tuner:

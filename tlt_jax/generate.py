@@ -21,7 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from tlt_jax.components import load_policy
-from tlt_jax.job import Job, run_job
+from tlt_jax.job import Job, SetupStopped, run_job
 from tlt_jax.mesh import host_copy, logical_shardings, make_mesh, to_mesh
 from tlt_jax.models import init_cache, param_logical_axes
 from tlt_jax.models.policy import Policy
@@ -37,10 +37,10 @@ def _generate(config, job: Job) -> None:
   # ---------------------------------------------------------------- mesh and model
   mesh = make_mesh(dict(config.mesh.axes))
   rules = tuple(config.mesh.rollout_rules)  # decoding: whole weights per device
+  job.phase(f"mesh {dict(mesh.shape)} on {jax.device_count()} devices; loading the policy")
   cfg, params = load_policy(config, mesh)
   params = to_mesh(params, logical_shardings(param_logical_axes(cfg), mesh, rules, params))
-  job.say(f"mesh {dict(mesh.shape)} on {jax.device_count()} devices; model {cfg.num_layers} "
-          f"layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+  job.say(f"model {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
 
   # ---------------------------------------------------------------- prompts
   g = config.generate
@@ -61,6 +61,7 @@ def _generate(config, job: Job) -> None:
   step = jax.jit(functools.partial(plain_step, sp=sp, eos_id=-1), donate_argnums=(1,))
 
   key = jax.random.key(config.seed)
+  job.phase(f"prefilling {g.num_prompts} prompts (compiling the prefill first)")
   t0 = time.perf_counter()
   policy = Policy(params, cfg)
   state = begin(policy, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
@@ -68,8 +69,11 @@ def _generate(config, job: Job) -> None:
   prefill_s = time.perf_counter() - t0
 
   # ---------------------------------------------------------------- decode loop
+  job.phase(f"decoding {g.max_new_tokens} tokens per prompt (compiling the step first)")
   t1 = time.perf_counter()
   for _ in job.progress(iterable=range(g.max_new_tokens - 1), desc="decode", unit="step"):
+    if job.stop.requested:  # nothing to keep: the rerun decodes again
+      raise SetupStopped("while decoding")
     state, _ = step(policy, state, key)
   generated = host_copy(state.out)  # every process takes part in the gather
   decode_s = time.perf_counter() - t1
@@ -89,7 +93,7 @@ def _generate(config, job: Job) -> None:
 
 def run():
   """Console-script entry point (`tlt-generate`)."""
-  run_job(_CONFIG, _WORKDIR, _generate, "generate", quiet_logs=False)
+  run_job(_CONFIG, _WORKDIR, _generate, "generate", quiet_logs=False, writes_metrics=False)
 
 
 if __name__ == "__main__":

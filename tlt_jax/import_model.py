@@ -1,4 +1,4 @@
-"""Imports a GGUF Llama or Qwen2 checkpoint as a Hugging Face folder that tlt_jax loads.
+"""Imports a GGUF Llama, Qwen2 or Qwen3 checkpoint as a Hugging Face folder that tlt_jax loads.
 
   python -m tlt_jax.import_model --gguf FILE --out DIR [--dtype bfloat16]
   python -m tlt_jax.import_model --smollm2 [--out DIR]
@@ -31,7 +31,8 @@ import zipfile
 from tlt_jax.models.hf import check_model_folder, load_hf_config
 from tlt_jax.run_log import replace_folder
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF's architecture name -> the family's name
+SUPPORTED_ARCHITECTURES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 DTYPES = ("float32", "bfloat16")
 GGUF_EXTRA = 'pip install -e ".[gguf]"'
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -129,7 +130,7 @@ def check_out_folder(out: str) -> None:
 
 
 def import_gguf(gguf_path: str, out: str, dtype: str = "float32") -> str:
-  """Imports the GGUF Llama or Qwen2 model at `gguf_path` into the folder `out` with weights
+  """Imports the GGUF Llama, Qwen2 or Qwen3 model at `gguf_path` into the folder `out` with weights
   in `dtype` ('float32' keeps the dequantised values exactly); returns `out`. `out` may be
   new, empty, or an earlier import (which is replaced); see check_out_folder.
 
@@ -252,8 +253,10 @@ def smollm2_folder(folder: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+  *first, last = SUPPORTED_ARCHITECTURES.values()
   parser = argparse.ArgumentParser(prog="python -m tlt_jax.import_model", description=(
-      "Import a GGUF Llama or Qwen2 model as a Hugging Face folder that tlt_jax loads."))
+      f"Import a GGUF {', '.join(first)} or {last} model as a Hugging Face folder that tlt_jax "
+      f"loads."))
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--gguf", metavar="FILE", help="the GGUF file to import")
   source.add_argument("--smollm2", action="store_true", help=(

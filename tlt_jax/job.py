@@ -1,9 +1,11 @@
 """What every job (train, sft, warmup_drafter, generate) does around its own work, in one
-place: the command line, the workdir lock, which process writes, a clean stop on SIGINT/SIGTERM,
-progress and messages on the writing process only, the run log, checkpoints, exports and JSON
-files written whole, the job's compile account, and an optional time limit.
+place: the command line, the workdir lock, which process writes, a clean stop on SIGINT/SIGTERM
+(a second one stops at once), what the job is doing said from its first second, progress and
+messages on the writing process only, the run log, checkpoints, exports and JSON files written
+whole, the job's compile account, and an optional time limit.
 
   def body(config, job):                      # a job's own work; True: a signal stopped it
+    job.phase("loading the policy")           # said at once; a stop asked for ends it here
     log = job.run_log(resume_step, config)    # metrics.jsonl & co. (+ TensorBoard, W&B)
     bar = job.progress(total=end, initial=step, desc="sft")
     while step < end and not job.stop.requested:
@@ -16,7 +18,8 @@ files written whole, the job's compile account, and an optional time limit.
 
 Exit status: 0 when the job finished; EXIT_STOPPED (75) when a signal or its time limit ended
 it before its last step (after a checkpoint; a time-limited job has also evaluated and
-exported), so a scheduler knows to rerun the same command, which resumes.
+exported; a signal during the setup, at the next `phase`), so a scheduler knows to rerun the
+same command, which resumes.
 
 Multi-host: every process runs the same job on the global mesh and takes part in every
 collective (gathers for exports included); only process 0 (`job.writer`) writes files and
@@ -31,6 +34,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, NoReturn
 
@@ -66,8 +70,13 @@ def exit_stopped(where: str, what: str = "stopped") -> NoReturn:
   sys.exit(EXIT_STOPPED)
 
 
+class SetupStopped(Exception):
+  """A signal asked the job to stop before its loop began (see `Job.phase`)."""
+
+
 class StopFlag:
-  """SIGINT/SIGTERM ask for a clean stop after the current step (a second SIGINT aborts)."""
+  """SIGINT/SIGTERM ask for a clean stop after the current step, or at the next phase of the
+  job's setup (`Job.phase`); a second one stops the process at once."""
 
   def __init__(self):
     self.requested = False
@@ -82,10 +91,15 @@ class StopFlag:
     return self
 
   def _handle(self, signum, frame):
-    if self.requested and signum == signal.SIGINT:
-      raise KeyboardInterrupt
     self.requested = True
-    tqdm.write(f"received {signal.Signals(signum).name}: stopping after this step")
+    # The second signal ends the process in the kernel, not in a Python handler: a handler
+    # runs only between bytecodes, and a compile or a generation holds the main thread in
+    # C++ for minutes.
+    for sig in self._old:
+      signal.signal(sig, signal.SIG_DFL)
+    tqdm.write(f"received {signal.Signals(signum).name}: stopping after this step (or what "
+               f"the job is doing now: a compile or a generation finishes first); a second "
+               f"signal stops it at once")
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
@@ -102,8 +116,15 @@ class Job:
 
   def __init__(self, workdir: str, show_progress: bool = True, max_minutes: float = 0.0,
                profile: tuple[int, int] = (0, 0), name: str | None = None,
-               settings: dict | None = None):
+               settings: dict | None = None, heartbeat_s: float = 30.0):
     self.workdir, self.show_progress, self.max_minutes = workdir, show_progress, max_minutes
+    # While a phase (`phase`) runs silent this long, a line says it still does; then after
+    # twice as long, and so on: compiling and hanging look alike otherwise.
+    self.heartbeat_s = heartbeat_s
+    self._phase: str | None = None
+    self._said_at = 0.0
+    self._next_beat = heartbeat_s
+    self._beats: threading.Event | None = None  # set: the heartbeat thread ends
     # name: the job (train, sft, warmup_drafter, generate); the workdir is refused when
     # another kind of job made it (tlt_jax.workdir.check_workdir_job). settings: its flat
     # settings, whose fingerprint the workdir records.
@@ -123,23 +144,57 @@ class Job:
     guard_cpu_collectives()  # also where JAX's own settings turned the cache on
     COMPILES.start()
     self._compiles_before = COMPILES.report()
+    self._said_at = self.started
+    if self.writer and self.heartbeat_s > 0:
+      self._beats = threading.Event()
+      threading.Thread(target=self._heartbeat, args=(self._beats,), daemon=True,
+                       name="tlt_jax job heartbeat").start()
     return self
 
   def __exit__(self, *exc):
+    if self._beats is not None:
+      self._beats.set()
+      self._beats = None
     if self._trace_steps is not None:  # the loop ended inside the profile window
       self._end_trace(summarize=exc[0] is None)
     self.stop.__exit__(*exc)
     if self._lock is not None:
       self._lock.release()
       self._lock = None
+    if exc[0] is SetupStopped:  # the lock is free: the rerun may start at once
+      print(f"stopped by a signal {exc[1]}; rerun the same command to go on (exit status "
+            f"{EXIT_STOPPED})", file=sys.stderr)
+      sys.exit(EXIT_STOPPED)
 
   def say(self, text: str) -> None:
     """A message on the writing process (above any progress bar)."""
     if self.writer:
       tqdm.write(text)
+      self._said_at = time.perf_counter()
+
+  def phase(self, what: str) -> None:
+    """Says what the job does next ('[  12 s] compiling ...'), before anything long: a stop
+    that a signal asked for is honoured here (the job ends, exiting with EXIT_STOPPED), and
+    while the phase runs silent, a line now and then says it still does, with the programs
+    compiled so far."""
+    if self.stop.requested:
+      raise SetupStopped(f"before {what}")
+    self._phase, self._next_beat = what, self.heartbeat_s
+    self.say(f"[{self.wall_s:6.0f} s] {what}")
+
+  def _heartbeat(self, done: threading.Event) -> None:
+    while not done.wait(1.0):
+      silent = time.perf_counter() - self._said_at
+      if self._phase is not None and silent >= self._next_beat:
+        self._next_beat *= 2
+        compiled = COMPILES.report()["xla_compiles"] - self._compiles_before["xla_compiles"]
+        self.say(f"[{self.wall_s:6.0f} s] still {self._phase} ({compiled} programs compiled "
+                 f"so far)")
 
   def progress(self, **tqdm_kwargs) -> tqdm:
-    """A progress bar, shown on the writing process only."""
+    """A progress bar, shown on the writing process only; it shows the job's progress from
+    here on, in place of the heartbeat of the phase before it."""
+    self._phase = None
     return tqdm(disable=not (self.show_progress and self.writer), **tqdm_kwargs)
 
   def path(self, *parts: str) -> str:
@@ -151,9 +206,12 @@ class Job:
     `tlt_jax.metric_writers`)."""
     if resume_step == 0 and self.writer:
       self._refuse_to_overwrite_an_earlier_run()
-    mirrors = (writers_from_config(config.logging, self.workdir, resume_step,
-                                   flat_settings(config))
-               if config is not None and self.writer else ())
+    try:
+      mirrors = (writers_from_config(config.logging, self.workdir, resume_step,
+                                     flat_settings(config))
+                 if config is not None and self.writer else ())
+    except ValueError as e:  # a writer's folder that cannot be written
+      raise ConfigError(str(e)) from None
     return RunLog(self.workdir, resume_step=resume_step, write=self.writer, mirrors=mirrors)
 
   def _refuse_to_overwrite_an_earlier_run(self) -> None:
@@ -278,19 +336,20 @@ class Job:
 
 
 def run_job(config_flag, workdir_flag, body, name: str, max_minutes=lambda config: 0.0,
-            quiet_logs: bool = True) -> None:
+            quiet_logs: bool = True, writes_metrics: bool = True) -> None:
   """A job's command line (`python -m`, console script): loads --config (errors exit in one
   line), sets the devices up and runs `body(config, job)` in a Job `name` over --workdir with
   max_minutes(config); exits with EXIT_STOPPED when body returns True (a signal stopped it,
   after its checkpoint) or its time limit ended it (`Job.time_limited`), else 0. quiet_logs:
-  absl logs from WARNING up (orbax logs every save at INFO)."""
+  absl logs from WARNING up (orbax logs every save at INFO). writes_metrics=False: the job
+  writes no run log, so the config's logging.* knobs are refused (`validate_config`)."""
 
   def main(argv):
     del argv
     if quiet_logs:
       logging.set_verbosity(logging.WARNING)
     config = cli.load_config(config_flag)
-    cli.setup_devices(config)
+    cli.setup_devices(config, writes_metrics=writes_metrics)
     with Job(workdir_flag.value, max_minutes=max_minutes(config),
              profile=profile_window(config), name=name,
              settings=flat_settings(config)) as job:

@@ -93,14 +93,31 @@ class WandbWriter:
     self._run.finish()
 
 
+def writable_folder(path: str, knob: str) -> str:
+  """`path`, made if need be, for the writer that logging.<knob> asks for; ValueError (one
+  line, naming the folder, the knob and the fix) when it is a file or cannot be written."""
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    why = (e.strerror or str(e)).lower()
+  else:
+    if os.access(path, os.W_OK):
+      return path
+    why = "not writable"
+  raise ValueError(f"logging.{knob}=True writes to {path}, which cannot be a writable folder "
+                   f"({why}); move what is there away, or set logging.{knob}=False")
+
+
 def writers_from_config(knobs: ml_collections.ConfigDict, workdir: str, resume_step: int,
                         settings: Mapping) -> list:
   """The writers that knobs (a config's `logging` section) ask for, over `workdir`, for a
   job that resumes at resume_step (0: from the start); settings: the job's flat settings
-  (`tlt_jax.config.flat_settings`), W&B's run config."""
+  (`tlt_jax.config.flat_settings`), W&B's run config. ValueError (one line) when a writer's
+  folder cannot be written."""
   writers = []
   if knobs.tensorboard:
-    writers.append(TensorBoardWriter(os.path.join(workdir, TENSORBOARD_DIR),
+    writers.append(TensorBoardWriter(writable_folder(os.path.join(workdir, TENSORBOARD_DIR),
+                                                     "tensorboard"),
                                      purge_step=resume_step + 1))
   if knobs.wandb:
     writers.append(WandbWriter(knobs.wandb_project, workdir, settings))

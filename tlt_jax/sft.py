@@ -70,6 +70,8 @@ def _sft(config, job: Job) -> bool:
                       f"(replica x fsdp = {data_ways})")
   batch_sharding = NamedSharding(mesh, logical_to_mesh_spec(P("batch", None),
                                                             (s.rows, s.seq_len), mesh, rules))
+  job.phase(f"mesh {dict(mesh.shape)} on {num_devices} devices; the tokenizer (trained on the "
+            f"task unless tokenizer.path is set) and the policy")
   tokenizer = sft_tokenizer(config, job.workdir, write=job.writer)
   check_prompt_lengths(config, tokenizer, data_files=False)  # the held-out evaluation decodes
   iterator = PromptIterator(TaskSlice(task, s.num_train_examples), seed=config.seed)
@@ -124,6 +126,8 @@ def _sft(config, job: Job) -> bool:
     return result
 
   # ---------------------------------------------------------------- loop
+  job.phase(f"SFT steps {step + 1} to {s.steps} (the first compiles the update)"
+            if step < s.steps else f"the evaluation and export after the {s.steps} steps done")
   bar = job.progress(total=s.steps, initial=step, desc="sft", unit="step")
   last, end = None, s.steps  # end: the last step, earlier when sft.max_minutes runs out
   with log, contextlib.closing(ckpt):  # a save in flight is finished, also on an error

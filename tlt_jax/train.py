@@ -89,6 +89,8 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   # ---------------------------------------------------------------- mesh and data
   mesh = make_mesh(dict(config.mesh.axes))
   rules = tuple(config.mesh.rules)
+  job.phase(f"mesh {dict(mesh.shape)} on {jax.device_count()} devices over "
+            f"{jax.process_count()} process(es); loading the task, tokenizer and policy")
   tokenizer = load_tokenizer_for(config)
   check_prompt_lengths(config, tokenizer)
   prompts_iter = PromptIterator(training_set(config, rl.num_train_examples), seed=config.seed)
@@ -110,6 +112,7 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   spot_on = config.drafter.spot_training and bool(trained)
 
   # ---------------------------------------------------------------- rollout, spot, update
+  job.phase("building the rollout engine, spot trainer and policy update")
   engine = make_engine(config, cfg, params, mesh, eos, pad,
                        drafters=drafters if use_sd else None, log_features=spot_on)
   sampling = sampling_params(config)
@@ -154,8 +157,12 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
     ckpt = job.checkpointer(config, rl.keep_checkpoints)
   log = job.run_log(resume_step=step, config=config)
   if spot is not None:  # the drafter update for every slice, before a slice goes idle
+    job.phase("compiling the drafter update" + (" in the background"
+                                                  if config.rollout.compile_ahead else ""))
     spot.precompile(engine.slices, engine.policy_on, ahead=config.rollout.compile_ahead)
   if config.rollout.compile_plan and step < rl.steps:
+    job.phase(f"compiling every program of a step on {config.rollout.compile_threads} "
+              f"thread(s)")
     _compile_plan(config, engine, updater, run.params, sampling, say)
   n_params = sum(x.size for x in jax.tree.leaves(run.params))
   say(f"mesh {dict(mesh.shape)} over {jax.process_count()} process(es): "
@@ -173,7 +180,11 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
         f"{row['greedy_accuracy']:.3f}{sampled}")
 
   if eval_examples and step == 0 and not log.rows["eval"]:
+    job.phase(f"held-out evaluation on {len(eval_examples)} problems before the first step "
+              f"(compiles the rollout's programs)")
     evaluate_and_log(0)
+  job.phase(f"RL steps {step + 1} to {rl.steps} (the first compiles what it runs)"
+            if step < rl.steps else f"the summary of the {rl.steps} steps done")
 
   # ---------------------------------------------------------------- loop
   base_key = jax.random.key(config.seed)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 import jax
 import numpy as np
@@ -35,9 +36,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
-from tlt_jax.components import (check_prompt_lengths, drafter_opt_config, load_drafters_for,
-                                load_policy, load_tokenizer_for, make_engine, run_drafters,
-                                task_prompts)
+from tlt_jax.components import (check_prompt_lengths, configured_strategy, drafter_opt_config,
+                                load_drafters_for, load_policy, load_tokenizer_for, make_engine,
+                                run_drafters, task_prompts)
 from tlt_jax.config import ConfigError, flat_settings
 from tlt_jax.drafters import DRAFTERS, make_drafter
 from tlt_jax.job import Job, run_job
@@ -47,7 +48,6 @@ from tlt_jax.mesh import make_mesh, to_mesh
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.sampling import SamplingParams
-from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -64,13 +64,15 @@ def _warmup(config, job: Job) -> bool:
     raise ConfigError(f"the run uses no trained drafter (its drafters: {list(used)}), so there "
                       f"is nothing to warm; name one of {trainable} in "
                       f"rollout.speculative.arms or drafter.names")
-  if missing := [n for n in Strategy.parse(strategy).drafts if n not in used]:
+  if missing := [n for n in configured_strategy(config).drafts if n not in used]:
     raise ConfigError(f"rollout.speculative.strategy={strategy!r} (the warm-up's accept-length "
                       f"check) drafts with {missing}, which the run does not use (its drafters: "
                       f"{list(used)}); set it to a strategy of the run's drafters")
 
   # ---------------------------------------------------------------- policy and prompts
   mesh = make_mesh(dict(config.mesh.axes))
+  job.phase(f"mesh {dict(mesh.shape)} on {jax.device_count()} devices; loading the "
+            f"tokenizer, policy and prompts")
   tokenizer = load_tokenizer_for(config)
   check_prompt_lengths(config, tokenizer)
   cfg, params = load_policy(config, mesh)
@@ -79,6 +81,9 @@ def _warmup(config, job: Job) -> bool:
   eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
 
   # ---------------------------------------------------------------- the policy's responses
+  job.phase(f"the policy's responses to {len(prompts)} prompts x {w.samples_per_prompt}, up "
+            f"to {w.max_new_tokens} tokens each (compiling the rollout's programs first), or "
+            f"those a like run left in {job.path('generations.jsonl')}")
   engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
   completions = cached_responses(
       engine, prompts, w.samples_per_prompt, w.temperature, config.seed,
@@ -86,9 +91,13 @@ def _warmup(config, job: Job) -> bool:
       made_by={**{k: v for k, v in flat_settings(config).items() if k.startswith("model.")},
                "max_new_tokens": w.max_new_tokens})
   repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
-  samples = collect_samples(params, cfg, repeated, completions, progress=True)
+  job.phase(f"the policy's features of the {len(completions)} responses")
+  samples = collect_samples(params, cfg, repeated, completions,
+                            progress=job.writer and job.show_progress)
 
   # ---------------------------------------------------------------- train, with checkpoints
+  job.phase(f"training {', '.join(n for n in used if DRAFTERS[n].trained)} for "
+            f"{w.steps} steps (compiling the update first)")
   drafters = load_drafters_for(config, cfg, fresh=True)
   settings = {n: d.settings for n, d in drafters.items() if d.trained}
   # Fresh weights adapted to the responses (e.g. EAGLE-3's draft vocabulary).
@@ -131,6 +140,8 @@ def _warmup(config, job: Job) -> bool:
       return True
 
     # -------------------------------------------------------------- held-out accept length
+    job.phase(f"the greedy SD accept length on {len(eval_prompts)} held-out prompts, strategy "
+              f"{strategy} (compiling its programs first)")
     accept = {}
     for label, weights in (("untrained", untrained), ("warmed", dparams)):
       with_weights = {n: make_drafter(n, d.settings, weights[n]) if d.trained else d
@@ -163,8 +174,10 @@ def _warmup(config, job: Job) -> bool:
                    "steps", "responses", "loss_last", "top1_last", "accept_len_untrained",
                    "accept_len_warmed", "strategy")}})
   job.write_json("summary.json", summary)
-  job.say(f"exported {', '.join(settings)} to {job.path('export')}/; "
-          f"{summary['wall_s']:.0f} s")
+  passed = " ".join(f"--config.drafter.{name}.path={os.path.abspath(job.path('export', name))}"
+                    for name in settings)
+  job.say(f"exported {', '.join(settings)} in {summary['wall_s']:.0f} s; an RL run loads "
+          f"{'it' if len(settings) == 1 else 'them'} with {passed}")
   return False
 
 

@@ -185,6 +185,24 @@ def test_a_run_drafts_with_what_its_strategies_name_and_no_more(tiny_cfg, tiny_p
     validate_config(c)
 
 
+@pytest.mark.parametrize("heads,message", [
+    (1000, r"^drafter.mtp.num_heads must be in \[1, 16\], got 1000$"),
+    (5, r"^drafter.mtp.num_heads=5 is more heads than the deepest strategy that drafts with MTP "
+        r"drafts \(4 tokens, in rollout.speculative.arms or rollout.speculative.strategy\): "
+        r"heads past depth 4 are trained and never draft; set drafter.mtp.num_heads=4"),
+])
+def test_mtp_heads_are_refused_past_the_deepest_draft_and_past_a_bound(heads, message):
+  """Refused where the config is checked, before 1,000 heads' spot update compiles for
+  minutes; the deepest MTP strategy bounds the count (the EAGLE arm's depth 6 does not)."""
+  c = base_config()
+  c.rollout.speculative.update(arms=("4,2,8,mtp", "3,2,6,mtp", "6,2,12"), strategy="3,2,6,mtp")
+  c.drafter.mtp.num_heads = 4
+  validate_config(c)
+  c.drafter.mtp.num_heads = heads
+  with pytest.raises(ConfigError, match=message):
+    validate_config(c)
+
+
 def test_every_registered_drafter_has_a_config_section_from_its_settings():
   c = base_config()
   for name, cls in DRAFTERS.items():

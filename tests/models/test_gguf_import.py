@@ -206,3 +206,9 @@ def test_a_full_disk_is_one_line_and_leaves_the_earlier_import(tmp_path, monkeyp
     import_gguf(path, out)
   assert sorted(os.listdir(out)) == before
   assert sorted(os.listdir(tmp_path)) == ["model", "tiny.gguf"]
+
+
+def test_the_help_names_every_architecture_it_imports(capsys):
+  with pytest.raises(SystemExit):
+    import_model.main(["--help"])
+  assert "Import a GGUF Llama, Qwen2 or Qwen3 model" in " ".join(capsys.readouterr().out.split())

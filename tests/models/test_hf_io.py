@@ -204,6 +204,27 @@ def test_a_qwen3_folder_the_decoder_cannot_run_fails_in_one_line(qwen3_dir, tmp_
   assert str(e.value).endswith(message) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("key,message", [
+    ("head_dim", r"tensor 'model.layers.0.self_attn.q_proj.weight' has shape \(64, 48\), "
+                 r"expected \(512, 48\) for this config; .*/config.json has no head_dim, so "
+                 r"transformers' default \(head_dim=128\) stood in: add the model's own values"),
+    ("num_hidden_layers", r"is missing 330 tensors: .*config.json has no num_hidden_layers, so "
+                          r"transformers' default \(num_hidden_layers=32\) stood in"),
+])
+def test_a_qwen3_config_without_a_key_its_weights_need_names_the_key(qwen3_dir, tmp_path, key,
+                                                                      message):
+  """transformers' default for the missing key reads as another model's size: the error on
+  the weights names the key, not only the tensor."""
+  path = _copy_with(qwen3_dir, tmp_path / "m", lambda t: None)
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  del config[key]
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  with pytest.raises(ValueError, match=message):
+    load_hf_params(path, load_hf_config(path))
+
+
 def test_missing_tensors_are_listed(qwen_dir, tmp_path):
   def drop(t):
     del t["model.layers.1.mlp.up_proj.weight"]

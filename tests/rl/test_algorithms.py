@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO
-from tlt_jax.cli import set_config_value
+from tlt_jax.cli import config_from_file, set_config_value
 from tlt_jax.components import algorithm_from_config, validate_config
 from tlt_jax.config import ConfigError, base_config
 from tlt_jax.models.hf import load_tokenizer
@@ -38,6 +38,14 @@ def test_dapo_keeps_only_groups_with_a_spread():
   assert _dapo().keep_groups(rewards, 3).tolist() == [True, False, False, True]
 
 
+def test_dapo_s_default_buffer_is_a_quarter_of_any_budget_so_the_smoke_config_runs_it():
+  """rl.algorithm=dapo alone on the smoke config (48-token responses): no other knob."""
+  config = config_from_file(f"{REPO}/configs/default.py:runlocal", ["rl.algorithm=dapo"])
+  validate_config(config)
+  assert algorithm_from_config(config).buffer == 12
+  assert _dapo().buffer == 25 and _dapo(overlong_buffer=0).buffer == 0
+
+
 def test_dapo_overlong_penalty_ramps_over_the_buffer():
   dapo = _dapo(overlong_buffer=20, overlong_penalty=0.5)  # budget 100: ramp over 80..100
   np.testing.assert_allclose(dapo.overlong_penalty(np.array([10, 80, 90, 95, 100])),
@@ -55,7 +63,9 @@ def test_dapo_overlong_penalty_ramps_over_the_buffer():
     ("dapo", "rl.algorithm", "ppo", r"rl.algorithm='ppo' is not allowed; allowed values: "
                                     r"\('grpo', 'dapo', 'dr_grpo', 'gspo'\)"),
     ("dapo", "rl.dapo.overlong_buffer", 256, r"rl.dapo.overlong_buffer=256 must be in \[0, "
-                                             r"rollout.max_new_tokens=256\)"),
+                                             r"rollout.max_new_tokens=256\), or -1 for a "
+                                             r"quarter of it"),
+    ("dapo", "rl.dapo.overlong_buffer", -2, r"rl.dapo.overlong_buffer=-2 must be in \[0, "),
     ("dapo", "rl.dapo.max_rounds", 0, "rl.dapo.max_rounds=0 must be >= 1"),
     ("gspo", "rl.gspo.clip_eps", 0.0, r"rl.gspo.clip_eps=0.0 must be in \(0, 1\)"),
 ])
@@ -126,7 +136,7 @@ def test_a_misdeclared_shared_knob_is_named():
 
 def test_every_algorithm_s_settings_are_a_config_section_with_its_defaults():
   config = base_config()
-  assert config.rl.dapo.to_dict() == {"max_rounds": 3, "overlong_buffer": 64,
+  assert config.rl.dapo.to_dict() == {"max_rounds": 3, "overlong_buffer": -1,
                                       "overlong_penalty": 1.0}
   config.rl.algorithm = "dapo"
   config.rl.dapo.max_rounds = 5

@@ -44,6 +44,11 @@ if TYPE_CHECKING:  # the strategy module imports the drafter registry
   from tlt_jax.speculative.strategy import Strategy
 
 
+# The most heads: each adds 3 E x E weights (a 4096-wide policy: 50M parameters a head), and
+# an SD tree deeper than this accepts its last tokens too rarely to pay for drafting them.
+MAX_HEADS = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class MtpSettings:
   """num_heads: tokens predicted ahead of the root (the deepest useful draft depth);
@@ -52,8 +57,9 @@ class MtpSettings:
   use_token: bool = True
 
   def __post_init__(self):
-    if self.num_heads < 1:
-      raise ValueError(f"drafter.mtp.num_heads must be >= 1, got {self.num_heads}")
+    if not 1 <= self.num_heads <= MAX_HEADS:
+      raise ValueError(f"drafter.mtp.num_heads must be in [1, {MAX_HEADS}], got "
+                       f"{self.num_heads}")
 
 
 @flax.struct.dataclass

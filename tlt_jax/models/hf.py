@@ -221,6 +221,25 @@ def model_config_from_dict(c: Mapping, **overrides) -> ModelConfig:
   return ModelConfig(**kw)
 
 
+def defaulted_keys_hint(path: str) -> str:
+  """'; config.json has no K1, K2: ...' for the shape keys that `path`/config.json omits and
+  transformers' defaults filled in ('' when it has them all, or cannot be read): a config
+  written without a key it needs reads as a model of the default's size."""
+  try:
+    c = _read_config_json(path)
+  except (OSError, ValueError):
+    return ""
+  omitted = {k: v for k, v in _HF_DEFAULTS.get(c["model_type"], {}).items()
+             if v is not None and c.get(k) is None and k not in ("rms_norm_eps",
+                                                                 "max_position_embeddings")}
+  if not omitted:
+    return ""
+  return (f"; {path}/config.json has no {', '.join(omitted)}, so transformers' "
+          f"{'default' if len(omitted) == 1 else 'defaults'} "
+          f"({', '.join(f'{k}={v}' for k, v in omitted.items())}) stood in: add the model's "
+          f"own values")
+
+
 def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
   """`model_config_from_dict` of a transformers config object."""
   return model_config_from_dict(hf_config.to_dict(), **overrides)
@@ -396,11 +415,13 @@ def load_hf_params(path: str, cfg: ModelConfig, mesh: Mesh | None = None,
     present.discard("lm_head.weight")  # some exporters also write the tied head
   missing = set(expected) - present
   if missing:
-    raise ValueError(f"checkpoint {path!r} is missing {len(missing)} tensors: {_listing(missing)}")
+    raise ValueError(f"checkpoint {path!r} is missing {len(missing)} tensors: {_listing(missing)}"
+                     f"{defaulted_keys_hint(path)}")
   unexpected = present - set(expected)
   if unexpected:
     raise ValueError(f"checkpoint {path!r} has {len(unexpected)} unexpected tensors (does the "
-                     f"config match the weights?): {_listing(unexpected)}")
+                     f"config match the weights?): {_listing(unexpected)}"
+                     f"{defaulted_keys_hint(path)}")
 
   logical = param_logical_axes(cfg)
   dtype = cfg.jnp_param_dtype
@@ -413,7 +434,7 @@ def load_hf_params(path: str, cfg: ModelConfig, mesh: Mesh | None = None,
     shape = tuple(handles[fn].get_slice(name).get_shape())
     if shape != row.hf_shape:
       raise ValueError(f"tensor {name!r} has shape {shape}, expected {row.hf_shape} "
-                       f"for this config")
+                       f"for this config{defaulted_keys_hint(path)}")
     return row.to_ours(handles[fn].get_tensor(name)).astype(dtype)
 
   def sharding_for(spec: PartitionSpec, shape) -> jax.sharding.Sharding:

@@ -8,7 +8,8 @@ and a token-level loss.
   the missing rows are padding), or on none.
 - Overlong shaping: a response longer than max_new_tokens - overlong_buffer loses
   overlong_penalty x (how far into the buffer it went) / overlong_buffer from its reward, in
-  the advantages only (`reward_mean` stays the task's reward, so runs compare).
+  the advantages only (`reward_mean` stays the task's reward, so runs compare). The buffer is
+  a quarter of the budget unless set (DAPO's runs: 4096 of 20480 tokens).
 - Clip-higher is GRPO's `rl.clip_eps_high` above `rl.clip_eps` (the defaults); the loss is
   always the token-level mean (so DAPO does not read rl.loss_agg).
 """
@@ -28,9 +29,10 @@ from tlt_jax.rl.grpo import group_advantages
 class DapoSettings:
   """max_rounds: rollouts a step may take to fill its groups (1 = filter only).
   overlong_buffer: the last tokens of the response budget over which the length penalty
-  ramps up (0 = no shaping). overlong_penalty: the penalty at the budget."""
+  ramps up (0 = no shaping; -1 = a quarter of rollout.max_new_tokens, so that any budget
+  runs DAPO as it is). overlong_penalty: the penalty at the budget."""
   max_rounds: int = 3
-  overlong_buffer: int = 64
+  overlong_buffer: int = -1
   overlong_penalty: float = 1.0
 
 
@@ -46,15 +48,22 @@ class Dapo(Grpo):
     s = self.settings
     if s.max_rounds < 1:
       raise ValueError(f"rl.dapo.max_rounds={s.max_rounds} must be >= 1")
-    if not 0 <= s.overlong_buffer < self.max_new_tokens:
+    if s.overlong_buffer != -1 and not 0 <= s.overlong_buffer < self.max_new_tokens:
       raise ValueError(f"rl.dapo.overlong_buffer={s.overlong_buffer} must be in [0, "
-                       f"rollout.max_new_tokens={self.max_new_tokens})")
+                       f"rollout.max_new_tokens={self.max_new_tokens}), or -1 for a quarter "
+                       f"of it")
     if s.overlong_penalty < 0:
       raise ValueError(f"rl.dapo.overlong_penalty={s.overlong_penalty} must be >= 0")
 
   @property
   def rounds(self) -> int:
     return self.settings.max_rounds
+
+  @property
+  def buffer(self) -> int:
+    """The overlong buffer in tokens (rl.dapo.overlong_buffer, -1 resolved)."""
+    b = self.settings.overlong_buffer
+    return self.max_new_tokens // 4 if b == -1 else b
 
   def keep_groups(self, rewards: np.ndarray, group_size: int) -> np.ndarray:
     """Groups whose rewards are not all equal."""
@@ -63,11 +72,12 @@ class Dapo(Grpo):
 
   def overlong_penalty(self, lengths: np.ndarray) -> np.ndarray:
     """float32 [N] <= 0: the soft overlong punishment of each response length."""
-    s = self.settings
-    if not s.overlong_buffer:
+    buffer = self.buffer
+    if not buffer:
       return np.zeros(len(lengths), np.float32)
-    over = np.asarray(lengths, np.float64) - (self.max_new_tokens - s.overlong_buffer)
-    return (-s.overlong_penalty * np.clip(over / s.overlong_buffer, 0.0, 1.0)).astype(np.float32)
+    over = np.asarray(lengths, np.float64) - (self.max_new_tokens - buffer)
+    return (-self.settings.overlong_penalty * np.clip(over / buffer, 0.0, 1.0)
+            ).astype(np.float32)
 
   def advantages(self, rewards: np.ndarray, lengths: np.ndarray, group_size: int) -> np.ndarray:
     shaped = np.asarray(rewards, np.float32) + self.overlong_penalty(lengths)
