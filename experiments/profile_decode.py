@@ -261,9 +261,20 @@ def count_ops(bench: Bench, batch: int, strategy) -> dict:
   the weights told by their shapes."""
   exe = bench.executable(batch, strategy)
   cache = bench.base.cache.k.shape
-  big = {"kv_cache": {(cache[0], batch, *cache[2:])},
-         "weights": {tuple(x.shape) for x in jax.tree.leaves(bench.params) if x.size > 1}}
+  big = {"kv_cache": {(cache[0], batch, *cache[2:])}, "weights": weight_shapes(bench.params)}
   return hlo_counts.decode_loop_counts(exe.as_text(), big)
+
+
+def weight_shapes(params) -> set[tuple]:
+  """The shapes of the weights and of one layer's slice of each stacked one (what a copy of a
+  weight looks like in a compiled program); vectors left out (norms, biases)."""
+  shapes = set()
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    if x.ndim >= 2:
+      shapes.add(tuple(x.shape))
+      if "layers" in jax.tree_util.keystr(path) and x.ndim >= 3:
+        shapes.add(tuple(x.shape[1:]))
+  return shapes
 
 
 def peer_row(cfg, batch: int, prompt_len: int, capacity: int, new_tokens: int,

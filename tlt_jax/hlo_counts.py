@@ -26,6 +26,10 @@ import re
 # Opcodes that launch nothing: they rename, group or describe buffers.
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
         "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"}
+# Opcodes that only move data: a fusion of nothing else is a copy (XLA:CPU materialises a
+# static slice of a stacked weight as such a fusion).
+MOVES = FREE | {"copy", "slice", "transpose", "reshape", "dynamic-slice", "concatenate",
+                "broadcast", "pad"}
 # What `summary` names separately (the rest is in `by_opcode`).
 NAMED = {"fusions": ("fusion",), "custom_calls": ("custom-call",),
          "dynamic_update_slices": ("dynamic-update-slice",), "scatters": ("scatter",),
@@ -108,7 +112,8 @@ def count_ops(comps: dict, name: str, big: dict[str, set] | None = None,
               _memo: dict | None = None) -> collections.Counter:
   """Operations of computation `name` by opcode (see the module docstring), plus
   'custom-call:<target>' per custom call target, 'copy-of:<what>' per copy whose result has a
-  shape of `big` ({'kv_cache': {shape tuples}, 'weights': {...}}), 'fused:<opcode>' for
+  shape of `big` ({'kv_cache': {shape tuples}, 'weights': {...}}) (and so each fusion that only
+  moves data into such a shape), 'fused:<opcode>' for
   dynamic-update-slices, scatters and sorts inside fusions, and 'unknown-trip-while' per nested
   loop whose trip count XLA does not know."""
   memo = {} if _memo is None else _memo
@@ -122,10 +127,12 @@ def count_ops(comps: dict, name: str, big: dict[str, set] | None = None,
     called = callees(ins)
     if op == "fusion":
       out[op] += 1
-      for c in called:
-        for inner in comps.get(c, []):
-          if inner.opcode in ("dynamic-update-slice", "scatter", "sort"):
-            out["fused:" + inner.opcode] += 1
+      inner = [i for c in called for i in comps.get(c, [])]
+      for i in inner:
+        if i.opcode in ("dynamic-update-slice", "scatter", "sort"):
+          out["fused:" + i.opcode] += 1
+      if big and all(i.opcode in MOVES for i in inner):  # a copy, however XLA spelt it
+        _count_copy(out, ins, big)
       continue
     if op in ("call", "async-start"):
       for c in called:
@@ -154,12 +161,16 @@ def count_ops(comps: dict, name: str, big: dict[str, set] | None = None,
       target = _TARGET.search(ins.text)
       out["custom-call:" + (target.group(1) if target else "?")] += 1
     if op in ("copy", "copy-start") and big:
-      dims, _ = shape_bytes(ins.shape)
-      for what, shapes in big.items():
-        if dims in shapes:
-          out["copy-of:" + what] += 1
+      _count_copy(out, ins, big)
   memo[name] = out
   return out
+
+
+def _count_copy(out: collections.Counter, ins: Instruction, big: dict[str, set]) -> None:
+  dims, _ = shape_bytes(ins.shape)
+  for what, shapes in big.items():
+    if dims in shapes:
+      out["copy-of:" + what] += 1
 
 
 def _while_parts(ins: Instruction) -> tuple[str, str]:
