@@ -92,3 +92,87 @@ def _plot(summary: dict, path: str, top: int = 15) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+# ---------------------------------------------------------------- one call, kernel by kernel
+
+# Ops that only contain others on XLA:CPU's thunk timeline (their events span their bodies'):
+# not launches, and their time is their children's.
+CONTAINERS = ("while", "conditional", "call")
+
+
+def _kind(op: str) -> str:
+  """'fusion.12' -> 'fusion', 'loop_add_fusion.3' -> 'loop_add_fusion'."""
+  return re.sub(r"(\.\d+)+$", "", op)
+
+
+def call_events(trace: str) -> dict:
+  """The ops one traced call ran, from its trace file (.xplane.pb): {'source': 'device' (GPU
+  kernels on the device planes' streams) or 'host' (XLA:CPU ops on the host threads),
+  'events': [(line id, start ns, duration ns, op name)] sorted by start, containers left out,
+  'containers': how many container events (while/conditional/call) there were}. On a device
+  plane every event of a stream is a kernel or a copy, named by its `hlo_op` where the trace
+  has one and by itself otherwise; on the host only events with an `hlo_op` are XLA's."""
+  data = ProfileData.from_file(trace)
+  found = {"device": [], "host": []}
+  containers = {"device": 0, "host": 0}
+  for p, plane in enumerate(data.planes):
+    kind = "device" if plane.name.startswith("/device:") else "host"
+    for line in plane.lines:
+      if kind == "device" and not re.search(r"stream", line.name, re.I):
+        continue  # derived lines (XLA Modules, XLA Ops, Steps) repeat the streams' events
+      for event in line.events:
+        stats = dict(event.stats)
+        op = str(stats.get("hlo_op", "")) or (event.name if kind == "device" else "")
+        if not op:
+          continue
+        if _kind(op) in CONTAINERS:
+          containers[kind] += 1
+          continue
+        found[kind].append(((p, line.name), int(event.start_ns), int(event.duration_ns), op))
+  source = "device" if found["device"] else "host"
+  return {"source": source, "events": sorted(found[source], key=lambda e: e[1]),
+          "containers": containers[source]}
+
+
+def call_table(events: dict, iterations: int, top: int = 12, gap_ns: int = 5_000) -> dict:
+  """What one call of `iterations` loop iterations spent its time on, from `call_events`:
+  span_ms (first op start to last op end), busy_ms (the union of op intervals), idle_ms (the
+  rest: nothing ran: launch latency, host syncs, the loop's condition round trip), op_ms
+  (summed op time; above busy_ms where ops overlap), launches (op events) and launches,
+  idle_ms and op_ms per iteration, gaps longer than `gap_ns` (count, per iteration, the five
+  longest in µs), and the `top` op kinds by time: [{'op', 'ms', 'calls', 'per_iteration',
+  'share'}]."""
+  evs = events["events"]
+  n = max(int(iterations), 1)
+  if not evs:
+    return {"source": events["source"], "launches": 0, "iterations": iterations,
+            "span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "op_ms": 0.0, "top": []}
+  busy, gaps = 0, []
+  cur_start, cur_end = evs[0][1], evs[0][1] + evs[0][2]
+  for _, start, dur, _ in evs[1:]:
+    if start > cur_end:
+      busy += cur_end - cur_start
+      gaps.append(start - cur_end)
+      cur_start = start
+    cur_end = max(cur_end, start + dur)
+  busy += cur_end - cur_start
+  span = cur_end - evs[0][1]
+  op_ns = sum(e[2] for e in evs)
+  kinds = collections.defaultdict(lambda: [0, 0])
+  for _, _, dur, op in evs:
+    kinds[_kind(op)][0] += dur
+    kinds[_kind(op)][1] += 1
+  long_gaps = sorted((g for g in gaps if g > gap_ns), reverse=True)
+  return {"source": events["source"], "iterations": iterations, "launches": len(evs),
+          "launches_per_iteration": len(evs) / n, "span_ms": span * 1e-6,
+          "busy_ms": busy * 1e-6, "idle_ms": (span - busy) * 1e-6,
+          "idle_share": (span - busy) / span if span else 0.0,
+          "idle_ms_per_iteration": (span - busy) * 1e-6 / n, "op_ms": op_ns * 1e-6,
+          "op_ms_per_iteration": op_ns * 1e-6 / n, "containers": events["containers"],
+          "gaps_over_us": gap_ns / 1e3, "long_gaps": len(long_gaps),
+          "long_gaps_per_iteration": len(long_gaps) / n,
+          "longest_gaps_us": [g / 1e3 for g in long_gaps[:5]],
+          "top": [{"op": k, "ms": ns * 1e-6, "calls": c, "per_iteration": c / n,
+                   "share": ns / op_ns if op_ns else 0.0}
+                  for k, (ns, c) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]]}

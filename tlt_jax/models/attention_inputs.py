@@ -47,7 +47,11 @@ def decode_inputs(position: jax.Array) -> AttentionInputs:
 
 def cached_decode_inputs(position: jax.Array) -> AttentionInputs:
   """One token per row at position[b] whose key/value is already written into the cache at
-  slot position[b]: it attends to the cache alone, its own uncached copy masked out."""
+  slot position[b]: it attends to the cache alone, its own uncached copy masked out.
+
+  No mask over the cache's S slots is built here: the attention reads the valid prefix from
+  the cache's lengths (the kernel stops at them; the reference compares an iota over S with
+  them inside its score fusion, which reads every slot anyway)."""
   return AttentionInputs(positions=position[:, None],
                          mask=jnp.zeros((position.shape[0], 1, 1), bool))
 
@@ -109,18 +113,24 @@ def ancestor_mask(parents: jax.Array, valid: jax.Array | None = None) -> jax.Arr
       anyone's ancestor.
   Returns:
     [B, T, T] bool, mask[b, i, j] = node j is node i or one of its ancestors.
+
+  The transitive closure of the parent edges by repeated squaring, ceil(log2(T - 1)) small
+  batched matmuls: no loop over the nodes, which inside a compiled decode loop would be a
+  nested `while` (on a GPU, a host round trip per node per SD iteration). An edge counts only
+  between valid nodes and toward a lower index, so a valid node under an invalid parent is its
+  own only ancestor, as it was when the rows were built node by node. 0/1 entries and sums of
+  at most T are exact in float32 (and in TF32).
   """
-  t = parents.shape[1]
+  b, t = parents.shape
   valid = jnp.ones(parents.shape, bool) if valid is None else valid
-
-  def one_tree(par, ok):
-    def add_node(i, mask):
-      p = par[i]
-      inherited = jnp.where(p >= 0, mask[jnp.maximum(p, 0)], jnp.zeros((t,), bool))
-      return mask.at[i].set((inherited | (jnp.arange(t) == i)) & ok[i])
-    return jax.lax.fori_loop(0, t, add_node, jnp.zeros((t, t), bool))
-
-  return jax.vmap(one_tree)(parents, valid)
+  j = jnp.arange(t)
+  edge = ((parents[:, :, None] == j[None, None, :]) & (j[None, None, :] < j[None, :, None])
+          & valid[:, :, None] & valid[:, None, :])
+  reach = edge | (jnp.eye(t, dtype=bool)[None] & valid[:, :, None])
+  for _ in range(max(t - 2, 0).bit_length()):  # paths of up to 2^k edges after k squarings
+    r = reach.astype(jnp.float32)
+    reach = reach | (jnp.einsum("bij,bjk->bik", r, r) > 0)
+  return reach
 
 
 def tree_depths(mask: jax.Array) -> jax.Array:

@@ -18,6 +18,11 @@ MODEL_SHAPES: dict[str, dict] = {
     "small": _shape("qwen2", vocab_size=32768, hidden_size=256, intermediate_size=768,
                     num_layers=6, num_heads=8, num_kv_heads=2, head_dim=32,
                     max_position_embeddings=32768),
+    # SmolLM2-135M-Instruct (configs/smollm2.py, the GPU headline's policy), for random weights of
+    # its shape where the model is not at hand (a GPU lease that did not stage it).
+    "smollm2-135m": _shape("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                           tie_embeddings=True, max_position_embeddings=8192),
     "qwen2.5-1.5b": _shape("qwen2", vocab_size=151936, hidden_size=1536,
                            intermediate_size=8960, num_layers=28, num_heads=12,
                            num_kv_heads=2, head_dim=128, tie_embeddings=True,

@@ -212,6 +212,12 @@ class SlicePrograms:
                               kind=_bill_kind(key_b), priority=priority,
                               share=self._share(key_b))
 
+  def decode_executable(self, batch: int, strategy: Strategy | None, sp: SamplingParams):
+    """The compiled decode program that runs (batch, strategy, sp) (a `jax.stages.Compiled`:
+    its `as_text()` is the optimised HLO), or None before it is compiled."""
+    key = self._key(self._decode_program(batch, strategy, sp)[0])
+    return self.pool.get(key, None, ()) if key in self.pool else None
+
   def decode_ready(self, batch: int, strategy: Strategy | None, sp: SamplingParams) -> bool:
     """Whether the decode program that runs (batch, strategy, sp) is compiled."""
     return self.pool.ready(self._key(self._decode_program(batch, strategy, sp)[0]))

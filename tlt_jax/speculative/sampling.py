@@ -79,7 +79,12 @@ def support_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
 
 
 def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
-  """float32 logits [..., V] -> probabilities q [..., V] (float32, rows sum to 1)."""
+  """float32 logits [..., V] -> probabilities q [..., V] (float32, rows sum to 1).
+
+  The draw's log q is the log of this q, not a log-softmax: the two round differently, and
+  the tokens must stay those that q (the trainer's distribution) redraws from the same noise.
+  XLA fuses the normalisation, the greedy one-hot and the log into the draw's reductions (the
+  op counts of the decode programs did not move when they were taken apart)."""
   def argmax_one_hot():
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
   if sp.greedy:
@@ -96,7 +101,12 @@ def token_noise(key: jax.Array, requests: jax.Array, positions: jax.Array,
   """Gumbel noise [B, P, V] (float32) for the tokens at response positions [B, P] of requests
   [B] (int32): each (request, position) pair has its own key, derived from `key`, so a token's
   randomness never depends on the batch row, the bucket, the iteration or the strategy that
-  produced it."""
+  produced it.
+
+  Per row and position this is one threefry block over the whole vocabulary: an exact
+  Gumbel-max draw needs every token's noise. The request's half of the key does not change
+  within a decode loop, and XLA's loop-invariant code motion already lifts it out of the loop
+  (checked in the compiled programs' op counts, `experiments/profile_decode.py`)."""
   def one(request, position):
     k = jax.random.fold_in(jax.random.fold_in(key, jnp.maximum(request, 0)), position)
     return jax.random.gumbel(k, (vocab,), jnp.float32)
