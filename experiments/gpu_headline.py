@@ -74,6 +74,8 @@ QUICK_SETS = ["mesh.num_cpu_devices=0", "model.dtype=float32", "model.param_dtyp
 # The 2026-12-04 run on one H200 (docs/results/gpu_h200_2026-12-04): what the lease's device
 # time is estimated from.
 MEASURED = REPO / "docs" / "results" / "gpu_h200_2026-12-04"
+# The profiling call's seconds (experiments/profile_decode.py --time-budget, and its compiles).
+PROFILE_S = 180
 # Written in every workdir `run` makes: it replaces its own runs there and nothing else.
 WORKDIR_MARK = ".gpu_headline_workdir"
 OUT_FILES = ("headline.json", "responses.jsonl.xz", "end_to_end.png", "compiles.png",
@@ -263,9 +265,9 @@ def _compile_wall_s(bill: dict, counts: dict, threads: int) -> float:
 def device_time(config, steps: int, identity_steps: int, calls: int,
                 measured: pathlib.Path = MEASURED) -> dict:
   """The lease's device seconds, from the 2026-12-04 run on an H200: its GGUF import, each
-  kind of program's compile seconds (scaled to this config's programs), its mean step
-  seconds per variant at the default and the highest precision, and per call the transfers
-  and a machine's start (`gpu_lease.device_seconds`)."""
+  kind of program's compile seconds (scaled to this config's programs), the rest of each
+  variant's start-up, its mean step seconds per variant at the default and the highest
+  precision, and per call the transfers and a machine's start (`gpu_lease.device_seconds`)."""
   runs = {p: json.loads((measured / p / "headline.json").read_text())
           for p in ("tf32", "fp32-highest")}
   counts = program_counts(config)
@@ -275,10 +277,14 @@ def device_time(config, steps: int, identity_steps: int, calls: int,
     out = {}
     for variant in ("tlt", "baseline"):
       v = run["variants"][variant]
+      bill = v["compile_bill"]
+      ran = {kind: line["ahead_programs"] for kind, line in bill.items()}
+      other_s = max(v["startup_s"] - _compile_wall_s(bill, ran, threads), 0.0)
       step_s = sum(s["step_s"] for s in v["steps"][1:]) / max(len(v["steps"]) - 1, 1)
-      out[variant] = {"compile_s": _compile_wall_s(v["compile_bill"], counts[variant], threads),
-                      "step_s": step_s, "steps": n, "programs": sum(counts[variant].values())}
-      out[variant]["seconds"] = out[variant]["compile_s"] + 20.0 + n * step_s
+      out[variant] = {"compile_s": _compile_wall_s(bill, counts[variant], threads),
+                      "other_startup_s": other_s, "step_s": step_s, "steps": n,
+                      "programs": sum(counts[variant].values())}
+      out[variant]["seconds"] = out[variant]["compile_s"] + other_s + n * step_s
     return out
   parts = {"import_s": runs["tf32"]["model"]["import_s"],
            "default": precision(runs["tf32"], steps)}
@@ -289,8 +295,8 @@ def device_time(config, steps: int, identity_steps: int, calls: int,
   check_s = 5.0 * (calls - 1)
   return {"measured": str(measured.relative_to(REPO)), **parts, "run_command_s": run_s,
           "device_s": gpu_lease.device_seconds(calls, [run_s + 5.0, check_s]),
-          "note": "each variant's start-up is its compiles plus 20 s; steps at the measured "
-                  "run's mean step seconds (an upper bound for a faster TLT)"}
+          "note": "steps at the measured run's mean step seconds (an upper bound for a "
+                  "faster TLT); compiles on rollout.compile_threads threads"}
 
 
 def lease_plan(out: pathlib.Path, manifest: dict, steps: int, identity_steps: int,
@@ -307,6 +313,15 @@ def lease_plan(out: pathlib.Path, manifest: dict, steps: int, identity_steps: in
   calls = [{"carry": [f"{rel}/call{k}"], "timeout_s": 60, "command": cmd}
            for k, cmd in enumerate(commands, start=1)]
   calls[-1]["timeout_s"] = min(600, int(time_s["run_command_s"] * 1.25) + 60)
+  # Where the decode step's time goes, and transformers on the same GPU (the fast-baseline
+  # work's command): next, if the lease has the time left.
+  calls.append({"carry": [], "timeout_s": PROFILE_S + 60, "optional": True,
+                "when": f"at least {(PROFILE_S + gpu_lease.CALL_OVERHEAD_S) / 60 + 1:.0f} "
+                        f"minutes of device time remain",
+                "command": f"set -o pipefail; export PYTHONUNBUFFERED=1 PYTHONPATH="
+                           f"{gpu_lease.DEVICE_TMP}/site:. && python3 -m "
+                           f"experiments.profile_decode --out $OUT --peer --time-budget "
+                           f"{PROFILE_S - 30} 2>&1 | tee $OUT/profile.log"})
   plan = {"what": "the headline's GPU lease (experiments/gpu_headline.py stage)",
           "date": datetime.date.today().isoformat(), "commit": _commit(),
           "config": config_spec, "steps": steps, "identity_steps": identity_steps,
@@ -314,6 +329,7 @@ def lease_plan(out: pathlib.Path, manifest: dict, steps: int, identity_steps: in
           "calls": calls, "device_time": time_s,
           "rule": "each call within 30 s of the last one's end; give the machine back after "
                   "the last"}
+  out.mkdir(parents=True, exist_ok=True)
   gpu_lease.write_json(out / "plan.json", plan)
   return plan
 
@@ -798,8 +814,10 @@ def main(argv=None) -> None:
       plan = stage(args.out, args.steps, args.identity_steps)
       t = plan["device_time"]
       for k, call in enumerate(plan["calls"], start=1):
+        size = (f"{plan['payload_mib'][k - 1]} MiB with the tree"
+                if k <= len(plan["payload_mib"]) else f"optional: {call['when']}")
         print(f"device call {k}: carry {call['carry']}, timeout_s {call['timeout_s']} "
-              f"({plan['payload_mib'][k - 1]} MiB with the tree):\n  {call['command']}")
+              f"({size}):\n  {call['command']}")
       print(f"device time estimated at {t['device_s'] / 60:.1f} minutes (the last command "
             f"{t['run_command_s']:.0f} s); wrote {args.out / 'plan.json'}")
     elif args.command == "run":

@@ -67,7 +67,9 @@ def test_the_readme_stays_short_and_leads_to_the_pages():
                "docs/extending.md", "docs/reproducing.md", "docs/gpu_lease.md",
                "docs/testing.md", "docs/results/README.md", "CHANGELOG.md"):
     assert f"]({page}" in text, page
-  assert "not yet measured" in text  # the GPU end-to-end speedup, until it is
+  # The GPU end-to-end figure with its device and run, and projections marked as such.
+  assert "1x H200" in text and "gpu_h200_2026-12-04" in text
+  assert "projected, not measured" in text
 
 
 # ---------------------------------------------------------------- commands

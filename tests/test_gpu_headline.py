@@ -333,3 +333,26 @@ def test_the_shipped_drafter_is_the_warmed_one_in_bfloat16(tmp_path):
   with pytest.raises(headline.HeadlineError, match="is not a drafter export"):
     headline.ship_drafter(warmup / "export" / "eagle", warmup, tmp_path / "mine", config_arg)
   assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_the_lease_plan_fits_ten_minutes_of_device_time(staged, tmp_path):
+  """The headline's plan: every staged call carries its own folder and checks what has
+  arrived; the last runs both precisions; the device time estimated from the 2026-12-04
+  run's import, compiles and steps, for this config's programs, is at most 10 minutes; the
+  profiling call comes after it, optional."""
+  _, _, manifest = staged
+  plan = headline.lease_plan(tmp_path / "lease", manifest, steps=10, identity_steps=3)
+  staged_calls = [c for c in plan["calls"] if not c.get("optional")]
+  assert len(staged_calls) == manifest["calls"]
+  for k, call in enumerate(staged_calls, start=1):
+    assert call["carry"] == [f"{os.path.relpath(tmp_path / 'lease', REPO)}/call{k}"]
+    assert f"gpu_lease check --parts $PARTS --call {k}" in call["command"]
+    assert call["timeout_s"] <= 600
+  assert "--steps 10 --identity-steps 3" in staged_calls[-1]["command"]
+  time_s = plan["device_time"]
+  assert time_s["device_s"] <= 600, time_s
+  assert time_s["highest"]["tlt"]["steps"] == 3
+  assert time_s["default"]["tlt"]["programs"] > time_s["default"]["baseline"]["programs"]
+  optional = [c for c in plan["calls"] if c.get("optional")]
+  assert len(optional) == 1 and "experiments.profile_decode" in optional[0]["command"]
+  assert json.loads((tmp_path / "lease" / "plan.json").read_text())["calls"] == plan["calls"]
