@@ -258,7 +258,8 @@ def _compile_plan(config, engine, updater, params, sampling, say) -> None:
   t0 = time.perf_counter()
   engine.compile_plan(sampling, rl.prompts_per_step, rl.num_samples)
   if rl.update_widths:
-    updater.compile_ahead(params, rl.prompts_per_step * rl.num_samples, engine.capacity)
+    updater.compile_ahead(params, rl.prompts_per_step * rl.num_samples, engine.capacity,
+                          rollout_logps=True)  # the steps pass the rollout's log-probs
   wait_for_compiles_ahead()
   pools = [engine.pool.report(), updater.pool.report()]
   say(f"compiled {sum(p['ahead_compiles'] for p in pools)} programs of a step in "

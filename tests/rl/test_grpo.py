@@ -202,6 +202,39 @@ def test_one_grpo_step_moves_the_weights_as_a_hand_written_reference_says(tiny_c
   assert moved > 1e-3  # the step did move the weights
 
 
+def test_the_update_reports_how_far_its_log_probs_are_from_the_rollouts(tiny_cfg, tiny_params):
+  """Given the rollout's log-probs, the update reports the mean and largest distance of its
+  own (before its optimizer step) from them, over the response tokens: 0 up to float32
+  rounding when they are the trainer's own numbers, the shift of the one token moved."""
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.rl.policy_update import PolicyUpdater, build_rows
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(1, 60, 3).tolist() for _ in range(4)]
+  completions = [rng.integers(1, 60, n).tolist() for n in (4, 6, 2, 5)]
+  rows = build_rows(prompts, completions, np.zeros(4), 4, 0)
+  own = np.asarray(_logp(tiny_cfg, tiny_params, rows))
+  logps = [own[i, len(p) - 1:len(p) - 1 + len(c)].tolist()
+           for i, (p, c) in enumerate(zip(prompts, completions))]
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+
+  def report(rollout_logps):
+    updater = PolicyUpdater(tiny_cfg, Grpo(), optax.sgd(0.1), jax.tree.map(jnp.copy, tiny_params),
+                            mesh, DEFAULT_RULES, ppo_epochs=1, mini_batches=1,
+                            micro_batch_rows=2)
+    _, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions,
+                            np.array([1.0, -1.0, 0.5, -0.5], np.float32), 0, max_width=64,
+                            rollout_logps=rollout_logps)
+    return metrics
+  same = report(logps)
+  assert same["rollout_logp_diff_max"] < 1e-5 and same["rollout_logp_diff_mean"] < 1e-6
+  moved = [list(lp) for lp in logps]
+  moved[1][3] += 0.5
+  got = report(moved)
+  assert got["rollout_logp_diff_max"] == pytest.approx(0.5, abs=1e-5)
+  assert got["rollout_logp_diff_mean"] == pytest.approx(0.5 / 17, abs=1e-5)
+  assert "rollout_logp_diff_max" not in report(None)  # nothing to compare with
+
+
 def test_a_nonfinite_update_is_not_applied_and_is_reported(tiny_cfg, tiny_params, batch):
   """NaN advantages make the loss NaN: the update hands back the old params and optimizer
   state, and reports it, so the job can stop before a checkpoint (or skip the update)."""

@@ -169,7 +169,8 @@ def update_policy(updater: PolicyUpdater, algorithm: Grpo, params: dict,
   advantages = algorithm.advantages(samples.scored.rewards, result.lengths, n)
   params, metrics, _ = updater(params, [samples.prompts[r // n] for r in rows],
                                [result.tokens[r] for r in rows], advantages[rows], pad_id,
-                               max_width=max_width, min_rows=config.rl.prompts_per_step * n)
+                               max_width=max_width, min_rows=config.rl.prompts_per_step * n,
+                               rollout_logps=[result.logprobs[r] for r in rows])
   return params, metrics
 
 
@@ -218,8 +219,9 @@ def step_metrics(step: int, samples: StepSamples, update: dict, algorithm: Grpo,
   }
   if sd_enabled and metrics["sd_accept_len_mean"] is None:  # asked for SD, never reached it
     metrics["sd_not_reached"] = sd_not_reached(result)
-  if "kl" in update:
-    metrics["kl"] = update["kl"]
+  for k in ("kl", "rollout_logp_diff_mean", "rollout_logp_diff_max"):
+    if k in update:
+      metrics[k] = update[k]
   if algorithm.rounds > 1:
     metrics.update(rollout_rounds=samples.rounds, groups_trained=len(samples.train_groups))
   metrics.update(algorithm.step_metrics(scored.rewards, lengths))

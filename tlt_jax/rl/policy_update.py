@@ -41,9 +41,13 @@ WIDTH_MULTIPLE = 64
 
 def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                advantages: np.ndarray, rows: int, pad_id: int,
-               max_width: int | None = None) -> dict[str, np.ndarray]:
+               max_width: int | None = None,
+               rollout_logps: Sequence[Sequence[float]] | None = None
+               ) -> dict[str, np.ndarray]:
   """Host arrays [rows, T] of (prompt + completion) sequences (rows >= len(prompts));
-  see tlt_jax.rl.grpo for the keys. advantages: [len(prompts)] float32."""
+  see tlt_jax.rl.grpo for the keys. advantages: [len(prompts)] float32. rollout_logps: each
+  completion's token log-probs as the rollout drew them, as "rollout_logp" (at the positions
+  that predict them, 0 elsewhere)."""
   n = len(prompts)
   if rows < n:
     raise ValueError(f"{n} sequences do not fit in {rows} rows")
@@ -61,7 +65,13 @@ def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[
     # Position t predicts token t + 1: the response tokens are predicted from len(p) - 1 on.
     mask[i, len(p) - 1:len(seq) - 1] = True
   adv = np.pad(np.asarray(advantages[:n], np.float32), (0, rows - n))
-  return {"tokens": tokens, "targets": targets, "loss_mask": mask, "advantages": adv}
+  out = {"tokens": tokens, "targets": targets, "loss_mask": mask, "advantages": adv}
+  if rollout_logps is not None:
+    logp = np.zeros((rows, width), np.float32)
+    for i, (p, lp) in enumerate(zip(prompts, rollout_logps)):
+      logp[i, len(p) - 1:len(p) - 1 + len(lp)] = lp
+    out["rollout_logp"] = logp
+  return out
 
 
 def by_length(batch: dict[str, np.ndarray], mini_batches: int) -> dict[str, np.ndarray]:
@@ -150,7 +160,8 @@ def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTr
   gradients of loss_fn(params, micro_batch, cfg) -> (loss, metrics) (an algorithm's
   `loss_fn`) summed over the M micro-batches (each already weighted by its share of the
   mini-batch; with `widths`, each computed at its narrowest, `at_narrowest_width`), then one
-  optimizer step. params and opt_state are donated. An update whose
+  optimizer step. Metrics are token means over the micro-batches, those named *_max their
+  maximum. params and opt_state are donated. An update whose
   loss, gradient norm or new parameters are not finite is not applied (the old params and
   optimizer state come back) and reports metrics["nonfinite"] = 1, so the caller can stop
   before anything non-finite reaches a checkpoint, or go on without it."""
@@ -174,7 +185,8 @@ def make_policy_update(cfg: ModelConfig, loss_fn: Callable, tx: optax.GradientTr
     # Token means of micro-batches, weighted by their tokens (a padding one holds none).
     tokens = jnp.sum(mini_batch["loss_mask"], axis=(1, 2), dtype=jnp.float32)
     share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
-    out = {k: jnp.sum(v * share) for k, v in metrics.items() if k != "pg_loss"}
+    out = {k: jnp.max(v) if k.endswith("_max") else jnp.sum(v * share)
+           for k, v in metrics.items() if k != "pg_loss"}
     out.update(loss=jnp.sum(losses), grad_norm=optax.tree.norm(grads))
     params_finite = all_finite(new_params)
     finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"]) & params_finite
@@ -225,14 +237,21 @@ class PolicyUpdater:
 
   def __call__(self, params: dict, prompts: Sequence[Sequence[int]],
                completions: Sequence[Sequence[int]], advantages: np.ndarray, pad_id: int,
-               max_width: int, min_rows: int = 0) -> tuple[dict, dict, float]:
+               max_width: int, min_rows: int = 0,
+               rollout_logps: Sequence[Sequence[float]] | None = None
+               ) -> tuple[dict, dict, float]:
     """Updates `params` (donated) and the optimizer state on one step's responses (prompts[i] +
     completions[i], advantage advantages[i]); returns (params, the updates' mean metrics, seconds
     spent compiling). min_rows: pad the batch to at least the rows of this many sequences (a step
     that trains on fewer responses than usual keeps the usual batch shape, so it compiles nothing
-    new, and takes one optimizer step per mini-batch that holds responses)."""
+    new, and takes one optimizer step per mini-batch that holds responses). rollout_logps: the
+    rollout's log-probs of the completions' tokens: the metrics then hold how far the
+    trainer's own log-probs of them, before any optimizer step, are from them
+    (rollout_logp_diff_mean and _max, over the first mini-batch's tokens: after its step the
+    policy has moved)."""
     rows = build_rows(prompts, completions, advantages,
-                      self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width)
+                      self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width,
+                      rollout_logps=rollout_logps)
     if self.widths:  # one width, the rollout's capacity: one program for every step
       rows = by_length(_widened(rows, _round_up(max_width)), self.mini_batches)
     batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
@@ -256,16 +275,19 @@ class PolicyUpdater:
         metrics.append(out)
     metrics = jax.device_get(metrics)
     out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    for k in ("rollout_logp_diff_mean", "rollout_logp_diff_max"):
+      if k in out:  # the first optimizer step's: the parameters that sampled the rollout
+        out[k] = float(metrics[0][k])
     out["nonfinite"] = float(sum(m["nonfinite"] for m in metrics))  # updates not applied
     out["params_finite"] = float(min(m["params_finite"] for m in metrics))
     return params, out, self.pool.compile_seconds - compile_before
 
   def compile_ahead(self, params: dict, sequences: int, max_width: int,
-                    priority: int = 0) -> None:
+                    priority: int = 0, rollout_logps: bool = False) -> None:
     """Queues the compiles of a step's programs (`ExecutablePool.compile_ahead`) for
     `sequences` responses (rounded up to whole mini-batches) of `max_width` tokens at most:
     the update and, when the step needs them, the log-probs. Needs `widths` (one shape for
-    every step)."""
+    every step). rollout_logps: the steps pass the rollout's log-probs (`__call__`)."""
     if not self.widths:
       raise ValueError("compiling the update ahead needs rl.update_widths (one batch shape "
                        "for every step)")
@@ -273,6 +295,8 @@ class PolicyUpdater:
              self.micro_rows, _round_up(max_width))
     dtypes = {"tokens": np.int32, "targets": np.int32, "loss_mask": np.bool_,
               "advantages": np.float32, "weight": np.float32}
+    if rollout_logps:
+      dtypes["rollout_logp"] = np.float32
     if self.ppo_epochs * self.mini_batches > 1:
       dtypes["old_logp"] = np.float32
     if self.ref_params is not None:
@@ -326,7 +350,9 @@ def _widened(rows: dict[str, np.ndarray], width: int) -> dict[str, np.ndarray]:
   """`build_rows`' arrays padded (pad columns: token and target as the last column's padding,
   no loss) to `width` columns."""
   out = dict(rows)
-  for k in ("tokens", "targets", "loss_mask"):
+  for k in ("tokens", "targets", "loss_mask", "rollout_logp"):
+    if k not in rows:
+      continue
     v = rows[k]
     if v.shape[1] < width:
       fill = rows["tokens"][:, -1:] if k == "tokens" else np.zeros_like(v[:, :1])

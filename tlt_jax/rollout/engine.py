@@ -141,7 +141,9 @@ class StepRecord:
 @dataclasses.dataclass
 class RolloutResult:
   """tokens[i]: request i's generated ids (EOS included if emitted); request i is sample
-  i % num_samples of prompt i // num_samples. finish_reasons: 'eos' or 'length'."""
+  i % num_samples of prompt i // num_samples. finish_reasons: 'eos' or 'length'.
+  logprobs[i]: log q of each of tokens[i] under the distribution it was drawn from, as the
+  trainer computes it (`tlt_jax.speculative.decoding.token_logp`)."""
   tokens: list[list[int]]
   lengths: np.ndarray
   finish_reasons: list[str]
@@ -152,6 +154,7 @@ class RolloutResult:
   feature_blocks: list[FeatureBlock | None]  # per slice; None without feature logging
   t_start: float = 0.0       # time.perf_counter() at the start and the end of generate()
   t_end: float = 0.0
+  logprobs: list[list[float]] = dataclasses.field(default_factory=list)
 
   @property
   def call_s(self) -> float:
@@ -178,7 +181,8 @@ class RolloutResult:
         slice_done_s=[o + t for o, r in zip(offsets, results) for t in r.slice_done_s],
         wall_s=float(sum(r.wall_s for r in results)), pool=results[-1].pool,
         feature_blocks=[b for r in results for b in r.feature_blocks],
-        t_start=results[0].t_start, t_end=results[-1].t_end)
+        t_start=results[0].t_start, t_end=results[-1].t_end,
+        logprobs=[lp for r in results for lp in r.logprobs])
 
 
 def accept_length(result) -> float | None:
@@ -366,7 +370,7 @@ class RolloutEngine:
       logged = set(range(n)) if log_requests is None else {int(r) for r in log_requests}
     # Every finished request so far on this process, in finishing order: also the corpus the
     # slices' suffix drafting copies from.
-    results: dict[int, tuple[list[int], str]] = {}
+    results: dict[int, tuple[list[int], str, list[float]]] = {}
     # Slice s serves requests s, s + S, ...: the same split on every process.
     runs = [_SliceRun(self, s, list(range(s, n, len(self.slices))), requests, sampling, key,
                       logged, compile_priority, num_samples, results) for s in self.local]
@@ -396,25 +400,30 @@ class RolloutEngine:
     tokens = [results[i][0] for i in range(n)]
     return RolloutResult(tokens=tokens, lengths=np.asarray([len(t) for t in tokens]),
                          finish_reasons=[results[i][1] for i in range(n)], timeline=timeline,
+                         logprobs=[results[i][2] for i in range(n)],
                          slice_done_s=slice_done, wall_s=t_end - t0, pool=self.pool.report(),
                          feature_blocks=blocks, t_start=t0, t_end=t_end)
 
   def _gather(self, results: dict, slice_done: list[float], n: int):
     """Every process's finished requests and slice end times, on every process (one
-    all-gather of [n, 1 + max_new_tokens] ids; -1 marks what another process served)."""
+    all-gather of [n, 1 + max_new_tokens] ids, -1 marking what another process served, and of
+    their log-probs)."""
     from jax.experimental import multihost_utils
     table = np.full((n, 1 + self.econf.max_new_tokens), -1, np.int32)
-    for i, (toks, _) in results.items():
+    logps = np.zeros((n, self.econf.max_new_tokens), np.float32)
+    for i, (toks, _, lp) in results.items():
       table[i, 0] = len(toks)
       table[i, 1:1 + len(toks)] = toks
+      logps[i, :len(lp)] = lp
     done = np.full((len(self.slices),), -1.0, np.float32)  # float32: what JAX carries
     done[self.local] = [slice_done[s] for s in self.local]
-    tables, dones = multihost_utils.process_allgather((table, done))
+    tables, all_logps, dones = multihost_utils.process_allgather((table, logps, done))
     merged = {}
     for i in range(n):
       owner = int(np.argmax(tables[:, i, 0]))
-      toks = tables[owner, i, 1:1 + tables[owner, i, 0]].tolist()
-      merged[i] = (toks, self._reason(toks))
+      length = tables[owner, i, 0]
+      toks = tables[owner, i, 1:1 + length].tolist()
+      merged[i] = (toks, self._reason(toks), all_logps[owner, i, :length].tolist())
     return merged, dones.max(axis=0).tolist()
 
   def _reason(self, tokens: list[int]) -> str:
@@ -463,7 +472,7 @@ class _SliceRun:
                requests: list[list[int]], sp: SamplingParams, key, logged: set[int],
                compile_priority: int | None, num_samples: int, finished_all: dict):
     """finished_all: every request finished so far on this process (request id -> (tokens,
-    reason)), shared by the slices and read for the corpus of suffix drafting."""
+    reason, log-probs)), shared by the slices and read for the corpus of suffix drafting."""
     ec = engine.econf
     self.engine, self.slice, self.sampling = engine, s, sp
     self.compile_priority, self.num_samples = compile_priority, num_samples
@@ -619,10 +628,12 @@ class _SliceRun:
     rows = self.sched.rows
     finished = [i for i, r in enumerate(rows) if r >= 0 and done[i]]
     if finished:
-      out = np.asarray(jax.device_get(self.state.out))
+      out, out_logp = (np.asarray(x) for x in jax.device_get((self.state.out,
+                                                              self.state.out_logp)))
       for i in finished:
         toks = out[i, :num_out[i]].tolist()
-        self._finished[rows[i]] = (toks, self.engine._reason(toks))
+        self._finished[rows[i]] = (toks, self.engine._reason(toks),
+                                   out_logp[i, :num_out[i]].tolist())
       if self.store is not None:
         self._harvest_features(finished)
       self.sched.finished(finished)

@@ -13,6 +13,9 @@ Invariant between steps, per row with n committed tokens (prompt + generated so 
   root          x_n: sampled and emitted, not yet in either cache
   features      f_{n-1}: the policy's final-norm hidden state of x_{n-1}
   out/num_out   generated tokens so far (root included); done: EOS emitted or budget reached
+  out_logp      log q of each generated token under the distribution it was drawn from,
+                as the trainer scores it (`token_log_probs`): what the update's importance
+                ratio compares with
   request       the row's request id: with the position in the response, it picks the noise
                 that samples each token (-1 for padding rows)
   feature_log   optional [B, C, F]: f_i at slot i for every committed token i < n, written in
@@ -33,8 +36,8 @@ from tlt_jax.drafters.base import DraftContext
 from tlt_jax.models.decoder import commit, decode, prefill, verify
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.policy import Policy
-from tlt_jax.speculative.sampling import (SamplingParams, sample_tokens, target_probs,
-                                          token_noise)
+from tlt_jax.speculative.sampling import (SamplingParams, sample_tokens, support_logits,
+                                          target_probs, token_noise)
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tree import build_draft_tree
 from tlt_jax.speculative.verify import accept_tree
@@ -57,6 +60,7 @@ class GenState:
   root: jax.Array        # [B] int32
   features: jax.Array    # [B, E]
   out: jax.Array         # [B, max_new_tokens] int32 (0 past num_out)
+  out_logp: jax.Array    # [B, max_new_tokens] float32 (0 past num_out)
   num_out: jax.Array     # [B] int32
   done: jax.Array        # [B] bool
   request: jax.Array     # [B] int32
@@ -87,8 +91,19 @@ class StepStats:
   iterations: jax.Array
 
 
-def _emit(state: GenState, tokens: jax.Array, count: jax.Array, eos_id: int) -> tuple:
-  """Appends up to count[b] of tokens [B, P] to `out`, stopping after EOS or at the budget."""
+def token_logp(logits: jax.Array, tokens: jax.Array, sp: SamplingParams) -> jax.Array:
+  """log q(tokens) [...] float32 from logits [..., V] and tokens [...] int32, q the sampling
+  distribution sp (temperature, top-k, top-p): computed as the trainer computes it
+  (`tlt_jax.rl.grpo.token_log_probs`, a log-softmax of the support's logits), so that where
+  both see the same logits they report the same number."""
+  logq = jax.nn.log_softmax(support_logits(logits, sp), axis=-1)
+  return jnp.take_along_axis(logq, tokens[..., None], axis=-1)[..., 0]
+
+
+def _emit(state: GenState, tokens: jax.Array, count: jax.Array, eos_id: int,
+          logps: jax.Array) -> tuple:
+  """Appends up to count[b] of tokens [B, P] (and their log-probs [B, P]) to `out` and
+  `out_logp`, stopping after EOS or at the budget."""
   p = tokens.shape[1]
   j = jnp.arange(p)[None, :]
   valid = (j < count[:, None]) & ~state.done[:, None]
@@ -99,10 +114,12 @@ def _emit(state: GenState, tokens: jax.Array, count: jax.Array, eos_id: int) -> 
   keep = valid & ~after_eos & (j < room[:, None])
   emitted = jnp.sum(keep, axis=1, dtype=jnp.int32)
   slots = jnp.where(keep, state.num_out[:, None] + j, state.out.shape[1])
-  out = state.out.at[jnp.arange(tokens.shape[0])[:, None], slots].set(tokens, mode="drop")
+  rows = jnp.arange(tokens.shape[0])[:, None]
+  out = state.out.at[rows, slots].set(tokens, mode="drop")
+  out_logp = state.out_logp.at[rows, slots].set(logps.astype(jnp.float32), mode="drop")
   num_out = state.num_out + emitted
   done = state.done | jnp.any(is_eos & keep, axis=1) | (num_out >= state.out.shape[1])
-  return out, num_out, done, emitted
+  return out, out_logp, num_out, done, emitted
 
 
 def _log_features(log: jax.Array | None, feats: jax.Array, first: jax.Array,
@@ -143,6 +160,7 @@ def start(policy: Policy, prompts: jax.Array, lengths: jax.Array, cache: KVCache
   if requests is None:
     requests = jnp.arange(b, dtype=jnp.int32)
   root = sample_tokens(target_probs(logits, sp), key, requests, jnp.zeros((b,), jnp.int32), sp)
+  root_logp = token_logp(logits, root, sp)
   drafts = {name: drafters[name].prefill(policy, st, prompts, lengths, hidden)
             for name, st in (draft_states or {}).items()}
   log = None
@@ -157,11 +175,13 @@ def start(policy: Policy, prompts: jax.Array, lengths: jax.Array, cache: KVCache
   last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   state = GenState(cache=cache, drafts=drafts, root=root, features=last,
                    out=jnp.zeros((b, max_new_tokens), jnp.int32),
+                   out_logp=jnp.zeros((b, max_new_tokens), jnp.float32),
                    num_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
                    request=requests.astype(jnp.int32), feature_log=log,
                    prompt=None if kept is None else kept.astype(jnp.int32))
-  out, num_out, done, _ = _emit(state, root[:, None], jnp.ones((b,), jnp.int32), eos_id)
-  return state.replace(out=out, num_out=num_out, done=done)
+  out, out_logp, num_out, done, _ = _emit(state, root[:, None], jnp.ones((b,), jnp.int32),
+                                          eos_id, root_logp[:, None])
+  return state.replace(out=out, out_logp=out_logp, num_out=num_out, done=done)
 
 
 def _catch_up(policy: Policy, drafters: dict, states: dict, tokens: jax.Array,
@@ -192,9 +212,10 @@ def plain_step(policy: Policy, state: GenState, key: jax.Array, sp: SamplingPara
   state = state.replace(cache=cache, drafts=drafts, feature_log=log,
                         root=jnp.where(active, nxt, state.root),
                         features=jnp.where(active[:, None], hidden, state.features))
-  out, num_out, done, emitted = _emit(state, nxt[:, None], act, eos_id)
+  out, out_logp, num_out, done, emitted = _emit(state, nxt[:, None], act, eos_id,
+                                                token_logp(logits, nxt, sp)[:, None])
   stats = StepStats(emitted=emitted, accepted=act, iterations=act)
-  return state.replace(out=out, num_out=num_out, done=done), stats
+  return state.replace(out=out, out_logp=out_logp, num_out=num_out, done=done), stats
 
 
 def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
@@ -240,13 +261,18 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
   emitted_tokens = jnp.where(jnp.arange(d + 1)[None] == last[:, None],
                              acc.next_token[:, None], emitted_tokens)
   new_features = jnp.take_along_axis(path_feats, last[:, None, None], axis=1)[:, 0]
-  out, num_out, done, emitted = _emit(state, emitted_tokens, acc.num_nodes * act, eos_id)
+  # Each emitted token was drawn from q at its path node (the last at the deepest accepted).
+  path_logits = jnp.take_along_axis(logits, acc.path[:, :, None], axis=1)  # [B, D+1, V]
+  out, out_logp, num_out, done, emitted = _emit(
+      state, emitted_tokens, acc.num_nodes * act, eos_id,
+      token_logp(path_logits, emitted_tokens, sp))
   # Where EOS or the budget cut the path, the committed nodes past the cut are in no
   # response: only the features of tokens the response holds (all but its last) are logged.
   log = _log_features(state.feature_log, path_feats, state.cache.lengths,
                       jnp.minimum(acc.num_nodes, emitted) * act)
-  state = state.replace(cache=cache, drafts=drafts, feature_log=log, out=out, num_out=num_out,
-                        done=done, root=jnp.where(active, acc.next_token, state.root),
+  state = state.replace(cache=cache, drafts=drafts, feature_log=log, out=out,
+                        out_logp=out_logp, num_out=num_out, done=done,
+                        root=jnp.where(active, acc.next_token, state.root),
                         features=jnp.where(active[:, None], new_features, state.features))
   stats = StepStats(emitted=emitted, accepted=acc.num_nodes * act, iterations=act)
   return state, stats

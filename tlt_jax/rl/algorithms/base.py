@@ -153,4 +153,11 @@ class Grpo:
     logp, entropy = token_log_probs(params, batch["tokens"], batch["targets"],
                                     batch["loss_mask"], cfg, self.loss.sampling,
                                     with_entropy=self.loss.entropy_coef > 0)
-    return self.policy_loss(logp, batch, entropy)
+    loss, metrics = self.policy_loss(logp, batch, entropy)
+    if "rollout_logp" in batch:  # how far the trainer's numbers are from the rollout's
+      diff = jnp.where(batch["loss_mask"], jnp.abs(jax.lax.stop_gradient(logp)
+                                                   - batch["rollout_logp"]), 0.0)
+      metrics["rollout_logp_diff_mean"] = jnp.sum(diff) / jnp.maximum(
+          jnp.sum(batch["loss_mask"]), 1)
+      metrics["rollout_logp_diff_max"] = jnp.max(diff)
+    return loss, metrics
