@@ -70,7 +70,10 @@ QUICK_SETS = ["mesh.num_cpu_devices=0", "model.dtype=float32", "model.param_dtyp
               "rollout.speculative.bucket_thresholds=(1,)", "rollout.speculative.arms=('3,2,6',)",
               "rollout.speculative.strategy=3,2,6", "rollout.speculative.tuner=fixed",
               "drafter.eagle.path=", "drafter.eagle.draft_vocab_size=0",
-              "rl.prompts_per_step=2", "rl.num_samples=4", "rl.micro_batch_rows=8"]
+              "rl.prompts_per_step=2", "rl.num_samples=4", "rl.micro_batch_rows=8",
+              # Problems from a wide pool, so that a step's prompts are distinct and each
+              # step prefills at the shape compiled ahead (the headline's 30 problems repeat).
+              "task.max_value=99", "task.max_operand=9"]
 # The 2026-12-04 run on one H200 (docs/results/gpu_h200_2026-12-04): what the lease's device
 # time is estimated from.
 MEASURED = REPO / "docs" / "results" / "gpu_h200_2026-12-04"
