@@ -313,7 +313,8 @@ def test_damaged_runs_heal_or_stop_in_one_line(tmp_path, whole_run):
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
   assert "config error: the checkpoint of step 3" in r.stderr
-  assert "drafter.spot_training: True -> False; rl.steps: 3 -> 4" in r.stderr
+  # rl.steps may change alone on a rerun: the refusal names only what blocks the restore.
+  assert "drafter.spot_training: True -> False" in r.stderr and "rl.steps" not in r.stderr
   assert sorted(os.listdir(run / "checkpoints")) == ["2", "3"]
   assert os.listdir(run / "failed_checkpoints") == ["3"]  # only the earlier damage
 
