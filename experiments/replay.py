@@ -494,9 +494,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
   b.set_yticks(range(len(rows)))
   b.set_yticklabels([r["change"] for r in rows], fontsize=7)
   b.invert_yaxis()
-  b.axvline(1.5, color="#999", lw=0.8, ls=":")
-  b.set_xlabel("projected step ratio baseline / TLT (each row adds to the ones above; "
-               "grey: a bound)")
+  b.axvline(result["projection"]["needed"]["target"], color="#999", lw=0.8, ls=":")
+  b.set_xlabel("projected step ratio (each row adds to those above; grey: a bound)")
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
@@ -548,9 +547,11 @@ def main(argv=None) -> None:
     print(f"  {row['step_ratio']:.2f}x  {row['change']}  ({row['assumes']})")
   need = result["projection"]["needed"]
   for name, lever in need.items():
-    if isinstance(lever, dict):
+    if isinstance(lever, dict) and need["ratio_now"] < need["target"]:
       print(f"  for {need['target']}x before a faster step: {name} {lever['now']:.3g} -> "
             f"{'unreachable' if lever['needed'] is None else format(lever['needed'], '.3g')}")
+  if need["ratio_now"] >= need["target"]:
+    print(f"  {need['target']}x is reached before a faster step ({need['ratio_now']:.2f}x)")
   print(f"wrote {args.out / 'replay.json'}")
 
 
