@@ -54,7 +54,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 T0 = time.perf_counter()

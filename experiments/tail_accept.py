@@ -25,9 +25,7 @@ strategy the accept length per bucket and over the tail) and OUT/tail_accept.png
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import json
 import pathlib
 import sys
 import time
@@ -92,9 +90,12 @@ def _responses(config, out: pathlib.Path, prompts: int, given: pathlib.Path | No
   from tlt_jax.mesh import make_mesh
   samples = config.rl.num_samples
   if given is not None:
-    rows = [json.loads(line) for line in open(given)]
-    return ([r["prompt"] for r in rows], [r["completion"] for r in rows],
-            [r.get("reward") for r in rows])
+    from tlt_jax.drafter_training.warmup import read_responses
+    try:
+      prompts_, completions = read_responses(str(given))
+    except ValueError as e:
+      sys.exit(f"--responses: {e}")
+    return prompts_, completions, [None] * len(completions)
   mesh = make_mesh(dict(config.mesh.axes))
   tokenizer = load_tokenizer_for(config)
   examples, ids = task_prompts(config, tokenizer, prompts, eval_split=True)
@@ -249,7 +250,8 @@ def main(argv=None) -> None:
   parser.add_argument("--out", type=pathlib.Path, required=True)
   parser.add_argument("--prompts", type=int, default=32, help="held-out problems")
   parser.add_argument("--responses", type=pathlib.Path,
-                      help="a responses.jsonl to read instead of generating")
+                      help="responses to read instead of generating: a responses.jsonl, or a "
+                           "GPU lease's responses.jsonl.xz")
   parser.add_argument("--drafter", action="append", default=[], metavar="LABEL=PATH",
                       help="an EAGLE export to measure (repeatable)")
   parser.add_argument("--strategies", nargs="+", help="default: the config's arms")

@@ -22,7 +22,7 @@ from tlt_jax.config import ConfigError, base_config, check_config, flat_settings
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.drafters import DRAFTERS, Drafter, drafters_named, make_drafter, reads_corpus
-from tlt_jax.knobs import build_from, defaults_of
+from tlt_jax.knobs import build_from
 from tlt_jax.mesh import logical_shardings
 from tlt_jax.models.config import ARCHITECTURE_FLAGS, ModelConfig, RopeConfig, ROPE_TYPES
 from tlt_jax.models.decoder import init_params, param_logical_axes
@@ -185,6 +185,11 @@ def unread_knobs(config: ml_collections.ConfigDict,
       if sd.tuner not in readers:
         unread("rollout.speculative", knob, f"rollout.speculative.tuner={sd.tuner!r} does not "
                f"read it", f"use the {' or '.join(map(repr, readers))} tuner")
+  w = config.drafter.warmup
+  if w.responses:
+    for knob in ("num_prompts", "samples_per_prompt", "temperature"):
+      unread("drafter.warmup", knob, f"drafter.warmup.responses={w.responses!r} replaces the "
+             f"responses it would generate", "leave it at its default")
   g = config.logging
   if not writes_metrics:
     for knob in ("tensorboard", "wandb"):

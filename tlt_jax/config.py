@@ -375,6 +375,11 @@ def base_config() -> ml_collections.ConfigDict:
       batch_rows=8, window=256, learning_rate=3e-3, lr_warmup_steps=20, checkpoint_every=100))
   c.drafter.warmup.num_eval_prompts = 32  # held-out prompts for the accept-length check
   c.drafter.warmup.max_minutes = 0.0      # stop training after this long, then export (0 = no)
+  # Train on these responses instead of generating (num_prompts, samples_per_prompt and
+  # temperature then unread): a JSON-lines file of {"prompt", "completion"} token ids, or a GPU
+  # lease's responses.jsonl.xz (experiments/gpu_headline.py run; its default-precision
+  # baseline responses).
+  c.drafter.warmup.responses = ""
   return c
 
 

@@ -43,7 +43,8 @@ from tlt_jax.config import ConfigError, flat_settings
 from tlt_jax.drafters import DRAFTERS, make_drafter
 from tlt_jax.job import Job, run_job
 from tlt_jax.drafter_training.train_step import init_train_state
-from tlt_jax.drafter_training.warmup import cached_responses, collect_samples, train_drafter
+from tlt_jax.drafter_training.warmup import (cached_responses, collect_samples, read_responses,
+                                             train_drafter)
 from tlt_jax.mesh import make_mesh, to_mesh
 from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.engine import accept_length
@@ -81,16 +82,24 @@ def _warmup(config, job: Job) -> bool:
   eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
 
   # ---------------------------------------------------------------- the policy's responses
-  job.phase(f"the policy's responses to {len(prompts)} prompts x {w.samples_per_prompt}, up "
-            f"to {w.max_new_tokens} tokens each (compiling the rollout's programs first), or "
-            f"those a like run left in {job.path('generations.jsonl')}")
-  engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
-  completions = cached_responses(
-      engine, prompts, w.samples_per_prompt, w.temperature, config.seed,
-      job.path("generations.jsonl"), job,
-      made_by={**{k: v for k, v in flat_settings(config).items() if k.startswith("model.")},
-               "max_new_tokens": w.max_new_tokens})
-  repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
+  if w.responses:
+    job.phase(f"the policy's responses in {w.responses}")
+    try:
+      repeated, completions = read_responses(w.responses)
+    except ValueError as e:
+      raise ConfigError(f"drafter.warmup.responses: {e}") from None
+    job.say(f"read {len(completions)} responses ({sum(map(len, completions))} tokens)")
+  else:
+    job.phase(f"the policy's responses to {len(prompts)} prompts x {w.samples_per_prompt}, "
+              f"up to {w.max_new_tokens} tokens each (compiling the rollout's programs "
+              f"first), or those a like run left in {job.path('generations.jsonl')}")
+    engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
+    completions = cached_responses(
+        engine, prompts, w.samples_per_prompt, w.temperature, config.seed,
+        job.path("generations.jsonl"), job,
+        made_by={**{k: v for k, v in flat_settings(config).items() if k.startswith("model.")},
+                 "max_new_tokens": w.max_new_tokens})
+    repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
   job.phase(f"the policy's features of the {len(completions)} responses")
   samples = collect_samples(params, cfg, repeated, completions,
                             progress=job.writer and job.show_progress)

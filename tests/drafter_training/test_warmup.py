@@ -96,6 +96,27 @@ def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings
       len(calls) == 4
 
 
+def test_responses_written_elsewhere_read_in_either_format(tmp_path):
+  """A responses file of {prompt, completion} (the warm-up's own, tail_accept's) or a GPU
+  lease's responses.jsonl.xz, whose default-precision baseline responses are taken once."""
+  import lzma
+  from tlt_jax.drafter_training.warmup import read_responses
+  plain = tmp_path / "responses.jsonl"
+  plain.write_text("\n".join(json.dumps({"prompt": [1, 2], "completion": [3, i]})
+                              for i in range(3)))
+  assert read_responses(str(plain)) == ([[1, 2]] * 3, [[3, 0], [3, 1], [3, 2]])
+  lease = tmp_path / "responses.jsonl.xz"
+  with lzma.open(lease, "wt") as f:
+    for precision in ("default", "highest"):
+      for variant in ("tlt", "baseline"):
+        f.write(json.dumps({"precision": precision, "variant": variant, "step": 1,
+                            "prompt_ids": [5], "token_ids": [6, len(variant)]}) + "\n")
+  assert read_responses(str(lease)) == ([[5]], [[6, len("baseline")]])
+  (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "hi"}))
+  with pytest.raises(ValueError, match="bad.jsonl: expected JSON lines with 'prompt'"):
+    read_responses(str(tmp_path / "bad.jsonl"))
+
+
 @pytest.mark.slow
 def test_warm_up_runs_resume_exactly_from_a_time_limit_and_with_more_steps(tmp_path):
   """As train and SFT: the warm-up that its time limit ended (after step 1 of :runlocal's 6;
@@ -133,6 +154,12 @@ def test_warm_up_runs_resume_exactly_from_a_time_limit_and_with_more_steps(tmp_p
   assert exported[0].keys() == exported[1].keys()
   for name in exported[0]:
     np.testing.assert_allclose(exported[1][name], exported[0][name], rtol=1e-5, atol=1e-6)
+
+  # The same responses read from a file instead of generated: the same tokens at every step.
+  given = tmp_path / "given"
+  out = warmup(given, f"--config.drafter.warmup.responses={whole / 'generations.jsonl'}")
+  assert "read 8 responses" in out and not (given / "generations.jsonl").exists()
+  assert [m["tokens"] for m in metrics(given)] == [m["tokens"] for m in metrics(whole)]
 
   assert "resumed the drafter from step 6" in warmup(whole, "--config.drafter.warmup.steps=8",
                                                      "--config.logging.tensorboard=True")

@@ -5,11 +5,13 @@ prefill per group), so the drafter trains on exactly what it will be fed while d
 train_drafter: packs the samples into windows once and runs jitted updates on random rows
 (every trained drafter of the run in one update, `train_step`).
 cached_responses: the policy's responses to train on, kept in a file that a like rerun reuses.
+read_responses: responses the policy wrote elsewhere (a GPU lease's), to train on instead.
 """
 
 from __future__ import annotations
 
 import json
+import lzma
 import os
 
 import jax
@@ -144,3 +146,26 @@ def cached_responses(engine, prompts, samples: int, temperature: float, seed: in
   job.say(f"generated {n} responses ({int(result.lengths.sum())} tokens) in "
           f"{result.wall_s:.1f} s")
   return result.tokens
+
+
+def read_responses(path: str) -> tuple[list[list[int]], list[list[int]]]:
+  """(prompts, completions) token ids of a responses file: JSON lines of {"prompt",
+  "completion"} (cached_responses' own, experiments/tail_accept.py's), or of a GPU lease's
+  responses.jsonl.xz ({"prompt_ids", "token_ids", "precision", "variant"}: its
+  default-precision baseline's responses, each once). ValueError naming the file and what it
+  lacks."""
+  opener = lzma.open if path.endswith(".xz") else open
+  try:
+    with opener(path, "rt") as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  except (OSError, EOFError, lzma.LZMAError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path}: not a readable responses file ({e})") from None
+  if rows and "token_ids" in rows[0]:
+    rows = [{"prompt": r["prompt_ids"], "completion": r["token_ids"]} for r in rows
+            if r.get("precision", "default") == "default"
+            and r.get("variant", "baseline") == "baseline"]
+  if not rows or any("prompt" not in r or "completion" not in r for r in rows):
+    raise ValueError(f"{path}: expected JSON lines with 'prompt' and 'completion' token ids "
+                     f"(or a GPU lease's 'prompt_ids' and 'token_ids'), found "
+                     f"{sorted(rows[0]) if rows else 'no rows'}")
+  return [r["prompt"] for r in rows], [r["completion"] for r in rows]
