@@ -41,13 +41,13 @@ from tlt_jax.components import (check_prompt_lengths, configured_strategy, draft
                                 run_drafters, task_prompts)
 from tlt_jax.config import ConfigError, flat_settings
 from tlt_jax.drafters import DRAFTERS, make_drafter
-from tlt_jax.job import Job, run_job
+from tlt_jax.job import Job, SetupStopped, run_job
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import (cached_responses, collect_samples, read_responses,
                                              train_drafter)
 from tlt_jax.mesh import make_mesh, to_mesh
 from tlt_jax.models.drafter_io import save_drafter
-from tlt_jax.rollout.engine import accept_length
+from tlt_jax.rollout.engine import GenerationStopped, accept_length
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
@@ -94,11 +94,15 @@ def _warmup(config, job: Job) -> bool:
               f"up to {w.max_new_tokens} tokens each (compiling the rollout's programs "
               f"first), or those a like run left in {job.path('generations.jsonl')}")
     engine = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=w.max_new_tokens)
-    completions = cached_responses(
-        engine, prompts, w.samples_per_prompt, w.temperature, config.seed,
-        job.path("generations.jsonl"), job,
-        made_by={**{k: v for k, v in flat_settings(config).items() if k.startswith("model.")},
-                 "max_new_tokens": w.max_new_tokens})
+    try:
+      completions = cached_responses(
+          engine, prompts, w.samples_per_prompt, w.temperature, config.seed,
+          job.path("generations.jsonl"), job,
+          made_by={**{k: v for k, v in flat_settings(config).items()
+                      if k.startswith("model.")}, "max_new_tokens": w.max_new_tokens},
+          should_stop=lambda: job.stop.requested)
+    except GenerationStopped as e:  # nothing is cached: a rerun generates them again
+      raise SetupStopped(f"while generating the responses ({e})") from None
     repeated = [p for p in prompts for _ in range(w.samples_per_prompt)]
   job.phase(f"the policy's features of the {len(completions)} responses")
   samples = collect_samples(params, cfg, repeated, completions,

@@ -340,6 +340,23 @@ def test_bad_inputs(tiny_cfg, tiny_params, bad, match):
     engine.generate(kw["prompts"], kw["num_samples"], GREEDY, jax.random.key(0))
 
 
+def test_generate_stops_between_calls_when_asked(tiny_cfg, tiny_params, plain_reference):
+  """A job's stop signal reaches a long generation between two compiled calls: it ends there
+  (GenerationStopped, saying how far it got) instead of running to the last token."""
+  from tlt_jax.rollout.engine import GenerationStopped
+  ec, _ = plain_reference
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
+      ec, iterations_per_call=1))
+  asked = []
+
+  def should_stop():
+    asked.append(1)
+    return len(asked) > 3
+  with pytest.raises(GenerationStopped, match="of 21 responses done"):
+    engine.generate(PROMPTS, 3, GREEDY, jax.random.key(0), should_stop=should_stop)
+  assert len(asked) == 4
+
+
 def test_bad_engine_config(tiny_cfg, tiny_params):
   with pytest.raises(ValueError, match="max_batch=6 must be a power of two"):
     EngineConfig(max_batch=6)

@@ -121,11 +121,12 @@ def train_drafter(drafter_params: dict, policy_params: dict, samples: list[Sampl
 
 
 def cached_responses(engine, prompts, samples: int, temperature: float, seed: int,
-                     path: str, job, made_by: dict) -> list[list[int]]:
+                     path: str, job, made_by: dict, should_stop=None) -> list[list[int]]:
   """The policy's completions, one per (prompt, sample), from `engine` (a RolloutEngine);
   cached in `path` (JSONL, written when `job.writer`; `job.say` reports) with `made_by` (what
   else decides them: the policy, the token budget) in path + '.json'. The cache serves a
-  rerun only when it holds these prompts and was made with these settings."""
+  rerun only when it holds these prompts and was made with these settings. should_stop: passed
+  to the engine's generate (a stop signal ends the generation between two calls)."""
   n = len(prompts) * samples
   # As the file will hold it (tuples read back as lists), so that a like rerun matches it.
   made_by = json.loads(json.dumps(dict(made_by, samples=samples, temperature=temperature,
@@ -139,7 +140,8 @@ def cached_responses(engine, prompts, samples: int, temperature: float, seed: in
       job.say(f"reusing {n} responses from {path}")
       return [r["completion"] for r in rows]
     job.say(f"{path} holds other prompts or settings: generating again")
-  result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed))
+  result = engine.generate(prompts, samples, SamplingParams(temperature), jax.random.key(seed),
+                           should_stop=should_stop)
   if job.writer:  # never a half-written cache, and its settings only once it is whole
     write_jsonl(path, ({"prompt": p, "completion": t} for p, t in zip(asked, result.tokens)))
     write_json(path + ".json", made_by)

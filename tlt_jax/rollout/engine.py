@@ -185,6 +185,11 @@ class RolloutResult:
         logprobs=[lp for r in results for lp in r.logprobs])
 
 
+class GenerationStopped(Exception):
+  """`generate` was asked to stop (its should_stop said so) between two compiled calls: what
+  it had generated is dropped."""
+
+
 def accept_length(result) -> float | None:
   """Mean tokens per running row per SD iteration of a RolloutResult (None without SD)."""
   sd = [r for r in result.timeline if r.mode == "sd" and r.row_iterations]
@@ -349,7 +354,7 @@ class RolloutEngine:
 
   def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingParams,
                key: jax.Array, on_slice_idle=None, log_requests=None,
-               compile_priority: int | None = 0) -> RolloutResult:
+               compile_priority: int | None = 0, should_stop=None) -> RolloutResult:
     """Generates `num_samples` completions for each prompt (token-id lists).
 
     key: the rollout's key. Request i (prompt i // num_samples, sample i % num_samples) draws
@@ -361,7 +366,9 @@ class RolloutEngine:
     log_requests: with log_features, the request ids whose features are kept; None = all.
     compile_priority: compiling ahead, where this call's tail programs queue (lower first;
     `ExecutablePool.compile_ahead`): e.g. 1 for a held-out evaluation, behind the rollout's;
-    None queues none (its tail decodes with the programs that are ready)."""
+    None queues none (its tail decodes with the programs that are ready).
+    should_stop: optional `fn() -> bool`, asked between compiled calls (a job's stop signal):
+    True raises GenerationStopped there, within a call's time of the signal."""
     self._check_requests(prompts, num_samples)
     requests = [p for p in prompts for _ in range(num_samples)]
     n = len(requests)
@@ -388,6 +395,8 @@ class RolloutEngine:
       if not run.busy:
         idle(run)
     while any(r.busy for r in runs):
+      if should_stop is not None and should_stop():
+        raise GenerationStopped(f"{len(results)} of {n} responses done")
       pending = [(r, r.dispatch()) for r in runs if r.busy]
       for run, call in pending:
         timeline.append(run.complete(call, t0))
