@@ -52,8 +52,8 @@ import sys
 import tempfile
 import time
 
-from experiments import gpu_lease
-from experiments.gpu_lease import LeaseError, MiB
+from . import gpu_lease
+from .gpu_lease import LeaseError, MiB
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

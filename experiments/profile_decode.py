@@ -64,8 +64,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import numpy as np
 
-from experiments.bench_decode import hf_available, hf_step_ms, median_ms
-from experiments.common import (REPO, config_or_exit, module_command, run_metadata,
+from .bench_decode import hf_available, hf_step_ms, median_ms
+from .common import (REPO, config_or_exit, module_command, run_metadata,
                                 strategy_label, usable_cpus, write_json)
 from tlt_jax import hlo_counts, profiling
 from tlt_jax.compile_cache import enable_compilation_cache

@@ -33,8 +33,8 @@ import sys
 
 import numpy as np
 
-from experiments import simulate_cluster as sim
-from experiments.common import git_commit, write_json
+from . import simulate_cluster as sim
+from .common import git_commit, write_json
 from tlt_jax.rollout.scheduler import batch_ladder, bucket
 
 # The engine settings of configs/smollm2.py:gpu_headline at 2026-12-04, for a headline.json

@@ -33,7 +33,7 @@ import types
 
 import numpy as np
 
-from experiments.common import (REPO, add_config_flags, config_or_exit, git_commit,
+from .common import (REPO, add_config_flags, config_or_exit, git_commit,
                                 strategy_label, write_json)
 
 BUCKETS = (1, 2, 9, 33)  # running-row buckets: 1, 2-8, 9-32, 33 and more

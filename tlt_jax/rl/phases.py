@@ -170,7 +170,8 @@ def update_policy(updater: PolicyUpdater, algorithm: Grpo, params: dict,
   params, metrics, _ = updater(params, [samples.prompts[r // n] for r in rows],
                                [result.tokens[r] for r in rows], advantages[rows], pad_id,
                                max_width=max_width, min_rows=config.rl.prompts_per_step * n,
-                               rollout_logps=[result.logprobs[r] for r in rows])
+                               rollout_logps=[result.logprobs[r] for r in rows]
+                               if result.logprobs else None)
   return params, metrics
 
 
