@@ -47,12 +47,14 @@ import os
 import pathlib
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
+from tlt_jax.run_log import read_jsonl
+
 from . import gpu_lease
+from .common import git_commit
 from .gpu_lease import LeaseError, MiB
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -124,18 +126,6 @@ def versions() -> dict:
   stats = d.memory_stats() or {}
   out["device_memory_bytes"] = stats.get("bytes_limit")
   return out
-
-
-def _commit() -> str | None:
-  try:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None  # the device's copy of the tree is not a git checkout
-
-
-def _jsonl(path: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in open(path)] if path.is_file() else []
 
 
 def first_difference(u: list[int], v: list[int]) -> int | None:
@@ -326,7 +316,7 @@ def lease_plan(out: pathlib.Path, manifest: dict, steps: int, identity_steps: in
                            f"experiments.profile_decode --out $OUT --peer --time-budget "
                            f"{PROFILE_S - 30} 2>&1 | tee $OUT/profile.log"})
   plan = {"what": "the headline's GPU lease (experiments/gpu_headline.py stage)",
-          "date": datetime.date.today().isoformat(), "commit": _commit(),
+          "date": datetime.date.today().isoformat(), "commit": git_commit(),
           "config": config_spec, "steps": steps, "identity_steps": identity_steps,
           "payload_mib": [round(b / MiB, 1) for b in manifest["payload_bytes"]],
           "calls": calls, "device_time": time_s,
@@ -415,7 +405,8 @@ def _variants(config, workdir: pathlib.Path, steps: int) -> dict:
     runs = run_variants(config, ["tlt", "baseline"], workdir)
   except ConfigError as e:
     raise HeadlineError(f"config error: {e}") from None
-  rows = {name: step_rows(r["metrics"], _jsonl(workdir / "runs" / name / "timeline.jsonl"),
+  rows = {name: step_rows(r["metrics"],
+                          read_jsonl(str(workdir / "runs" / name / "timeline.jsonl"))[0],
                           r["rollouts"]) for name, r in runs.items()}
   return {"runs": runs, "steady_state": steady_state(rows["baseline"], rows["tlt"]),
           "responses": compare_responses(runs["baseline"]["rollouts"], runs["tlt"]["rollouts"]),
@@ -496,7 +487,7 @@ def run(parts: pathlib.Path, steps: int, out: pathlib.Path, workdir: pathlib.Pat
   result = {
       "what": "TLT against the baseline, end to end, on one device (experiments/gpu_headline.py)",
       "quick": quick, "device": info["device"], "date": datetime.date.today().isoformat(),
-      "commit": _commit(), "command": " ".join(sys.argv), "versions": info,
+      "commit": git_commit(), "command": " ".join(sys.argv), "versions": info,
       "config": config_spec, "overrides": list(sets), "steps": steps,
       "model": {"gguf": gguf.name, "import_s": import_s, "dtype": config.model.dtype,
                 "param_dtype": config.model.param_dtype},
@@ -706,12 +697,12 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
           f"{rows[name]['accept_len']:.2f}", flush=True)
   result = {"what": "SD against plain decoding on CPU, with plain decoding at one row per "
                     "program as the floor (experiments/gpu_headline.py cpu-check)",
-            "date": datetime.date.today().isoformat(), "commit": _commit(),
+            "date": datetime.date.today().isoformat(), "commit": git_commit(),
             "command": " ".join(sys.argv), "dtype": dtype, "strategy": deepest,
             "drafter": config.drafter.eagle.path, **rows,
             "identical": all(rows[k]["sd"]["identical"] for k in rows)}
   out.mkdir(parents=True, exist_ok=True)
-  _write_json(out / f"cpu_check_{dtype}.json", result)
+  gpu_lease.write_json(out / f"cpu_check_{dtype}.json", result)
   return result
 
 

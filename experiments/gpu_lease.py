@@ -60,6 +60,10 @@ class RuleBroken(LeaseError):
   """A plan did something the device does not allow."""
 
 
+# This module runs first on the device, before the wheels it brings are installed: it imports
+# nothing beyond the standard library (not even the project's JSON helpers).
+
+
 def sha256(path: pathlib.Path) -> str:
   h = hashlib.sha256()
   with open(path, "rb") as f:

@@ -50,7 +50,7 @@ def _recorded_steps(lengths_per_step, plain, sd, call_s, accept, engine):
                              engine.sd_threshold if speculative else 0,
                              engine.iterations_per_call,
                              (lambda r: "sd") if speculative else None, engine.batch_sizes)
-      left, rows, calls, t = {}, {}, [], 0.0
+      rows, calls, t = {}, [], 0.0
       while sched.busy:
         action = sched.next_action()
         if isinstance(action, Start):
