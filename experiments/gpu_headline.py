@@ -69,7 +69,6 @@ QUICK_SETS = ["mesh.num_cpu_devices=0", "model.dtype=float32", "model.param_dtyp
               "rollout.max_batch=8", "rollout.batch_sizes=(4,1)", "rollout.max_new_tokens=24",
               "rollout.max_prompt_len=192", "rollout.prompt_widths=(192,)",
               "rollout.sd_threshold=8", "rollout.compile_threads=2",
-              "rollout.speculative.bucket_thresholds=(1,)", "rollout.speculative.arms=('3,2,6',)",
               "rollout.speculative.strategy=3,2,6", "rollout.speculative.tuner=fixed",
               "drafter.eagle.path=", "drafter.eagle.draft_vocab_size=0",
               "rl.prompts_per_step=2", "rl.num_samples=4", "rl.micro_batch_rows=8",

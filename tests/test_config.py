@@ -356,6 +356,8 @@ def test_the_strategy_is_checked_under_every_tuner(tuner):
     ("table", "window", 10, "'beg_mab' or 'cheapest'"),
     ("cheapest", "plain_arm", False, "'beg_mab'"),
     ("fixed", "explore_iterations", 2, "'cheapest'"),
+    ("fixed", "arms", ("8,4,32",), "'beg_mab' or 'cheapest' or 'table'"),
+    ("fixed", "bucket_thresholds", (1, 2), "'beg_mab' or 'cheapest' or 'table'"),
 ])
 def test_a_tuner_knob_the_tuner_does_not_read_is_refused(tuner, knob, value, readers):
   """Each tuner knob is read by the tuners whose constructors take it, and by no other."""

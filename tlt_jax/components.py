@@ -146,9 +146,12 @@ class UnreadKnob(NamedTuple):
             f"{self.key} at its default ({self.default!r})")
 
 
-# The tuners' own knobs under rollout.speculative: each is read by the tuners whose
-# constructors take it (`make_tuner_from_config` passes it to those alone).
-TUNER_KNOBS = ("epsilon", "window", "plain_arm", "explore_iterations")
+# The tuners' own knobs under rollout.speculative, with the constructor parameters that take
+# them: each is read by the tuners whose constructors have one (`make_tuner_from_config`
+# passes it to those alone).
+TUNER_KNOBS = {"epsilon": ("epsilon",), "window": ("window",), "plain_arm": ("plain_arm",),
+               "explore_iterations": ("explore_iterations",),
+               "bucket_thresholds": ("thresholds",), "arms": ("arms", "strategies")}
 
 
 def unread_knobs(config: ml_collections.ConfigDict,
@@ -180,8 +183,9 @@ def unread_knobs(config: ml_collections.ConfigDict,
                f"drafter.names")
   sd = config.rollout.speculative
   if sd.enable:
-    for knob in TUNER_KNOBS:
-      readers = [t for t in TUNERS if knob in inspect.signature(TUNERS[t]).parameters]
+    for knob, params in TUNER_KNOBS.items():
+      readers = [t for t in TUNERS
+                 if set(params) & set(inspect.signature(TUNERS[t]).parameters)]
       if sd.tuner not in readers:
         unread("rollout.speculative", knob, f"rollout.speculative.tuner={sd.tuner!r} does not "
                f"read it", f"use the {' or '.join(map(repr, readers))} tuner")
