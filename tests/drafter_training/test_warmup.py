@@ -76,7 +76,7 @@ def test_the_warm_up_reuses_its_responses_only_for_the_same_prompts_and_settings
   calls = []
 
   class Engine:
-    def generate(self, prompts, samples, sampling, key):
+    def generate(self, prompts, samples, sampling, key, should_stop=None):
       calls.append(sampling.temperature)
       tokens = [[len(calls), i] for i in range(len(prompts) * samples)]
       return SimpleNamespace(tokens=tokens, lengths=np.full(len(tokens), 2), wall_s=0.0)
