@@ -25,9 +25,12 @@ from tlt_jax.speculative.strategy import Strategy
 # (4,2,8) was 786 ops / 9 loops; plain is unchanged at 295. The rollout's log-probs of the
 # tokens it draws (one log-softmax over the vocabulary per emitted token, what the trainer's
 # importance ratio compares with) then added 7 ops to a plain iteration and 37 ops and a loop
-# (XLA:CPU expands the gather of the accepted path's logits into one) to an SD iteration.
-PINNED = {None: {"ops": 302, "while_loops": 2, "weight_copies": 6},
-          (4, 2, 8): {"ops": 763, "while_loops": 9, "weight_copies": 6}}
+# (XLA:CPU expands the gather of the accepted path's logits into one) to an SD iteration. The
+# token noise's position then moved from a second key derivation into threefry's counter: one
+# threefry per token instead of two (-93 ops and a loop in both programs): plain 209 (295 at
+# b9a3a3a, -29%), SD 670 (786, -15%).
+PINNED = {None: {"ops": 209, "while_loops": 1, "weight_copies": 6},
+          (4, 2, 8): {"ops": 670, "while_loops": 8, "weight_copies": 6}}
 
 
 @pytest.fixture(scope="module")

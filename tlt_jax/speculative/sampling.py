@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry_2x32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,18 +100,35 @@ def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
 def token_noise(key: jax.Array, requests: jax.Array, positions: jax.Array,
                 vocab: int) -> jax.Array:
   """Gumbel noise [B, P, V] (float32) for the tokens at response positions [B, P] of requests
-  [B] (int32): each (request, position) pair has its own key, derived from `key`, so a token's
-  randomness never depends on the batch row, the bucket, the iteration or the strategy that
-  produced it.
+  [B] (int32): each (request, position) pair has its own stream, derived from `key`, so a
+  token's randomness never depends on the batch row, the bucket, the iteration or the strategy
+  that produced it.
 
-  Per row and position this is one threefry block over the whole vocabulary: an exact
-  Gumbel-max draw needs every token's noise. The request's half of the key does not change
-  within a decode loop, and XLA's loop-invariant code motion already lifts it out of the loop
-  (checked in the compiled programs' op counts, `experiments/profile_decode.py`)."""
+  Per row and position this is one threefry pass over the vocabulary (an exact Gumbel-max draw
+  needs every token's noise), keyed by the request and counted by (position, block): the
+  position sits in the counter rather than in a second key derivation, which would cost every
+  decode iteration another threefry per row. The request's key does not change within a decode
+  loop, and XLA's loop-invariant code motion lifts it out of the loop (checked in the compiled
+  programs' op counts, `experiments/profile_decode.py`)."""
+  half = (vocab + 1) // 2  # threefry turns each counter pair into two words
+
   def one(request, position):
-    k = jax.random.fold_in(jax.random.fold_in(key, jnp.maximum(request, 0)), position)
-    return jax.random.gumbel(k, (vocab,), jnp.float32)
+    k = jax.random.key_data(jax.random.fold_in(key, jnp.maximum(request, 0)))
+    counts = jnp.concatenate([jnp.full((half,), position, jnp.uint32),
+                              jnp.arange(half, dtype=jnp.uint32)])
+    bits = threefry_2x32(k, counts)[:vocab]
+    return _gumbel_from_bits(bits)
   return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(requests, positions)
+
+
+def _gumbel_from_bits(bits: jax.Array) -> jax.Array:
+  """Standard Gumbel noise from uniform uint32 bits, as jax.random.gumbel makes it: the top 23
+  bits as a float in [1, 2), shifted to a uniform in [tiny, 1), then -log(-log(u))."""
+  tiny = jnp.finfo(jnp.float32).tiny
+  one_to_two = jax.lax.bitcast_convert_type(
+      jax.lax.shift_right_logical(bits, jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32)
+  u = jnp.maximum(tiny, (one_to_two - 1.0) * (1.0 - tiny) + tiny)
+  return -jnp.log(-jnp.log(u))
 
 
 def gumbel_max(probs: jax.Array, noise: jax.Array | None) -> jax.Array:
