@@ -645,14 +645,15 @@ def quick(out: pathlib.Path, steps: int = 2, identity_steps: int = 1) -> dict:
 
 
 def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int,
-              dtype: str | None = None) -> dict:
+              dtype: str | None = None, numerics: str | None = None) -> dict:
   """SD against plain decoding on this CPU at the headline's task, sampling and drafter
   (configs/smollm2.py:headline_cpu in the dtype of the headline's config, or `dtype`; one
   slice): `prompts` held-out problems x `samples` at the rollout temperature and greedily,
   SD on every decode call at the deepest arm. Beside SD's agreement with plain decoding, the
   floor: plain decoding again with one row per program (rollout.max_batch=1), whose tokens
-  differ from the batched run's only by the shapes the rows ran at. Writes
-  OUT/cpu_check_<dtype>.json."""
+  differ from the batched run's only by the shapes the rows ran at. numerics: the policy's
+  model.numerics (default the config's). Writes OUT/cpu_check_<dtype>.json
+  (cpu_check_<dtype>_invariant.json with the invariant numerics)."""
   import jax
   import numpy as np
   from tlt_jax.cli import config_from_file, setup_devices
@@ -663,8 +664,10 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
   from tlt_jax.speculative.sampling import SamplingParams
   from tlt_jax.speculative.tuner import FixedTuner
   dtype = dtype or config_from_file(CONFIG).model.dtype
+  numerics = numerics or config_from_file(CONFIG).model.numerics
   config = config_from_file(f"{REPO / 'configs' / 'smollm2.py'}:headline_cpu", [
-      f"model.dtype={dtype}", f"model.param_dtype={dtype}", "mesh.num_cpu_devices=1",
+      f"model.dtype={dtype}", f"model.param_dtype={dtype}", f"model.numerics={numerics}",
+      "mesh.num_cpu_devices=1",
       "mesh.axes.replica=1", f"rollout.max_new_tokens={max_new_tokens}",
       f"rollout.max_batch={1 << (prompts * samples - 1).bit_length()}"])
   setup_devices(config)
@@ -697,11 +700,13 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
   result = {"what": "SD against plain decoding on CPU, with plain decoding at one row per "
                     "program as the floor (experiments/gpu_headline.py cpu-check)",
             "date": datetime.date.today().isoformat(), "commit": git_commit(),
-            "command": " ".join(sys.argv), "dtype": dtype, "strategy": deepest,
+            "command": " ".join(sys.argv), "dtype": dtype, "numerics": numerics,
+            "strategy": deepest,
             "drafter": config.drafter.eagle.path, **rows,
             "identical": all(rows[k]["sd"]["identical"] for k in rows)}
   out.mkdir(parents=True, exist_ok=True)
-  gpu_lease.write_json(out / f"cpu_check_{dtype}.json", result)
+  suffix = "" if numerics == "fast" else f"_{numerics}"
+  gpu_lease.write_json(out / f"cpu_check_{dtype}{suffix}.json", result)
   return result
 
 
@@ -794,6 +799,8 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=1024)
   p.add_argument("--dtype", choices=("float32", "bfloat16"),
                  help="default: the headline config's model.dtype")
+  p.add_argument("--numerics", choices=("fast", "invariant"),
+                 help="the policy's model.numerics (default: the headline config's)")
   p = sub.add_parser("drafter", help="the warmed drafter in bfloat16 into assets/ (here)")
   p.add_argument("--warmup", type=pathlib.Path, required=True, help="the warm-up's workdir")
   p.add_argument("--export", type=pathlib.Path,
@@ -833,7 +840,7 @@ def main(argv=None) -> None:
             f"at {warmed['strategy']})")
     elif args.command == "cpu-check":
       result = cpu_check(args.out, args.prompts, args.samples, args.max_new_tokens,
-                         args.dtype)
+                         args.dtype, args.numerics)
       if not result["identical"]:
         sys.exit(f"cpu-check: in {result['dtype']}, SD's tokens differ from plain decoding's")
     else:

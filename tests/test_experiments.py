@@ -602,3 +602,18 @@ def test_tail_accept_credits_iterations_to_the_rows_then_running():
   summary = tail.summarise({0: [1, 1], 1: [4]}, (1, 2))
   assert summary["tail"] == 2.0 and summary["buckets"] == {
       "1": {"accept": 1.0, "iterations": 2}, ">=2": {"accept": 4.0, "iterations": 1}}
+
+
+@pytest.mark.slow
+def test_numerics_cost_quick(tmp_path):
+  """Both numerics timed side by side on the small shape: every call's ratio, the decode
+  targets checked per row count, the PNG."""
+  _run_script("numerics_cost", "--quick", "--out", str(tmp_path))
+  data = json.loads((tmp_path / "numerics_cost.json").read_text())
+  _check_run_metadata(data, "numerics_cost")
+  assert (tmp_path / "numerics_cost.png").exists()
+  calls = {"decode_1", "decode_8", "verify_8x16", "update_4x64"}
+  assert set(data["seconds"]["fast"]) == set(data["seconds"]["invariant"]) == calls
+  assert all(r > 0 for r in data["ratio"].values())
+  assert [t["name"] for t in data["decode_targets"]] == ["decode_1", "decode_8"]
+  assert all(t["pass"] == (t["measured"] <= 1.5) for t in data["decode_targets"])

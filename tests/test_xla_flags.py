@@ -13,12 +13,15 @@ from tlt_jax import xla_flags
 
 def test_the_flags_are_added_and_a_users_own_setting_wins():
   flag = "--xla_gpu_exclude_nondeterministic_ops"
-  assert xla_flags.with_flags("") == f"{flag}=true"
-  assert xla_flags.with_flags(" --xla_dump_to=/tmp/x ") == f"--xla_dump_to=/tmp/x {flag}=true"
-  assert xla_flags.with_flags(f"{flag}=false --xla_dump_to=/d") == f"{flag}=false --xla_dump_to=/d"
+  excess = "--xla_allow_excess_precision=false"
+  assert xla_flags.with_flags("") == f"{flag}=true {excess}"
+  assert xla_flags.with_flags(" --xla_dump_to=/tmp/x ") == \
+      f"--xla_dump_to=/tmp/x {flag}=true {excess}"
+  assert xla_flags.with_flags(f"{flag}=false --xla_allow_excess_precision=true") == \
+      f"{flag}=false --xla_allow_excess_precision=true"
   # Applying twice adds nothing.
   env = {"XLA_FLAGS": "--xla_dump_to=/d"}
-  assert xla_flags.apply(env) == xla_flags.apply(env) == f"--xla_dump_to=/d {flag}=true"
+  assert xla_flags.apply(env) == xla_flags.apply(env) == f"--xla_dump_to=/d {flag}=true {excess}"
 
 
 def test_importing_the_package_sets_flags_that_this_xla_accepts():
@@ -29,7 +32,8 @@ def test_importing_the_package_sets_flags_that_this_xla_accepts():
   done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.split() == ["--xla_gpu_exclude_nondeterministic_ops=true", "6.0"]
+  assert done.stdout.split() == ["--xla_gpu_exclude_nondeterministic_ops=true",
+                                 "--xla_allow_excess_precision=false", "6.0"]
 
 
 def test_the_suites_cheap_compile_flag_is_one_this_xla_knows():

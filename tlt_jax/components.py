@@ -281,6 +281,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   runtime = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
                  scan_layers=m.scan_layers == "all", remat=m.remat,
                  attention_query_chunk=m.attention_query_chunk,
+                 numerics=m.numerics,
                  feature_layers=tuple(config.drafter.eagle.feature_layers))
   if m.path:
     return load_hf_config(m.path, **runtime)

@@ -19,7 +19,7 @@ import ml_collections
 
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
-from tlt_jax.models.config import DTYPES, MODEL_TYPES
+from tlt_jax.models.config import DTYPES, MODEL_TYPES, NUMERICS
 from tlt_jax.drafters import DRAFTERS
 from tlt_jax.models.drafter_io import check_family, read_drafter_config
 from tlt_jax.models.hf import check_model_folder, check_safetensors
@@ -154,6 +154,11 @@ def base_config() -> ml_collections.ConfigDict:
   # attention over at most this many queries at a time, each chunk rematerialised (0 = all
   # at once). Exact either way; both trade compute for memory (see the README's GPU notes).
   c.model.update(remat="none", attention_query_chunk=0)
+  # "fast": XLA's kernels as it picks them. "invariant": a token's logits are the same bits in
+  # a decode step of any batch, a tree verify, a prefill and the training forward, so that in
+  # bfloat16 SD emits plain decoding's tokens and the update's log-probs equal the rollout's
+  # (tlt_jax/models/numerics.py; its cost: docs/results/numerics/).
+  c.model.numerics = "fast"
 
   # python -m tlt_jax.generate: plain batched decoding of random prompts, timed (a smoke test
   # of a model and mesh, not an evaluation).
@@ -570,7 +575,8 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int | None = No
 
 def _check_model(m: ml_collections.ConfigDict) -> None:
   for key, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("model_type", MODEL_TYPES),
-                       ("attention_impl", ATTENTION_IMPLS), ("scan_layers", SCAN_LAYERS)):
+                       ("attention_impl", ATTENTION_IMPLS), ("scan_layers", SCAN_LAYERS),
+                       ("numerics", NUMERICS)):
     _one_of(m[key], allowed, f"model.{key}")
   if m.path:
     if not os.path.isdir(m.path):

@@ -11,6 +11,12 @@ flag (or `--xla_gpu_deterministic_ops=true`, or turning autotuning off) made the
 is what prefill and every training step run on GPU, so without it a GPU run could train on
 wrong attention without any error. `python -m tools.check_gpu_numerics` repeats the check.
 
+`--xla_allow_excess_precision=false`: XLA may otherwise keep a bfloat16 (or float16) value in
+float32 between two fused operations instead of rounding it, so a value's bits depend on
+where XLA draws its fusions: the same layers run as a loop and as a `lax.scan` gave other
+bfloat16 logits (CPU, jax 0.10.2). With it, every rounding the code writes happens, which
+the shape-invariant numerics (`tlt_jax.models.numerics`) need; float32 programs do not change.
+
 A setting of the same flag already in `XLA_FLAGS` wins (`...=false` turns this off). XLA
 reads `XLA_FLAGS` when JAX starts its first backend, so the package must be imported before
 anything runs on the GPU; `apply` warns when it was not.
@@ -22,7 +28,7 @@ import logging
 import os
 
 # flag name (without the leading --) -> value
-FLAGS = {"xla_gpu_exclude_nondeterministic_ops": "true"}
+FLAGS = {"xla_gpu_exclude_nondeterministic_ops": "true", "xla_allow_excess_precision": "false"}
 
 
 def with_flags(xla_flags: str, flags: dict[str, str] = FLAGS) -> str:

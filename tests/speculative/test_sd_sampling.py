@@ -196,8 +196,8 @@ def test_a_fresh_sample_on_rejection_is_detected(policy, monkeypatch):
   sp = SamplingParams(1.0)
   plain = _sample_pairs(cfg, params, sp, use_sd=False)
 
-  def fresh_sample(probs, noise):
-    return gumbel_max(probs, jax.random.gumbel(jax.random.key(123), probs.shape))
+  def fresh_sample(probs, noise, sp):
+    return gumbel_max(probs, jax.random.gumbel(jax.random.key(123), probs.shape), sp)
   monkeypatch.setattr(verify_mod, "stop_token", fresh_sample)
   t2, t3, _ = _sample_pairs(cfg, params, sp, use_sd=True)
   p = _gof_pvalue(t2, t3, _exact_joint(cfg, params, sp))

@@ -17,9 +17,11 @@ import jax.numpy as jnp
 @flax.struct.dataclass
 class AttentionInputs:
   """positions [B, T] int32 RoPE positions of the new tokens; mask [B, T, N] bool, query i
-  may attend uncached key j."""
+  may attend uncached key j; tree: the new tokens are a draft tree (a key's place is found by
+  ancestry, not by position: the shape-invariant attention reads it)."""
   positions: jax.Array
   mask: jax.Array
+  tree: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def causal(t: int) -> jax.Array:
@@ -59,7 +61,7 @@ def cached_decode_inputs(position: jax.Array) -> AttentionInputs:
 def tree_inputs(start: jax.Array, depths: jax.Array, ancestors: jax.Array) -> AttentionInputs:
   """A draft tree of T nodes whose root sits at position start[b]: node i at start + depth,
   attending to its ancestors and itself (ancestors [B, T, T], see `ancestor_mask`)."""
-  return AttentionInputs(positions=start[:, None] + depths, mask=ancestors)
+  return AttentionInputs(positions=start[:, None] + depths, mask=ancestors, tree=True)
 
 
 def packed_inputs(segment_ids: jax.Array, positions: jax.Array) -> AttentionInputs:

@@ -7,6 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+NUMERICS = ("fast", "invariant")  # see tlt_jax.models.numerics
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ROPE_TYPES = ("default", "llama3")
 MODEL_TYPES = ("qwen2", "llama", "qwen3")  # the Hugging Face architectures this decoder loads
@@ -79,11 +80,22 @@ class ModelConfig:
   # tlt_jax.kernels.prefix_tree_attention (0 = the whole block at once).
   remat: str = "none"
   attention_query_chunk: int = 0
+  # "fast" or "invariant": a token's logits bit for bit the same in every program shape
+  # (decode, tree verify, prefill, training forward), at some cost (tlt_jax.models.numerics).
+  numerics: str = "fast"
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat={self.remat!r} is not allowed; allowed values: "
                        f"{REMAT_POLICIES}")
+    if self.numerics not in NUMERICS:
+      raise ValueError(f"model.numerics={self.numerics!r} is not allowed; allowed values: "
+                       f"{NUMERICS}")
+    if self.numerics == "invariant" and self.dtype == "float32":
+      raise ValueError("model.numerics='invariant' needs model.dtype bfloat16 or float16 (its "
+                       "products of two such numbers are exact in float32, which keeps XLA's "
+                       "fused multiply-adds from changing any bit); float32 runs are "
+                       "token-exact with model.numerics='fast'")
     if self.attention_query_chunk < 0:
       raise ValueError(f"model.attention_query_chunk must be >= 0 (0 = off), got "
                        f"{self.attention_query_chunk}")

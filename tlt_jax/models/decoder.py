@@ -28,6 +28,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, append_kv, empty_prefix, gather_tree_kv
 from tlt_jax.models.layers import (LayerCache, cached_layer_forward, layer_forward,
                                    layer_param_specs, rms_norm)
+from tlt_jax.models.numerics import invariant_matmul
 from tlt_jax.models.params import ParamSpec, init_from_specs, logical_axes_from_specs
 
 
@@ -65,6 +66,9 @@ def lm_logits(params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
   The operands stay in the compute dtype and the products accumulate in float32: the head is
   the largest matrix of a decode step, read once, never converted."""
   dt = cfg.jnp_dtype
+  if cfg.numerics == "invariant":
+    head = params["embed"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]["kernel"]
+    return invariant_matmul(hidden, head, dt)
   if cfg.tie_embeddings:
     return jnp.einsum("...e,ve->...v", hidden.astype(dt), params["embed"]["embedding"].astype(dt),
                       preferred_element_type=jnp.float32)
@@ -115,7 +119,7 @@ def _outputs(params: dict, x: jax.Array, taken: list, cfg: ModelConfig,
   """The stack's output x [B, T, E] and the feature layers' outputs -> (logits [B, T, V]
   float32, or [B, V] at positions logits_at [B]; features [B, T, F]: the final-norm hidden
   state, then the taken outputs)."""
-  hidden = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
+  hidden = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps, cfg.numerics)
   features = jnp.concatenate([hidden] + [t.astype(hidden.dtype) for t in taken], -1) \
       if taken else hidden
   if logits_at is not None:

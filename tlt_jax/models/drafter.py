@@ -80,9 +80,11 @@ class DrafterConfig:
 def drafter_model_config(cfg: ModelConfig, dcfg: DrafterConfig) -> ModelConfig:
   """The policy config reshaped to the drafter's layers (used for its layers and its cache).
   The policy's fused feature layers index the policy's layers, not the drafter's: dropped.
-  The drafter's few layers always run as a loop."""
+  The drafter's few layers always run as a loop, with the fast numerics: its drafts decide
+  how many tokens are accepted, never which (the policy's verify decides those)."""
   return cfg.replace(num_layers=dcfg.num_layers, feature_layers=(), scan_layers=False,
-                     intermediate_size=dcfg.intermediate_size or cfg.intermediate_size)
+                     intermediate_size=dcfg.intermediate_size or cfg.intermediate_size,
+                     numerics="fast")
 
 
 def drafter_param_specs(cfg: ModelConfig, dcfg: DrafterConfig) -> dict:
@@ -172,9 +174,9 @@ def drafter_forward(drafter_params: dict, policy_params: dict, tokens: jax.Array
   if dcfg.norm_output:
     x = rms_norm(x, drafter_params["norm"]["weight"], lcfg.rms_norm_eps)
   if dcfg.draft_vocab_size:  # its own untied [E, r] head
-    logits = lm_logits(drafter_params, x, cfg.replace(tie_embeddings=False))
+    logits = lm_logits(drafter_params, x, lcfg.replace(tie_embeddings=False))
   else:
-    logits = lm_logits(policy_params, x, cfg)
+    logits = lm_logits(policy_params, x, lcfg)
   return x, logits, jnp.stack(ks), jnp.stack(vs)
 
 

@@ -11,6 +11,8 @@ axis) and in the drafter (one dict per layer):
   mlp/{gate,up}_proj/kernel [E, F], mlp/down_proj/kernel [F, E]
 
 Matmuls take their operands in the compute dtype (`cfg.dtype`); norms and RoPE run in float32.
+Under `cfg.numerics == "invariant"` the matmuls, norms and attention compute each token's
+result in one order whatever the program's shape (`tlt_jax.models.numerics`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.kernels import prefix_tree_attention
+from tlt_jax.kernels.invariant_attention import invariant_prefix_tree_attention
 from tlt_jax.models.attention_inputs import AttentionInputs
 from tlt_jax.models.config import ModelConfig, RopeConfig
 from tlt_jax.models.kv_cache import write_layer_kv
+from tlt_jax.models.numerics import fixed_path, invariant_matmul, mean_square
 from tlt_jax.models.params import ParamSpec
 
 
@@ -64,10 +68,11 @@ def layer_param_specs(cfg: ModelConfig, input_norm: bool = True) -> dict:
   return specs
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, numerics: str = "fast") -> jax.Array:
   """RMSNorm over the last axis, computed in float32, returned in x's dtype."""
   x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  ms = mean_square(x32, numerics) + eps
+  x32 = x32 * (fixed_path(jax.lax.rsqrt, ms) if numerics == "invariant" else jax.lax.rsqrt(ms))
   return weight.astype(x.dtype) * x32.astype(x.dtype)
 
 
@@ -87,19 +92,32 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> jax.Array:
   return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               numerics: str = "fast") -> jax.Array:
   """Rotates x [B, T, heads, D] at integer positions [B, T] (half-split layout, as in HF)."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
+  if numerics == "invariant":
+    cos, sin = fixed_path(jnp.cos, angles), fixed_path(jnp.sin, angles)
+  else:
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  products = (x1 * cos, x2 * sin, x2 * cos, x1 * sin)
+  if numerics == "invariant":
+    # XLA:CPU contracts a product and the sum it feeds into one FMA wherever both land in one
+    # fusion, which differs between programs: the products are rounded on their own.
+    products = jax.lax.optimization_barrier(products)
+  a, b, c, d = products
+  out = jnp.concatenate([a - b, c + d], axis=-1)
   return out.astype(x.dtype)
 
 
-def _project(x: jax.Array, w: dict, dtype) -> jax.Array:
+def _project(x: jax.Array, w: dict, dtype, numerics: str) -> jax.Array:
   """x [B, T, E] through a q/k/v projection -> [B, T, heads, D]."""
-  out = jnp.einsum("bte,ehd->bthd", x.astype(dtype), w["kernel"].astype(dtype))
+  if numerics == "invariant":
+    out = invariant_matmul(x, w["kernel"], dtype).astype(dtype)
+  else:
+    out = jnp.einsum("bte,ehd->bthd", x.astype(dtype), w["kernel"].astype(dtype))
   return out + w["bias"].astype(dtype) if "bias" in w else out
 
 
@@ -110,21 +128,29 @@ def qkv(x: jax.Array, w: dict, positions: jax.Array, cfg: ModelConfig
   each head's q and k are RMS-normed over D first, as Qwen3 does)."""
   dt = cfg.jnp_dtype
   inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
-  q, k = _project(x, w["q_proj"], dt), _project(x, w["k_proj"], dt)
+  nm = cfg.numerics
+  q, k = _project(x, w["q_proj"], dt, nm), _project(x, w["k_proj"], dt, nm)
   if cfg.qk_norm:
-    q = rms_norm(q, w["q_norm"]["weight"], cfg.rms_norm_eps)
-    k = rms_norm(k, w["k_norm"]["weight"], cfg.rms_norm_eps)
-  return (apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq),
-          _project(x, w["v_proj"], dt))
+    q = rms_norm(q, w["q_norm"]["weight"], cfg.rms_norm_eps, nm)
+    k = rms_norm(k, w["k_norm"]["weight"], cfg.rms_norm_eps, nm)
+  return (apply_rope(q, positions, inv_freq, nm), apply_rope(k, positions, inv_freq, nm),
+          _project(x, w["v_proj"], dt, nm))
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, w: dict, mask: jax.Array,
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, w: dict, attn: AttentionInputs,
            prefix: LayerCache, cfg: ModelConfig) -> jax.Array:
   """Queries q [B, T, H, D] over the valid prefix and the uncached keys k, v [B, N, KVH, D]
-  (under mask [B, T, N]), through the output projection -> [B, T, E]."""
+  (under attn.mask [B, T, N]), through the output projection -> [B, T, E]."""
   dt = cfg.jnp_dtype
+  if cfg.numerics == "invariant":
+    out = invariant_prefix_tree_attention(q, prefix.k, prefix.v, prefix.lengths, k.astype(dt),
+                                          v.astype(dt), attn.mask, attn.positions, attn.tree)
+    b, t = out.shape[:2]
+    return invariant_matmul(out.astype(dt).reshape(b, t, -1),
+                            w["o_proj"]["kernel"].reshape(-1, w["o_proj"]["kernel"].shape[-1]),
+                            dt).astype(dt)
   out = prefix_tree_attention(q, prefix.k, prefix.v, prefix.lengths, k.astype(dt),
-                              v.astype(dt), mask, impl=cfg.attention_impl,
+                              v.astype(dt), attn.mask, impl=cfg.attention_impl,
                               query_chunk=cfg.attention_query_chunk)
   return jnp.einsum("bthd,hde->bte", out.astype(dt), w["o_proj"]["kernel"].astype(dt))
 
@@ -147,12 +173,17 @@ def attention(x: jax.Array, w: dict, attn: AttentionInputs, prefix: LayerCache,
   if earlier_kv is not None:
     k_all = jnp.concatenate([earlier_kv[0].astype(k.dtype), k], axis=1)
     v_all = jnp.concatenate([earlier_kv[1].astype(v.dtype), v], axis=1)
-  return attend(q, k_all, v_all, w, attn.mask, prefix, cfg), k, v
+  return attend(q, k_all, v_all, w, attn, prefix, cfg), k, v
 
 
 def mlp(x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
   """SwiGLU: down(silu(gate(x)) * up(x)), [B, T, E] -> [B, T, E]."""
   dt = cfg.jnp_dtype
+  if cfg.numerics == "invariant":
+    gate = invariant_matmul(x, w["gate_proj"]["kernel"], dt).astype(dt)
+    up = invariant_matmul(x, w["up_proj"]["kernel"], dt).astype(dt)
+    silu = gate * fixed_path(jax.nn.sigmoid, gate)
+    return invariant_matmul(silu * up, w["down_proj"]["kernel"], dt).astype(dt)
   x = x.astype(dt)
   gate = x @ w["gate_proj"]["kernel"].astype(dt)
   up = x @ w["up_proj"]["kernel"].astype(dt)
@@ -204,15 +235,16 @@ def cached_layer_forward(x: jax.Array, w: dict, attn: AttentionInputs, layer,
   cache_k = write_layer_kv(cache_k, layer, k, lengths, num_new)
   cache_v = write_layer_kv(cache_v, layer, v, lengths, num_new)
   prefix = LayerCache(cache_k[layer], cache_v[layer], lengths + num_new)
-  a = attend(q, k, v, w["self_attn"], attn.mask, prefix, cfg)
+  a = attend(q, k, v, w["self_attn"], attn, prefix, cfg)
   return _residual_mlp(x + a, w, cfg), cache_k, cache_v
 
 
 def _input_norm(x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
-  return rms_norm(x, w["input_layernorm"]["weight"], cfg.rms_norm_eps) \
+  return rms_norm(x, w["input_layernorm"]["weight"], cfg.rms_norm_eps, cfg.numerics) \
       if "input_layernorm" in w else x
 
 
 def _residual_mlp(x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
-  return x + mlp(rms_norm(x, w["post_attention_layernorm"]["weight"], cfg.rms_norm_eps),
+  return x + mlp(rms_norm(x, w["post_attention_layernorm"]["weight"], cfg.rms_norm_eps,
+                          cfg.numerics),
                  w["mlp"], cfg)

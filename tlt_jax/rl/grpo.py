@@ -36,7 +36,7 @@ import numpy as np
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.attention_inputs import rows_inputs
 from tlt_jax.models.decoder import forward
-from tlt_jax.speculative.sampling import SamplingParams, support_logits
+from tlt_jax.speculative.sampling import SamplingParams, log_softmax, support_logits
 
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
 
@@ -99,13 +99,14 @@ def token_log_probs(params: dict, tokens: jax.Array, targets: jax.Array, loss_ma
                     with_entropy: bool = False):
   """log q(targets) [B, T] float32 (0 off the mask) under the sampling distribution sp (not
   greedy; see the module docstring) and, if asked, the entropy of q [B, T]."""
+  sp = sp.with_numerics(cfg.numerics)
   logits, _, _, _ = forward(params, tokens, rows_inputs(*tokens.shape), cfg)
   scaled = logits.astype(jnp.float32) / sp.temperature
   support = support_logits(logits, sp)
   if sp.top_k or sp.top_p < 1.0:
     is_target = jax.nn.one_hot(targets, scaled.shape[-1], dtype=jnp.bool_)
     support = jnp.where(is_target, scaled, support)
-  logq_all = jax.nn.log_softmax(support, axis=-1)
+  logq_all = log_softmax(support, sp)
   logp = jnp.take_along_axis(logq_all, targets[..., None], axis=-1)[..., 0]
   logp = jnp.where(loss_mask, logp, 0.0)
   if not with_entropy:

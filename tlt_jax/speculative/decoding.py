@@ -36,8 +36,8 @@ from tlt_jax.drafters.base import DraftContext
 from tlt_jax.models.decoder import commit, decode, prefill, verify
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.policy import Policy
-from tlt_jax.speculative.sampling import (SamplingParams, sample_tokens, support_logits,
-                                          target_probs, token_noise)
+from tlt_jax.speculative.sampling import (SamplingParams, log_softmax, sample_tokens,
+                                          support_logits, target_probs, token_noise)
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tree import build_draft_tree
 from tlt_jax.speculative.verify import accept_tree
@@ -96,7 +96,7 @@ def token_logp(logits: jax.Array, tokens: jax.Array, sp: SamplingParams) -> jax.
   distribution sp (temperature, top-k, top-p): computed as the trainer computes it
   (`tlt_jax.rl.grpo.token_log_probs`, a log-softmax of the support's logits), so that where
   both see the same logits they report the same number."""
-  logq = jax.nn.log_softmax(support_logits(logits, sp), axis=-1)
+  logq = log_softmax(support_logits(logits, sp), sp)
   return jnp.take_along_axis(logq, tokens[..., None], axis=-1)[..., 0]
 
 
@@ -152,6 +152,7 @@ def start(policy: Policy, prompts: jax.Array, lengths: jax.Array, cache: KVCache
     starts from prompt source[b], so the samples of one prompt share one prefill.
   """
   cfg = policy.cfg
+  sp = sp.with_numerics(cfg.numerics)
   logits, hidden, cache = prefill(policy.params, prompts, lengths, cache, cfg, fresh=True,
                                   last_logits=True, rows=source)
   if source is not None:
@@ -201,6 +202,7 @@ def plain_step(policy: Policy, state: GenState, key: jax.Array, sp: SamplingPara
                eos_id: int, drafters: dict | None = None) -> tuple[GenState, StepStats]:
   """Commits the root, samples the token of the next position (key: the rollout's key).
   The stateful drafters' states are kept in step too (`drafters`: name -> drafter)."""
+  sp = sp.with_numerics(policy.cfg.numerics)
   active = ~state.done
   act = active.astype(jnp.int32)
   logits, hidden, cache = decode(policy.params, state.root, state.cache, policy.cfg,
@@ -233,6 +235,7 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
     accept lengths as the smaller strategy's own program.
   corpus: optional [B, S, L] int32 responses the suffix drafter may copy from (-1 padding).
   """
+  sp = sp.with_numerics(policy.cfg.numerics)
   active = ~state.done
   act = active.astype(jnp.int32)
   ctx = DraftContext(root=state.root, features=state.features, active=active, out=state.out,
@@ -242,8 +245,9 @@ def sd_step(policy: Policy, drafters: dict, state: GenState, key: jax.Array,
                                    state.cache, policy.cfg)
   d = strategy.depth
   noise = None if sp.greedy else token_noise(
-      key, state.request, state.num_out[:, None] + jnp.arange(d + 1)[None], logits.shape[-1])
-  acc = accept_tree(tree, target_probs(logits, sp), noise, d)
+      key, state.request, state.num_out[:, None] + jnp.arange(d + 1)[None], logits.shape[-1],
+      sp)
+  acc = accept_tree(tree, target_probs(logits, sp), noise, d, sp)
   cache = commit(state.cache, tree_kv, acc.path, acc.num_nodes * act)
 
   # Drafter catch-up: the pairs (a_i, f of the node before a_i) of the accepted path, with the

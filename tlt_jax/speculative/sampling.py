@@ -21,13 +21,18 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 
+from tlt_jax.models.numerics import (fixed_path, invariant_log_softmax, invariant_softmax)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""
+  """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; numerics: the policy's
+  `ModelConfig.numerics` ("invariant": q, its log and the noise in one order for any batch
+  or tree, `tlt_jax.models.numerics`; the decoding steps set it from the policy)."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  numerics: str = "fast"
 
   def __post_init__(self):
     if not isinstance(self.temperature, jax.Array) and self.temperature < 0:
@@ -47,6 +52,10 @@ class SamplingParams:
   def program_key(self) -> tuple[int, float]:
     """What a compiled program fixes of these parameters: the support (top_k, top_p)."""
     return (self.top_k, self.top_p)
+
+  def with_numerics(self, numerics: str) -> SamplingParams:
+    """These parameters drawing with the policy's numerics."""
+    return self if numerics == self.numerics else dataclasses.replace(self, numerics=numerics)
 
   def with_temperature(self, temperature: jax.Array) -> SamplingParams:
     """These parameters with a traced float32 scalar temperature (0 = greedy), as a
@@ -68,7 +77,7 @@ def support_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   if sp.top_p < 1.0:
     # Keep the smallest prefix of the sorted distribution whose mass reaches top_p
     # (the token that crosses it included).
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = softmax(logits, sp)
     order = jnp.argsort(-probs, axis=-1)
     sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
@@ -90,15 +99,34 @@ def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
   if sp.greedy:
     return argmax_one_hot()
-  q = jax.nn.softmax(support_logits(logits, sp), axis=-1)
+  q = softmax(support_logits(logits, sp), sp)
   if isinstance(sp.temperature, jax.Array):
     # A draw from one-hot q is its token whatever the noise: greedy needs no branch of its own.
     q = jnp.where(sp.temperature > 0, q, argmax_one_hot())
   return q
 
 
+def softmax(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """softmax over the last axis of float32 [..., V] with sp's numerics."""
+  if sp.numerics == "invariant":
+    return invariant_softmax(logits)
+  return jax.nn.softmax(logits, axis=-1)
+
+
+def log_softmax(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """log_softmax over the last axis of float32 [..., V] with sp's numerics (the rollout's and
+  the trainer's token log-probs)."""
+  if sp.numerics == "invariant":
+    return invariant_log_softmax(logits)
+  return jax.nn.log_softmax(logits, axis=-1)
+
+
+def _log(x: jax.Array, sp: SamplingParams) -> jax.Array:
+  return fixed_path(jnp.log, x) if sp.numerics == "invariant" else jnp.log(x)
+
+
 def token_noise(key: jax.Array, requests: jax.Array, positions: jax.Array,
-                vocab: int) -> jax.Array:
+                vocab: int, sp: SamplingParams = SamplingParams()) -> jax.Array:
   """Gumbel noise [B, P, V] (float32) for the tokens at response positions [B, P] of requests
   [B] (int32): each (request, position) pair has its own stream, derived from `key`, so a
   token's randomness never depends on the batch row, the bucket, the iteration or the strategy
@@ -116,27 +144,28 @@ def token_noise(key: jax.Array, requests: jax.Array, positions: jax.Array,
     k = jax.random.key_data(jax.random.fold_in(key, jnp.maximum(request, 0)))
     counts = jnp.concatenate([jnp.full((half,), position, jnp.uint32),
                               jnp.arange(half, dtype=jnp.uint32)])
-    bits = threefry_2x32(k, counts)[:vocab]
-    return _gumbel_from_bits(bits)
-  return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(requests, positions)
+    return threefry_2x32(k, counts)[:vocab]
+  bits = jax.vmap(jax.vmap(one, in_axes=(None, 0)))(requests, positions)
+  return _gumbel_from_bits(bits, sp)
 
 
-def _gumbel_from_bits(bits: jax.Array) -> jax.Array:
+def _gumbel_from_bits(bits: jax.Array, sp: SamplingParams) -> jax.Array:
   """Standard Gumbel noise from uniform uint32 bits, as jax.random.gumbel makes it: the top 23
   bits as a float in [1, 2), shifted to a uniform in [tiny, 1), then -log(-log(u))."""
   tiny = jnp.finfo(jnp.float32).tiny
   one_to_two = jax.lax.bitcast_convert_type(
       jax.lax.shift_right_logical(bits, jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32)
   u = jnp.maximum(tiny, (one_to_two - 1.0) * (1.0 - tiny) + tiny)
-  return -jnp.log(-jnp.log(u))
+  return -_log(-_log(u, sp), sp)
 
 
-def gumbel_max(probs: jax.Array, noise: jax.Array | None) -> jax.Array:
+def gumbel_max(probs: jax.Array, noise: jax.Array | None,
+               sp: SamplingParams = SamplingParams()) -> jax.Array:
   """argmax(log q + g) over the last axis: an exact sample from q for Gumbel noise g, the
   argmax of q for noise None (greedy). Zero-probability tokens are never drawn. [...] int32."""
   if noise is None:
     return jnp.argmax(probs, axis=-1).astype(jnp.int32)
-  scores = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + noise, -jnp.inf)
+  scores = jnp.where(probs > 0, _log(jnp.maximum(probs, 1e-38), sp) + noise, -jnp.inf)
   return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 
@@ -145,5 +174,5 @@ def sample_tokens(probs: jax.Array, key: jax.Array, requests: jax.Array, positio
   """The token at response position positions[b] of request requests[b]: [B] int32 from
   probs [B, V] (see `target_probs`); the argmax when sp is greedy."""
   noise = None if sp.greedy else token_noise(key, requests, positions[:, None],
-                                             probs.shape[-1])[:, 0]
-  return gumbel_max(probs, noise)
+                                             probs.shape[-1], sp)[:, 0]
+  return gumbel_max(probs, noise, sp)

@@ -21,7 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.speculative.sampling import gumbel_max
+from tlt_jax.speculative.sampling import SamplingParams, gumbel_max
 from tlt_jax.speculative.tree import DraftTree
 
 
@@ -35,13 +35,14 @@ class Acceptance:
   next_token: jax.Array
 
 
-def stop_token(probs: jax.Array, noise: jax.Array | None) -> jax.Array:
+def stop_token(probs: jax.Array, noise: jax.Array | None,
+               sp: SamplingParams = SamplingParams()) -> jax.Array:
   """The token emitted where the walk stops: the stop node's own draw. [B] int32."""
-  return gumbel_max(probs, noise)
+  return gumbel_max(probs, noise, sp)
 
 
 def accept_tree(tree: DraftTree, probs: jax.Array, noise: jax.Array | None,
-                max_depth: int) -> Acceptance:
+                max_depth: int, sp: SamplingParams = SamplingParams()) -> Acceptance:
   """Walks the tree with the policy's distributions and the positions' noise.
 
   Args:
@@ -50,6 +51,7 @@ def accept_tree(tree: DraftTree, probs: jax.Array, noise: jax.Array | None,
     noise: [B, max_depth + 1, V] Gumbel noise of the positions after the root, p .. p + D
       (`token_noise`); None for greedy decoding.
     max_depth: the tree's maximum depth D (the strategy's `steps`).
+    sp: the draw's numerics (sp.numerics; temperature and support are already in probs).
   """
   b = tree.tokens.shape[0]
   rows = jnp.arange(b)
@@ -58,7 +60,7 @@ def accept_tree(tree: DraftTree, probs: jax.Array, noise: jax.Array | None,
   alive = jnp.ones((b,), bool)
   path = [node]
   for level in range(max_depth):
-    target = gumbel_max(probs[rows, node], None if noise is None else noise[:, level])
+    target = gumbel_max(probs[rows, node], None if noise is None else noise[:, level], sp)
     hit = (tree.parents == node[:, None]) & (tree.tokens == target[:, None])  # [B, T]
     found = alive & jnp.any(hit, axis=1)
     node = jnp.where(found, jnp.argmax(hit, axis=1).astype(jnp.int32), node)
@@ -68,4 +70,4 @@ def accept_tree(tree: DraftTree, probs: jax.Array, noise: jax.Array | None,
   path = jnp.stack(path, axis=1)
   level_noise = None if noise is None else noise[rows, depth]
   return Acceptance(path=path, num_nodes=depth + 1,
-                    next_token=stop_token(probs[rows, node], level_noise))
+                    next_token=stop_token(probs[rows, node], level_noise, sp))
