@@ -158,3 +158,22 @@ def test_the_qwen3_configs_largest_programs_fit_70_gib(variant, shape, devices):
   assert model_config(c).qk_norm
   for name, m in budget["programs"].items():
     assert m["peak_bytes"] < 70 * GiB, (name, m["peak_bytes"] / GiB)
+
+
+def test_the_rl_jobs_programs_lower_for_cuda_with_the_invariant_numerics():
+  """model.numerics="invariant" (bfloat16): every program of the RL job lowers for CUDA, the
+  policy's attention the blockwise jnp one: the prefill and the SD programs call the Pallas
+  kernel once less than with the fast numerics (the drafter's attention keeps it)."""
+  fast = {p.name: triton_calls(lower_for_cuda(p))
+          for p in job_programs(_forced_kernel_config(), "train")[1]
+          if p.name.startswith("rollout_")}
+  c = _forced_kernel_config()
+  with c.unlocked():
+    c.model.numerics = "invariant"
+  _, programs = job_programs(c, "train")
+  assert EXPECTED["train"] <= {p.name for p in programs}
+  for p in programs:
+    calls = triton_calls(lower_for_cuda(p))
+    if p.name in fast:
+      fewer = p.name.startswith(("rollout_prefill", "rollout_decode_sd"))
+      assert calls == fast[p.name] - fewer, (p.name, calls, fast[p.name])
