@@ -58,7 +58,8 @@ def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def fixed_path(fn, x: jax.Array) -> jax.Array:
-  """fn (jnp.exp, jnp.log) of every element of x through one code path whatever x's shape:
+  """fn (an elementwise jnp.exp, jnp.log, jax.nn.sigmoid, ...) of every element of x through
+  one code path whatever x's shape:
   x is flattened, padded to a multiple of 128 elements and kept out of any fusion by
   optimization barriers, so each element meets the vectorised function. Same shape and dtype
   as x."""
@@ -84,8 +85,9 @@ def invariant_softmax(x: jax.Array) -> jax.Array:
 
 
 def invariant_matmul(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-  """x [..., K] @ w [K, N] -> [..., N] float32, the operands in `dtype`, accumulated in float32
-  in an order that does not depend on the leading dims (see the module docstring)."""
+  """x [..., K] @ w [K, *N] -> [..., *N] float32 (w's trailing axes flattened for the product:
+  a q/k/v kernel [E, heads, D]), the operands in `dtype`, accumulated in float32 in an order
+  that does not depend on the leading dims (see the module docstring)."""
   rows = x.reshape(-1, x.shape[-1]).astype(dtype)
   out = _invariant_rows_matmul(rows, w.reshape(w.shape[0], -1).astype(dtype))
   return out.reshape(*x.shape[:-1], *w.shape[1:])
