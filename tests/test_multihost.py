@@ -26,8 +26,8 @@ MESH = ["--config.mesh.axes.replica=4", "--config.mesh.axes.fsdp=-1",
         # runs (the timing-driven tuner may pick differently).
         "--config.rollout.speculative.tuner=fixed", "--config.rl.save_rollouts=True",
         "--config.rl.micro_batch_rows=8",  # a multiple of the 8 data-parallel devices
-        # Step 1's problems (2 and 6 arithmetic steps) get mixed rewards: a non-zero update.
-        "--config.seed=3"]
+        # Step 1 gets mixed rewards in a group (reward 0.35): a non-zero update.
+        "--config.seed=4"]
 SAME_ON_EVERY_PROCESS = ("steps_done", "reward_first", "reward_last", "accuracy_first",
                          "accuracy_last", "drafter_steps_total")
 
