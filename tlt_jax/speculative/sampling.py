@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 
-from tlt_jax.models.numerics import (fixed_path, invariant_log_softmax, invariant_softmax)
+from tlt_jax.models.config import NUMERICS
+from tlt_jax.models.numerics import fixed_path, invariant_log_softmax, invariant_softmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,8 @@ class SamplingParams:
       raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.numerics not in NUMERICS:
+      raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
 
   @property
   def greedy(self) -> bool:
