@@ -663,8 +663,8 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
   from tlt_jax.rollout.engine import accept_length
   from tlt_jax.speculative.sampling import SamplingParams
   from tlt_jax.speculative.tuner import FixedTuner
-  dtype = dtype or config_from_file(CONFIG).model.dtype
-  numerics = numerics or config_from_file(CONFIG).model.numerics
+  headline = config_from_file(CONFIG).model
+  dtype, numerics = dtype or headline.dtype, numerics or headline.numerics
   config = config_from_file(f"{REPO / 'configs' / 'smollm2.py'}:headline_cpu", [
       f"model.dtype={dtype}", f"model.param_dtype={dtype}", f"model.numerics={numerics}",
       "mesh.num_cpu_devices=1",
