@@ -112,7 +112,7 @@ from tlt_jax.drafters import (DRAFTERS, Drafter, EagleDrafter, drafters_named, m
                               reads_corpus)
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.models import ModelConfig, init_cache, init_params, prefill
-from tlt_jax.models.drafter import (DRAFT_TO_POLICY, DrafterConfig, drafter_from_policy,
+from tlt_jax.drafters.eagle.network import (DRAFT_TO_POLICY, DrafterConfig, drafter_from_policy,
                                     init_drafter_params)
 from tlt_jax.models.policy import Policy
 from tlt_jax.models.shapes import MODEL_SHAPES

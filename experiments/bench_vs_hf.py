@@ -44,7 +44,7 @@ from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.components import task_prompts
 from tlt_jax.mesh import make_mesh
 from tlt_jax.drafters import make_drafter
-from tlt_jax.models.drafter_io import load_drafter
+from tlt_jax.drafters.io import load_drafter
 from tlt_jax.models.hf import (load_hf_config, load_hf_params, load_tokenizer,
                                save_hf_checkpoint)
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine

@@ -718,7 +718,7 @@ def ship_drafter(export: pathlib.Path, warmup: pathlib.Path, out: pathlib.Path,
   beside OUT and renamed in; an OUT that is not a drafter export is refused."""
   from tlt_jax.cli import config_from_file
   from tlt_jax.components import model_config
-  from tlt_jax.models.drafter_io import load_drafter, read_drafter_config, save_drafter
+  from tlt_jax.drafters.io import load_drafter, read_drafter_config, save_drafter
   if out.exists():
     try:
       read_drafter_config(str(out))

@@ -121,7 +121,7 @@ def _variants(config, cfg, labelled: list[str]) -> dict[str, dict]:
   LABEL=PATH (the config's drafter.eagle.path when none is given)."""
   from tlt_jax.components import drafter_settings
   from tlt_jax.drafters import DRAFTERS, make_drafter
-  from tlt_jax.models.drafter_io import load_drafter
+  from tlt_jax.drafters.io import load_drafter
   weightless = {name: make_drafter(name, drafter_settings(config, name))
                 for name, cls in DRAFTERS.items() if not cls.trained}
   pairs = [item.split("=", 1) for item in labelled] or [["config", config.drafter.eagle.path]]

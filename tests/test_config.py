@@ -13,7 +13,7 @@ from tests.conftest import repo_config
 from tlt_jax.cli import config_from_file
 from tlt_jax.components import load_drafters_for, model_config, validate_config
 from tlt_jax.config import ConfigError, base_config
-from tlt_jax.models.drafter import DRAFT_TO_POLICY
+from tlt_jax.drafters.eagle.network import DRAFT_TO_POLICY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

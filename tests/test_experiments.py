@@ -13,7 +13,7 @@ import pytest
 from tests.experiment_modules import load_experiment
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
 from tlt_jax.models import ModelConfig
-from tlt_jax.models.drafter import DrafterConfig
+from tlt_jax.drafters.eagle.network import DrafterConfig
 from tlt_jax.models.shapes import MODEL_SHAPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -305,7 +305,7 @@ def test_the_shipped_drafter_is_the_warmed_one_in_bfloat16(tmp_path):
   from safetensors.numpy import load_file
   from tlt_jax.cli import config_from_file
   from tlt_jax.components import load_drafters_for, model_config
-  from tlt_jax.models.drafter_io import load_drafter, save_drafter
+  from tlt_jax.drafters.io import load_drafter, save_drafter
   config_arg = f"{REPO}/configs/default.py"
   config = config_from_file(config_arg, [])
   cfg = model_config(config)

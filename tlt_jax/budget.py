@@ -35,14 +35,14 @@ from jax.sharding import PartitionSpec as P
 from tlt_jax.components import (algorithm_from_config, drafter_opt_config, drafter_settings,
                                 engine_config, model_config, policy_adamw, run_drafters,
                                 sampling_params, training_model_config)
-from tlt_jax.drafter_training.loss import Windows
+from tlt_jax.drafters.base import Windows
 from tlt_jax.drafter_training.spot import drafter_axes, train_state_shardings
 from tlt_jax.drafter_training.train_step import init_train_state, train_step
 from tlt_jax.drafter_training.train_step import make_optimizer as make_drafter_optimizer
 from tlt_jax.mesh import (AXIS_ORDER, logical_shardings, logical_to_mesh_spec, make_mesh,
                           on_mesh, replica_slices)
 from tlt_jax.models import init_params, param_logical_axes
-from tlt_jax.drafters import DRAFTERS, make_drafter
+from tlt_jax.drafters import drafter_class, make_drafter
 from tlt_jax.optim import make_adamw, optimizer_shardings
 from tlt_jax.rl.policy_update import make_log_probs, make_policy_update
 from tlt_jax.rollout.pool import ExecutablePool, with_output_layout
@@ -287,11 +287,11 @@ def job_resident(config: ml_collections.ConfigDict, job: str, meshes: JobMeshes 
 
 def _trained_settings(config) -> dict:
   """name -> Settings of the run's trained drafters."""
-  return {n: drafter_settings(config, n) for n in run_drafters(config) if DRAFTERS[n].trained}
+  return {n: drafter_settings(config, n) for n in run_drafters(config) if drafter_class(n).trained}
 
 
 def _init_drafters(settings: dict, cfg, key) -> dict:
-  return {n: DRAFTERS[n].init_params(s, cfg, key) for n, s in settings.items()}
+  return {n: drafter_class(n).init_params(s, cfg, key) for n, s in settings.items()}
 
 
 def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int = 1

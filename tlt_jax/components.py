@@ -21,12 +21,13 @@ from jax.sharding import Mesh
 from tlt_jax.config import ConfigError, base_config, check_config, flat_settings
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
-from tlt_jax.drafters import DRAFTERS, Drafter, drafters_named, make_drafter, reads_corpus
+from tlt_jax.drafters import (DRAFTERS, Drafter, check_strategy, drafter_class, drafters_named,
+                              make_drafter, reads_corpus)
 from tlt_jax.knobs import build_from
 from tlt_jax.mesh import logical_shardings
 from tlt_jax.models.config import ARCHITECTURE_FLAGS, ModelConfig, RopeConfig, ROPE_TYPES
 from tlt_jax.models.decoder import init_params, param_logical_axes
-from tlt_jax.models.drafter_io import load_drafter
+from tlt_jax.drafters.io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
 from tlt_jax.rl.algorithms import ALGORITHMS, Grpo, make_algorithm
@@ -65,16 +66,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     except (ValueError, ImportError) as e:  # ImportError: a task's optional package
       raise ConfigError(str(e)) from None
   _check_drafters(config)
-  _check_mtp_heads(config)
+  warnings = _check_families(config)
   for knob in unread_knobs(config, writes_metrics):
     raise ConfigError(knob.message)
-  _advise_on_fused_features(config)
-  sd = config.rollout.speculative
-  if config.drafter.eagle.draft_vocab_size:
-    widest = max(Strategy.parse(a).topk for a in (*sd.arms, sd.strategy))
-    if config.drafter.eagle.draft_vocab_size < widest:
-      raise ConfigError(f"drafter.eagle.draft_vocab_size={config.drafter.eagle.draft_vocab_size}"
-                        f" is below the widest strategy's topk ({widest}); use at least {widest}")
+  for line in warnings:
+    print(f"warning: {line}", file=sys.stderr)
   _check_corpus_rows(config)
   limit, source = config.model.max_position_embeddings, "model.max_position_embeddings"
   if config.model.path:  # the checkpoint's own limit
@@ -90,19 +86,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                         f"{source}={limit}; lower them")
 
 
-def _advise_on_fused_features(config: ml_collections.ConfigDict) -> None:
-  """A warning line (stderr) for an EAGLE drafter that fuses the policy's layer outputs
-  without a norm at its input: on a real model those outputs are the residual stream's, of
-  far larger scale than the final-norm state, and such a drafter diverged."""
-  e = config.drafter.eagle
-  if (e.feature_layers and not e.norm_input
-      and "eagle" in drafters_named(_tuner_strategies(config))):
-    print(f"warning: drafter.eagle.feature_layers={tuple(e.feature_layers)} fuses the policy's "
-          f"layer outputs before any norm; set drafter.eagle.norm_input=True (without it an "
-          f"EAGLE-3 drafter diverged on SmolLM2-135M: docs/results/drafter_ablation_smollm2)",
-          file=sys.stderr)
-
-
 def _check_drafters(config: ml_collections.ConfigDict) -> None:
   """The drafters the strategies name are among drafter.names (when it is set)."""
   d, key = config.drafter, _strategies_key(config)
@@ -113,22 +96,21 @@ def _check_drafters(config: ml_collections.ConfigDict) -> None:
                       f"strategies name)")
 
 
-def _check_mtp_heads(config: ml_collections.ConfigDict) -> None:
-  """drafter.mtp.num_heads no more than the deepest strategy that drafts with MTP drafts
-  (the tuner's, and rollout.speculative.strategy, the warm-up's): head k drafts at depth
-  k + 1 only, so heads past that depth would be trained and never draft."""
-  if "mtp" not in run_drafters(config):
-    return
-  strategies = [s for s in (*_tuner_strategies(config), configured_strategy(config))
-                if "mtp" in s.drafts]
-  deepest = max((s.depth for s in strategies), default=None)
-  heads = config.drafter.mtp.num_heads
-  if deepest is not None and heads > deepest:
-    raise ConfigError(f"drafter.mtp.num_heads={heads} is more heads than the deepest strategy "
-                      f"that drafts with MTP drafts ({deepest} tokens, in "
-                      f"{_strategies_key(config)} or rollout.speculative.strategy): heads past "
-                      f"depth {deepest} are trained and never draft; set "
-                      f"drafter.mtp.num_heads={deepest}, or draft deeper with MTP")
+def _check_families(config: ml_collections.ConfigDict) -> list[str]:
+  """Each drafter the run uses checks its settings against the strategies that draft with it
+  (the tuner's, and rollout.speculative.strategy, the warm-up's; its `check_strategies`):
+  ConfigError for settings that cannot work; returns the warning lines of the rest."""
+  where = f"{_strategies_key(config)} or rollout.speculative.strategy"
+  strategies = (*_tuner_strategies(config), configured_strategy(config))
+  warnings = []
+  for name in run_drafters(config):
+    drafting = [s for s in strategies if name in s.drafts]
+    try:
+      warnings += drafter_class(name).check_strategies(
+          drafter_settings(config, name), drafting, f"drafter.{name}", where)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  return warnings
 
 
 class UnreadKnob(NamedTuple):
@@ -342,9 +324,11 @@ def configured_strategy(config: ml_collections.ConfigDict) -> Strategy:
   check's, so checked under every tuner (ConfigError naming the key)."""
   value = config.rollout.speculative.strategy
   try:
-    return Strategy.parse(value)
+    strategy = Strategy.parse(value)
+    check_strategy(strategy)
   except ValueError as e:
     raise ConfigError(f"rollout.speculative.strategy={value!r}: {e}") from None
+  return strategy
 
 
 def make_tuner_from_config(config: ml_collections.ConfigDict) -> Tuner:

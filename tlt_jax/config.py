@@ -17,27 +17,24 @@ import sys
 
 import ml_collections
 
-from tlt_jax.kernels import ATTENTION_IMPLS
-from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
-from tlt_jax.models.config import DTYPES, MODEL_TYPES, NUMERICS
-from tlt_jax.drafters import DRAFTERS
-from tlt_jax.models.drafter_io import check_family, read_drafter_config
-from tlt_jax.models.hf import check_model_folder, check_safetensors
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
-from tlt_jax.knobs import defaults_of
+from tlt_jax.drafters import DRAFTERS
+from tlt_jax.drafters.io import check_family, read_drafter_config
+from tlt_jax.kernels import ATTENTION_IMPLS
+from tlt_jax.knobs import ConfigError, defaults_of
+from tlt_jax.mesh import DEFAULT_RULES, ROLLOUT_RULES, resolve_axis_sizes
 from tlt_jax.metric_writers import PACKAGES, missing_package
+from tlt_jax.models.config import DTYPES, MODEL_TYPES, NUMERICS
+from tlt_jax.models.hf import check_model_folder, check_safetensors
 from tlt_jax.rl.algorithms import ALGORITHMS
 from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.policy_update import check_micro_batch_rows
 from tlt_jax.rl.tasks import TASKS, ArithmeticTask
 from tlt_jax.speculative.sampling import SamplingParams
 
 # Which forward passes run the layers as a lax.scan (see model.scan_layers below).
 SCAN_LAYERS = ("none", "train", "all")
-
-
-class ConfigError(ValueError):
-  """A configuration value or key is wrong; the message names the key and the fix."""
 
 
 # Keys renamed so that each concept has one name (old -> new). A command line or an override
@@ -157,7 +154,7 @@ def base_config() -> ml_collections.ConfigDict:
   # "fast": XLA's kernels as it picks them. "invariant": a token's logits are the same bits in
   # a decode step of any batch, a tree verify, a prefill and the training forward, so that in
   # bfloat16 SD emits plain decoding's tokens and the update's log-probs equal the rollout's
-  # (tlt_jax/models/numerics.py; its cost: docs/results/numerics/).
+  # (tlt_jax/kernels/numerics.py; its cost: docs/results/numerics/).
   c.model.numerics = "fast"
 
   # python -m tlt_jax.generate: plain batched decoding of random prompts, timed (a smoke test
@@ -350,7 +347,7 @@ def base_config() -> ml_collections.ConfigDict:
   # The drafters (tlt_jax.drafters), by name: those a run uses are drafter.names, or (when
   # it is empty) those its strategies name (rollout.speculative.arms, or .strategy with the
   # fixed tuner). Each has a section drafter.<name> made from its Settings dataclass: eagle
-  # (DrafterConfig, tlt_jax.models.drafter: feature_layers and draft_vocab_size are EAGLE-3's
+  # (DrafterConfig, tlt_jax.drafters.eagle.network: feature_layers and draft_vocab_size are EAGLE-3's
   # fused features and reduced vocabulary, whose tokens the warm-up picks), mtp (Medusa/MTP
   # heads), suffix and prompt_lookup (weightless); a trained one's also holds `path`, a
   # folder python -m tlt_jax.warmup_drafter exports ('' = random weights). Setting a section
@@ -522,13 +519,6 @@ def _non_negative(section: ml_collections.ConfigDict, prefix: str, keys) -> None
   for key in keys:
     if section[key] < 0:
       raise ConfigError(f"{prefix}.{key}={section[key]} must be >= 0")
-
-
-def check_micro_batch_rows(micro_batch_rows: int, data_ways: int) -> None:
-  """The policy update splits each micro-batch's rows over the data-parallel devices."""
-  if micro_batch_rows % data_ways:
-    raise ConfigError(f"rl.micro_batch_rows={micro_batch_rows} must be a multiple of the "
-                      f"data-parallel devices (replica x fsdp = {data_ways})")
 
 
 def _check_finite(section: ml_collections.ConfigDict, prefix: str) -> None:

@@ -8,6 +8,11 @@ import dataclasses
 from collections.abc import Mapping
 
 
+class ConfigError(ValueError):
+  """A configuration value or key is wrong; the message names the key and the fix. The one
+  error type of config validation, wherever a knob is checked."""
+
+
 @dataclasses.dataclass(frozen=True)
 class NoSettings:
   """The knobs of a component that has none of its own (an algorithm's or a task's

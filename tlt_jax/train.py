@@ -47,7 +47,7 @@ from tlt_jax.drafter_training.spot import SpotTrainer
 from tlt_jax.job import Job, check_profile_window, exit_stopped, profile_window
 from tlt_jax.mesh import make_mesh
 from tlt_jax.metric_writers import TENSORBOARD_DIR
-from tlt_jax.models.drafter_io import save_drafter
+from tlt_jax.drafters.io import save_drafter
 from tlt_jax.models.hf import save_hf_checkpoint
 from tlt_jax.optim import make_adamw
 from tlt_jax.rl.data import PromptIterator

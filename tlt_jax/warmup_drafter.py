@@ -40,13 +40,13 @@ from tlt_jax.components import (check_prompt_lengths, configured_strategy, draft
                                 load_drafters_for, load_policy, load_tokenizer_for, make_engine,
                                 run_drafters, task_prompts)
 from tlt_jax.config import ConfigError, flat_settings
-from tlt_jax.drafters import DRAFTERS, make_drafter
+from tlt_jax.drafters import drafter_class, make_drafter, trained_drafters
 from tlt_jax.job import Job, SetupStopped, run_job
 from tlt_jax.drafter_training.train_step import init_train_state
 from tlt_jax.drafter_training.warmup import (cached_responses, collect_samples, read_responses,
                                              train_drafter)
 from tlt_jax.mesh import make_mesh, to_mesh
-from tlt_jax.models.drafter_io import save_drafter
+from tlt_jax.drafters.io import save_drafter
 from tlt_jax.rollout.engine import GenerationStopped, accept_length
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
@@ -60,8 +60,8 @@ def _warmup(config, job: Job) -> bool:
   w = config.drafter.warmup
   strategy = config.rollout.speculative.strategy
   used = run_drafters(config)
-  if not any(DRAFTERS[n].trained for n in used):
-    trainable = [n for n, c in DRAFTERS.items() if c.trained]
+  if not any(drafter_class(n).trained for n in used):
+    trainable = list(trained_drafters())
     raise ConfigError(f"the run uses no trained drafter (its drafters: {list(used)}), so there "
                       f"is nothing to warm; name one of {trainable} in "
                       f"rollout.speculative.arms or drafter.names")
@@ -109,7 +109,7 @@ def _warmup(config, job: Job) -> bool:
                             progress=job.writer and job.show_progress)
 
   # ---------------------------------------------------------------- train, with checkpoints
-  job.phase(f"training {', '.join(n for n in used if DRAFTERS[n].trained)} for "
+  job.phase(f"training {', '.join(n for n in used if drafter_class(n).trained)} for "
             f"{w.steps} steps (compiling the update first)")
   drafters = load_drafters_for(config, cfg, fresh=True)
   settings = {n: d.settings for n, d in drafters.items() if d.trained}

@@ -15,7 +15,7 @@ wrong attention without any error. `python -m tools.check_gpu_numerics` repeats 
 float32 between two fused operations instead of rounding it, so a value's bits depend on
 where XLA draws its fusions: the same layers run as a loop and as a `lax.scan` gave other
 bfloat16 logits (CPU, jax 0.10.2). With it, every rounding the code writes happens, which
-the shape-invariant numerics (`tlt_jax.models.numerics`) need; float32 programs do not change.
+the shape-invariant numerics (`tlt_jax.kernels.numerics`) need; float32 programs do not change.
 
 A setting of the same flag already in `XLA_FLAGS` wins (`...=false` turns this off). XLA
 reads `XLA_FLAGS` when JAX starts its first backend, so the package must be imported before

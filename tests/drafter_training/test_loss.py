@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from tests.speculative.drafters import oracle_drafter, random_drafter
-from tlt_jax.drafter_training.loss import drafter_loss, previous_features, unrolled_forward
+from tlt_jax.drafters.base import previous_features
+from tlt_jax.drafters.eagle.loss import drafter_loss, unrolled_forward
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_state,
                                                  jit_train_step)
 from tlt_jax.drafter_training.windows import Sample, pack_windows
 from tlt_jax.models import init_cache, prefill
 from tlt_jax.models.attention_inputs import packed_inputs
 from tlt_jax.models.decoder import lm_logits
-from tlt_jax.models.drafter import (DRAFT_TO_POLICY, drafter_forward, policy_token_ids,
+from tlt_jax.drafters.eagle.network import (DRAFT_TO_POLICY, drafter_forward, policy_token_ids,
                                    with_draft_vocab)
 
 

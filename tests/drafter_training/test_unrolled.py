@@ -7,13 +7,13 @@ import pytest
 
 from tests.drafter_training.test_loss import _samples
 from tests.speculative.drafters import random_drafter
-from tlt_jax.drafter_training.loss import drafter_loss, unrolled_forward
+from tlt_jax.drafters.eagle.loss import drafter_loss, unrolled_forward
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, init_train_state,
                                                  jit_train_step)
 from tlt_jax.drafter_training.windows import Sample, pack_windows
 from tlt_jax.models.attention_inputs import (decode_inputs, expansion_inputs, packed_inputs,
                                              unrolled_inputs)
-from tlt_jax.models.drafter import drafter_forward, init_drafter_cache
+from tlt_jax.drafters.eagle.network import drafter_forward, init_drafter_cache
 from tlt_jax.models.kv_cache import append_kv
 
 

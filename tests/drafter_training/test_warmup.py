@@ -18,7 +18,7 @@ from tests.test_metric_writers import read_events
 from tlt_jax.drafter_training.train_step import DrafterOptConfig
 from tlt_jax.drafter_training.warmup import (_length_batches, cached_responses, collect_samples,
                                              train_drafter)
-from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
+from tlt_jax.drafters.eagle.network import DrafterConfig, init_drafter_params
 
 
 def test_training_stops_after_the_step_the_job_asked_to_stop_at(tiny_cfg, tiny_params):

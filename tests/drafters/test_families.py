@@ -26,7 +26,7 @@ from tlt_jax.drafters.mtp import MtpSettings
 from tlt_jax.drafters.prompt_lookup import PromptLookupSettings
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import ModelConfig, Policy
-from tlt_jax.models.drafter_io import load_drafter, save_drafter
+from tlt_jax.drafters.io import load_drafter, save_drafter
 from tlt_jax.models.hf import load_hf_config
 from tlt_jax.speculative.strategy import Strategy
 

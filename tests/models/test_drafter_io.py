@@ -8,9 +8,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.speculative.drafters import random_drafter
-from tlt_jax.models.draft_vocab import frequent_tokens, ids_from_offsets, offsets_from_ids
-from tlt_jax.models.drafter import DRAFT_TO_POLICY, with_draft_vocab
-from tlt_jax.models.drafter_io import load_drafter, save_drafter
+from tlt_jax.drafters.eagle.draft_vocab import frequent_tokens, ids_from_offsets, offsets_from_ids
+from tlt_jax.drafters.eagle.network import DRAFT_TO_POLICY, with_draft_vocab
+from tlt_jax.drafters.io import load_drafter, save_drafter
 
 
 def test_frequent_tokens_and_offsets():

@@ -1,4 +1,4 @@
-"""Shape-invariant numerics (model.numerics="invariant", tlt_jax/models/numerics.py): in
+"""Shape-invariant numerics (model.numerics="invariant", tlt_jax/kernels/numerics.py): in
 bfloat16, a token's logits are the same bits in a decode step of any batch, a tree verify of
 any width, a prefill and the training forward, so speculative decoding emits exactly plain
 decoding's tokens, greedy and sampled, with every drafter family."""
@@ -10,14 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.speculative.drafters import drafter_set, random_drafter, random_mtp
+from tests.speculative.drafters import example_drafters, family_strategy
 from tlt_jax.drafters import DRAFTERS, candidate_count
 from tlt_jax.models import Policy, decoder, init_cache
 from tlt_jax.models.attention_inputs import ancestor_mask, rows_inputs, tree_depths
-from tlt_jax.models.numerics import invariant_matmul, tiled_matmul, tree_sum
+from tlt_jax.kernels.numerics import invariant_matmul, tiled_matmul, tree_sum
 from tlt_jax.speculative.decoding import plain_step, sd_step, start
 from tlt_jax.speculative.sampling import SamplingParams
-from tlt_jax.speculative.strategy import Strategy
 
 SEQ = 72  # tokens per test sequence: verifies reach past the first 64-position block
 
@@ -188,12 +187,11 @@ def test_sd_emits_plain_decodings_tokens_in_bfloat16(bf16, plain_tokens, drafts,
   for the families that draft one candidate per depth)."""
   cfg, params, _ = bf16
   plain = plain_tokens[temperature]
-  drafters = drafter_set(random_drafter(cfg, seed=3), random_mtp(cfg, seed=5))
+  drafters = example_drafters(cfg, seed=3)
   corpus = jnp.asarray(plain[[[1, 2], [0, 2], [0, 1]]], jnp.int32)  # each row's siblings
   chain = "+" not in drafts and candidate_count(drafts, 3, 2) < 5
-  shape = "4,1,5" if chain else "3,2,6"
-  got = _generate(cfg, params, SamplingParams(temperature), Strategy.parse(f"{shape},{drafts}"),
-                  drafters, corpus)
+  strategy = family_strategy(drafts, *((4, 1, 5) if chain else (3, 2, 6)))
+  got = _generate(cfg, params, SamplingParams(temperature), strategy, drafters, corpus)
   np.testing.assert_array_equal(got, plain)
 
 

@@ -29,8 +29,8 @@ from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
 from tlt_jax.mesh import DEFAULT_RULES, make_mesh, shard_pytree
 from tlt_jax.models import init_cache, param_logical_axes, prefill, verify
 from tlt_jax.models.attention_inputs import ancestor_mask, tree_depths
-from tlt_jax.models.drafter import DrafterConfig, init_drafter_params
-from tlt_jax.models.drafter_io import load_drafter, save_drafter
+from tlt_jax.drafters.eagle.network import DrafterConfig, init_drafter_params
+from tlt_jax.drafters.io import load_drafter, save_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer, save_hf_checkpoint
 from tlt_jax.rl.algorithms import Grpo
 from tlt_jax.rl.grpo import GrpoConfig

@@ -23,7 +23,7 @@ from tests.speculative.drafters import drafter_set
 from tlt_jax.import_model import DownloadError, smollm2_folder
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import decode, init_cache, prefill
-from tlt_jax.models.drafter_io import load_drafter
+from tlt_jax.drafters.io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length

@@ -9,7 +9,7 @@ import pytest
 from tests.drafter_training.test_loss import _samples
 from tests.rl.test_grpo import grpo_rows
 from tests.speculative.drafters import random_drafter
-from tlt_jax.drafter_training.loss import drafter_loss
+from tlt_jax.drafters.eagle.loss import drafter_loss
 from tlt_jax.drafter_training.windows import pack_windows
 from tlt_jax.kernels import prefix_tree_attention
 from tlt_jax.models import ModelConfig, init_params

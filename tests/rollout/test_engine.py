@@ -11,7 +11,7 @@ from scipy import stats
 from tests.speculative.drafters import drafter_set, random_drafter, random_mtp
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import ModelConfig, init_params, prefill, init_cache
-from tlt_jax.models.drafter import drafter_from_policy
+from tlt_jax.drafters.eagle.network import drafter_from_policy
 from tlt_jax.rollout import pool as pool_module
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams, target_probs

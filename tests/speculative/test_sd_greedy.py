@@ -3,17 +3,17 @@ same policy cache, for any drafter and strategy; an oracle drafter accepts the m
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.speculative.drafters import drafter_set, oracle_drafter, random_drafter, random_mtp
+from tests.speculative.drafters import (drafter_set, every_family_and_hybrid, example_drafters,
+                                       family_strategy, oracle_drafter, random_drafter)
 from tlt_jax.drafters import DRAFTERS
 from tlt_jax.models import Policy, init_cache
-from tlt_jax.models.drafter import init_drafter_cache
+from tlt_jax.drafters.eagle.network import init_drafter_cache
 from tlt_jax.speculative.decoding import plain_step, sd_step, start
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
@@ -25,17 +25,18 @@ LENGTHS = np.array([7, 3, 5], np.int32)
 
 
 def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None, corpus=None, mtp=None,
-         prompts=(PROMPTS, LENGTHS)):
+         prompts=(PROMPTS, LENGTHS), drafters=None):
   """Generates to completion; returns (final state, accepted counts per SD iteration).
   drafter: (dcfg, params) of the EAGLE drafter or None, mtp: MTP heads or None (the
-  weightless drafters are always there); corpus: [3, S, L] responses the suffix drafter may
-  copy from; prompts: ([3, P] tokens, [3] lengths)."""
+  weightless drafters are always there), or drafters: name -> drafter, all of them;
+  corpus: [3, S, L] responses the suffix drafter may copy from; prompts: ([3, P] tokens,
+  [3] lengths)."""
   tokens, lengths = prompts
   b = len(lengths)
   margin = strategy.depth + 1 if strategy else 1
   cap = tokens.shape[1] + max_new + margin
   policy = Policy(params, cfg)
-  drafters = drafter_set(drafter, mtp)
+  drafters = drafter_set(drafter, mtp) if drafters is None else drafters
   states = {name: d.init_state(cfg, b, cap) for name, d in drafters.items()}
   state = jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=eos_id))(
       policy, jnp.asarray(tokens), jnp.asarray(lengths), init_cache(cfg, b, cap),
@@ -108,22 +109,20 @@ def test_greedy_suffix_and_hybrid_equal_plain(tiny_cfg, tiny_params, plain_outpu
     assert accepted.mean() > alone.mean() and accepted.max() == strategy.depth + 1
 
 
-def _hybrids():
-  """Every combination of two or more registered drafters, as a strategy's drafts."""
-  names = sorted(DRAFTERS)
-  return ["+".join(c) for n in range(2, len(names) + 1)
-          for c in itertools.combinations(names, n)]
+# Every registered family alone as a chain and as a tree, and every hybrid as a tree.
+FAMILY_STRATEGIES = [*((name, 4, 1, 5) for name in sorted(DRAFTERS)),
+                     *((drafts, 3, 2, 6) for drafts in every_family_and_hybrid())]
 
 
-@pytest.mark.parametrize("strategy", ["4,2,8,mtp", "3,3,10,mtp", "4,1,5,prompt_lookup",
-                                      *[f"3,2,6,{drafts}" for drafts in _hybrids()]])
-def test_greedy_families_and_their_hybrids_equal_plain(tiny_cfg, tiny_params, plain_outputs,
-                                                       strategy):
-  """MTP heads, prompt lookup and hybrid trees of any two or more registered drafters emit
-  plain decoding's tokens (random EAGLE and MTP weights, a corpus of the siblings)."""
-  state, accepted = _run(tiny_cfg, tiny_params, 14, -1, Strategy.parse(strategy),
-                         random_drafter(tiny_cfg, seed=3), _siblings(plain_outputs),
-                         random_mtp(tiny_cfg, seed=5))
+@pytest.mark.parametrize("drafts,depth,topk,verify", FAMILY_STRATEGIES,
+                         ids=[f"{d}-{s}-{k}-{v}" for d, s, k, v in FAMILY_STRATEGIES])
+def test_greedy_every_family_and_hybrid_equals_plain(tiny_cfg, tiny_params, plain_outputs,
+                                                     drafts, depth, topk, verify):
+  """Every registered family (its `example`: random weights for a trained one) and hybrid
+  trees of any two or more of them emit plain decoding's tokens (a corpus of the siblings)."""
+  strategy = family_strategy(drafts, depth, topk, verify)
+  state, accepted = _run(tiny_cfg, tiny_params, 14, -1, strategy, corpus=_siblings(plain_outputs),
+                         drafters=example_drafters(tiny_cfg, seed=3))
   np.testing.assert_array_equal(np.asarray(state.out), plain_outputs)
   np.testing.assert_array_equal(np.asarray(state.num_out), [14] * 3)
   assert accepted.max() >= 1
@@ -220,7 +219,7 @@ def test_fused_feature_drafter_is_lossless(tiny_cfg, tiny_params, plain_outputs)
 def test_feature_layers_layout_and_width_check(tiny_cfg, tiny_params):
   from tlt_jax.models import prefill
   from tlt_jax.models.attention_inputs import decode_inputs
-  from tlt_jax.models.drafter import DrafterConfig, drafter_forward, init_drafter_params
+  from tlt_jax.drafters.eagle.network import DrafterConfig, drafter_forward, init_drafter_params
   tokens = jnp.asarray(PROMPTS)
   _, hidden, _ = prefill(tiny_params, tokens, jnp.asarray(LENGTHS), init_cache(tiny_cfg, 3, 8),
                          tiny_cfg)
@@ -246,8 +245,8 @@ def test_reduced_vocab_drafter_maps_drafts_to_policy_ids(tiny_cfg, tiny_params, 
   """A drafter over a few of the 61 policy tokens: the oracle restricted to a draft vocabulary
   that holds every token plain decoding emits still accepts the maximum (so draft ids map
   back to the right policy ids), and a random one stays lossless."""
-  from tlt_jax.models.draft_vocab import frequent_tokens
-  from tlt_jax.models.drafter import with_draft_vocab
+  from tlt_jax.drafters.eagle.draft_vocab import frequent_tokens
+  from tlt_jax.drafters.eagle.network import with_draft_vocab
   chain, _ = _run(tiny_cfg, tiny_params, 21, -1)
   emitted = np.concatenate([np.asarray(chain.out).ravel(), plain_outputs.ravel()])
   r = len(set(emitted.tolist())) + 4

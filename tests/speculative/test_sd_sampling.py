@@ -17,11 +17,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tests.speculative.drafters import drafter_set, random_drafter, random_mtp
-from tlt_jax.drafters import SuffixDrafter
-from tlt_jax.drafters.suffix import SuffixSettings
+from tests.speculative.drafters import example_drafters, family_strategy
+from tlt_jax.drafters import DRAFTERS, reads_corpus
 from tlt_jax.models import ModelConfig, Policy, init_cache, init_params, prefill
-from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.speculative import verify as verify_mod
 from tlt_jax.speculative.decoding import plain_step, sd_step, start
 from tlt_jax.speculative.sampling import SamplingParams, gumbel_max, target_probs
@@ -65,25 +63,24 @@ def _exact_joint(cfg, params, sp):
 
 def _sample_pairs(cfg, params, sp, use_sd, seed=0, shape=None, strategy=STRATEGY,
                   traced=False, rows=N):
-  """(t2, t3, accepted [2, rows]) of `rows` rows; shape: run `strategy` in that larger
-  strategy's program (`sd_step`'s limits). A strategy with the suffix drafter copies from a
-  random corpus per row (matches of one token count, so its drafts are often wrong too).
+  """(t2, t3, accepted [2, rows]) of `rows` rows, drafting with every registered family's
+  example; shape: run `strategy` in that larger strategy's program (`sd_step`'s limits). A
+  strategy with a drafter that reads a corpus copies from a random corpus per row.
   traced: the steps take the temperature as an argument, as the rollout's programs do."""
   temperature = jnp.float32(sp.temperature)
   step_sp = (lambda t: sp.with_temperature(t)) if traced else (lambda t: sp)
   prompts = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (rows, 1))
   lengths = jnp.full((rows,), len(PROMPT), jnp.int32)
   cap = len(PROMPT) + 8
-  dcfg, dparams = random_drafter(cfg, seed=11)
   policy = Policy(params, cfg)
-  drafters = {**drafter_set((dcfg, dparams), random_mtp(cfg, seed=12)),
-              "suffix": SuffixDrafter(SuffixSettings(min_match=1))}
+  drafters = example_drafters(cfg, seed=11)
+  states = {name: d.init_state(cfg, rows, cap) for name, d in drafters.items()}
   # Jitted: op by op, each of the prefill's operations would compile on its own for these shapes.
   state = jax.jit(lambda policy, key: start(
       policy, prompts, lengths, init_cache(cfg, rows, cap), key, sp, max_new_tokens=4,
       eos_id=-1, drafters=drafters,
-      draft_states={"eagle": init_drafter_cache(cfg, dcfg, rows, cap)}))(policy,
-                                                                         jax.random.key(seed))
+      draft_states={k: v for k, v in states.items() if v is not None}))(policy,
+                                                                        jax.random.key(seed))
   state = state.replace(root=jnp.full((rows,), FIRST, jnp.int32),
                         out=state.out.at[:, 0].set(FIRST))
   corpus = jax.random.randint(jax.random.key(5), (rows, 2, 6), 0, VOCAB)
@@ -167,16 +164,19 @@ def test_a_strategy_run_in_a_larger_programs_shapes_emits_and_accepts_the_same(p
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("strategy", ["2,1,3,suffix", "2,2,5,eagle+suffix", "2,2,4,mtp",
-                                      "2,1,3,prompt_lookup", "2,2,6,mtp+prompt_lookup",
-                                      "2,2,7,eagle+mtp+suffix+prompt_lookup"])
+# Every registered family alone, and the hybrid of all of them.
+FAMILY_STRATEGIES = [family_strategy(drafts, 2, 2, 7)
+                     for drafts in (*sorted(DRAFTERS), "+".join(sorted(DRAFTERS)))]
+
+
+@pytest.mark.parametrize("strategy", FAMILY_STRATEGIES, ids=lambda s: s.drafts_name)
 def test_every_family_and_hybrid_trees_sample_exactly(policy, strategy):
-  """Suffix, MTP heads, prompt lookup and hybrid trees: the policy's distribution
-  (chi-square) and plain decoding's tokens, with drafts both accepted and rejected."""
+  """Every registered family (its `example`) and the hybrid tree of all: the policy's
+  distribution (chi-square) and plain decoding's tokens, with drafts both accepted and
+  rejected."""
   cfg, params = policy
   sp = SAMPLING[1]
-  strategy = Strategy.parse(strategy)
-  rows = SUFFIX_ROWS if "suffix" in strategy.drafts else N
+  rows = SUFFIX_ROWS if reads_corpus(strategy.drafts) else N
   t2, t3, accepted = _sample_pairs(cfg, params, sp, use_sd=True, strategy=strategy, rows=rows)
   p = _gof_pvalue(t2, t3, _exact_joint(cfg, params, sp))
   assert p > ALPHA, f"p-value {p:.2e}: samples do not follow the policy's distribution"

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from tests.speculative.drafters import drafter_set, random_drafter
-from tlt_jax.drafters import Candidates, DraftContext, SuffixDrafter
+from tlt_jax.drafters import (Candidates, DraftContext, SuffixDrafter, check_strategy,
+                              num_candidates)
 from tlt_jax.drafters.suffix import SuffixSettings
 from tlt_jax.models import ModelConfig, Policy
-from tlt_jax.models.drafter import init_drafter_cache
+from tlt_jax.drafters.eagle.network import init_drafter_cache
 from tlt_jax.speculative.sampling import SamplingParams, target_probs, token_noise
 from tlt_jax.speculative.strategy import Strategy
+from tlt_jax.speculative.tuner import parse_arm
 from tlt_jax.speculative.tree import (build_draft_tree, merge_candidates, select_tree,
                                       tree_from_parents)
 from tlt_jax.speculative.verify import accept_tree
@@ -191,23 +193,25 @@ def test_merge_grafts_shared_paths_and_keeps_parents_first():
 
 def test_strategy_validation_and_parsing():
   assert Strategy.parse("8,4,48") == Strategy(8, 4, 48) == Strategy.parse((8, 4, 48))
-  assert Strategy(8, 4, 48).num_candidates == 4 + 7 * 16
+  assert num_candidates(Strategy(8, 4, 48)) == 4 + 7 * 16
   with pytest.raises(ValueError, match="exceeds the 6 draft candidates"):
-    Strategy(2, 2, 8)
+    check_strategy(Strategy(2, 2, 8))
+  with pytest.raises(ValueError, match="exceeds the 6 draft candidates"):
+    parse_arm("2,2,8")  # where strategies come from input, the check runs
   with pytest.raises(ValueError, match="need depth >= 1"):
     Strategy(0, 2, 4)
   with pytest.raises(ValueError, match=r"\(depth, topk, verify_tokens\[, drafts\]\)"):
     Strategy.parse("4,2")
   hybrid = Strategy.parse("6,2,12,eagle+suffix")
-  assert hybrid.drafts == ("eagle", "suffix") and hybrid.num_candidates == 2 + 5 * 4 + 6
+  assert hybrid.drafts == ("eagle", "suffix") and num_candidates(hybrid) == 2 + 5 * 4 + 6
   assert hybrid.as_tuple() == (6, 2, 12, "eagle+suffix") and Strategy.parse(
       hybrid.as_tuple()) == hybrid
   assert Strategy.parse("4,2,8").as_tuple() == (4, 2, 8)
-  assert Strategy.parse("4,1,5,suffix").num_candidates == 4
+  assert num_candidates(Strategy.parse("4,1,5,suffix")) == 4
   with pytest.raises(ValueError, match="exceeds the 4 draft candidates that suffix drafts"):
-    Strategy.parse("4,1,6,suffix")
+    parse_arm("4,1,6,suffix")
   with pytest.raises(ValueError, match="unknown drafter 'medusa'.*registered drafters"):
-    Strategy.parse("4,2,8,medusa")
+    parse_arm("4,2,8,medusa")
 
 
 def test_target_probs_filters():

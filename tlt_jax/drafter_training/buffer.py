@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tlt_jax.drafter_training.loss import Windows
+from tlt_jax.drafters.base import Windows
 from tlt_jax.drafter_training.windows import plan_windows, window_arrays
 from tlt_jax.mesh import ROLLOUT_RULES, logical_to_mesh_spec
 from tlt_jax.rollout.feature_log import FeatureBlock

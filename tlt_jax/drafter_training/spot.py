@@ -32,12 +32,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.drafter_training.buffer import FeatureBuffer
-from tlt_jax.drafter_training.loss import Windows
+from tlt_jax.drafters.base import Windows
 from tlt_jax.drafter_training.train_step import (DrafterOptConfig, DrafterTrainState,
                                                  make_optimizer, train_step)
 from tlt_jax.mesh import (ROLLOUT_RULES, local_slices, logical_shardings, logical_to_mesh_spec,
                           replica_slices, stack_slices, to_mesh)
-from tlt_jax.drafters import DRAFTERS, trainable_part
+from tlt_jax.drafters import drafter_class, trainable_part
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import optimizer_shardings
 from tlt_jax.rollout.feature_log import FeatureBlock
@@ -84,7 +84,7 @@ def _rows_step(state: DrafterTrainState, policy_params: dict, windows: Windows, 
 def drafter_axes(settings: dict, cfg: ModelConfig) -> dict:
   """name -> the logical axes of each trained drafter's weights (settings: name -> its
   Settings)."""
-  return {name: DRAFTERS[name].logical_axes(s, cfg) for name, s in settings.items()}
+  return {name: drafter_class(name).logical_axes(s, cfg) for name, s in settings.items()}
 
 
 def train_state_shardings(tx, param_shapes: dict, param_axes: dict, mesh: Mesh, rules

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tlt_jax.drafter_training.loss import Windows
-from tlt_jax.drafters import DRAFTERS, fixed_part, make_drafter, trainable_part
+from tlt_jax.drafters.base import Windows
+from tlt_jax.drafters import drafter_class, fixed_part, make_drafter, trainable_part
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.policy import Policy
 from tlt_jax.optim import AdamWConfig, make_adamw
@@ -84,7 +84,7 @@ def init_train_state(params: dict, oc: DrafterOptConfig) -> DrafterTrainState:
 
 def loss_options(name: str, oc: DrafterOptConfig) -> dict:
   """The shared loss knobs drafter `name`'s loss reads (its `loss_reads`)."""
-  return {k: getattr(oc, k) for k in DRAFTERS[name].loss_reads}
+  return {k: getattr(oc, k) for k in drafter_class(name).loss_reads}
 
 
 def train_step(state: DrafterTrainState, policy_params: dict, batch: Windows, cfg: ModelConfig,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tlt_jax.drafter_training.loss import Windows
+from tlt_jax.drafters.base import Windows
 
 Chunk = tuple[int, int, int]  # (sample index, start, stop)
 

@@ -30,10 +30,11 @@ DRAFTERS = {
     "prompt_lookup": PromptLookupDrafter,
 }
 
-__all__ = ["Candidates", "DraftContext", "Drafter", "TrainedDrafter", "EagleDrafter",
-           "MtpDrafter", "PromptLookupDrafter", "SuffixDrafter", "DRAFTERS", "candidate_count",
-           "drafter_class", "drafters_named", "fixed_part", "make_drafter", "param_count",
-           "reads_corpus", "trainable_part"]
+__all__ = ["Candidates", "DRAFTERS", "DraftContext", "Drafter", "EagleDrafter", "MtpDrafter",
+           "PromptLookupDrafter", "SuffixDrafter", "TrainedDrafter", "candidate_count",
+           "check_strategy", "drafter_class", "drafters_named", "fixed_part", "make_drafter",
+           "num_candidates", "param_count", "reads_corpus", "trainable_part",
+           "trained_drafters"]
 
 
 def drafter_class(name: str, where: str = "a strategy") -> type:
@@ -45,9 +46,31 @@ def drafter_class(name: str, where: str = "a strategy") -> type:
   return DRAFTERS[name]
 
 
+def trained_drafters() -> tuple[str, ...]:
+  """The names of the registered families that have weights (`TrainedDrafter`), sorted."""
+  return tuple(sorted(name for name, cls in DRAFTERS.items() if cls.trained))
+
+
 def candidate_count(name: str, depth: int, topk: int) -> int:
   """How many candidates drafter `name` proposes at (depth, topk)."""
   return drafter_class(name).candidate_count(depth, topk)
+
+
+def num_candidates(strategy) -> int:
+  """Candidates the drafters a `tlt_jax.speculative.strategy.Strategy` names propose together
+  at its (depth, topk); ValueError for a name that is not registered."""
+  return sum(candidate_count(name, strategy.depth, strategy.topk) for name in strategy.drafts)
+
+
+def check_strategy(strategy) -> None:
+  """ValueError (one line) unless every drafter `strategy` names is registered and together
+  they propose enough candidates to fill its verify_tokens - 1 tree slots."""
+  count = num_candidates(strategy)
+  if strategy.verify_tokens - 1 > count:
+    raise ValueError(f"strategy {strategy.as_tuple()}: verify_tokens - 1 = "
+                     f"{strategy.verify_tokens - 1} exceeds the {count} draft candidates that "
+                     f"{strategy.drafts_name} drafts at depth={strategy.depth}, "
+                     f"topk={strategy.topk}")
 
 
 def reads_corpus(drafts: Iterable[str]) -> bool:

@@ -25,13 +25,19 @@ drafter's weights the field `params`. Its methods are pure and jittable; `policy
   reads_corpus / reads_prompt: bool  (class attributes) whether it reads DraftContext.corpus
       (other responses, which the engine then builds for its programs) / DraftContext.prompt
       (the row's prompt, which the generation state then keeps)
+  check_strategies(settings, strategies, section, where) -> warnings  (a classmethod,
+      optional) its own checks of its settings against the run's strategies that draft with
+      it, run where the config is checked
+  example(cfg, seed, settings) -> drafter  (a classmethod, optional) an untrained drafter of the family
+      whose drafts are sometimes right and sometimes wrong: what the shared exactness tests
+      and the benchmarks draft with, so a new family is covered by them as it registers
 
 A trained drafter (`TrainedDrafter`) also has:
   param_specs(settings, cfg) -> ParamSpec tree  (a classmethod): shapes, logical axes and
       initialisers of its weights; random weights, shardings, optimizer state, checkpoints and
       the HF-style export follow from it.
   loss(policy, batch: Windows, **options) -> (scalar, metrics with 'loss', 'top1', 'tokens')
-      on packed windows of the policy's features (`tlt_jax.drafter_training.loss.Windows`);
+      on packed windows of the policy's features (`Windows`, below);
       options: the shared loss knobs of the config's drafter section that it names in
       `loss_reads`.
   and may override `init_params`, `warm_start` (adapt fresh weights to the policy's responses
@@ -92,6 +98,30 @@ class DraftContext:
   prompt: jax.Array | None = None
 
 
+@flax.struct.dataclass
+class Windows:
+  """A batch of packed windows, all [B, W] except features [B, W, F].
+
+  segment_ids: 1, 2, ... per sample within a row, 0 for padding.
+  positions: position of each token within its sample (restarts at 0).
+  loss_mask: slots whose prediction is trained (those predicting response tokens).
+  """
+  tokens: jax.Array
+  features: jax.Array
+  segment_ids: jax.Array
+  positions: jax.Array
+  loss_mask: jax.Array
+
+
+def previous_features(features: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  """f_{s-1} for every slot, zeros where slot s starts a segment: [B, W, F]."""
+  prev = jnp.concatenate([jnp.zeros_like(features[:, :1]), features[:, :-1]], axis=1)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  return jnp.where(starts[..., None], 0.0, prev)
+
+
+
 class Drafter:
   """The defaults of the interface (see the module docstring): no settings, no weights, no
   state, reads neither a corpus nor the prompt."""
@@ -103,6 +133,27 @@ class Drafter:
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int) -> None:
     del cfg, batch, capacity
     return None
+
+  @classmethod
+  def example(cls, cfg: ModelConfig, seed: int = 0, settings=None) -> Drafter:
+    """A drafter of this family for a policy of shape `cfg` with `settings` (None: the
+    defaults) and, for a trained family, random weights from `seed`: what the shared
+    exactness tests draft with."""
+    del cfg, seed
+    fields = getattr(cls, "__dataclass_fields__", {})
+    if "settings" not in fields:  # a family without knobs may have no field
+      return cls()
+    return cls(settings=cls.Settings() if settings is None else settings)
+
+  @classmethod
+  def check_strategies(cls, settings, strategies: list, section: str, where: str) -> list[str]:
+    """The family's own checks of `settings` (its config section `section`, e.g.
+    'drafter.eagle') against the run's strategies that draft with it (`where`: the config keys
+    they come from). ValueError (one line, naming the knob and the fix) for settings that
+    cannot work with them; returns warning lines for settings that work but are unwise.
+    Default: no checks."""
+    del settings, strategies, section, where
+    return []
 
 
 def chain_count(depth: int, topk: int) -> int:
@@ -150,6 +201,12 @@ class TrainedDrafter(Drafter):
   def logical_axes(cls, settings, cfg: ModelConfig) -> dict:
     """The logical axis names of its weights (a PartitionSpec pytree)."""
     return logical_axes_from_specs(cls.param_specs(settings, cfg))
+
+  @classmethod
+  def example(cls, cfg: ModelConfig, seed: int = 0, settings=None) -> TrainedDrafter:
+    """Random weights (`init_params` from `seed`) for `settings` (None: the defaults)."""
+    settings = cls.Settings() if settings is None else settings
+    return cls(params=cls.init_params(settings, cfg, jax.random.key(seed)), settings=settings)
 
   @classmethod
   def untrained_problem(cls, settings) -> str | None:

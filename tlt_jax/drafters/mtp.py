@@ -32,7 +32,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.drafter_training.loss import previous_features
+from tlt_jax.drafters.base import previous_features
 from tlt_jax.drafters.base import (Candidates, DraftContext, TrainedDrafter,
                                    beam_tree_count)
 from tlt_jax.models.config import ModelConfig
@@ -75,6 +75,19 @@ class MtpDrafter(TrainedDrafter):
   candidate_count = staticmethod(beam_tree_count)  # as many as EAGLE's tree
 
   @classmethod
+  def check_strategies(cls, settings: MtpSettings, strategies: list, section: str,
+                       where: str) -> list[str]:
+    """Head k drafts at depth k + 1 only, so num_heads is at most the deepest strategy that
+    drafts with MTP (heads past it would be trained and never draft)."""
+    deepest = max((s.depth for s in strategies), default=None)
+    if deepest is not None and settings.num_heads > deepest:
+      raise ValueError(f"{section}.num_heads={settings.num_heads} is more heads than the "
+                       f"deepest strategy that drafts with MTP drafts ({deepest} tokens, in "
+                       f"{where}): heads past depth {deepest} are trained and never draft; set "
+                       f"{section}.num_heads={deepest}, or draft deeper with MTP")
+    return []
+
+  @classmethod
   def param_specs(cls, settings: MtpSettings, cfg: ModelConfig) -> dict:
     e = cfg.hidden_size
     fc_in = 2 * e if settings.use_token else e
@@ -92,6 +105,19 @@ class MtpDrafter(TrainedDrafter):
     return {name: {**head, "fc": {**head["fc"], "kernel": jnp.eye(*shape,
                                                                   dtype=cfg.jnp_param_dtype)}}
             for name, head in params.items()}
+
+  @classmethod
+  def example(cls, cfg: ModelConfig, seed: int = 0,
+              settings: MtpSettings | None = None) -> MtpDrafter:
+    """Random weights everywhere: Medusa's start (`init_params`) drafts what the policy's head
+    reads off the feature alone, so noise makes its drafts sometimes right and sometimes
+    wrong."""
+    settings = cls.Settings() if settings is None else settings
+    params = cls.init_params(settings, cfg, jax.random.key(seed))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1000), len(leaves))
+    noisy = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return cls(params=jax.tree.unflatten(treedef, noisy), settings=settings)
 
   def heads(self, policy: Policy, features: jax.Array, tokens: jax.Array) -> jax.Array:
     """Every head's logits: features [..., F] (the policy's, final hidden state first) and

@@ -54,6 +54,13 @@ class SuffixDrafter(Drafter):
 
   candidate_count = staticmethod(chain_count)  # one chain of `depth` tokens
 
+  @classmethod
+  def example(cls, cfg, seed: int = 0, settings: SuffixSettings | None = None) -> SuffixDrafter:
+    """By default matches of one token count: on short random corpora it then drafts often,
+    and is often wrong."""
+    del cfg, seed
+    return cls(settings=SuffixSettings(min_match=1) if settings is None else settings)
+
   def propose(self, policy: Policy, state, ctx: DraftContext, strategy: Strategy,
               limits: jax.Array | None = None) -> tuple[Candidates, None]:
     """One chain per row: `depth` tokens copied from the best match (see the module

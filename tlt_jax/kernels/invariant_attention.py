@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models.numerics import fixed_path, tree_sum
+from tlt_jax.kernels.numerics import fixed_path, tree_sum
 
 BLOCK = 64  # absolute positions per block; part of the numerics (fixed, never derived)
 _MASK = -1e30

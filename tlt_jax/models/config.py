@@ -7,7 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-NUMERICS = ("fast", "invariant")  # see tlt_jax.models.numerics
+NUMERICS = ("fast", "invariant")  # see tlt_jax.kernels.numerics
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ROPE_TYPES = ("default", "llama3")
 MODEL_TYPES = ("qwen2", "llama", "qwen3")  # the Hugging Face architectures this decoder loads
@@ -81,7 +81,7 @@ class ModelConfig:
   remat: str = "none"
   attention_query_chunk: int = 0
   # "fast" or "invariant": a token's logits bit for bit the same in every program shape
-  # (decode, tree verify, prefill, training forward), at some cost (tlt_jax.models.numerics).
+  # (decode, tree verify, prefill, training forward), at some cost (tlt_jax.kernels.numerics).
   numerics: str = "fast"
 
   def __post_init__(self):

@@ -28,7 +28,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, append_kv, empty_prefix, gather_tree_kv
 from tlt_jax.models.layers import (LayerCache, cached_layer_forward, layer_forward,
                                    layer_param_specs, rms_norm)
-from tlt_jax.models.numerics import invariant_matmul
+from tlt_jax.kernels.numerics import invariant_matmul
 from tlt_jax.models.params import ParamSpec, init_from_specs, logical_axes_from_specs
 
 

@@ -12,7 +12,7 @@ axis) and in the drafter (one dict per layer):
 
 Matmuls take their operands in the compute dtype (`cfg.dtype`); norms and RoPE run in float32.
 Under `cfg.numerics == "invariant"` the matmuls, norms and attention compute each token's
-result in one order whatever the program's shape (`tlt_jax.models.numerics`).
+result in one order whatever the program's shape (`tlt_jax.kernels.numerics`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tlt_jax.kernels.invariant_attention import invariant_prefix_tree_attention
 from tlt_jax.models.attention_inputs import AttentionInputs
 from tlt_jax.models.config import ModelConfig, RopeConfig
 from tlt_jax.models.kv_cache import write_layer_kv
-from tlt_jax.models.numerics import fixed_path, invariant_matmul, mean_square
+from tlt_jax.kernels.numerics import fixed_path, invariant_matmul, mean_square
 from tlt_jax.models.params import ParamSpec
 
 

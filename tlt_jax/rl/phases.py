@@ -12,7 +12,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from tlt_jax.config import ConfigError
+from tlt_jax.knobs import ConfigError
 from tlt_jax.rl.algorithms import Grpo
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.policy_update import PolicyUpdater

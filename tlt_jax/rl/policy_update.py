@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tlt_jax.config import check_micro_batch_rows
+from tlt_jax.knobs import ConfigError
 from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
@@ -37,6 +37,13 @@ from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.speculative.sampling import SamplingParams
 
 WIDTH_MULTIPLE = 64
+
+
+def check_micro_batch_rows(micro_batch_rows: int, data_ways: int) -> None:
+  """The policy update splits each micro-batch's rows over the data-parallel devices."""
+  if micro_batch_rows % data_ways:
+    raise ConfigError(f"rl.micro_batch_rows={micro_batch_rows} must be a multiple of the "
+                      f"data-parallel devices (replica x fsdp = {data_ways})")
 
 
 def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],

@@ -22,14 +22,14 @@ import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 
 from tlt_jax.models.config import NUMERICS
-from tlt_jax.models.numerics import fixed_path, invariant_log_softmax, invariant_softmax
+from tlt_jax.kernels.numerics import fixed_path, invariant_log_softmax, invariant_softmax
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; numerics: the policy's
   `ModelConfig.numerics` ("invariant": q, its log and the noise in one order for any batch
-  or tree, `tlt_jax.models.numerics`; the decoding steps set it from the policy)."""
+  or tree, `tlt_jax.kernels.numerics`; the decoding steps set it from the policy)."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0

@@ -1,11 +1,14 @@
 """An SD strategy: which drafters propose, how deep to draft, how wide to branch, and how many
-tokens to verify."""
+tokens to verify.
+
+A strategy is plain data: it checks its own shape, and the drafters package checks it against
+the drafters it names (`tlt_jax.drafters.check_strategy`: known names, enough candidates to
+fill the tree) wherever strategies are made from input (the tuner's arms, the engine).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-
-from tlt_jax.drafters import candidate_count
 
 # The drafters a strategy names when it names none: the trained EAGLE drafter alone.
 DEFAULT_DRAFTS = ("eagle",)
@@ -37,16 +40,6 @@ class Strategy:
     if not self.drafts or len(set(self.drafts)) != len(self.drafts):
       raise ValueError(f"strategy {self.as_tuple()}: name each proposing drafter once, e.g. "
                        f"'4,2,8,eagle+suffix'")
-    if self.verify_tokens - 1 > self.num_candidates:  # also checks the drafters' names
-      raise ValueError(f"strategy {self.as_tuple()}: verify_tokens - 1 = "
-                       f"{self.verify_tokens - 1} exceeds the {self.num_candidates} draft "
-                       f"candidates that {self.drafts_name} drafts at depth={self.depth}, "
-                       f"topk={self.topk}")
-
-  @property
-  def num_candidates(self) -> int:
-    """Candidates the proposing drafters produce together (see each drafter's count)."""
-    return sum(candidate_count(name, self.depth, self.topk) for name in self.drafts)
 
   @property
   def drafts_name(self) -> str:

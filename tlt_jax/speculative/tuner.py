@@ -39,12 +39,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from tlt_jax.drafters import check_strategy
 from tlt_jax.speculative.strategy import Strategy
 
 DEFAULT_THRESHOLDS = (1, 2, 5, 21)
 # Verify budgets 48/32/16/8 as in the original system; several arms per bucket that differ in
 # depth and width, so that exploration compares genuinely different trees. Narrow shallow trees
-# such as (4, 2, 16) or (2, 2, 8) cannot fill their budget (Strategy rejects them), hence
+# such as (4, 2, 16) or (2, 2, 8) cannot fill their budget (`check_strategy` rejects them), hence
 # (3, 3, 16) and (2, 4, 8) as the shallow, wide arms.
 DEFAULT_ARMS = (
     ((8, 4, 48), (6, 4, 48), (10, 4, 48)),
@@ -136,10 +137,13 @@ def goodput(batch_size: int, accepted_tokens: float, iteration_seconds: float) -
 
 
 def parse_arm(value) -> Strategy | None:
-  """A strategy from a Strategy, (depth, topk, verify) or 's,k,v'; PLAIN from None/'plain'."""
+  """A strategy from a Strategy, (depth, topk, verify) or 's,k,v'; PLAIN from None/'plain'.
+  ValueError for a malformed one, or one its drafters cannot fill (`check_strategy`)."""
   if value is PLAIN or value == PLAIN_NAME:
     return PLAIN
-  return Strategy.parse(value)
+  strategy = Strategy.parse(value)
+  check_strategy(strategy)
+  return strategy
 
 
 def arm_name(arm: Strategy | None):

@@ -12,7 +12,7 @@ dict per layer (`layer_0`, `layer_1`, ...).
 
 With a reduced draft vocabulary (`draft_vocab_size` r > 0, EAGLE-3) the drafter has its own
 head `lm_head` [E, r] over r policy tokens and the fixed map `d2t` [r] int32 from draft ids to
-policy ids (`tlt_jax.models.draft_vocab`); its logits are over draft ids, and
+policy ids (`tlt_jax.drafters.eagle.draft_vocab`); its logits are over draft ids, and
 `policy_token_ids` maps what it drafts back. `d2t` is the one integer leaf of the params and
 is never trained (`tlt_jax.drafters.base.trainable_part`).
 """

@@ -3,7 +3,7 @@
 A drafter folder holds `config.json` and `model.safetensors`. config.json names the family
 (`family`, a name of `tlt_jax.drafters.DRAFTERS`), its settings (`drafter`, the family's
 Settings) and the policy shape it was trained for (`policy`); the tensors are named as the
-family's `hf_tensors` says (EAGLE's: EAGLE's own layout, see `tlt_jax.drafters.eagle`; the
+family's `hf_tensors` says (EAGLE's: EAGLE's own layout, see `tlt_jax.drafters.eagle.drafter`; the
 others': their params paths joined by '.'). The policy's embedding and LM head are never
 saved. Folders exported before families had names hold an EAGLE drafter, and read as one.
 """
@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from tlt_jax.drafters import DRAFTERS, drafter_class
+from tlt_jax.drafters import drafter_class, trained_drafters
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf import save_safetensors
 
@@ -78,8 +78,8 @@ def exported_family(config: dict) -> str:
   """The drafter family a folder's config.json names (older EAGLE exports name none);
   ValueError for a name that is not registered."""
   family = config.get("family", DEFAULT_FAMILY)
-  if family not in DRAFTERS or not DRAFTERS[family].trained:
-    trained = sorted(n for n, c in DRAFTERS.items() if c.trained)
+  trained = list(trained_drafters())
+  if family not in trained:
     raise ValueError(f"it holds a drafter of family {family!r}, which is not a registered "
                      f"trained drafter ({trained})")
   return family
@@ -110,7 +110,7 @@ def load_drafter(path: str, cfg: ModelConfig, expect: str | None = None):
   name = exported_family(config)
   if expect is not None:
     check_family(path, config, expect)
-  cls = DRAFTERS[name]
+  cls = drafter_class(name)
   settings = cls.settings_from_saved(config["drafter"])
   wrong = {k: (v, getattr(cfg, k)) for k, v in config["policy"].items()
            if k in POLICY_FIELDS and v != getattr(cfg, k)}

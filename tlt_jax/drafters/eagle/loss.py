@@ -11,39 +11,16 @@ Segment ids keep samples apart: attention never crosses them and positions resta
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.drafters.base import Windows, previous_features
+from tlt_jax.drafters.eagle.draft_vocab import in_draft_vocab
+from tlt_jax.drafters.eagle.network import (DRAFT_TO_POLICY, DrafterConfig, drafter_forward,
+                                            policy_token_ids)
 from tlt_jax.models.attention_inputs import unrolled_inputs
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decoder import lm_logits
-from tlt_jax.models.draft_vocab import in_draft_vocab
-from tlt_jax.models.drafter import DRAFT_TO_POLICY, DrafterConfig, drafter_forward, \
-    policy_token_ids
-
-
-@flax.struct.dataclass
-class Windows:
-  """A batch of packed windows, all [B, W] except features [B, W, F].
-
-  segment_ids: 1, 2, ... per sample within a row, 0 for padding.
-  positions: position of each token within its sample (restarts at 0).
-  loss_mask: slots whose prediction is trained (those predicting response tokens).
-  """
-  tokens: jax.Array
-  features: jax.Array
-  segment_ids: jax.Array
-  positions: jax.Array
-  loss_mask: jax.Array
-
-
-def previous_features(features: jax.Array, segment_ids: jax.Array) -> jax.Array:
-  """f_{s-1} for every slot, zeros where slot s starts a segment: [B, W, F]."""
-  prev = jnp.concatenate([jnp.zeros_like(features[:, :1]), features[:, :-1]], axis=1)
-  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-  return jnp.where(starts[..., None], 0.0, prev)
 
 
 def unrolled_forward(drafter_params: dict, policy_params: dict, batch: Windows,

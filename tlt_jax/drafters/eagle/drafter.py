@@ -1,5 +1,5 @@
 """The EAGLE drafter (a small trained decoder over the policy's features; see
-`tlt_jax.models.drafter`) behind the drafter interface (`tlt_jax.drafters.base`): its KV
+`tlt_jax.drafters.eagle.network`) behind the drafter interface (`tlt_jax.drafters.base`): its KV
 cache kept in step with the policy's, the EAGLE-2 dynamic tree search, its loss (EAGLE-3's
 training-time test with drafter.train_depth > 1), and its export in EAGLE's Hugging Face
 layout.
@@ -25,16 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.drafter_training.loss import drafter_loss
-from tlt_jax.drafters.base import (Candidates, DraftContext, TrainedDrafter,
-                                   beam_tree_count)
+from tlt_jax.drafters.base import Candidates, DraftContext, TrainedDrafter, beam_tree_count
+from tlt_jax.drafters.eagle.draft_vocab import (frequent_tokens, ids_from_offsets,
+                                                in_draft_vocab, offsets_from_ids)
+from tlt_jax.drafters.eagle.loss import drafter_loss
+from tlt_jax.drafters.eagle.network import (DRAFT_TO_POLICY, DrafterConfig, drafter_forward,
+                                            drafter_model_config, drafter_param_specs,
+                                            init_drafter_cache, policy_token_ids,
+                                            with_draft_vocab)
 from tlt_jax.models.attention_inputs import decode_inputs, expansion_inputs, prefill_inputs
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.draft_vocab import (frequent_tokens, ids_from_offsets, in_draft_vocab,
-                                        offsets_from_ids)
-from tlt_jax.models.drafter import (DRAFT_TO_POLICY, DrafterConfig, drafter_forward,
-                                    drafter_model_config, drafter_param_specs,
-                                    init_drafter_cache, policy_token_ids, with_draft_vocab)
 from tlt_jax.models.hf import _tensor_table
 from tlt_jax.models.kv_cache import KVCache, append_kv
 from tlt_jax.models.policy import Policy
@@ -160,11 +160,27 @@ class EagleDrafter(TrainedDrafter):
     return cands, state
 
   def loss(self, policy: Policy, batch, **options):
-    """The EAGLE-aligned loss on packed windows (`drafter_training.loss.drafter_loss`;
+    """The EAGLE-aligned loss on packed windows (`tlt_jax.drafters.eagle.loss.drafter_loss`;
     options: ce_weight, train_depth, train_step_decay) -> (scalar, metrics)."""
     return drafter_loss(self.params, policy.params, batch, policy.cfg, self.settings, **options)
 
   # ---------------------------------------------------------------- weights and export
+
+  @classmethod
+  def check_strategies(cls, settings: DrafterConfig, strategies: list, section: str,
+                       where: str) -> list[str]:
+    """A reduced draft vocabulary holds at least the widest strategy's topk (a beam keeps topk
+    distinct draft tokens); fused layer outputs want a norm at the input (on a real model they
+    are the residual stream's, far larger than the final-norm state: such a drafter diverged)."""
+    widest = max((s.topk for s in strategies), default=0)
+    if settings.draft_vocab_size and settings.draft_vocab_size < widest:
+      raise ValueError(f"{section}.draft_vocab_size={settings.draft_vocab_size} is below the "
+                       f"widest strategy's topk ({widest}, in {where}); use at least {widest}")
+    if settings.feature_layers and not settings.norm_input:
+      return [f"{section}.feature_layers={tuple(settings.feature_layers)} fuses the policy's "
+              f"layer outputs before any norm; set {section}.norm_input=True (without it an "
+              f"EAGLE-3 drafter diverged on SmolLM2-135M: docs/results/drafter_ablation_smollm2)"]
+    return []
 
   @classmethod
   def param_specs(cls, settings: DrafterConfig, cfg: ModelConfig) -> dict:
