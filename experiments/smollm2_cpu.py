@@ -37,7 +37,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from .common import REPO, module_command, read_json, run_metadata, usable_cpus, write_json
-from .gpu_e2e import run_recorded_stages
+from .stages import run_recorded_stages
 
 STAGES = ("decode", "warmup", "rollout", "rl")
 CONFIG = str(REPO / "configs" / "smollm2.py")
