@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import pathlib
-import sys
 import time
 
 
@@ -49,6 +47,8 @@ from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
+
+from .common import write_json
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -182,8 +182,8 @@ def main(argv=None):
   settings.update(strategies=[label(s) for s in strategies], deepest=deepest,
                   samples_s=samples_s, device=jax.devices()[0].device_kind,
                   date=time.strftime("%Y-%m-%d"))
-  out.write_text(json.dumps({"settings": settings, "rows": rows, "gain_deepest": gains,
-                             "vocab_ratio_deepest": vocab_ratios}, indent=2))
+  write_json(out, {"settings": settings, "rows": rows, "gain_deepest": gains,
+                   "vocab_ratio_deepest": vocab_ratios})
   plot(rows, strategies, out.with_suffix(".png"))
   print(f"accept length at {deepest}, largest K over K=1: "
         + ", ".join(f"{n} {g:.2f}x" for n, g in gains.items()))

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import subprocess
 import sys
 import time
 
-from .common import REPO, module_command
+from .common import REPO, module_command, write_json
 POLICY = "assets/tiny-policy"
 # The rollout benchmark's setting (docs/results/rollout): one slice of up to 64 rows, and below,
 # 96 held-out prompts with one greedy sample each; the config's (shipped) drafter.
@@ -99,7 +98,7 @@ def main():
       report["experiments"][name] = {"command": cmd[1:], "returncode": None, "seconds": 0.0,
                                      "files": [], "skipped": f"needs {needs}"}
       print(f"    skipped: needs {needs} (pip install {needs})", flush=True)
-      report_path.write_text(json.dumps(report, indent=2))
+      write_json(report_path, report)
       continue
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -114,7 +113,7 @@ def main():
     status = ("ok" if proc.returncode == 0
               else f"FAILED (exit {proc.returncode}; see {folder}/log.txt)")
     print(f"    {status} in {seconds:.0f} s", flush=True)
-    report_path.write_text(json.dumps(report, indent=2))  # kept current: nothing lost on a crash
+    write_json(report_path, report)  # kept current: nothing lost on a crash
   if args.dry_run:
     return
   failed = [n for n, r in report["experiments"].items() if r["returncode"]]
