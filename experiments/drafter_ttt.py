@@ -48,13 +48,7 @@ from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
-from .common import write_json
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def label(s: Strategy) -> str:
-  return ",".join(map(str, s.as_tuple()))
+from .common import REPO, strategy_label, write_json
 
 
 def parse_args(argv=None):
@@ -163,12 +157,12 @@ def main(argv=None):
         engine.generate(eval_prompts[:1], 1, SamplingParams(0.0), key)  # compiles
         result = engine.generate(eval_prompts, 1, SamplingParams(0.0), key)
         row = next(r for r in rows if r["variant"] == f"{name} K={k}")
-        row["accept_len"][label(strategy)] = accept_length(result)
-        row["sd_tokens_per_s"][label(strategy)] = float(result.lengths.sum() / result.wall_s)
-        accept = row["accept_len"][label(strategy)]
-        print(f"{row['variant']:16s} {label(strategy)}: accept {accept:.2f}", flush=True)
+        arm = strategy_label(strategy)
+        row["accept_len"][arm] = accept_length(result)
+        row["sd_tokens_per_s"][arm] = float(result.lengths.sum() / result.wall_s)
+        print(f"{row['variant']:16s} {arm}: accept {row['accept_len'][arm]:.2f}", flush=True)
 
-  deepest = label(max(strategies, key=lambda s: (s.depth, s.verify_tokens)))
+  deepest = strategy_label(max(strategies, key=lambda s: (s.depth, s.verify_tokens)))
   gains, vocab_ratios = {}, {}
   for feat_name in feature_sets:
     full = {r["train_depth"]: r["accept_len"][deepest] for r in rows
@@ -179,7 +173,7 @@ def main(argv=None):
       if r["features"] == feat_name and r["draft_vocab_size"] and full:
         vocab_ratios[r["variant"]] = r["accept_len"][deepest] / full[r["train_depth"]]
   settings = {k: v for k, v in vars(args).items() if k != "out"}
-  settings.update(strategies=[label(s) for s in strategies], deepest=deepest,
+  settings.update(strategies=[strategy_label(s) for s in strategies], deepest=deepest,
                   samples_s=samples_s, device=jax.devices()[0].device_kind,
                   date=time.strftime("%Y-%m-%d"))
   write_json(out, {"settings": settings, "rows": rows, "gain_deepest": gains,
@@ -200,9 +194,9 @@ def plot(rows, strategies, path):
     width = 0.8 / len(rows)
     x = np.arange(len(strategies))
     for j, r in enumerate(rows):
-      ax.bar(x + j * width, [r["accept_len"][label(s)] for s in strategies], width,
+      ax.bar(x + j * width, [r["accept_len"][strategy_label(s)] for s in strategies], width,
              label=r["variant"])
-    ax.set_xticks(x + 0.4 - width / 2, [f"({label(s)})" for s in strategies])
+    ax.set_xticks(x + 0.4 - width / 2, [f"({strategy_label(s)})" for s in strategies])
     ax.set_xlabel("strategy (depth, topk, verify tokens)")
     ax.set_title("accept length per strategy and drafter")
   else:
@@ -210,12 +204,12 @@ def plot(rows, strategies, path):
     for i, s in enumerate(strategies):
       for feat, style in (("unfused", "-"), ("fused", "--")):
         for vocab, marker in zip(vocabs, "osd^v"):
-          pts = sorted((r["train_depth"], r["accept_len"][label(s)]) for r in rows
+          pts = sorted((r["train_depth"], r["accept_len"][strategy_label(s)]) for r in rows
                        if r["features"] == feat and r["draft_vocab_size"] == vocab)
           if pts:
             tag = f" r={vocab}" if vocab else ""
             ax.plot(*zip(*pts), style, marker=marker, color=f"C{i}",
-                    label=f"({label(s)}) {feat}{tag}")
+                    label=f"({strategy_label(s)}) {feat}{tag}")
     ax.set_xlabel("draft steps unrolled in training (K)")
     ax.set_title("training-time test: accept length per strategy")
   ax.set_ylabel("greedy accept length")

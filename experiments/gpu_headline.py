@@ -54,7 +54,7 @@ import time
 from tlt_jax.run_log import read_jsonl
 
 from . import gpu_lease
-from .common import git_commit
+from .common import git_commit, run_stamp
 from .gpu_lease import LeaseError, MiB
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -485,8 +485,7 @@ def run(parts: pathlib.Path, steps: int, out: pathlib.Path, workdir: pathlib.Pat
   default = measured["default"]
   result = {
       "what": "TLT against the baseline, end to end, on one device (experiments/gpu_headline.py)",
-      "quick": quick, "device": info["device"], "date": datetime.date.today().isoformat(),
-      "commit": git_commit(), "command": " ".join(sys.argv), "versions": info,
+      "quick": quick, "device": info["device"], **run_stamp(), "versions": info,
       "config": config_spec, "overrides": list(sets), "steps": steps,
       "model": {"gguf": gguf.name, "import_s": import_s, "dtype": config.model.dtype,
                 "param_dtype": config.model.param_dtype},
@@ -699,8 +698,7 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
           f"{rows[name]['accept_len']:.2f}", flush=True)
   result = {"what": "SD against plain decoding on CPU, with plain decoding at one row per "
                     "program as the floor (experiments/gpu_headline.py cpu-check)",
-            "date": datetime.date.today().isoformat(), "commit": git_commit(),
-            "command": " ".join(sys.argv), "dtype": dtype, "numerics": numerics,
+            **run_stamp(), "dtype": dtype, "numerics": numerics,
             "strategy": deepest,
             "drafter": config.drafter.eagle.path, **rows,
             "identical": all(rows[k]["sd"]["identical"] for k in rows)}
