@@ -443,11 +443,11 @@ def test_reproduce_lists_every_experiment_and_rejects_unknown_names(tmp_path):
 def test_reproduce_runs_a_subset_and_records_it(tmp_path):
   _run_script("reproduce", "--only", "simulate_cluster", "--quick", "--out", str(tmp_path))
   report = json.loads((tmp_path / "reproduce.json").read_text())
-  run = report["experiments"]["simulate_cluster"]
+  run = report["stages"]["simulate_cluster"]
   assert run["returncode"] == 0 and report["quick"] is True
   assert {"simulate_cluster/simulation.json", "simulate_cluster/simulation.png"} <= \
       set(run["files"])
-  assert (tmp_path / "simulate_cluster" / "log.txt").exists()
+  assert (tmp_path / "logs" / "simulate_cluster.log").exists()
 
 
 @pytest.mark.slow
@@ -507,19 +507,44 @@ def test_check_gpu_numerics_quick(tmp_path):
   assert [r["reference"]["rel_err"] < 0.02 for r in legs["flags_off"]["rows"]] == [True, True]
 
 
+def _stage(line, status):
+  """A stage's command: prints `line`, exits with `status`."""
+  return [sys.executable, "-c", f"import sys; print({line!r}); sys.exit({status})"]
+
+
 def test_a_stage_its_time_limit_ended_counts_as_done(tmp_path):
-  """A job that its time limit ended exits 75 (its rerun would resume it); as a pipeline's
+  """A job that its time limit ended exits 75 (its rerun would resume it); as a campaign's
   stage it is done, its results exported. A stage a signal stopped (also 75) is not."""
   stages = load_experiment("stages")
+  rc, _ = stages.run_stage("sft", _stage("sft.max_minutes=1.5 ended the job after step 3 of "
+                                         "900 with a checkpoint; rerun the same command to "
+                                         "resume (exit status 75)", 75), tmp_path / "sft.log")
+  assert rc == 0
+  rc, _ = stages.run_stage("sft", _stage("stopped before the last step with a checkpoint; "
+                                         "rerun the same command to resume (exit status 75)",
+                                         75), tmp_path / "s.log")
+  assert rc == 75 and "stopped before" in (tmp_path / "s.log").read_text()
 
-  def stage(line):
-    return [sys.executable, "-c", f"import sys; print({line!r}); sys.exit(75)"]
-  stages.run_stage("sft", stage("sft.max_minutes=1.5 ended the job after step 3 of 900 with a "
-                                "checkpoint; rerun the same command to resume (exit status 75)"),
-                   tmp_path / "sft.log")
-  with pytest.raises(SystemExit, match="stage 'sft' failed \\(exit 75\\)"):
-    stages.run_stage("sft", stage("stopped before the last step with a checkpoint; rerun the "
-                                  "same command to resume (exit status 75)"), tmp_path / "s.log")
+
+def test_the_campaign_runner_records_resumes_and_keeps_going(tmp_path, capsys):
+  stages = load_experiment("stages")
+  write = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('{}'); sys.exit(%d)"
+  commands = {"a": [sys.executable, "-c", write % 0, str(tmp_path / "a.json")],
+              "b": [sys.executable, "-c", write % 3, str(tmp_path / "b.json")],
+              "c": _stage("c ran", 0), "d": _stage("d ran", 0)}
+  kept = stages.run_stages(tmp_path, commands, ["a", "b", "c", "d"], quick=True,
+                           keep_going=True, requires={"d": "no_such_module_here"})
+  assert [kept[n]["returncode"] for n in "abcd"] == [0, 3, 0, None]
+  assert kept["a"]["files"] == ["a.json"] and kept["b"]["files"] == ["b.json"]
+  assert kept["d"]["skipped"] == "needs no_such_module_here"
+  assert json.loads((tmp_path / "stages.json").read_text())["stages"] == kept
+  # A rerun skips what is done and runs again what failed; without keep_going a failure ends
+  # the campaign, naming the stage's log.
+  with pytest.raises(SystemExit, match="stage 'b' failed \\(exit 3\\).*logs/b.log"):
+    stages.run_stages(tmp_path, commands, ["a", "b", "c"], quick=True)
+  assert "=== a: done in an earlier run" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="holds a quick run"):
+    stages.run_stages(tmp_path, commands, ["a"], quick=False)
 
 
 def test_tail_accept_quick(tmp_path):
