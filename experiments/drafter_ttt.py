@@ -40,7 +40,7 @@ from tlt_jax.cli import config_from_file
 from tlt_jax.components import (drafter_opt_config, load_drafters_for, load_policy,
                                 load_tokenizer_for, make_engine, model_config, task_prompts)
 from tlt_jax.drafter_training.train_step import init_train_state
-from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
+from tlt_jax.drafter_training.warmup import collect_samples
 from tlt_jax.drafters import EagleDrafter
 from tlt_jax.mesh import make_mesh
 from tlt_jax.speculative.sampling import SamplingParams
@@ -48,6 +48,7 @@ from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
+from . import drafter_protocol as protocol
 from .common import REPO, strategy_label, write_json
 
 
@@ -98,9 +99,8 @@ def main(argv=None):
   _, eval_prompts = task_prompts(config, tokenizer, args.eval_prompts, eval_split=True)
 
   t0 = time.perf_counter()
-  sampler = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=args.max_new_tokens,
-                        max_batch=min(64, 1 << (len(train_prompts) - 1).bit_length()))
-  generated = sampler.generate(train_prompts, 1, SamplingParams(1.0), jax.random.key(args.seed))
+  generated = protocol.policy_responses(config, cfg, params, mesh, eos, pad, train_prompts,
+                                        args.max_new_tokens, args.seed)
   feature_sets = {"unfused": ()} | ({"fused": feature_layers} if feature_layers else {})
   samples = {}
   for name, layers in feature_sets.items():
@@ -130,18 +130,13 @@ def main(argv=None):
       oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), train_depth=k)
       state = jax.device_put(init_train_state({"eagle": jax.device_put(init)}, oc),
                              jax.devices()[0])
-      t1 = time.perf_counter()
-      trained[k], history = train_drafter(
+      trained[k], summary = protocol.train(
           state.params, params, samples[feat_name], vcfg, {"eagle": dcfg}, oc,
-          args.train_steps, window=args.window, batch_rows=args.batch_rows, seed=args.seed,
-          progress=False, state=state)
-      tail = history[-max(1, len(history) // 10):]
+          args.train_steps, args.window, args.batch_rows, args.seed, state=state)
       rows.append({"variant": f"{name} K={k}", "features": feat_name,
                    "feature_layers": list(layers), "draft_vocab_size": vocab, "train_depth": k,
-                   "train_s": time.perf_counter() - t1,
-                   "loss_last": float(np.mean([h["loss"] for h in tail])),
-                   "top1_last": float(np.mean([h["top1"] for h in tail])),
-                   "top1_ahead_last": float(np.mean([h["top1_ahead"] for h in tail])),
+                   **{key: summary[key] for key in ("train_s", "loss_last", "top1_last",
+                                                    "top1_ahead_last")},
                    "accept_len": {}, "sd_tokens_per_s": {}})
     # One engine per strategy and architecture; the K variants only swap weights.
     for strategy in strategies:
@@ -153,9 +148,7 @@ def main(argv=None):
                            compile_ahead=False)  # every call SD: what is measured
       for k in args.train_depth:
         engine.update_params(drafter_params=trained[k])
-        key = jax.random.key(args.seed)
-        engine.generate(eval_prompts[:1], 1, SamplingParams(0.0), key)  # compiles
-        result = engine.generate(eval_prompts, 1, SamplingParams(0.0), key)
+        result = protocol.decode(engine, eval_prompts, 1, SamplingParams(0.0), args.seed)
         row = next(r for r in rows if r["variant"] == f"{name} K={k}")
         arm = strategy_label(strategy)
         row["accept_len"][arm] = accept_length(result)
