@@ -138,11 +138,11 @@ def _check_bench_decode_quick(out):
   assert out.with_suffix(".png").exists()
   _check_run_metadata(data, "bench_decode.py")
   assert data["attention_impl"] == "auto" and data["shape"] == "small"
-  assert data["hf"] is False and data["stopped_early"] is False  # --hf is opt-in
+  assert data["stopped_early"] is False
   (row,) = data["rows"]
   assert row["batch"] == 1 and row["complete"]
   assert row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
-  assert row["floor_ms"] > 0 and "hf_ms" not in row
+  assert row["floor_ms"] > 0
   assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
   assert row["sd"]["3,2,6"]["drafter"] == "random"
   assert "loop_iteration_ms" not in row["sd"]["3,2,6"]  # --loop-iterations is opt-in
