@@ -54,7 +54,7 @@ import time
 from tlt_jax.run_log import read_jsonl
 
 from . import gpu_lease
-from .common import git_commit, run_stamp
+from .common import git_commit, run_stamp, write_json
 from .gpu_lease import LeaseError, MiB
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -322,7 +322,7 @@ def lease_plan(out: pathlib.Path, manifest: dict, steps: int, identity_steps: in
           "rule": "each call within 30 s of the last one's end; give the machine back after "
                   "the last"}
   out.mkdir(parents=True, exist_ok=True)
-  gpu_lease.write_json(out / "plan.json", plan)
+  write_json(out / "plan.json", plan)
   return plan
 
 
@@ -503,7 +503,7 @@ def run(parts: pathlib.Path, steps: int, out: pathlib.Path, workdir: pathlib.Pat
       "seconds": time.perf_counter() - t0,
   }
   result["responses_bytes"] = write_responses(out / "responses.jsonl.xz", measured)
-  gpu_lease.write_json(out / "headline.json", result)
+  write_json(out / "headline.json", result)
   from .rl_runs import plot_compiles, plot_end_to_end
   plot_end_to_end(default["runs"], out / "end_to_end.png")
   plot_compiles(default["runs"], out / "compiles.png")
@@ -704,7 +704,7 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
             "identical": all(rows[k]["sd"]["identical"] for k in rows)}
   out.mkdir(parents=True, exist_ok=True)
   suffix = "" if numerics == "fast" else f"_{numerics}"
-  gpu_lease.write_json(out / f"cpu_check_{dtype}{suffix}.json", result)
+  write_json(out / f"cpu_check_{dtype}{suffix}.json", result)
   return result
 
 
