@@ -1,9 +1,7 @@
-"""The one-GPU end-to-end demonstration (experiments/gpu_e2e.py): a policy made from nothing by
-SFT on the built-in task with long chains, a drafter warmed on its generations, then GRPO with
-TLT and the baseline.
-
-  python -m experiments.gpu_e2e --out runs/gpu_e2e           # one GPU
-  python -m experiments.gpu_e2e --out /tmp/e2e --quick       # the same pipeline, toy size, CPU
+"""The one-GPU end-to-end demonstration of docs/results/gpu_h100_2026-11-27: a policy made from
+nothing by SFT on the built-in task with long chains, a drafter warmed on its generations, then
+GRPO with TLT and the baseline (each the project's own job on this config; the memory budget
+of its programs is tests/test_gpu_programs.py's).
 
 Variants:
   (none)  one GPU: an ~80M-parameter Qwen2-style policy (12 layers, hidden 768, bf16), chains

@@ -23,9 +23,6 @@ Per batch size (default 1, 8, 32), with the prompts in the cache:
   floor           a minimal decoder written here in plain JAX (a Python loop over static
                   slices of the stacked weights, GQA attention over the cache, LM head): what
                   the hardware allows for these weights
-  transformers    with --hf only: `generate` of a transformers model of the same architecture
-                  and shape (PyTorch, dynamic cache; bfloat16 on GPU, float32 on CPU), per step:
-                  (time of N new tokens - time of 1) / (N - 1)
 
 Every program is the engine's `decode_loop`, whose iteration count is an argument: a call of
 one iteration times the step, a call of N the step as the engine runs it. Times are medians of
@@ -55,15 +52,9 @@ The JSON (the device, jax version, date, commit and command line recorded) is re
 every measurement, so a run cut short keeps what it measured; the PNG after every batch.
 --time-budget starts no batch after the first once that many seconds have passed.
 
-transformers runs only after the batch's JAX results are written and its arrays freed. JAX
-preallocates 75% of GPU memory at start-up, which would leave PyTorch too little, so --hf sets
-XLA_PYTHON_CLIENT_PREALLOCATE=false unless the environment sets it already.
-
   python -m experiments.bench_decode --out results/decode.json                # CPU: 'small'
   python -m experiments.bench_decode --shape qwen2.5-7b --batches 1 8 --time-budget 480 \
       --out docs/results/decode_h100.json
-  python -m experiments.bench_decode --shape qwen2.5-7b --batches 1 8 --hf \
-      --out results/decode_vs_hf.json
   python -m experiments.bench_decode --batches 1 --strategies 8,4,48 \
       --draft-vocab-sizes 7061 --out results/draft_vocab/cost.json      # 32k/152k of 32k
   python -m experiments.bench_decode --config configs/default.py --drafters random oracle \
@@ -77,24 +68,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
-import importlib.util
-import os
 import pathlib
 import statistics
 import sys
 import time
-import warnings
 
 T0 = time.perf_counter()  # --time-budget counts from here
-
-# JAX preallocates 75% of GPU memory when it starts, which leaves transformers too little: on
-# GPU, run --hf with XLA_PYTHON_CLIENT_PREALLOCATE=false. Set here, before JAX starts, unless
-# the environment sets it already. Even then JAX keeps what it frees in its own pool: PyTorch
-# gets only what JAX never took.
-if "--hf" in sys.argv[1:]:
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
 
 import jax
 import jax.numpy as jnp
@@ -201,91 +180,6 @@ def floor_decoder(cfg: ModelConfig):
             else params["lm_head"]["kernel"])
     return jnp.dot(x, head, preferred_element_type=jnp.float32)
   return step
-
-
-# ---------------------------------------------------------------- transformers
-
-
-def hf_available() -> bool:
-  return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
-
-
-def hf_model(cfg: ModelConfig, device: str, dtype):
-  """A transformers causal LM of cfg's architecture (model_type: qwen2, llama, qwen3) and
-  shape with random weights, built in `dtype` on `device`, in eval mode."""
-  import torch
-  from transformers import AutoConfig, AutoModelForCausalLM
-  hf_cfg = AutoConfig.for_model(
-      cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim, tie_word_embeddings=cfg.tie_embeddings,
-      max_position_embeddings=cfg.max_position_embeddings)
-  torch.manual_seed(0)
-  # Built in the target dtype: a 7B model built in float32 first would need 30 GB on the GPU.
-  default_dtype = torch.get_default_dtype()
-  torch.set_default_dtype(dtype)
-  try:
-    with torch.device(device):
-      return AutoModelForCausalLM.from_config(hf_cfg).eval()
-  finally:
-    torch.set_default_dtype(default_dtype)
-
-
-def hf_step_ms(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
-               cache_len: int = 0, compiled: bool = False, dtype=None) -> dict:
-  """transformers' greedy decode ms per step for a random model of cfg's shape: (time of
-  `new_tokens` new tokens - time of 1) / (new_tokens - 1), the best of two, in bfloat16 on GPU
-  and float32 on CPU unless `dtype` (a torch dtype) says.
-
-  cache_len 0: generate's dynamic cache; > 0: a static cache of that many slots (allocated
-  once, reset before each call, so its shapes never change). compiled: the decode steps under
-  torch.compile (generate's own, mode 'reduce-overhead': CUDA graphs on a GPU); needs a static
-  cache. The first calls (compiling, under `compiled`) are not timed: their seconds are
-  `warmup_s`."""
-  import torch
-  from transformers import StaticCache
-  from transformers.generation import CompileConfig
-  if compiled and not cache_len:
-    raise ValueError("hf_step_ms: compiled=True needs a static cache (cache_len > 0)")
-  device = "cuda" if torch.cuda.is_available() else "cpu"
-  dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-  model = hf_model(cfg, device, dtype)
-  ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
-  cache = StaticCache(config=model.config, max_cache_len=cache_len) if cache_len else None
-  options = {"disable_compile": True}
-  if compiled:
-    config = CompileConfig()
-    config._compile_all_devices = device != "cuda"  # generate compiles on GPUs only otherwise
-    options = {"compile_config": config}
-
-  def gen(n):
-    if device == "cuda":
-      torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.inference_mode(), warnings.catch_warnings():
-      # transformers 5.25 renames past_key_values to cache; 5.17 (the GPU image) knows only it.
-      warnings.simplefilter("ignore", FutureWarning)
-      if cache is not None:
-        cache.reset()  # its tensors were made in inference mode: reset there
-      model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                     pad_token_id=0, eos_token_id=None, past_key_values=cache, **options)
-    if device == "cuda":
-      torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-  t0 = time.perf_counter()
-  gen(4)
-  gen(new_tokens)  # under `compiled`, the step compiles here (and is captured in a graph)
-  warmup = time.perf_counter() - t0
-  one = min(gen(1) for _ in range(3))
-  many = min(gen(new_tokens) for _ in range(3))
-  del model, cache
-  if device == "cuda":
-    torch.cuda.empty_cache()  # the next batch's JAX programs need the memory back
-  return {"device": device, "dtype": str(dtype).removeprefix("torch."),
-          "step_ms": (many - one) / (new_tokens - 1) * 1e3, "warmup_s": warmup,
-          "cache": f"static {cache_len}" if cache_len else "dynamic", "compiled": compiled}
 
 
 # ---------------------------------------------------------------- what is timed
@@ -545,7 +439,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
   fig, axes = plt.subplots(1, 3 if padded else 2, figsize=(16 if padded else 11, 4))
   ax1, ax2 = axes[:2]
   series = [("tlt_plain_ms", "tlt_jax plain step"), ("tlt_plain_sync_ms", "+ drafter cache sync"),
-            ("floor_ms", "plain-JAX floor"), ("hf_ms", "transformers generate")]
+            ("floor_ms", "plain-JAX floor")]
   width = 0.8 / len(series)
   for i, (key, label) in enumerate(series):
     if all(key in r for r in rows):
@@ -588,8 +482,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  # No abbreviations: --hf is looked for verbatim before JAX is imported (see the top).
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, type=pathlib.Path, help="JSON output path")
   parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default=None,
                       help="model shape with random weights (default without --config: "
@@ -619,9 +512,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--loop-iterations", type=int, default=0, metavar="N",
                       help="also time every program as N iterations in one decode_loop call")
   parser.add_argument("--loop-repeats", type=int, default=5)
-  parser.add_argument("--hf", action="store_true",
-                      help="also time transformers, after each batch's JAX measurements")
-  parser.add_argument("--hf-new-tokens", type=int, default=64)
   parser.add_argument("--compile-times", action="store_true",
                       help="also compile prefill / plain / SD with a loop and with a scan "
                            "(turns the persistent compilation cache off)")
@@ -631,7 +521,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true",
                       help="smoke run on any device: 3 iterations, shape 'small' and 32 prompt "
                            "tokens without --config, batch 1 and strategy 3,2,6 unless given, "
-                           "no --compile-times, no --hf")
+                           "no --compile-times")
   args = parser.parse_args(argv)
   if args.shape and args.config:
     parser.error("give --shape (random weights) or --config (a config's policy), not both")
@@ -642,7 +532,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.shape = None if args.config else "small"
     args.batches = args.batches or [1]
     args.strategies = ["3,2,6"] if args.strategies is None else args.strategies
-    args.compile_times = args.hf = False
+    args.compile_times = False
   args.batches = args.batches or [1, 8, 32]
   for s in [*(args.strategies or []), *([args.shared_shape] if args.shared_shape else [])]:
     try:
@@ -739,9 +629,6 @@ def main(argv=None):
     cache_dir = None
   else:
     cache_dir = enable_compilation_cache()
-  with_hf = args.hf and hf_available()
-  if args.hf and not with_hf:
-    print("torch or transformers is not installed: transformers is not measured")
   cfg, params, prompts, lengths, prompt_len, settings, config, model_name = load_model(args, gpu)
   if args.strategies is None:
     args.strategies = (list(config.rollout.speculative.arms) if config else SHAPE_STRATEGIES)
@@ -773,7 +660,7 @@ def main(argv=None):
             "iters": args.iters, "batches": args.batches, "strategies": args.strategies,
             "drafters": list(eagles), "shared_shape": args.shared_shape,
             "loop_iterations": args.loop_iterations or None,
-            "hf": with_hf, "compilation_cache": cache_dir,
+            "compilation_cache": cache_dir,
             "time_budget_s": args.time_budget or None, "stopped_early": False,
             "skipped_batches": [], "rows": []}
   args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -789,14 +676,6 @@ def main(argv=None):
     result["rows"].append(row)
     bench_batch(programs, bench, b, args.iters, args.loop_iterations, args.loop_repeats, row,
                 save)
-    if with_hf:
-      # The batch's arrays died with bench_batch; its executables go too, as the next batch
-      # size compiles its own anyway.
-      gc.collect()
-      jax.clear_caches()
-      hf = hf_step_ms(cfg, b, prompt_len, args.hf_new_tokens)
-      row.update(hf_device=hf["device"], hf_dtype=hf["dtype"], hf_ms=hf["step_ms"],
-                 tlt_speedup_vs_hf=hf["step_ms"] / row["tlt_plain_ms"])
     row["complete"] = True
     save()
     plot(result, png)
@@ -805,9 +684,8 @@ def main(argv=None):
                       f" (weights {v['weight_floor_vs_plain_step']:.2f}x)")
                    for k, v in row["sd"].items())
     sync = (f" (+sync {row['tlt_plain_sync_ms']:.2f})" if "tlt_plain_sync_ms" in row else "")
-    hf = f", transformers {row['hf_ms']:.2f} ms" if "hf_ms" in row else ""
     print(f"B={b}: plain {row['tlt_plain_ms']:.2f} ms{sync}, floor {row['floor_ms']:.2f} ms "
-          f"({row['tlt_vs_floor']:.2f}x){hf}; {sd}", flush=True)
+          f"({row['tlt_vs_floor']:.2f}x); {sd}", flush=True)
   if args.compile_times and result["stopped_early"]:
     result["compile_s"] = "skipped: time budget spent"
   elif args.compile_times:

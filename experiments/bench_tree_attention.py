@@ -59,18 +59,11 @@ import time
 T0 = time.perf_counter()  # --time-budget counts from here
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
-import os
 import pathlib
-import shlex
 import statistics
-import subprocess
-import sys
-
-# Runnable as a plain script from the repository root without installing the package.
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +74,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from .common import REPO, run_metadata, write_json
+from .common import run_metadata, write_json
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.kernels import crossover
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
@@ -463,7 +456,7 @@ def main(argv=None):
       path = args.write_crossovers
       doc = json.loads(path.read_text()) if path.exists() else None
       path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(json.dumps(crossover.merge_tables(doc, table), indent=2) + "\n")
+      write_json(path, crossover.merge_tables(doc, table))
       print(f"wrote crossover table for {device.device_kind} {args.dtype} to {path}")
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import pathlib
 import sys
@@ -51,7 +50,7 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
-from .common import usable_cpus
+from .common import usable_cpus, write_json
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(0.0)
@@ -222,7 +221,7 @@ def main():
         f"outputs {spec['identical_outputs']}/{len(group)}")
 
   args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(result, indent=2))
+  write_json(args.out, result)
   plot(result, args.out.with_suffix(".png"))
   print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -40,6 +40,13 @@ def run_metadata(device=None) -> dict:
           "git_commit": git_commit(), "command": shlex.join(sys.argv)}
 
 
+def run_stamp() -> dict:
+  """When and from what a record was made, as the GPU headline's records write it: the date,
+  the commit and the command line."""
+  return {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+          "command": " ".join(sys.argv)}
+
+
 def write_json(path, doc) -> None:
   """Replaces path with doc as indented JSON in one step (a run killed mid-write keeps the
   previous version)."""

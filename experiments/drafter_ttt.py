@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import pathlib
-import sys
 import time
 
 
@@ -42,7 +40,7 @@ from tlt_jax.cli import config_from_file
 from tlt_jax.components import (drafter_opt_config, load_drafters_for, load_policy,
                                 load_tokenizer_for, make_engine, model_config, task_prompts)
 from tlt_jax.drafter_training.train_step import init_train_state
-from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
+from tlt_jax.drafter_training.warmup import collect_samples
 from tlt_jax.drafters import EagleDrafter
 from tlt_jax.mesh import make_mesh
 from tlt_jax.speculative.sampling import SamplingParams
@@ -50,11 +48,8 @@ from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def label(s: Strategy) -> str:
-  return ",".join(map(str, s.as_tuple()))
+from . import drafter_protocol as protocol
+from .common import REPO, strategy_label, write_json
 
 
 def parse_args(argv=None):
@@ -104,9 +99,8 @@ def main(argv=None):
   _, eval_prompts = task_prompts(config, tokenizer, args.eval_prompts, eval_split=True)
 
   t0 = time.perf_counter()
-  sampler = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=args.max_new_tokens,
-                        max_batch=min(64, 1 << (len(train_prompts) - 1).bit_length()))
-  generated = sampler.generate(train_prompts, 1, SamplingParams(1.0), jax.random.key(args.seed))
+  generated = protocol.policy_responses(config, cfg, params, mesh, eos, pad, train_prompts,
+                                        args.max_new_tokens, args.seed)
   feature_sets = {"unfused": ()} | ({"fused": feature_layers} if feature_layers else {})
   samples = {}
   for name, layers in feature_sets.items():
@@ -136,18 +130,13 @@ def main(argv=None):
       oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), train_depth=k)
       state = jax.device_put(init_train_state({"eagle": jax.device_put(init)}, oc),
                              jax.devices()[0])
-      t1 = time.perf_counter()
-      trained[k], history = train_drafter(
+      trained[k], summary = protocol.train(
           state.params, params, samples[feat_name], vcfg, {"eagle": dcfg}, oc,
-          args.train_steps, window=args.window, batch_rows=args.batch_rows, seed=args.seed,
-          progress=False, state=state)
-      tail = history[-max(1, len(history) // 10):]
+          args.train_steps, args.window, args.batch_rows, args.seed, state=state)
       rows.append({"variant": f"{name} K={k}", "features": feat_name,
                    "feature_layers": list(layers), "draft_vocab_size": vocab, "train_depth": k,
-                   "train_s": time.perf_counter() - t1,
-                   "loss_last": float(np.mean([h["loss"] for h in tail])),
-                   "top1_last": float(np.mean([h["top1"] for h in tail])),
-                   "top1_ahead_last": float(np.mean([h["top1_ahead"] for h in tail])),
+                   **{key: summary[key] for key in ("train_s", "loss_last", "top1_last",
+                                                    "top1_ahead_last")},
                    "accept_len": {}, "sd_tokens_per_s": {}})
     # One engine per strategy and architecture; the K variants only swap weights.
     for strategy in strategies:
@@ -159,16 +148,14 @@ def main(argv=None):
                            compile_ahead=False)  # every call SD: what is measured
       for k in args.train_depth:
         engine.update_params(drafter_params=trained[k])
-        key = jax.random.key(args.seed)
-        engine.generate(eval_prompts[:1], 1, SamplingParams(0.0), key)  # compiles
-        result = engine.generate(eval_prompts, 1, SamplingParams(0.0), key)
+        result = protocol.decode(engine, eval_prompts, 1, SamplingParams(0.0), args.seed)
         row = next(r for r in rows if r["variant"] == f"{name} K={k}")
-        row["accept_len"][label(strategy)] = accept_length(result)
-        row["sd_tokens_per_s"][label(strategy)] = float(result.lengths.sum() / result.wall_s)
-        accept = row["accept_len"][label(strategy)]
-        print(f"{row['variant']:16s} {label(strategy)}: accept {accept:.2f}", flush=True)
+        arm = strategy_label(strategy)
+        row["accept_len"][arm] = accept_length(result)
+        row["sd_tokens_per_s"][arm] = float(result.lengths.sum() / result.wall_s)
+        print(f"{row['variant']:16s} {arm}: accept {row['accept_len'][arm]:.2f}", flush=True)
 
-  deepest = label(max(strategies, key=lambda s: (s.depth, s.verify_tokens)))
+  deepest = strategy_label(max(strategies, key=lambda s: (s.depth, s.verify_tokens)))
   gains, vocab_ratios = {}, {}
   for feat_name in feature_sets:
     full = {r["train_depth"]: r["accept_len"][deepest] for r in rows
@@ -179,11 +166,11 @@ def main(argv=None):
       if r["features"] == feat_name and r["draft_vocab_size"] and full:
         vocab_ratios[r["variant"]] = r["accept_len"][deepest] / full[r["train_depth"]]
   settings = {k: v for k, v in vars(args).items() if k != "out"}
-  settings.update(strategies=[label(s) for s in strategies], deepest=deepest,
+  settings.update(strategies=[strategy_label(s) for s in strategies], deepest=deepest,
                   samples_s=samples_s, device=jax.devices()[0].device_kind,
                   date=time.strftime("%Y-%m-%d"))
-  out.write_text(json.dumps({"settings": settings, "rows": rows, "gain_deepest": gains,
-                             "vocab_ratio_deepest": vocab_ratios}, indent=2))
+  write_json(out, {"settings": settings, "rows": rows, "gain_deepest": gains,
+                   "vocab_ratio_deepest": vocab_ratios})
   plot(rows, strategies, out.with_suffix(".png"))
   print(f"accept length at {deepest}, largest K over K=1: "
         + ", ".join(f"{n} {g:.2f}x" for n, g in gains.items()))
@@ -200,9 +187,9 @@ def plot(rows, strategies, path):
     width = 0.8 / len(rows)
     x = np.arange(len(strategies))
     for j, r in enumerate(rows):
-      ax.bar(x + j * width, [r["accept_len"][label(s)] for s in strategies], width,
+      ax.bar(x + j * width, [r["accept_len"][strategy_label(s)] for s in strategies], width,
              label=r["variant"])
-    ax.set_xticks(x + 0.4 - width / 2, [f"({label(s)})" for s in strategies])
+    ax.set_xticks(x + 0.4 - width / 2, [f"({strategy_label(s)})" for s in strategies])
     ax.set_xlabel("strategy (depth, topk, verify tokens)")
     ax.set_title("accept length per strategy and drafter")
   else:
@@ -210,12 +197,12 @@ def plot(rows, strategies, path):
     for i, s in enumerate(strategies):
       for feat, style in (("unfused", "-"), ("fused", "--")):
         for vocab, marker in zip(vocabs, "osd^v"):
-          pts = sorted((r["train_depth"], r["accept_len"][label(s)]) for r in rows
+          pts = sorted((r["train_depth"], r["accept_len"][strategy_label(s)]) for r in rows
                        if r["features"] == feat and r["draft_vocab_size"] == vocab)
           if pts:
             tag = f" r={vocab}" if vocab else ""
             ax.plot(*zip(*pts), style, marker=marker, color=f"C{i}",
-                    label=f"({label(s)}) {feat}{tag}")
+                    label=f"({strategy_label(s)}) {feat}{tag}")
     ax.set_xlabel("draft steps unrolled in training (K)")
     ax.set_title("training-time test: accept length per strategy")
   ax.set_ylabel("greedy accept length")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pathlib
 import sys
 import time
@@ -42,6 +41,8 @@ from tlt_jax.models.policy import Policy
 from tlt_jax.speculative.decoding import decode_loop, start
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
+
+from .common import write_json
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -157,8 +158,7 @@ def main():
   result["ratio_executables"] = b["executables"] / a["executables"]
   result["ratio_compile_s"] = b["compile_s"] / a["compile_s"]
   args.out.mkdir(parents=True, exist_ok=True)
-  with open(args.out / "executable_pool.json", "w") as f:
-    json.dump(result, f, indent=2)
+  write_json(args.out / "executable_pool.json", result)
   plot(result, args.out / "executable_pool.png")
   print(f"every batch size / bucketed: {result['ratio_executables']:.1f}x executables, "
         f"{result['ratio_compile_s']:.1f}x compile time")

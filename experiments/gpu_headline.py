@@ -54,7 +54,7 @@ import time
 from tlt_jax.run_log import read_jsonl
 
 from . import gpu_lease
-from .common import git_commit
+from .common import git_commit, run_stamp, write_json
 from .gpu_lease import LeaseError, MiB
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -322,7 +322,7 @@ def lease_plan(out: pathlib.Path, manifest: dict, steps: int, identity_steps: in
           "rule": "each call within 30 s of the last one's end; give the machine back after "
                   "the last"}
   out.mkdir(parents=True, exist_ok=True)
-  gpu_lease.write_json(out / "plan.json", plan)
+  write_json(out / "plan.json", plan)
   return plan
 
 
@@ -485,8 +485,7 @@ def run(parts: pathlib.Path, steps: int, out: pathlib.Path, workdir: pathlib.Pat
   default = measured["default"]
   result = {
       "what": "TLT against the baseline, end to end, on one device (experiments/gpu_headline.py)",
-      "quick": quick, "device": info["device"], "date": datetime.date.today().isoformat(),
-      "commit": git_commit(), "command": " ".join(sys.argv), "versions": info,
+      "quick": quick, "device": info["device"], **run_stamp(), "versions": info,
       "config": config_spec, "overrides": list(sets), "steps": steps,
       "model": {"gguf": gguf.name, "import_s": import_s, "dtype": config.model.dtype,
                 "param_dtype": config.model.param_dtype},
@@ -504,7 +503,7 @@ def run(parts: pathlib.Path, steps: int, out: pathlib.Path, workdir: pathlib.Pat
       "seconds": time.perf_counter() - t0,
   }
   result["responses_bytes"] = write_responses(out / "responses.jsonl.xz", measured)
-  gpu_lease.write_json(out / "headline.json", result)
+  write_json(out / "headline.json", result)
   from .rl_runs import plot_compiles, plot_end_to_end
   plot_end_to_end(default["runs"], out / "end_to_end.png")
   plot_compiles(default["runs"], out / "compiles.png")
@@ -699,14 +698,13 @@ def cpu_check(out: pathlib.Path, prompts: int, samples: int, max_new_tokens: int
           f"{rows[name]['accept_len']:.2f}", flush=True)
   result = {"what": "SD against plain decoding on CPU, with plain decoding at one row per "
                     "program as the floor (experiments/gpu_headline.py cpu-check)",
-            "date": datetime.date.today().isoformat(), "commit": git_commit(),
-            "command": " ".join(sys.argv), "dtype": dtype, "numerics": numerics,
+            **run_stamp(), "dtype": dtype, "numerics": numerics,
             "strategy": deepest,
             "drafter": config.drafter.eagle.path, **rows,
             "identical": all(rows[k]["sd"]["identical"] for k in rows)}
   out.mkdir(parents=True, exist_ok=True)
   suffix = "" if numerics == "fast" else f"_{numerics}"
-  gpu_lease.write_json(out / f"cpu_check_{dtype}{suffix}.json", result)
+  write_json(out / f"cpu_check_{dtype}{suffix}.json", result)
   return result
 
 

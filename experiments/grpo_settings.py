@@ -35,7 +35,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from .common import own_folder
+from .common import own_folder, write_json
 from tlt_jax.cli import config_from_file, set_config_value, setup_devices
 from tlt_jax.config import ConfigError
 from tlt_jax.train import train
@@ -171,8 +171,7 @@ def main():
       except ConfigError as e:  # a run folder this script did not make
         sys.exit(f"error: {e}")
     result["settings"][name] = {"overrides": overrides, "runs": runs, **summarize(runs)}
-    with open(args.out / "grpo_settings.json", "w") as f:  # a killed sweep keeps what ran
-      json.dump(result, f, indent=2)
+    write_json(args.out / "grpo_settings.json", result)  # a killed sweep keeps what ran
   plot(result, args.out / "grpo_settings.png")
   for name, s in result["settings"].items():
     print(f"{name:>18}: paired reward {s['paired_mean']:+.3f}, "

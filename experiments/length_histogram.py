@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
-import sys
 import time
 
 # Runnable as a plain script from the repository root without installing the package.
@@ -37,6 +35,8 @@ from tlt_jax.config import base_config, with_current_keys
 from tlt_jax.mesh import make_mesh
 from tlt_jax.rl.evaluate import evaluate
 from tlt_jax.speculative.sampling import SamplingParams
+
+from .common import write_json
 
 
 def policy_config(policy: str, batch_size: int, max_new_tokens: int):
@@ -115,8 +115,7 @@ def main():
             "sampling_s_incl_compile": seconds, "lengths": lengths,
             "num_ops": [e.metadata["num_ops"] for e in examples],
             "correct": result["correct"]}
-  with open(os.path.join(args.out, "lengths.json"), "w") as f:
-    json.dump(record, f)
+  write_json(os.path.join(args.out, "lengths.json"), record)
   title = (f"{os.path.basename(os.path.normpath(args.policy))}: {stats['count']} samples at "
            f"T={args.temperature:g}; mean {stats['mean']:.0f}, max {stats['max']} tokens")
   plot(lengths, stats, os.path.join(args.out, "length_histogram.png"), title)

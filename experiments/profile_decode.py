@@ -49,12 +49,14 @@ The table printed at the end is the same on a CPU and a GPU. --time-budget start
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 T0 = time.perf_counter()
 # JAX takes 75% of a GPU's memory when it starts unless told not to: the flag variants' own
@@ -64,12 +66,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import numpy as np
 
-from .bench_decode import hf_available, hf_step_ms, median_ms
+from .bench_decode import median_ms
 from .common import (REPO, config_or_exit, module_command, run_metadata,
                                 strategy_label, usable_cpus, write_json)
 from tlt_jax import hlo_counts, profiling
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.config import ConfigError
+from tlt_jax.models import ModelConfig
 
 CONFIG = f"{REPO / 'configs' / 'smollm2.py'}:gpu_headline"
 QUICK_CONFIG = str(REPO / "configs" / "default.py")
@@ -186,6 +189,91 @@ class Bench:
     return self.progs.decode_executable(batch, strategy, self.sp)
 
 
+# ---------------------------------------------------------------- transformers (--peer)
+
+
+def hf_available() -> bool:
+  return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+def hf_model(cfg: ModelConfig, device: str, dtype):
+  """A transformers causal LM of cfg's architecture (model_type: qwen2, llama, qwen3) and
+  shape with random weights, built in `dtype` on `device`, in eval mode."""
+  import torch
+  from transformers import AutoConfig, AutoModelForCausalLM
+  hf_cfg = AutoConfig.for_model(
+      cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim, tie_word_embeddings=cfg.tie_embeddings,
+      max_position_embeddings=cfg.max_position_embeddings)
+  torch.manual_seed(0)
+  # Built in the target dtype: a 7B model built in float32 first would need 30 GB on the GPU.
+  default_dtype = torch.get_default_dtype()
+  torch.set_default_dtype(dtype)
+  try:
+    with torch.device(device):
+      return AutoModelForCausalLM.from_config(hf_cfg).eval()
+  finally:
+    torch.set_default_dtype(default_dtype)
+
+
+def hf_step_ms(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
+               cache_len: int = 0, compiled: bool = False, dtype=None) -> dict:
+  """transformers' greedy decode ms per step for a random model of cfg's shape: (time of
+  `new_tokens` new tokens - time of 1) / (new_tokens - 1), the best of two, in bfloat16 on GPU
+  and float32 on CPU unless `dtype` (a torch dtype) says.
+
+  cache_len 0: generate's dynamic cache; > 0: a static cache of that many slots (allocated
+  once, reset before each call, so its shapes never change). compiled: the decode steps under
+  torch.compile (generate's own, mode 'reduce-overhead': CUDA graphs on a GPU); needs a static
+  cache. The first calls (compiling, under `compiled`) are not timed: their seconds are
+  `warmup_s`."""
+  import torch
+  from transformers import StaticCache
+  from transformers.generation import CompileConfig
+  if compiled and not cache_len:
+    raise ValueError("hf_step_ms: compiled=True needs a static cache (cache_len > 0)")
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+  model = hf_model(cfg, device, dtype)
+  ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+  cache = StaticCache(config=model.config, max_cache_len=cache_len) if cache_len else None
+  options = {"disable_compile": True}
+  if compiled:
+    config = CompileConfig()
+    config._compile_all_devices = device != "cuda"  # generate compiles on GPUs only otherwise
+    options = {"compile_config": config}
+
+  def gen(n):
+    if device == "cuda":
+      torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode(), warnings.catch_warnings():
+      # transformers 5.25 renames past_key_values to cache; 5.17 (the GPU image) knows only it.
+      warnings.simplefilter("ignore", FutureWarning)
+      if cache is not None:
+        cache.reset()  # its tensors were made in inference mode: reset there
+      model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                     pad_token_id=0, eos_token_id=None, past_key_values=cache, **options)
+    if device == "cuda":
+      torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  gen(4)
+  gen(new_tokens)  # under `compiled`, the step compiles here (and is captured in a graph)
+  warmup = time.perf_counter() - t0
+  one = min(gen(1) for _ in range(3))
+  many = min(gen(new_tokens) for _ in range(3))
+  del model, cache
+  if device == "cuda":
+    torch.cuda.empty_cache()  # the next batch's JAX programs need the memory back
+  return {"device": device, "dtype": str(dtype).removeprefix("torch."),
+          "step_ms": (many - one) / (new_tokens - 1) * 1e3, "warmup_s": warmup,
+          "cache": f"static {cache_len}" if cache_len else "dynamic", "compiled": compiled}
+
+
 # ---------------------------------------------------------------- measurements
 
 
@@ -279,7 +367,7 @@ def weight_shapes(params) -> set[tuple]:
 
 def peer_row(cfg, batch: int, prompt_len: int, capacity: int, new_tokens: int,
              compiled: bool, dtype_name: str) -> dict:
-  """transformers' step and tokens/s at `batch` rows (see `bench_decode.hf_step_ms`)."""
+  """transformers' step and tokens/s at `batch` rows (see `hf_step_ms`)."""
   import torch
   try:
     hf = hf_step_ms(cfg, batch, prompt_len, new_tokens, cache_len=capacity, compiled=compiled,

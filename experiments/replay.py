@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import pathlib
 import sys
@@ -34,7 +33,7 @@ import sys
 import numpy as np
 
 from . import simulate_cluster as sim
-from .common import git_commit, write_json
+from .common import run_stamp, write_json
 from tlt_jax.rollout.scheduler import batch_ladder, bucket
 
 # The engine settings of configs/smollm2.py:gpu_headline at 2026-12-04, for a headline.json
@@ -530,8 +529,7 @@ def main(argv=None) -> None:
     accept = accept_by_batch(json.loads(args.accept.read_text()), args.variant, args.strategy)
     depth = int(args.strategy.split(",")[0])
   result = {"what": "a what-if replay of the GPU headline (experiments/replay.py)",
-            "date": datetime.date.today().isoformat(), "commit": git_commit(),
-            "command": " ".join(sys.argv), "headline": str(args.headline),
+            **run_stamp(), "headline": str(args.headline),
             "device": headline.get("device"), "engine": dataclasses.asdict(cal.engine),
             "costs": {v: c.to_dict() for v, c in cal.costs.items()},
             "validation": validate(headline, cal),

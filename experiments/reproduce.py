@@ -6,9 +6,10 @@
   python -m experiments.reproduce --all --out results/ --dry-run       # print the commands
 
 Each experiment runs as its own process (a fresh JAX runtime, its own device setup) and writes
-into OUT/<name>/. A failing experiment does not stop the others: OUT/reproduce.json records
-each one's command, exit status, seconds and files, and the exit status is non-zero if any
-failed. An experiment whose extra package is missing (vs_hf needs torch) is skipped and
+into OUT/<name>/, a stage of the campaign runner (experiments/stages.py; its log in
+OUT/logs/<name>.log). A failing experiment does not stop the others: OUT/reproduce.json
+records each one's command, exit status, seconds and files, and the exit status is non-zero
+if any failed. An experiment whose extra package is missing (vs_hf needs torch) is skipped and
 recorded as such. The cluster projection uses the simulator's illustrative 7B cost model; the
 simulator is also checked against the baseline RL run (simulate_vs_run) when rl_runs ran first.
 """
@@ -16,14 +17,11 @@ simulator is also checked against the baseline RL run (simulate_vs_run) when rl_
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import pathlib
-import subprocess
 import sys
-import time
 
-from .common import REPO, module_command
+from .common import module_command
+from .stages import run_stages
 POLICY = "assets/tiny-policy"
 # The rollout benchmark's setting (docs/results/rollout): one slice of up to 64 rows, and below,
 # 96 held-out prompts with one greedy sample each; the config's (shipped) drafter.
@@ -83,42 +81,16 @@ def main():
     sys.exit(f"pass --all or --only NAME ...; experiments: {known}")
   names = known if args.all else [n for n in known if n in args.only]
 
-  args.out.mkdir(parents=True, exist_ok=True)
-  report_path = args.out / "reproduce.json"
-  report = {"quick": args.quick, "experiments": {}}
-  for i, name in enumerate(names, 1):
-    # Built per experiment: the simulator reads what rl_runs has just written.
-    module, *module_args = experiments(args.out, args.quick)[name]
-    cmd = module_command(module, *module_args)
-    print(f"[{i}/{len(names)}] {name}: {' '.join(cmd[1:])}", flush=True)
-    if args.dry_run:
-      continue
-    folder = args.out / name
-    needs = REQUIRES.get(name)
-    if needs and importlib.util.find_spec(needs) is None:
-      report["experiments"][name] = {"command": cmd[1:], "returncode": None, "seconds": 0.0,
-                                     "files": [], "skipped": f"needs {needs}"}
-      print(f"    skipped: needs {needs} (pip install {needs})", flush=True)
-      report_path.write_text(json.dumps(report, indent=2))
-      continue
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    seconds = time.perf_counter() - t0
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "log.txt").write_text(proc.stdout)
-    files = sorted(str(p.relative_to(args.out)) for p in folder.rglob("*")
-                   if p.is_file() and p.suffix in (".json", ".csv", ".png"))
-    report["experiments"][name] = {"command": cmd[1:], "returncode": proc.returncode,
-                                   "seconds": seconds, "files": files}
-    status = ("ok" if proc.returncode == 0
-              else f"FAILED (exit {proc.returncode}; see {folder}/log.txt)")
-    print(f"    {status} in {seconds:.0f} s", flush=True)
-    report_path.write_text(json.dumps(report, indent=2))  # kept current: nothing lost on a crash
+  commands = {name: module_command(*argv) for name, argv in
+              experiments(args.out, args.quick).items() if name in names}
   if args.dry_run:
+    for i, (name, cmd) in enumerate(commands.items(), 1):
+      print(f"[{i}/{len(commands)}] {name}: {' '.join(cmd[1:])}")
     return
-  failed = [n for n, r in report["experiments"].items() if r["returncode"]]
-  print(f"wrote {report_path}" + (f"; failed: {failed}" if failed else ""))
+  stages = run_stages(args.out, commands, names, args.quick, record_name="reproduce.json",
+                      resume=False, keep_going=True, requires=REQUIRES)
+  failed = [n for n, r in stages.items() if r["returncode"]]
+  print(f"wrote {args.out / 'reproduce.json'}" + (f"; failed: {failed}" if failed else ""))
   sys.exit(1 if failed else 0)
 
 

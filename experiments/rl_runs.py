@@ -55,7 +55,7 @@ from matplotlib.ticker import MaxNLocator
 
 from jax.experimental.compilation_cache import compilation_cache
 
-from .common import check_own_folder, own_folder
+from .common import check_own_folder, own_folder, write_json
 from tlt_jax.cli import config_from_file, set_config_value, setup_devices
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.config import ConfigError
@@ -113,7 +113,7 @@ def run_variants(base, variants: list[str], out: pathlib.Path, resume: bool = Fa
         done = {"wall_s": time.perf_counter() - t0, "summary": summary}
       if summary.get("stopped_early"):  # a signal: the checkpoint holds the rest
         sys.exit(f"run {name!r} stopped early; run the same command with --resume to go on")
-      record.write_text(json.dumps(done, indent=2))
+      write_json(record, done)
     runs[name] = {**done, "metrics": _jsonl(workdir / "metrics.jsonl"),
                   "rollouts": _jsonl(workdir / "rollouts.jsonl"),
                   "slices": int(config.mesh.axes.get("replica", 1))}
@@ -347,8 +347,7 @@ def main():
                       "summary": {k: v for k, v in r["summary"].items() if k != "config"},
                       "metrics": r["metrics"]} for name, r in runs.items()},
   }
-  with open(args.out / "rl_runs.json", "w") as f:
-    json.dump(result, f, indent=2)
+  write_json(args.out / "rl_runs.json", result)
   plot_long_tail(lengths, breakdown, args.out / "long_tail.png")
   plot_adaptation(runs, args.out / "drafter_adaptation.png")
   plot_end_to_end(runs, args.out / "end_to_end.png")

@@ -37,7 +37,6 @@ import csv
 import dataclasses
 import json
 import os
-import pathlib
 import sys
 import time
 
@@ -51,6 +50,8 @@ import matplotlib.pyplot as plt
 from tlt_jax.rollout.scheduler import (Compact, Refill, SliceScheduler, Start,
                                        bucket)
 from tlt_jax.speculative.strategy import Strategy
+
+from .common import write_json
 
 _EPS = 1e-9  # tokens: remaining work at or below this counts as done (float SD progress)
 
@@ -570,8 +571,7 @@ def sweep(devices: list[int], cfg: StepConfig, costs: CostModel, prompts_per_ste
 def write_outputs(rows: list[dict], record: dict, out: str) -> None:
   """OUT/simulation.json (record + rows), simulation.csv and simulation.png."""
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "simulation.json"), "w") as f:
-    json.dump({**record, "results": rows}, f, indent=1)
+  write_json(os.path.join(out, "simulation.json"), {**record, "results": rows})
   with open(os.path.join(out, "simulation.csv"), "w", newline="") as f:
     w = csv.writer(f)
     w.writerow(["devices", "slices", "responses"] + [f"baseline_{k}" for k in _SCALARS] +

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
-import sys
 
 
 import matplotlib
@@ -28,6 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from . import simulate_cluster as sim
+from .common import write_json
 from tlt_jax.config import with_current_keys
 
 
@@ -189,8 +188,7 @@ def main():
                               sd_threshold=args.sd_threshold)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
-  with open(os.path.join(args.out, "compare.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  write_json(os.path.join(args.out, "compare.json"), result)
   plot_compare(result, os.path.join(args.out, "compare.png"))
   print(json.dumps({"settings": result["settings"], "totals": result["totals"]}))
 

@@ -37,7 +37,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from .common import REPO, module_command, read_json, run_metadata, usable_cpus, write_json
-from .gpu_e2e import run_recorded_stages
+from .stages import run_stages
 
 STAGES = ("decode", "warmup", "rollout", "rl")
 CONFIG = str(REPO / "configs" / "smollm2.py")
@@ -158,8 +158,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   out = args.out.resolve()
   out.mkdir(parents=True, exist_ok=True)
-  stages = run_recorded_stages(out, args.quick, stage_commands(out, args.quick, args.set, args),
-                               args.stages)
+  stages = run_stages(out, stage_commands(out, args.quick, args.set, args), args.stages,
+                      args.quick)
   summary = collect(out, stages)
   write_json(out / "smollm2_cpu.json", summary)
   plot(out, summary)

@@ -25,7 +25,6 @@ strategy the accept length per bucket and over the tail) and OUT/tail_accept.png
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 import sys
 import time
@@ -33,7 +32,7 @@ import types
 
 import numpy as np
 
-from .common import (REPO, add_config_flags, config_or_exit, git_commit,
+from .common import (REPO, add_config_flags, config_or_exit, run_stamp,
                                 strategy_label, write_json)
 
 BUCKETS = (1, 2, 9, 33)  # running-row buckets: 1, 2-8, 9-32, 33 and more
@@ -203,8 +202,7 @@ def measure(config, out: pathlib.Path, prompts: int, strategies: list, labelled:
   return {
       "what": "SD accept length in the tail on held-out responses, teacher-forced "
               "(experiments/tail_accept.py)",
-      "date": datetime.date.today().isoformat(), "commit": git_commit(),
-      "command": " ".join(sys.argv), "config": config.to_dict().get("task"),
+      **run_stamp(), "config": config.to_dict().get("task"),
       "model": config.model.path, "dtype": config.model.dtype,
       "temperature": config.rollout.temperature, "sd_threshold": threshold,
       "step_responses": per_step, "buckets": [bucket_name(thresholds, b)

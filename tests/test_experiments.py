@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -43,7 +42,7 @@ def _check_run_metadata(data, script):
 
 
 def _check_bench_tree_attention_quick(out):
-  """bench_tree_attention.py --quick's outputs (command 1 of the campaign's quick run)."""
+  """bench_tree_attention.py --quick's outputs."""
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   _check_run_metadata(data, "bench_tree_attention.py")
@@ -134,17 +133,16 @@ def test_bench_tree_attention_targets():
 
 
 def _check_bench_decode_quick(out):
-  """bench_decode.py --quick's outputs on random weights (command 1 of the campaign's quick
-  run)."""
+  """bench_decode.py --quick's outputs on random weights."""
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   _check_run_metadata(data, "bench_decode.py")
   assert data["attention_impl"] == "auto" and data["shape"] == "small"
-  assert data["hf"] is False and data["stopped_early"] is False  # --hf is opt-in
+  assert data["stopped_early"] is False
   (row,) = data["rows"]
   assert row["batch"] == 1 and row["complete"]
   assert row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
-  assert row["floor_ms"] > 0 and "hf_ms" not in row
+  assert row["floor_ms"] > 0
   assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
   assert row["sd"]["3,2,6"]["drafter"] == "random"
   assert "loop_iteration_ms" not in row["sd"]["3,2,6"]  # --loop-iterations is opt-in
@@ -224,17 +222,17 @@ def _check_bench_rollout(out, modes):
 @pytest.mark.slow
 def test_bench_rollout_quick(tmp_path):
   """GRPO-shaped rollouts of the tiny default (on one slice, SD for its last 8 rows) with its
-  trained EAGLE drafter alone and in the hybrid, fixed and under the table, and plain
-  decoding at 1 and 32 steps per call: every mode's tokens are plain decoding's, the warmed
-  drafter's trees are accepted, the hybrid is compared with EAGLE. (BEG-MAB: gpu_e2e's
-  rollout stage in the campaign's test.)"""
+  trained EAGLE drafter alone and in the hybrid, fixed and under the table and BEG-MAB, and
+  plain decoding at 1 and 32 steps per call: every mode's tokens are plain decoding's, the
+  warmed drafter's trees are accepted, the hybrid is compared with EAGLE, the tuners with the
+  fixed strategies."""
   out = tmp_path / "rollout.json"
   _run_script("bench_rollout", "--quick", "--set", "mesh.num_cpu_devices=1", "--set",
               "mesh.axes.replica=1", "--set", "rollout.sd_threshold=8", "--strategies",
-              "4,2,8", "4,2,8,eagle+suffix", "--tuners", "table",
+              "4,2,8", "4,2,8,eagle+suffix", "--tuners", "table", "beg_mab",
               "--sweep-iterations-per-call", "1", "32", "--out", str(out))
-  data = _check_bench_rollout(out, {"sd(4,2,8)", "sd(4,2,8,eagle+suffix)", "sd-table"})
-  assert "tuner_comparison" not in data  # it compares BEG-MAB with the others
+  data = _check_bench_rollout(out, {"sd(4,2,8)", "sd(4,2,8,eagle+suffix)", "sd-table",
+                                    "sd-beg_mab"})
   _check_run_metadata(data, "bench_rollout.py")
   assert (data["prompts"], data["samples"], data["slices"]) == (2, 8, 1)
   assert len(data["response_lengths"]) == 16
@@ -285,22 +283,21 @@ def test_bench_vs_hf_quick(tmp_path):
 def test_bench_vs_revision_quick(tmp_path):
   """The committed tree against itself, extracted by git archive: the same greedy tokens."""
   out = tmp_path / "vs_rev.json"
-  _run_script("tools.bench_vs_revision", "--quick", "--rev", "HEAD", "--out", str(out))
+  _run_script("bench_vs_revision", "--quick", "--rev", "HEAD", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert data["outputs_identical"] is True
   assert data["revision"]["tokens"] == data["current"]["tokens"] > 0
   assert len(data["revision"]["wall_s"]) == len(data["current"]["wall_s"]) == 1
   assert data["speedup"] > 0
-  r = subprocess.run([*_module("tools.bench_vs_revision"),
+  r = subprocess.run([*_module("bench_vs_revision"),
                       "--rev", "no-such-revision", "--out", str(out)], cwd=REPO,
                      capture_output=True, text=True)
   assert r.returncode != 0 and "not a revision" in r.stderr
 
 
-def _check_rl_runs(out, responses_per_step):
-  """rl_runs.py's outputs for a baseline and a TLT run of 2 steps that compiles ahead (its
-  --quick run with the campaign's toy policy is gpu_e2e --quick's rl stage)."""
+def _check_rl_runs(out, responses_per_step, compile_ahead):
+  """rl_runs.py's outputs for a baseline and a TLT run of 2 steps."""
   data = json.loads((out / "rl_runs.json").read_text())
   for name in ("long_tail.png", "drafter_adaptation.png", "end_to_end.png", "compiles.png"):
     assert (out / name).exists(), name
@@ -321,9 +318,13 @@ def _check_rl_runs(out, responses_per_step):
   assert data["runs"]["baseline"]["summary"]["drafter_steps_total"] == 0
   # Compiling ahead: no SD program is compiled where the host waits (an arm is chosen only
   # once its program is ready), the responses are the same (checked below), and the job ends
-  # without waiting for the compiles still queued.
+  # without waiting for the compiles still queued. Without it, every SD program is compiled
+  # where the host waits.
   sd_bill = data["compile_bill"]["tlt"]["rollout_decode_sd"]
-  assert sd_bill["programs"] == 0 and sd_bill["ahead_programs"] > 0
+  if compile_ahead:
+    assert sd_bill["programs"] == 0 and sd_bill["ahead_programs"] > 0
+  else:
+    assert sd_bill["programs"] > 0 and sd_bill["ahead_programs"] == 0
   e2e = data["end_to_end"]
   assert e2e["steps"] == 2 and e2e["speedup_step_time"] > 0
   assert "speedup_without_compiles_after_first" in e2e
@@ -442,11 +443,11 @@ def test_reproduce_lists_every_experiment_and_rejects_unknown_names(tmp_path):
 def test_reproduce_runs_a_subset_and_records_it(tmp_path):
   _run_script("reproduce", "--only", "simulate_cluster", "--quick", "--out", str(tmp_path))
   report = json.loads((tmp_path / "reproduce.json").read_text())
-  run = report["experiments"]["simulate_cluster"]
+  run = report["stages"]["simulate_cluster"]
   assert run["returncode"] == 0 and report["quick"] is True
   assert {"simulate_cluster/simulation.json", "simulate_cluster/simulation.png"} <= \
       set(run["files"])
-  assert (tmp_path / "simulate_cluster" / "log.txt").exists()
+  assert (tmp_path / "logs" / "simulate_cluster.log").exists()
 
 
 @pytest.mark.slow
@@ -467,111 +468,83 @@ def test_drafter_ttt_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_campaign_quick_runs_its_commands_and_gpu_e2e_resumes(tmp_path):
-  """The campaign's commands at toy shapes: the kernel grid and the decode bench, then
-  gpu_e2e in three parts; each step recorded with its exit status and files."""
-  out = tmp_path / "campaign"
-  _run_script("gpu_campaign", "all", "--quick", "--out", str(out), timeout=1500)
-  record = json.loads((out / "campaign.json").read_text())
-  assert set(record["steps"]) == {"gpu_numerics", "tree_attention", "decode_7b",
-                                  "gpu_e2e_sft_warmup", "gpu_e2e_rl", "gpu_e2e_rollout"}
-  assert all(r["returncode"] == 0 for r in record["steps"].values())
-  numerics = json.loads((out / "1" / "gpu_numerics.json").read_text())
+def test_bench_tree_attention_and_bench_decode_quick(tmp_path):
+  """The kernel grid and the decode bench at toy shapes, as a GPU lease runs them at full
+  ones."""
+  _run_script("bench_tree_attention", "--quick", "--out", str(tmp_path / "tree_attention.json"),
+              "--time-budget", "160")
+  _check_bench_tree_attention_quick(tmp_path / "tree_attention.json")
+  _run_script("bench_decode", "--quick", "--out", str(tmp_path / "decode.json"),
+              "--time-budget", "180")
+  _check_bench_decode_quick(tmp_path / "decode.json")
+
+
+@pytest.mark.slow
+def test_rl_runs_quick(tmp_path):
+  """A baseline and a TLT run of the quick config (which does not compile ahead), back to back:
+  their figures, and the same responses from both."""
+  from tlt_jax.cli import config_from_file
+  config = config_from_file(os.path.join(REPO, "configs", "default.py:runlocal"), [])
+  _run_script("rl_runs", "--quick", "--variants", "baseline", "tlt", "--set", "rl.steps=2",
+              "--out", str(tmp_path / "rl"), timeout=900)
+  assert not config.rollout.compile_ahead
+  _check_rl_runs(tmp_path / "rl", config.rl.prompts_per_step * config.rl.num_samples,
+                 compile_ahead=False)
+
+
+@pytest.mark.slow
+def test_check_gpu_numerics_quick(tmp_path):
+  """The attention against the host's float32 reference at toy shapes, with the package's XLA
+  flags and, in a second process, with each of them turned off."""
+  out = tmp_path / "gpu_numerics.json"
+  _run_script("check_gpu_numerics", "--quick", "--out", str(out))
+  numerics = json.loads(out.read_text())
+  _check_run_metadata(numerics, "check_gpu_numerics")
   assert numerics["right_with_flags"] is True and numerics["right_without_flags"] is True
   legs = numerics["legs"]
   assert "--xla_gpu_exclude_nondeterministic_ops=true" in legs["flags"]["xla_flags"]
   assert "--xla_gpu_exclude_nondeterministic_ops=false" in legs["flags_off"]["xla_flags"]
   assert [r["reference"]["rel_err"] < 0.02 for r in legs["flags_off"]["rows"]] == [True, True]
-  _check_bench_tree_attention_quick(out / "1" / "tree_attention.json")
-  _check_bench_decode_quick(out / "1" / "decode_7b.json")
-  e2e = out / "e2e"
-  data = json.loads((e2e / "gpu_e2e.json").read_text())
-  assert list(data["stages"]) == ["sft", "warmup", "rl", "rollout", "simulate"]
-  assert (e2e / "gpu_e2e.png").exists() and (e2e / "rl" / "end_to_end.png").exists()
-  assert data["policy"]["params"] > 0 and data["drafter"]["accept_len_warmed"] >= 1.0
-  # The quick warm-up's time limit (0.001 min) ends its training after one step, and it
-  # still exports the drafter that the RL runs load.
-  assert data["drafter"]["time_limited"] is True and data["drafter"]["steps"] == 1
-  assert data["policy"]["sft_time_limited"] is False and data["policy"]["sft_steps"] == 12
-  assert data["policy"]["sft_profile"]["steps"] == [3, 4]  # the plan's profile.* keys
-  assert data["policy"]["sft_profile"]["programs"][0]["program"] == "jit_train_step"
-  assert data["end_to_end"]["steps"] == 2 and set(data["runs"]) == {"baseline", "tlt"}
-  assert data["projected"] and all(p["speedup_step"] > 0 for p in data["projected"])
-  assert data["projection_costs"] == "measured by the rollout stage"
-  _check_bench_rollout(e2e / "rollout" / "rollout.json", {"sd(4,2,8)", "sd-beg_mab"})
-  _check_rl_runs(e2e / "rl", responses_per_step=4 * 4)  # gpu_demo:quick's 4 prompts x 4
-  # A rerun finds every stage done and only makes the projection and the summary again.
-  r = _run_script("gpu_e2e", "--quick", "--out", str(e2e))
-  assert r.stdout.count("done in an earlier run") == 4
-  assert "=== simulate" in r.stdout
 
 
-def test_gpu_campaign_fits_a_lease_and_bounds_each_stage(tmp_path):
-  """Commands 2 and 3 (gpu_e2e on one machine) fit 15 minutes with a start, each fits its
-  deadline at the stage costs measured on an H100, and they pass the time limits that make
-  them: each job's limit reaches its command line."""
-  campaign = load_experiment("gpu_campaign")
-  assert campaign.COMMAND_SECONDS["2"] + campaign.COMMAND_SECONDS["3"] + 60 <= 15 * 60
-  for command in ("2", "3"):  # the deadline less the step's 20 s of margin
-    assert campaign.estimated_seconds(command) <= campaign.COMMAND_SECONDS[command] - 20
-  # The plan of the first H100 run (1.5 minutes of SFT, 1.25 of warm-up) did not fit.
-  plan = campaign.E2E_PLAN["2"]
-  campaign.E2E_PLAN["2"] = (["sft", "warmup"], ["sft:sft.max_minutes=1.5"])
-  try:
-    assert campaign.estimated_seconds("2") > 340
-  finally:
-    campaign.E2E_PLAN["2"] = plan
-  argv = {c: campaign.steps(c, tmp_path, quick=False)[0][1] for c in ("2", "3", "4")}
-  assert argv["2"][argv["2"].index("--stages") + 1:][:2] == ["sft", "warmup"]
-  assert "sft:sft.max_minutes=1" in argv["2"] and "rl:rl.max_minutes=1.75" in argv["3"]
-  e2e = load_experiment("gpu_e2e")
-  sets = e2e.stage_overrides([a for a in argv["2"] + argv["3"] if ":" in a and "=" in a])
-  cmds = e2e.stage_commands(tmp_path, False, sets)
-  assert "--config.sft.max_minutes=1" in cmds["sft"]
-  assert {"--config.profile.first_step=3", "--config.profile.num_steps=2"} <= set(cmds["sft"])
-  assert "--config.drafter.warmup.max_minutes=2" in cmds["warmup"]
-  assert cmds["rl"][-6:] == ["--set", "rl.max_minutes=1.75", "--set", "rl.eval_samples=0",
-                             "--set", "rl.num_eval_examples=0"]
-  # Without the rollout stage's cost table the projection uses the built-in costs.
-  assert "--costs-from-bench" not in e2e.simulate_command(tmp_path, False)
+def _stage(line, status):
+  """A stage's command: prints `line`, exits with `status`."""
+  return [sys.executable, "-c", f"import sys; print({line!r}); sys.exit({status})"]
 
 
-def test_gpu_campaign_names_what_is_missing_and_refuses_a_cpu(tmp_path, monkeypatch):
-  campaign = load_experiment("gpu_campaign")
-  monkeypatch.setitem(campaign.REQUIRED, "no_such_module_here", "no-such-package")
-  with pytest.raises(SystemExit, match="missing packages: no-such-package"):
-    campaign.main(["1", "--out", str(tmp_path)])
-  monkeypatch.delitem(campaign.REQUIRED, "no_such_module_here")
-  with pytest.raises(SystemExit, match="no GPU here .* --quick"):
-    campaign.main(["1", "--out", str(tmp_path)])
+def test_a_stage_its_time_limit_ended_counts_as_done(tmp_path):
+  """A job that its time limit ended exits 75 (its rerun would resume it); as a campaign's
+  stage it is done, its results exported. A stage a signal stopped (also 75) is not."""
+  stages = load_experiment("stages")
+  rc, _ = stages.run_stage("sft", _stage("sft.max_minutes=1.5 ended the job after step 3 of "
+                                         "900 with a checkpoint; rerun the same command to "
+                                         "resume (exit status 75)", 75), tmp_path / "sft.log")
+  assert rc == 0
+  rc, _ = stages.run_stage("sft", _stage("stopped before the last step with a checkpoint; "
+                                         "rerun the same command to resume (exit status 75)",
+                                         75), tmp_path / "s.log")
+  assert rc == 75 and "stopped before" in (tmp_path / "s.log").read_text()
 
 
-def test_gpu_e2e_stage_overrides():
-  e2e = load_experiment("gpu_e2e")
-  sets = e2e.stage_overrides(["rl.steps=4", "sft:sft.steps=3"])
-  assert sets == {"sft": ["rl.steps=4", "sft.steps=3"], "warmup": ["rl.steps=4"],
-                  "rl": ["rl.steps=4"]}
-  cmds = e2e.stage_commands(pathlib.Path("/tmp/x"), True, sets)
-  assert "--config.sft.steps=3" in cmds["sft"] and "--config.sft.steps=3" not in cmds["warmup"]
-  assert cmds["rl"][-2:] == ["--set", "rl.steps=4"] and "--resume" in cmds["rl"]
-  with pytest.raises(SystemExit, match="'simulate' takes no config"):
-    e2e.stage_overrides(["simulate:x=1"])
-  with pytest.raises(SystemExit, match="expected KEY=VALUE"):
-    e2e.stage_overrides(["sft:steps"])
-
-def test_a_stage_its_time_limit_ended_counts_as_done(tmp_path, capsys):
-  """A job that its time limit ended exits 75 (its rerun would resume it); for gpu_e2e that
-  stage is done, its results exported. A stage a signal stopped (also 75) is not."""
-  e2e = load_experiment("gpu_e2e")
-
-  def stage(line):
-    return [sys.executable, "-c", f"import sys; print({line!r}); sys.exit(75)"]
-  e2e.run_stage("sft", stage("sft.max_minutes=1.5 ended the job after step 3 of 900 with a "
-                             "checkpoint; rerun the same command to resume (exit status 75)"),
-                tmp_path / "sft.log")
-  with pytest.raises(SystemExit, match="stage 'sft' failed \\(exit 75\\)"):
-    e2e.run_stage("sft", stage("stopped before the last step with a checkpoint; rerun the "
-                               "same command to resume (exit status 75)"), tmp_path / "s.log")
+def test_the_campaign_runner_records_resumes_and_keeps_going(tmp_path, capsys):
+  stages = load_experiment("stages")
+  write = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('{}'); sys.exit(%d)"
+  commands = {"a": [sys.executable, "-c", write % 0, str(tmp_path / "a.json")],
+              "b": [sys.executable, "-c", write % 3, str(tmp_path / "b.json")],
+              "c": _stage("c ran", 0), "d": _stage("d ran", 0)}
+  kept = stages.run_stages(tmp_path, commands, ["a", "b", "c", "d"], quick=True,
+                           keep_going=True, requires={"d": "no_such_module_here"})
+  assert [kept[n]["returncode"] for n in "abcd"] == [0, 3, 0, None]
+  assert kept["a"]["files"] == ["a.json"] and kept["b"]["files"] == ["b.json"]
+  assert kept["d"]["skipped"] == "needs no_such_module_here"
+  assert json.loads((tmp_path / "stages.json").read_text())["stages"] == kept
+  # A rerun skips what is done and runs again what failed; without keep_going a failure ends
+  # the campaign, naming the stage's log.
+  with pytest.raises(SystemExit, match="stage 'b' failed \\(exit 3\\).*logs/b.log"):
+    stages.run_stages(tmp_path, commands, ["a", "b", "c"], quick=True)
+  assert "=== a: done in an earlier run" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="holds a quick run"):
+    stages.run_stages(tmp_path, commands, ["a"], quick=False)
 
 
 def test_tail_accept_quick(tmp_path):

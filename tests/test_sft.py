@@ -196,7 +196,7 @@ def test_shipped_policy_solves_heldout_problems(shipped):
 
 @pytest.mark.slow
 def test_length_histogram_quick(tmp_path):
-  run = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "length_histogram.py"),
+  run = subprocess.run([sys.executable, "-m", "experiments.length_histogram",
                         "--policy", ASSET, "--out", str(tmp_path), "--quick"], cwd=REPO,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                        timeout=600)

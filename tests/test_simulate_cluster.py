@@ -254,9 +254,10 @@ def test_costs_from_decode_json(tmp_path):
   with pytest.raises(ValueError, match="no SD strategy '4,2,8' at every batch"):
     sim.costs_from_decode_json(str(path), 16, sd_key="4,2,8")
   # SD measured up to batch 8 only: a higher threshold is refused, in one line.
-  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "simulate_cluster.py"),
+  r = subprocess.run([sys.executable, "-m", "experiments.simulate_cluster",
                       "--out", str(tmp_path / "sim"), "--quick", "--costs-from-decode",
-                      str(path), "--sd-threshold", "16"], capture_output=True, text=True)
+                      str(path), "--sd-threshold", "16"], cwd=REPO, capture_output=True,
+                     text=True)
   assert r.returncode != 0 and "measured SD up to batch 8; use --sd-threshold 8" in r.stderr
 
 
@@ -360,7 +361,7 @@ def test_compare_run_cli_reads_the_run_summary(tmp_path):
 
 
 def test_cli_names_bad_input(tmp_path):
-  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "simulate_cluster.py"),
+  r = subprocess.run([sys.executable, "-m", "experiments.simulate_cluster",
                       "--out", str(tmp_path), "--sd-threshold", "128", "--max-batch", "64"],
                      cwd=REPO, capture_output=True, text=True, timeout=60)
   assert r.returncode != 0 and "sd_threshold=128" in r.stderr

@@ -28,7 +28,6 @@ peak passes --limit-gib, naming the program.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
@@ -47,6 +46,7 @@ from tlt_jax.budget import (GiB, H100, JOBS, job_budget, job_programs,
 from tlt_jax.cli import config_from_file
 from tlt_jax.config import ConfigError
 from tlt_jax.models.shapes import MODEL_SHAPES, with_model_shape
+from tlt_jax.run_log import write_json
 
 
 def cuda_lowering(config, job: str, num_devices: int) -> dict:
@@ -132,7 +132,7 @@ def main(argv=None):
       for name, low in cuda_lowering(config, job, args.devices).items():
         budget["programs"][name].update(low)
     result["jobs"][job] = budget
-    args.out.write_text(json.dumps(result, indent=2))  # after every job
+    write_json(str(args.out), result)  # after every job
     for name, m in budget["programs"].items():
       print(f"  {name:<34} peak {m['peak_bytes'] / GiB:7.2f} GiB  temporaries "
             f"{m['temp_bytes'] / GiB:7.2f} GiB  compile {m['compile_s']:5.1f} s"

@@ -7,7 +7,7 @@ its own process: a warm rollout (compiles), then a timed one. The two trees take
 --repeats times each, so drift of the machine hits both alike; the median wall time of each is
 compared.
 
-  python -m tools.bench_vs_revision --rev bfc68b1 --out results/vs_rev/vs_rev.json
+  python -m experiments.bench_vs_revision --rev bfc68b1 --out results/vs_rev/vs_rev.json
 
 The earlier tree is extracted with `git archive` into a temporary folder (nothing in the
 working tree changes). JSON: per tree the timed wall times, their median and the rollout's
@@ -28,6 +28,8 @@ import tarfile
 import tempfile
 import time
 
+# Not experiments.common's: the child process imports this module with the revision's
+# tlt_jax first on the module path, and common imports the package.
 REPO = pathlib.Path(__file__).resolve().parents[1]
 POLICY = REPO / "assets" / "tiny-policy"
 
@@ -75,7 +77,7 @@ def extract(rev: str, into: pathlib.Path) -> pathlib.Path:
 
 
 def run_child(tree: pathlib.Path, args) -> dict:
-  cmd = [sys.executable, "-m", "tools.bench_vs_revision", "--child", str(tree),
+  cmd = [sys.executable, "-m", "experiments.bench_vs_revision", "--child", str(tree),
          "--num-prompts", str(args.num_prompts), "--num-samples", str(args.num_samples),
          "--max-batch", str(args.max_batch), "--max-new-tokens", str(args.max_new_tokens),
          "--out", os.devnull]
@@ -149,8 +151,9 @@ def main():
   result["speedup"] = result["revision"]["median_s"] / result["current"]["median_s"]
   result["outputs_identical"] = all(r["tokens"] == runs["current"][0]["tokens"]
                                     for r in runs["revision"] + runs["current"])
+  from .common import write_json
   args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(result, indent=2))
+  write_json(args.out, result)
   plot(result, args.out.with_suffix(".png"))
   print(json.dumps({k: result[k] for k in ("rev", "speedup", "outputs_identical")}))
 

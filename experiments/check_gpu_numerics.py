@@ -9,8 +9,8 @@ wrong at batch 1, cache 8192 and 2, 8, 9 or 12 new tokens (relative error about 
 the installed jax still needs that flag. The shapes are those of that run (Qwen2.5-7B heads:
 28 query, 4 KV, dim 128, bf16); --quick uses toy ones (any device, CI).
 
-  python -m tools.check_gpu_numerics --out runs/numerics.json
-  python -m tools.check_gpu_numerics --quick --out /tmp/numerics.json
+  python -m experiments.check_gpu_numerics --out runs/numerics.json
+  python -m experiments.check_gpu_numerics --quick --out /tmp/numerics.json
 
 Writes JSON: device, jax, XLA_FLAGS of each leg, and per shape the relative error of the
 reference and (on GPU) the kernel; exits 1 when the leg with the package's flags is wrong.
@@ -25,16 +25,15 @@ import pathlib
 import subprocess
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
 import jax
 import jax.numpy as jnp
 
-from experiments import bench_tree_attention as bench
-from experiments.common import module_command, run_metadata, write_json
 from tlt_jax import xla_flags
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
 from tlt_jax.kernels.tree_attention_pallas import prefix_tree_attention_pallas
+
+from . import bench_tree_attention as bench
+from .common import REPO, module_command, run_metadata, write_json
 
 # (batch, cache length, new tokens): the H100 run's wrong and right shapes.
 SHAPES = [(1, 8192, t) for t in (1, 2, 4, 7, 8, 9, 12, 16, 48)] + [(1, 16384, 8), (2, 8192, 8)]
@@ -87,11 +86,11 @@ def main(argv=None):
   rows = check_shapes(shapes, heads)
   args.out.parent.mkdir(parents=True, exist_ok=True)
   if args.leg == "flags_off":
-    args.out.write_text(json.dumps(rows))
+    write_json(args.out, rows)
     return
   child_out = args.out.with_suffix(".flags_off.tmp")
-  argv_child = [*module_command("tools.check_gpu_numerics"), "--out", str(child_out), "--leg", "flags_off",
-                *(["--quick"] if args.quick else [])]
+  argv_child = [*module_command("check_gpu_numerics"), "--out", str(child_out),
+                "--leg", "flags_off", *(["--quick"] if args.quick else [])]
   env = dict(os.environ, XLA_FLAGS=flags_off())
   done = subprocess.run(argv_child, env=env, cwd=REPO, timeout=600)
   off_rows = json.loads(child_out.read_text()) if done.returncode == 0 else None
