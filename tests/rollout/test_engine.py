@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tests.speculative.drafters import drafter_set, random_drafter, random_mtp
+from tests.speculative.drafters import drafter_set, example_drafters, random_drafter
+from tlt_jax.drafters import DRAFTERS
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import ModelConfig, init_params, prefill, init_cache
 from tlt_jax.drafters.eagle.network import drafter_from_policy
@@ -410,19 +411,24 @@ def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16, mtp=
 # (tests/speculative/test_sd_greedy.py, test_sd_sampling.py); through the engine, which feeds
 # each family its own inputs (the group's finished responses, the prompt, draft states kept
 # across calls), one tree of every family and one without a trained drafter.
-@pytest.mark.parametrize("strategy", ["4,2,8,mtp+prompt_lookup",
-                                      "3,2,6,eagle+mtp+suffix+prompt_lookup"])
+EVERY_FAMILY = "3,2,6," + "+".join(sorted(DRAFTERS))
+
+
+@pytest.mark.parametrize("strategy", ["4,2,8,mtp+prompt_lookup", EVERY_FAMILY])
 def test_every_family_and_hybrid_rollouts_return_plain_tokens(tiny_cfg, tiny_params, strategy):
   """Sampled GRPO-shaped groups (4 samples per prompt) decoded by SD from the first token:
-  a hybrid tree of every family, and one of MTP heads and prompt lookup (no EAGLE drafter),
-  return plain decoding's tokens."""
+  a hybrid tree of every registered family (their examples), and one of MTP heads and prompt
+  lookup (no EAGLE drafter), return plain decoding's tokens."""
   sp = SamplingParams(1.0)
   ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=16, prompt_widths=(8,))
   plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec).generate(
       PROMPTS[:2], 4, sp, jax.random.key(3))
-  engine = _tail_engine(tiny_cfg, tiny_params, strategy, random_drafter(tiny_cfg, seed=2),
-                        mtp=random_mtp(tiny_cfg, seed=3))
-  assert set(engine.drafters) == set(Strategy.parse(strategy).drafts)
+  drafts = Strategy.parse(strategy).drafts
+  examples = example_drafters(tiny_cfg, seed=2)
+  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
+      ec, sd_threshold=2), drafters={n: examples[n] for n in drafts},
+      tuner=FixedTuner(strategy))
+  assert set(engine.drafters) == set(drafts)
   res = engine.generate(PROMPTS[:2], 4, sp, jax.random.key(3))
   assert res.tokens == plain.tokens
   assert sum(r.mode == "sd" for r in res.timeline) > 3
