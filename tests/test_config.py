@@ -11,9 +11,10 @@ import pytest
 
 from tests.conftest import repo_config
 from tlt_jax.cli import config_from_file
-from tlt_jax.components import load_drafters_for, model_config, validate_config
+from tlt_jax.components import engine_config, load_drafters_for, model_config, validate_config
 from tlt_jax.config import ConfigError, base_config
 from tlt_jax.drafters.eagle.network import DRAFT_TO_POLICY
+from tlt_jax.rollout.engine import EngineConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -477,3 +478,9 @@ def test_config_from_file_parses_a_tuple_override_as_the_command_line_does():
   c = config_from_file(os.path.join(REPO, "configs", "default.py"),
                        ["rollout.speculative.arms='4,2,8', '6,1,7,suffix'"])
   assert c.rollout.speculative.arms == ("4,2,8", "6,1,7,suffix")
+
+
+def test_the_engines_defaults_are_the_schemas():
+  """One default per knob: the engine a library user builds with EngineConfig() is the one
+  the config's defaults build."""
+  assert engine_config(base_config()) == EngineConfig()

@@ -12,6 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.engines import engine_config
 from tests.speculative.drafters import drafter_set, random_drafter
 from tlt_jax.mesh import (DEFAULT_RULES, logical_shardings, logical_to_mesh_spec, make_mesh,
                           shard_pytree)
@@ -19,7 +20,7 @@ from tlt_jax.models import ModelConfig, RopeConfig, init_params, param_logical_a
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.algorithms import Grpo
 from tlt_jax.rl.policy_update import PolicyUpdater
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
@@ -58,7 +59,7 @@ def test_every_layout_generates_the_same_tokens_with_sd_and_gathers_no_weights(m
   # Two batch sizes and one prefill width: the programs of a sharded slice hold collectives
   # and so compile anew on CPU (tlt_jax.compile_cache.guard_cpu_collectives); fewer programs,
   # the same tokens.
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=8, sd_threshold=8,
+  ec = engine_config(max_batch=8, max_prompt_len=8, max_new_tokens=8, sd_threshold=8,
                     batch_sizes=(8, 2), prompt_widths=(8,))
   drafter = random_drafter(cfg, seed=1)
   weight_elements = sum(x.size for x in jax.tree.leaves((params, drafter[1])))
@@ -93,7 +94,7 @@ def test_a_qwen3_policy_generates_the_same_tokens_on_a_tensor_parallel_slice(mod
   for name in ("q_norm", "k_norm"):  # non-trivial norms: a missed or misplaced one shows
     attn[name]["weight"] = 1.0 + 0.3 * jax.random.normal(jax.random.key(len(name)),
                                                          attn[name]["weight"].shape)
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=8, sd_threshold=4,
+  ec = engine_config(max_batch=4, max_prompt_len=8, max_new_tokens=8, sd_threshold=4,
                     batch_sizes=(4, 1), prompt_widths=(8,))
   drafter = random_drafter(cfg, seed=1)
   tokens = []

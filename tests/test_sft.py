@@ -11,11 +11,12 @@ import jax
 import numpy as np
 import pytest
 
+from tests.engines import engine_config
 from tests.conftest import repo_config
 from tests.test_metric_writers import read_events
 from tlt_jax.config import with_current_keys
 from tlt_jax.mesh import make_mesh, shard_pytree
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.models import init_params, param_logical_axes
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
@@ -183,7 +184,7 @@ def test_shipped_policy_solves_heldout_problems(shipped):
   del task["name"], task["seed"]
   examples = ArithmeticTask(seed=task.pop("eval_seed"), **task).examples(32)
   engine = RolloutEngine(cfg, params, make_mesh({"fsdp": -1}, jax.devices()[:1]),
-                         EngineConfig(max_batch=32, max_prompt_len=128, max_new_tokens=160,
+                         engine_config(max_batch=32, max_prompt_len=128, max_new_tokens=160,
                                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id or 0))
   result = evaluate(engine, tok, examples, SamplingParams(0.0))
   assert result["accuracy"] > 0.1

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.engines import engine_config
 from tests.speculative.drafters import drafter_set, oracle_drafter, random_drafter
 from tlt_jax.drafter_training.buffer import FeatureBuffer
 from tlt_jax.mesh import make_mesh, replica_slices
 from tlt_jax.models import init_cache, prefill
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.feature_log import FeatureBlock
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
@@ -40,7 +41,7 @@ def test_logged_features_are_the_policys_own(tiny_cfg, tiny_params, threshold):
   # max_batch 2 < requests per slice: rows are refilled and compacted while logging. One
   # prefill width: a slice of two devices holds collectives, so its programs compile anew on
   # CPU (tlt_jax.compile_cache.guard_cpu_collectives), and the width changes no token.
-  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=10, sd_threshold=threshold,
+  ec = engine_config(max_batch=2, max_prompt_len=8, max_new_tokens=10, sd_threshold=threshold,
                     eos_id=7, prompt_widths=(8,))
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec,
                          drafters=drafter_set(random_drafter(tiny_cfg, 3)),
@@ -73,11 +74,11 @@ def test_an_accepted_path_cut_by_eos_or_the_budget_logs_only_what_the_response_h
   """An oracle drafter's paths of 5 nodes overshoot EOS and the 12-token budget: the
   committed nodes past the cut are in no response, and their features are not logged."""
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12)
+  ec = engine_config(max_batch=8, max_prompt_len=8, max_new_tokens=12)
   plain = RolloutEngine(tiny_cfg, tiny_params, mesh, ec).generate(
       PROMPTS, 1, SamplingParams(0.0), jax.random.key(0))
   tokens, counts = np.unique(np.concatenate([t[3:] for t in plain.tokens]), return_counts=True)
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=8,
+  ec = engine_config(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=8,
                     eos_id=int(tokens[counts.argmax()]))  # a token that ends some responses
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh, ec,
                          drafters=drafter_set(oracle_drafter(tiny_cfg, tiny_params)),

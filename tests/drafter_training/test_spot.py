@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.engines import engine_config
 from tests.conftest import REPO, repo_config
 from tests.speculative.drafters import drafter_set, example_drafters, random_drafter
 from tlt_jax.drafters import EagleDrafter, trainable_part, trained_drafters
@@ -16,7 +17,7 @@ from tlt_jax.rollout.engine import accept_length
 from tlt_jax.drafter_training.spot import SpotConfig, SpotTrainer, _average_slices
 from tlt_jax.drafter_training.train_step import DrafterOptConfig, DrafterTrainState
 from tlt_jax.mesh import make_mesh
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
@@ -47,7 +48,7 @@ def test_spot_steps_run_only_on_idle_slices_and_stop_with_the_rollout(tiny_cfg, 
   mesh = make_mesh({"replica": 2, "fsdp": 2, "tensor": 1}, jax.devices()[:4])
   # One row per slice and no EOS: slice 0 serves two requests back to back, slice 1 one, so
   # slice 1 sits idle for the second half of the rollout.
-  ec = EngineConfig(max_batch=1, max_prompt_len=8, max_new_tokens=64, sd_threshold=0)
+  ec = engine_config(max_batch=1, max_prompt_len=8, max_new_tokens=64, sd_threshold=0)
   # A reduced draft vocabulary (EAGLE-3): its int32 map rides along untrained.
   dcfg, dparams = random_drafter(tiny_cfg, seed=4, draft_vocab_size=32)
   examples = {**example_drafters(tiny_cfg, seed=5),
@@ -125,7 +126,7 @@ def _spot_rollouts(cfg, params, dcfg, dparams, eos, prompts, min_steps, max_roll
   until the drafter took min_steps updates. Returns the new drafter params and step count."""
   mesh = make_mesh({"replica": 2, "fsdp": 1, "tensor": 1}, jax.devices()[:2])
   # Two batch sizes and one prefill width: fewer programs to build, the same tokens.
-  ec = EngineConfig(max_batch=8, max_prompt_len=128, max_new_tokens=192, sd_threshold=0,
+  ec = engine_config(max_batch=8, max_prompt_len=128, max_new_tokens=192, sd_threshold=0,
                     eos_id=eos, batch_sizes=(8, 2), prompt_widths=(128,))
   engine = RolloutEngine(cfg, params, mesh, ec, log_features=True)
   spot = SpotTrainer(cfg, {"eagle": dcfg},
@@ -164,7 +165,7 @@ def _permute_hidden(cfg, params, seed):
 
 def _sd_engine(cfg, params, dcfg, dparams, eos):
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  ec = EngineConfig(max_batch=4, max_prompt_len=128, max_new_tokens=96, sd_threshold=4,
+  ec = engine_config(max_batch=4, max_prompt_len=128, max_new_tokens=96, sd_threshold=4,
                     eos_id=eos, batch_sizes=(4, 1), prompt_widths=(128,))
   return RolloutEngine(cfg, params, mesh, ec, drafters=drafter_set((dcfg, dparams)),
                        tuner=FixedTuner((4, 2, 8)))

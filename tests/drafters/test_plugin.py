@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.engines import engine_config
 from tests.speculative.test_sd_greedy import GREEDY, LENGTHS, PROMPTS
 from tlt_jax.components import load_drafters_for, make_engine, validate_config
 from tlt_jax.config import ConfigError, base_config
@@ -17,7 +18,7 @@ from tlt_jax.drafters import DRAFTERS, Candidates, Drafter, make_drafter
 from tlt_jax.mesh import make_mesh, on_mesh
 from tlt_jax.models import Policy, init_cache
 from tlt_jax.rollout import pool as pool_module
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.speculative.decoding import plain_step, sd_step, start
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
@@ -88,7 +89,7 @@ def test_a_toy_drafter_registered_here_runs_through_the_engine_exactly(echo, tin
   """GRPO-shaped groups (4 samples per prompt), greedy and sampled, SD from the first token
   with the toy alone and merged with the suffix drafter: plain decoding's tokens; its state
   reads every committed pair, so it is as long as the policy's cache."""
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, batch_sizes=(4, 1),
+  ec = engine_config(max_batch=4, max_prompt_len=8, max_new_tokens=12, batch_sizes=(4, 1),
                     prompt_widths=(8,))  # fewer programs, the same tokens
   prompts = [list(p[:n]) for p, n in zip(PROMPTS, LENGTHS)]
   for sp in (GREEDY, SamplingParams(0.9)):

@@ -21,6 +21,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.engines import engine_config
 from tests.models import hf_fixtures
 from tests.speculative.drafters import drafter_set
 from tlt_jax.drafter_training.spot import SpotConfig, SpotTrainer
@@ -36,7 +37,7 @@ from tlt_jax.rl.algorithms import Grpo
 from tlt_jax.rl.grpo import GrpoConfig
 from tlt_jax.rl.policy_update import PolicyUpdater, build_rows, make_log_probs, split_minibatches
 from tlt_jax.rl.tokenizer import prompt_ids
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length
+from tlt_jax.rollout.engine import RolloutEngine, accept_length
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
@@ -164,7 +165,7 @@ def test_prefill_and_tree_verify_through_the_kernel_match_transformers(qwen3):
 
 def _engine(qwen3, mesh, drafter=None, **kw):
   kw.setdefault("prompt_widths", (32,))  # one prefill width: fewer programs, the same tokens
-  ec = EngineConfig(max_batch=4, max_prompt_len=32, max_new_tokens=NEW_TOKENS,
+  ec = engine_config(max_batch=4, max_prompt_len=32, max_new_tokens=NEW_TOKENS,
                     sd_threshold=4 if drafter else 0, **kw)
   if drafter is None:
     return RolloutEngine(qwen3.cfg, qwen3.params, mesh, ec, log_features=True)
@@ -224,7 +225,7 @@ def test_the_drafter_warms_up_spot_trains_exports_and_loads(qwen3, hf_greedy, dr
   assert "input_layernorm" not in params["layer_0"]  # EAGLE's first layer
 
   mesh = make_mesh({"replica": 2, "fsdp": 1, "tensor": 1}, jax.devices()[:2])
-  ec = EngineConfig(max_batch=1, max_prompt_len=32, max_new_tokens=48, sd_threshold=0)
+  ec = engine_config(max_batch=1, max_prompt_len=32, max_new_tokens=48, sd_threshold=0)
   engine = RolloutEngine(qwen3.cfg, qwen3.params, mesh, ec, log_features=True)
   spot = SpotTrainer(qwen3.cfg, {"eagle": dcfg},
                      DrafterOptConfig(learning_rate=1e-3, lr_warmup_steps=1), {"eagle": params},

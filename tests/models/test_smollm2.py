@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.engines import engine_config
 from tests.conftest import REPO
 from tests.speculative.drafters import drafter_set
 from tlt_jax.import_model import DownloadError, smollm2_folder
@@ -26,7 +27,7 @@ from tlt_jax.models import decode, init_cache, prefill
 from tlt_jax.drafters.io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.rl.tokenizer import prompt_ids
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, accept_length
+from tlt_jax.rollout.engine import RolloutEngine, accept_length
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.tuner import FixedTuner
 
@@ -145,7 +146,7 @@ def _engine(smollm2, drafter=None):
   """4 rows at one batch size (a decode step's time is reading the weights, whatever the rows;
   compaction is tested on the tiny models); with a drafter, SD on every decode call (a fixed
   strategy: 3 steps, top-2, 6 verified tokens)."""
-  ec = EngineConfig(max_batch=4, max_prompt_len=64, max_new_tokens=ENGINE_NEW_TOKENS,
+  ec = engine_config(max_batch=4, max_prompt_len=64, max_new_tokens=ENGINE_NEW_TOKENS,
                     eos_id=smollm2.tokenizer.eos_token_id, sd_threshold=4 if drafter else 0,
                     batch_sizes=(4,))
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from tests.engines import engine_config
 from tlt_jax.rl.algorithms import Grpo
 from tlt_jax.rl.grpo import GrpoConfig, group_advantages, token_log_probs
 from tlt_jax.rl.policy_update import (build_rows, make_policy_update, nonfinite_update_message,
@@ -297,14 +298,14 @@ def test_trainer_scores_tokens_under_the_distribution_the_engine_sampled(
   from tlt_jax.models import forward
   from tlt_jax.models.attention_inputs import rows_inputs
   from tlt_jax.rl.policy_update import make_log_probs
-  from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+  from tlt_jax.rollout.engine import RolloutEngine
   from tlt_jax.speculative.sampling import SamplingParams, gumbel_max, target_probs, token_noise
 
   sp = SamplingParams(temperature=temperature, top_p=top_p)
   prompts, samples, key = [[1, 2, 3], [4, 5, 6, 7], [9, 8]], 4, jax.random.key(3)
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   engine = RolloutEngine(tiny_cfg, tiny_params, mesh,
-                         EngineConfig(max_batch=16, max_prompt_len=8, max_new_tokens=10))
+                         engine_config(max_batch=16, max_prompt_len=8, max_new_tokens=10))
   res = engine.generate(prompts, samples, sp, key)
   rows_prompts = [prompts[i // samples] for i in range(len(res.tokens))]
   rows = build_rows(rows_prompts, res.tokens, np.zeros(len(res.tokens), np.float32),

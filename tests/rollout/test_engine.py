@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.engines import engine_config
 from tests.speculative.drafters import drafter_set, example_drafters, random_drafter
 from tlt_jax.drafters import DRAFTERS
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import ModelConfig, init_params, prefill, init_cache
 from tlt_jax.drafters.eagle.network import drafter_from_policy
 from tlt_jax.rollout import pool as pool_module
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams, target_probs
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner
@@ -31,7 +32,7 @@ def _mesh(replicas, fsdp=1):
 def _eos(tiny_cfg, tiny_params):
   """A token that ends some but not all greedy generations early."""
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1),
-                         EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12))
+                         engine_config(max_batch=8, max_prompt_len=8, max_new_tokens=12))
   res = engine.generate(PROMPTS, 1, GREEDY, jax.random.key(0))
   counts = {}
   for toks in res.tokens:
@@ -43,7 +44,7 @@ def _eos(tiny_cfg, tiny_params):
 @pytest.fixture(scope="module")
 def plain_reference(tiny_cfg, tiny_params):
   eos = _eos(tiny_cfg, tiny_params)
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, eos_id=eos)
+  ec = engine_config(max_batch=8, max_prompt_len=8, max_new_tokens=12, eos_id=eos)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec)
   return ec, engine.generate(PROMPTS, 2, GREEDY, jax.random.key(0))
 
@@ -56,7 +57,7 @@ def test_greedy_engine_with_sd_equals_plain_engine(tiny_cfg, tiny_params, plain_
   ec, ref = plain_reference
   reasons = set(ref.finish_reasons)
   assert reasons == {"eos", "length"}  # sequences finish at different times
-  ec = EngineConfig(max_batch=max_batch, max_prompt_len=8, max_new_tokens=12,
+  ec = engine_config(max_batch=max_batch, max_prompt_len=8, max_new_tokens=12,
                     sd_threshold=threshold, eos_id=ec.eos_id, prompt_widths=(8,))
   d = drafter_from_policy(tiny_cfg, tiny_params) if drafter == "oracle" else random_drafter(
       tiny_cfg, seed=2)
@@ -100,7 +101,7 @@ def test_a_prompts_samples_share_one_prefill_row(tiny_cfg, tiny_params, plain_re
 
 def test_no_recompiles_and_bounded_pool(tiny_cfg, tiny_params, plain_reference):
   ec, ref = plain_reference
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
+  ec = engine_config(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
                     eos_id=ec.eos_id)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
                          drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
@@ -128,7 +129,7 @@ def test_greedy_and_sampled_rollouts_share_programs_and_keep_their_tokens(tiny_c
   rollouts at two temperatures, a greedy one compiles nothing (its schedule, SD's accept
   lengths included, needs a subset of their programs), and each gives what an engine that
   ran them in the reverse order gives."""
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=6, sd_threshold=2)
+  ec = engine_config(max_batch=4, max_prompt_len=8, max_new_tokens=6, sd_threshold=2)
 
   def engine():
     return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
@@ -149,7 +150,7 @@ def test_a_slice_without_requests_is_idle_from_the_start(tiny_cfg, tiny_params):
   """Fewer requests than slices: the idle slice is reported at once (spot training starts
   there, and its trainer stops when every slice has been reported), not never."""
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2),
-                         EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=4))
+                         engine_config(max_batch=4, max_prompt_len=8, max_new_tokens=4))
   idle = []
   res = engine.generate([PROMPTS[1]], 1, GREEDY, jax.random.key(0),
                         on_slice_idle=lambda s, mesh, block: idle.append((s, block)))
@@ -164,7 +165,7 @@ def test_compiling_ahead_keeps_tokens_and_takes_compiles_off_the_critical_path(
   prefill; the tail decodes plainly until one is ready, and no call compiles an SD program.
   With shared programs the two arms of batch 2 run in one program shaped for (3, 2, 6)."""
   ec, ref = plain_reference
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
+  ec = engine_config(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
                     eos_id=ec.eos_id, compile_ahead=True, shared_sd_max_batch=shared)
   tuner = BegMabTuner(thresholds=(1, 2), arms=[[(3, 2, 6)], [(2, 2, 4), (3, 2, 6)]],
                       plain_arm=True)
@@ -208,7 +209,7 @@ def test_every_slice_compiles_its_tail_ahead(tiny_cfg, tiny_params):
   """The rollout key is placed on each slice, so the programs compiled ahead for a slice
   other than the key's device lower too (they failed, and the failure stopped the rollout
   that asked for the program)."""
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
+  ec = engine_config(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
                     compile_ahead=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(2), ec,
                          drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
@@ -227,7 +228,7 @@ def test_every_slice_compiles_its_tail_ahead(tiny_cfg, tiny_params):
 
 def _beg_mab_engine(tiny_cfg, tiny_params, eos_id, slices, max_batch):
   """(engine, tuner): SD with a BEG-MAB tuner over two buckets of two arms each."""
-  ec = EngineConfig(max_batch=max_batch, max_prompt_len=8, max_new_tokens=12, sd_threshold=4,
+  ec = engine_config(max_batch=max_batch, max_prompt_len=8, max_new_tokens=12, sd_threshold=4,
                     eos_id=eos_id)
   tuner = BegMabTuner(thresholds=(1, 3), arms=[[(3, 2, 6), (2, 2, 4)], [(2, 2, 4), (2, 1, 3)]])
   return RolloutEngine(tiny_cfg, tiny_params, _mesh(slices), ec,
@@ -335,7 +336,7 @@ def test_several_iterations_per_call_change_the_calls_not_the_tokens(tiny_cfg, t
 ])
 def test_bad_inputs(tiny_cfg, tiny_params, bad, match):
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1),
-                         EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=4))
+                         engine_config(max_batch=2, max_prompt_len=8, max_new_tokens=4))
   kw = dict(prompts=[[1, 2]], num_samples=1) | bad
   with pytest.raises(ValueError, match=match):
     engine.generate(kw["prompts"], kw["num_samples"], GREEDY, jax.random.key(0))
@@ -360,11 +361,11 @@ def test_generate_stops_between_calls_when_asked(tiny_cfg, tiny_params, plain_re
 
 def test_bad_engine_config(tiny_cfg, tiny_params):
   with pytest.raises(ValueError, match="max_batch=6 must be a power of two"):
-    EngineConfig(max_batch=6)
+    engine_config(max_batch=6)
   with pytest.raises(ValueError, match="exceeds the 6 draft candidates"):
     FixedTuner((2, 2, 8))
   with pytest.raises(ValueError, match="needs a tuner"):
-    RolloutEngine(tiny_cfg, tiny_params, _mesh(1), EngineConfig(),
+    RolloutEngine(tiny_cfg, tiny_params, _mesh(1), engine_config(),
                   drafters=drafter_set(random_drafter(tiny_cfg)))
 
 
@@ -378,7 +379,7 @@ def test_sampled_engine_is_exact():
   prompt = [1, 4, 2]
   sp = SamplingParams(0.8)
   n = 2048
-  ec = EngineConfig(max_batch=1024, max_prompt_len=4, max_new_tokens=2, sd_threshold=1024)
+  ec = engine_config(max_batch=1024, max_prompt_len=4, max_new_tokens=2, sd_threshold=1024)
   engine = RolloutEngine(cfg, params, _mesh(1), ec,
                          drafters=drafter_set(random_drafter(cfg, seed=9)),
                          tuner=FixedTuner((2, 2, 4)))
@@ -401,7 +402,7 @@ def test_sampled_engine_is_exact():
 
 
 def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16, mtp=None):
-  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=max_new, sd_threshold=2,
+  ec = engine_config(max_batch=2, max_prompt_len=8, max_new_tokens=max_new, sd_threshold=2,
                     prompt_widths=(8,))
   return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec, drafters=drafter_set(drafter, mtp),
                        tuner=FixedTuner(strategy))
@@ -420,7 +421,7 @@ def test_every_family_and_hybrid_rollouts_return_plain_tokens(tiny_cfg, tiny_par
   a hybrid tree of every registered family (their examples), and one of MTP heads and prompt
   lookup (no EAGLE drafter), return plain decoding's tokens."""
   sp = SamplingParams(1.0)
-  ec = EngineConfig(max_batch=2, max_prompt_len=8, max_new_tokens=16, prompt_widths=(8,))
+  ec = engine_config(max_batch=2, max_prompt_len=8, max_new_tokens=16, prompt_widths=(8,))
   plain = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec).generate(
       PROMPTS[:2], 4, sp, jax.random.key(3))
   drafts = Strategy.parse(strategy).drafts
@@ -459,7 +460,7 @@ def test_any_batch_ladder_gives_the_same_tokens(tiny_cfg, tiny_params, plain_ref
   """Program batch sizes change where batches compact, not the tokens: greedy and sampled,
   plain and SD; only the ladder's sizes (and max_batch) get decode programs."""
   ec, ref = plain_reference
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=3,
+  ec = engine_config(max_batch=8, max_prompt_len=8, max_new_tokens=12, sd_threshold=3,
                     eos_id=ec.eos_id, batch_sizes=ladder, prompt_widths=(8,))
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
                          drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),
@@ -478,14 +479,14 @@ def test_any_batch_ladder_gives_the_same_tokens(tiny_cfg, tiny_params, plain_ref
 def test_sizes_past_the_cap_count_as_the_cap():
   """A config that names its batch sizes and prompt widths keeps working when max_batch or
   max_prompt_len is lowered: a size past the cap is the cap, which is always one."""
-  ec = EngineConfig(max_batch=4, max_prompt_len=64, batch_sizes=[8, 2],
+  ec = engine_config(max_batch=4, max_prompt_len=64, batch_sizes=[8, 2],
                     prompt_widths=(128, 32))
   assert (ec.batch_sizes, ec.ladder, ec.prompt_widths) == ((2, 4), (2, 4), (32, 64))
   assert (ec.batch_for(3), ec.width_for(20), ec.width_for(40)) == (4, 32, 64)
-  assert EngineConfig(max_prompt_len=64, prompt_widths=(128,)).width_for(5) == 64
+  assert engine_config(max_prompt_len=64, prompt_widths=(128,)).width_for(5) == 64
   for bad in ({"batch_sizes": (0,)}, {"prompt_widths": (2.5,)}):
     with pytest.raises(ValueError, match="must be whole numbers of at least 1"):
-      EngineConfig(**bad)
+      engine_config(**bad)
 
 
 def test_the_compile_plan_compiles_every_program_before_the_rollout(tiny_cfg, tiny_params,
@@ -495,7 +496,7 @@ def test_the_compile_plan_compiles_every_program_before_the_rollout(tiny_cfg, ti
   (16, 8, 1), the compactions between them (3), and the tail's SD programs (batches 8 and 1);
   the rollout then compiles nothing and runs SD in its tail."""
   ec, ref = plain_reference
-  ec = EngineConfig(max_batch=16, max_prompt_len=8, max_new_tokens=12, sd_threshold=8,
+  ec = engine_config(max_batch=16, max_prompt_len=8, max_new_tokens=12, sd_threshold=8,
                     eos_id=ec.eos_id, batch_sizes=(8, 1), prompt_widths=(8,),
                     compile_ahead=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
@@ -524,7 +525,7 @@ def test_a_rollout_whose_tail_never_reached_sd_says_why(tiny_cfg, tiny_params, m
   from tlt_jax.rollout.engine import accept_length, sd_not_reached
   from tlt_jax.rollout.programs import SlicePrograms
   from tlt_jax.train_report import accept_shown, write_summary
-  ec = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
+  ec = engine_config(max_batch=4, max_prompt_len=8, max_new_tokens=12, sd_threshold=2,
                     compile_ahead=True)
   engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
                          drafters=drafter_set(random_drafter(tiny_cfg, seed=2)),

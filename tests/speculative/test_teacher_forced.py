@@ -6,11 +6,12 @@ import jax
 import numpy as np
 import pytest
 
+from tests.engines import engine_config
 from tests.speculative.drafters import oracle_drafter, random_mtp
 from tlt_jax.drafters import EagleDrafter, SuffixDrafter
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models import Policy
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.teacher_forced import ResponseDepths, response_depths
@@ -34,7 +35,7 @@ def sharp(tiny_cfg, tiny_params):
 def test_the_walk_is_what_the_engine_accepts(tiny_cfg, sharp, strategy):
   params, drafters = sharp
   used = {name: drafters[name] for name in strategy.drafts}
-  ec = EngineConfig(max_batch=8, max_prompt_len=8, max_new_tokens=40, sd_threshold=8)
+  ec = engine_config(max_batch=8, max_prompt_len=8, max_new_tokens=40, sd_threshold=8)
   engine = RolloutEngine(tiny_cfg, params, make_mesh({"replica": 1}, jax.devices()[:1]), ec, drafters=used,
                          tuner=FixedTuner(strategy))
   rng = np.random.default_rng(0)

@@ -65,15 +65,17 @@ class EngineConfig:
   padded rows. Tokens do not change.
   prompt_widths: the prefill widths prompts are padded to (() = powers of two up to
   max_prompt_len, which is always one, and a width above it counts as max_prompt_len): one
-  width, one prefill program per batch size."""
-  max_batch: int = 32
+  width, one prefill program per batch size.
+  Each default is the config's (rollout.<knob>, rollout.speculative.shared_max_batch and
+  .corpus_rows; eos_id and pad_id come from the tokenizer)."""
+  max_batch: int = 64
   max_prompt_len: int = 128
   max_new_tokens: int = 256
-  sd_threshold: int = 8
+  sd_threshold: int = 4
   iterations_per_call: int = 32
   eos_id: int = -1
   pad_id: int = 0
-  compile_ahead: bool = False
+  compile_ahead: bool = True
   shared_sd_max_batch: int = 0
   corpus_rows: int = 8
   batch_sizes: tuple[int, ...] = ()
