@@ -29,6 +29,7 @@ from tlt_jax.models.decoder import init_params, param_logical_axes
 from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
+from tlt_jax.plugins import import_plugins
 from tlt_jax.rl.algorithms import ALGORITHMS, Algorithm, make_algorithm
 from tlt_jax.rl.data import load_numbered_examples
 from tlt_jax.rl.loss import LossConfig
@@ -52,6 +53,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   below is built once (their dataclasses check their own ranges), and no knob the run does not
   read is set (`unread_knobs`; writes_metrics=False: a job that writes no metrics, so
   logging.* is not read either). Raises ConfigError naming the key and the fix."""
+  import_plugins(config.plugins)  # what they register is named by the config
   check_config(config, num_devices)
   # The tuner first: its errors name the strategy key; the drafters' settings parse it too.
   builders = (model_config, engine_config, sampling_params, configured_strategy,

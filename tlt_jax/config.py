@@ -97,6 +97,11 @@ def base_config() -> ml_collections.ConfigDict:
   # The run's randomness: random weights, prompt order, every sampled token (with the RL step),
   # drafter batches and the tuner's exploration. Problems are task.seed's.
   c.seed = 0
+  # Plug-ins: modules of your own that register drafters, algorithms or tasks
+  # (@register_drafter / @register_algorithm / @register_task), comma-separated importable
+  # module names or .py paths, imported before the config file is read and validated
+  # (tlt_jax.plugins; docs/extending.md), e.g. --config.plugins=my_plugins.py.
+  c.plugins = ""
 
   c.mesh = ml_collections.ConfigDict()
   # Axis order matters: replica slices are the outermost groups of devices.
