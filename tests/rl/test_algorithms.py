@@ -15,8 +15,8 @@ from tlt_jax.cli import config_from_file, set_config_value
 from tlt_jax.components import algorithm_from_config, validate_config
 from tlt_jax.config import ConfigError, base_config
 from tlt_jax.models.hf import load_tokenizer
-from tlt_jax.rl.algorithms import (ALGORITHMS, Dapo, DapoSettings, DrGrpo, Grpo, Gspo,
-                                   GspoSettings, check_shared_knobs, make_algorithm)
+from tlt_jax.rl.algorithms import (ALGORITHMS, Dapo, DapoSettings, Grpo, GspoSettings,
+                                   check_shared_knobs, make_algorithm)
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.loss import ADVANTAGES, SHARED_KNOBS, BatchInput, LossConfig, group_advantages
 from tlt_jax.rl.phases import merge_rollouts, sample_step, Rollout
@@ -305,25 +305,32 @@ class ScaledGrpo(Grpo):
                                           * batch["scale"]), entropy)
 
 
+def _compiled_updater(cfg, params, algorithm, rows: int, widths=()):
+  """A PolicyUpdater of `algorithm` on one device, one micro-batch of `rows` rows; with
+  `widths`, its update for `rows` sequences of up to 64 tokens compiled ahead."""
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.rl.policy_update import PolicyUpdater
+  from tlt_jax.rollout.pool import wait_for_compiles_ahead
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  updater = PolicyUpdater(cfg, algorithm, optax.sgd(0.5), jax.tree.map(jnp.copy, params), mesh,
+                          DEFAULT_RULES, ppo_epochs=1, mini_batches=1, micro_batch_rows=rows,
+                          widths=widths)
+  if widths:
+    updater.compile_ahead(params, rows, 64)
+    wait_for_compiles_ahead()
+  return updater
+
+
 def test_an_algorithm_s_own_row_input_reaches_its_loss_through_the_update(tiny_cfg,
                                                                          tiny_params):
   """A declared per-row input ("scale" = 2) is laid out, compiled ahead and fed to the loss by
   the update as it stands: the update equals GRPO's on doubled advantages, from the program
   compiled ahead; undeclared inputs are refused by name."""
-  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
-  from tlt_jax.rl.policy_update import PolicyUpdater
-  from tlt_jax.rollout.pool import wait_for_compiles_ahead
-  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   prompts, completions = [[3, 4], [5]], [[6, 7, 8], [9, 10]]
   rewards, lengths = np.array([1.0, 0.0], np.float32), np.array([3, 2])
 
   def update(algorithm, inputs, widths=()):
-    updater = PolicyUpdater(tiny_cfg, algorithm, optax.sgd(0.5),
-                            jax.tree.map(jnp.copy, tiny_params), mesh, DEFAULT_RULES,
-                            ppo_epochs=1, mini_batches=1, micro_batch_rows=2, widths=widths)
-    if widths:
-      updater.compile_ahead(tiny_params, 2, 64)
-      wait_for_compiles_ahead()
+    updater = _compiled_updater(tiny_cfg, tiny_params, algorithm, 2, widths)
     params, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions,
                                  inputs, 0, max_width=64)
     return jax.device_get(params), metrics, updater.pool.report()
@@ -337,6 +344,49 @@ def test_an_algorithm_s_own_row_input_reaches_its_loss_through_the_update(tiny_c
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
   with pytest.raises(ValueError, match=r"the algorithm's inputs are \['advantages'\]"):
     update(Grpo(), inputs)
+
+
+TOKEN_WEIGHT = BatchInput("token_weight", np.float32, "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenWeighted(Grpo):
+  """GRPO with a token-level input of its own: each response token's value is its 1-based
+  index in the response, reported as its token mean."""
+  inputs = (ADVANTAGES, TOKEN_WEIGHT)
+
+  def response_inputs(self, rewards, lengths, group_size):
+    return {**super().response_inputs(rewards, lengths, group_size),
+            "token_weight": [np.arange(1, n + 1, dtype=np.float32) for n in lengths]}
+
+  def loss_fn(self, params, batch, cfg):
+    loss, metrics = super().loss_fn(params, batch, cfg)
+    mask = batch["loss_mask"]
+    metrics["token_weight_mean"] = (jnp.sum(jnp.where(mask, batch["token_weight"], 0.0))
+                                    / jnp.maximum(jnp.sum(mask), 1))
+    metrics["token_weight_off_mask_max"] = jnp.max(jnp.where(mask, 0.0, batch["token_weight"]))
+    return loss, metrics
+
+
+@pytest.mark.parametrize("widths", [(), (32,)])
+def test_an_algorithm_s_own_token_input_is_placed_at_its_response_tokens(tiny_cfg, tiny_params,
+                                                                         widths):
+  """A declared token-level input is laid out at the positions that predict each response's
+  tokens (0 elsewhere), widened with the batch and compiled ahead like the rest."""
+  from tlt_jax.rl.phases import take_rows
+  prompts, completions = [[3, 4], [5], [6, 7, 1]], [[6, 7, 8], [9, 10], [2]]
+  lengths = np.array([len(c) for c in completions])
+  algorithm = TokenWeighted()
+  inputs = algorithm.response_inputs(np.array([1.0, 0.0, 0.0], np.float32), lengths, 3)
+  updater = _compiled_updater(tiny_cfg, tiny_params, algorithm, 4, widths)
+  rows = [0, 2]  # the update trains on a subset of the step's responses
+  _, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), [prompts[r] for r in rows],
+                          [completions[r] for r in rows],
+                          {k: take_rows(v, rows) for k, v in inputs.items()}, 0, max_width=64,
+                          min_rows=4)
+  assert metrics["token_weight_mean"] == pytest.approx((1 + 2 + 3 + 1) / 4)
+  assert metrics["token_weight_off_mask_max"] == 0.0
+  assert updater.pool.report()["compiles"] == (0 if widths else 1)
 
 
 def test_the_memory_budget_lays_out_the_batch_the_algorithm_declares(monkeypatch):

@@ -169,14 +169,14 @@ def update_policy(updater: PolicyUpdater, algorithm: Algorithm, params: dict,
   inputs = algorithm.response_inputs(samples.scored.rewards, result.lengths, n)
   params, metrics, _ = updater(params, [samples.prompts[r // n] for r in rows],
                                [result.tokens[r] for r in rows],
-                               {k: _take(v, rows) for k, v in inputs.items()}, pad_id,
+                               {k: take_rows(v, rows) for k, v in inputs.items()}, pad_id,
                                max_width=max_width, min_rows=config.rl.prompts_per_step * n,
                                rollout_logps=[result.logprobs[r] for r in rows]
                                if result.logprobs else None)
   return params, metrics
 
 
-def _take(values, rows: list[int]):
+def take_rows(values, rows: list[int]):
   """values[rows] of an [N] array or of a list of N per-response arrays."""
   return values[rows] if isinstance(values, np.ndarray) else [values[r] for r in rows]
 
