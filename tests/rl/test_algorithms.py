@@ -389,6 +389,20 @@ def test_an_algorithm_s_own_token_input_is_placed_at_its_response_tokens(tiny_cf
   assert updater.pool.report()["compiles"] == (0 if widths else 1)
 
 
+def test_the_updater_holds_a_reference_exactly_when_the_algorithm_reads_one(tiny_cfg,
+                                                                          tiny_params):
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.rl.policy_update import PolicyUpdater
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  with_kl = Grpo(LossConfig(kl_coef=0.1))
+  assert with_kl.uses_reference and not Grpo().uses_reference
+  assert [i.key for i in with_kl.batch_inputs] == ["advantages", "weight", "ref_logp"]
+  for algorithm, ref in ((with_kl, None), (Grpo(), tiny_params)):
+    with pytest.raises(ValueError, match="give ref_params exactly when it does"):
+      PolicyUpdater(tiny_cfg, algorithm, optax.sgd(0.5), tiny_params, mesh, DEFAULT_RULES,
+                    ppo_epochs=1, mini_batches=1, micro_batch_rows=2, ref_params=ref)
+
+
 def test_the_memory_budget_lays_out_the_batch_the_algorithm_declares(monkeypatch):
   """tlt_jax.budget's policy update takes the algorithm's declared inputs (with their level:
   a row input is [micro-batches, rows]), and the reference's log-probs only with kl_coef."""

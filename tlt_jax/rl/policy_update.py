@@ -32,8 +32,8 @@ from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
 from tlt_jax.rl.algorithms import Algorithm
-from tlt_jax.rl.loss import (ADVANTAGES, OLD_LOGP, ROLLOUT_LOGP, SEQUENCE_INPUTS, BatchInput,
-                             token_log_probs)
+from tlt_jax.rl.loss import (ADVANTAGES, OLD_LOGP, REF_LOGP, ROLLOUT_LOGP, SEQUENCE_INPUTS,
+                             BatchInput, token_log_probs)
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.speculative.sampling import SamplingParams
 
@@ -287,9 +287,9 @@ class PolicyUpdater:
                                           self.algorithm.loss_weights))
     compile_before = self.pool.compile_seconds
     if self.needs_old_logp:
-      batch["old_logp"] = self._batch_log_probs(params, batch)
+      batch[OLD_LOGP.key] = self._batch_log_probs(params, batch)
     if self.algorithm.uses_reference:
-      batch["ref_logp"] = self._batch_log_probs(self.ref_params, batch)
+      batch[REF_LOGP.key] = self._batch_log_probs(self.ref_params, batch)
     # A mini-batch of padding rows alone takes no optimizer step: with zero gradients AdamW
     # would still move the weights (momentum, weight decay) and count a step.
     real = np.flatnonzero(rows["loss_mask"].reshape(self.mini_batches, -1).any(axis=1))
@@ -324,7 +324,7 @@ class PolicyUpdater:
              self.micro_rows, _round_up(max_width))
     batch = {i.key: self._abstract(i.shape(shape[:3], shape[3]), i.dtype)
              for i in batch_inputs(self.algorithm, self.needs_old_logp, rollout_logps)}
-    if "old_logp" in batch or "ref_logp" in batch:  # `_batch_log_probs`' flat micro-batches
+    if self.needs_old_logp or self.algorithm.uses_reference:  # `_batch_log_probs`' inputs
       flat = {k: self._abstract((shape[0] * shape[1], *shape[2:]), batch[k].dtype, lead=1)
               for k in SEQUENCE_KEYS}
       self.pool.compile_ahead(("log_probs", _shapes(flat)), self._log_probs, (params, flat),
