@@ -53,7 +53,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   below is built once (their dataclasses check their own ranges), and no knob the run does not
   read is set (`unread_knobs`; writes_metrics=False: a job that writes no metrics, so
   logging.* is not read either). Raises ConfigError naming the key and the fix."""
-  import_plugins(config.plugins)  # what they register is named by the config
+  import_plugins(config.get("plugins", ""))  # what they register is named by the config
   check_config(config, num_devices)
   # The tuner first: its errors name the strategy key; the drafters' settings parse it too.
   builders = (model_config, engine_config, sampling_params, configured_strategy,

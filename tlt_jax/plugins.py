@@ -73,7 +73,7 @@ def with_plugin_sections(config: ml_collections.ConfigDict) -> ml_collections.Co
   """Imports config.plugins and adds to `config` (in place; returned) every key of the schema
   it lacks: the sections of what they registered (a config file that names its plug-ins
   itself ran `base_config()` before they were imported)."""
-  import_plugins(config.plugins)
+  import_plugins(config.get("plugins", ""))
   with config.unlocked():
     _add_missing(config, base_config())
   return config
