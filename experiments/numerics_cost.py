@@ -4,7 +4,7 @@
 Timed per mode, each a jitted call (median of --repeats after a warm-up call):
   decode  one decode step at each of --batches rows, over a cache of --context valid slots;
   verify  a tree verify of --tree nodes (a chain) at 8 rows over the same cache;
-  update  the gradient of the trainer's token log-probs (tlt_jax.rl.grpo.token_log_probs)
+  update  the gradient of the trainer's token log-probs (tlt_jax.rl.loss.token_log_probs)
           over 4 rows of --train-len tokens.
 Writes OUT/numerics_cost.json (the times, invariant / fast per call, the target: a decode step
 at most 1.5x the fast one, checked per row count) and OUT/numerics_cost.png.
@@ -44,7 +44,7 @@ def measure(cfg, args) -> dict:
   import numpy as np
   from tlt_jax.models import decoder, init_cache
   from tlt_jax.models.attention_inputs import ancestor_mask, tree_depths
-  from tlt_jax.rl.grpo import token_log_probs
+  from tlt_jax.rl.loss import token_log_probs
   params = decoder.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
   capacity = args.context + args.tree + 8

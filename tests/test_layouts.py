@@ -135,7 +135,8 @@ def test_the_grpo_update_is_the_same_on_every_layout(model):
     start = _training_params(cfg, jax.tree.map(jnp.copy, params), mesh)
     updater = PolicyUpdater(cfg, Grpo(), optax.sgd(0.5), start, mesh, DEFAULT_RULES,
                             ppo_epochs=1, mini_batches=1, micro_batch_rows=8)
-    new, metrics, _ = updater(start, prompts, completions, advantages, 0, max_width=16)
+    new, metrics, _ = updater(start, prompts, completions, {"advantages": advantages}, 0,
+                              max_width=16)
     assert metrics["nonfinite"] == 0.0
     updated.append(jax.device_get(new))
   for other in updated[1:]:

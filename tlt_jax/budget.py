@@ -44,7 +44,8 @@ from tlt_jax.mesh import (AXIS_ORDER, logical_shardings, logical_to_mesh_spec, m
 from tlt_jax.models import init_params, param_logical_axes
 from tlt_jax.drafters import drafter_class, make_drafter
 from tlt_jax.optim import make_adamw, optimizer_shardings
-from tlt_jax.rl.policy_update import make_log_probs, make_policy_update
+from tlt_jax.rl.policy_update import (SEQUENCE_KEYS, batch_inputs, make_log_probs,
+                                      make_policy_update)
 from tlt_jax.rollout.pool import ExecutablePool, with_output_layout
 from tlt_jax.rollout.programs import SlicePrograms
 from tlt_jax.rollout.traces import export_program
@@ -328,19 +329,13 @@ def job_programs(config: ml_collections.ConfigDict, job: str, num_devices: int =
   micro = -(-rows // (rl.mini_batches * rl.micro_batch_rows))  # micro-batches per mini-batch
   shape = (micro, rl.micro_batch_rows, engine_config(config).capacity)
   needs_old_logp = rl.ppo_epochs * rl.mini_batches > 1
-  mini = {"tokens": (shape, jnp.int32), "targets": (shape, jnp.int32),
-          "loss_mask": (shape, jnp.bool_), "advantages": (shape[:2], jnp.float32),
-          "weight": (shape[:2], jnp.float32)}
-  if needs_old_logp:
-    mini["old_logp"] = (shape, jnp.float32)
-  if rl.kl_coef > 0:
-    mini["ref_logp"] = (shape, jnp.float32)
-  mini = {k: _rows_on(meshes.train, meshes.rules, jax.ShapeDtypeStruct(*v), row_dim=1)
-          for k, v in mini.items()}
-  if needs_old_logp or rl.kl_coef > 0:
+  mini = {i.key: _rows_on(meshes.train, meshes.rules,
+                          jax.ShapeDtypeStruct(i.shape(shape[:2], shape[2]), i.dtype), row_dim=1)
+          for i in batch_inputs(algorithm, needs_old_logp)}
+  if needs_old_logp or algorithm.uses_reference:
     programs.append(Program("log_probs", make_log_probs(tcfg, algorithm.loss.sampling,
                                                          tuple(rl.update_widths)).__wrapped__,
-                            (params, {k: mini[k] for k in ("tokens", "targets", "loss_mask")}),
+                            (params, {k: mini[k] for k in SEQUENCE_KEYS}),
                             (), (0,), meshes.train))
   update = make_policy_update(tcfg, algorithm.loss_fn, _policy_optimizer(config, job), None,
                               None, tuple(rl.update_widths)).__wrapped__

@@ -19,6 +19,7 @@ from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.components import drop_values_made_unread, first_line, validate_config
 from tlt_jax.config import RENAMED_KEYS, ConfigError, RunStopped, current_key, renamed_hint
 from tlt_jax.mesh import initialize_distributed
+from tlt_jax.plugins import import_plugins, with_plugin_sections
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -26,8 +27,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   or raises, for bad overrides, and for words left over after the flags."""
   if "config" in flags.FLAGS:
     # Read here first: absl would defer a missing file's error to the config's first use and
-    # let other errors of the file through as tracebacks.
+    # let other errors of the file through as tracebacks. Plug-ins first: the config file's
+    # base_config() then has their sections, which the overrides may set.
     try:
+      import_plugins(_plugins_override(argv[1:]))
       read_config_file(_config_spec(argv))
     except ConfigError as e:
       sys.exit(f"config error: {e}")
@@ -50,6 +53,13 @@ def _current_override(arg: str) -> str:
   if not m or m.group(2) not in RENAMED_KEYS:
     return arg
   return m.group(1) + current_key(m.group(2)) + (m.group(3) or "")
+
+
+def _plugins_override(args) -> str:
+  """The value of the last --config.plugins=VALUE (or 'plugins=VALUE' override) in `args`;
+  '' without one."""
+  values = [m.group(1) for a in args if (m := re.match(r"^(?:--?config\.)?plugins=(.*)$", a))]
+  return values[-1] if values else ""
 
 
 def _config_spec(argv: list[str]) -> str:
@@ -98,6 +108,7 @@ def load_config(flag):
   parsed = flags.FLAGS[flag.name]
   try:
     file_config = read_config_file(parsed.config_filename)
+    with_plugin_sections(config)
   except ConfigError as e:
     sys.exit(f"config error: {e}")
   return drop_values_made_unread(config, file_config, parsed.override_values)
@@ -181,7 +192,9 @@ def read_config_file(spec: str) -> ml_collections.ConfigDict:
 def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
   """`get_config(arg)` of a config file given as 'path[:arg]' (as --config takes it), unlocked,
   with 'key=value' overrides (dotted keys; values parsed to the existing value's type), as
-  the command line sets them (`load_config`)."""
+  the command line sets them (`load_config`); the plug-ins an override 'plugins=...' names are
+  imported first (`tlt_jax.plugins`)."""
+  import_plugins(_plugins_override(overrides))
   config = read_config_file(spec)
   file_config = config.copy_and_resolve_references()
   config.unlock()
@@ -191,7 +204,7 @@ def config_from_file(spec: str, overrides=()) -> ml_collections.ConfigDict:
     if not sep:
       raise ConfigError(f"override {item!r}: expected key=value, e.g. rl.steps=8")
     given.append(set_config_value(config, key, value))
-  return drop_values_made_unread(config, file_config, given)
+  return drop_values_made_unread(with_plugin_sections(config), file_config, given)
 
 
 def set_config_value(config: ml_collections.ConfigDict, dotted: str, value) -> str:

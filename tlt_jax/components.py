@@ -30,9 +30,10 @@ from tlt_jax.models.decoder import init_params, param_logical_axes
 from tlt_jax.drafters.io import load_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer
 from tlt_jax.optim import AdamWConfig
-from tlt_jax.rl.algorithms import ALGORITHMS, Grpo, make_algorithm
+from tlt_jax.plugins import import_plugins
+from tlt_jax.rl.algorithms import ALGORITHMS, Algorithm, make_algorithm
 from tlt_jax.rl.data import load_numbered_examples
-from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.loss import LossConfig
 from tlt_jax.rl.phases import rl_prompts
 from tlt_jax.rl.rewards import RewardFn, make_reward
 from tlt_jax.rl.tasks import Example, Task, TaskSlice, make_task
@@ -53,6 +54,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   below is built once (their dataclasses check their own ranges), and no knob the run does not
   read is set (`unread_knobs`; writes_metrics=False: a job that writes no metrics, so
   logging.* is not read either). Raises ConfigError naming the key and the fix."""
+  import_plugins(config.get("plugins", ""))  # what they register is named by the config
   check_config(config, num_devices)
   # The tuner first: its errors name the strategy key; the drafters' settings parse it too.
   builders = (model_config, engine_config, sampling_params, configured_strategy,
@@ -359,16 +361,17 @@ def make_tuner_from_config(config: ml_collections.ConfigDict) -> Tuner:
     raise ValueError(f"rollout.speculative.{key}={value!r}: {e}") from None
 
 
-def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
-  """The GrpoConfig of config.rl."""
-  return build_from(GrpoConfig, config.rl, sampling=sampling_params(config))
+def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
+  """The LossConfig of config.rl."""
+  return build_from(LossConfig, config.rl, sampling=sampling_params(config))
 
 
-def algorithm_from_config(config: ml_collections.ConfigDict) -> Grpo:
-  """The RL algorithm rl.algorithm names, with the loss of config.rl and its knobs (rl.<name>)."""
+def algorithm_from_config(config: ml_collections.ConfigDict) -> Algorithm:
+  """The RL algorithm rl.algorithm names, with the loss of config.rl, its knobs (rl.<name>)
+  and its check of the group size rl.num_samples."""
   name = config.rl.algorithm
-  return make_algorithm(name, grpo_config(config), config.rollout.max_new_tokens,
-                        config.rl.get(name))
+  return make_algorithm(name, loss_config(config), config.rollout.max_new_tokens,
+                        config.rl.get(name), group_size=config.rl.num_samples)
 
 
 def reward_from_config(config: ml_collections.ConfigDict) -> RewardFn:

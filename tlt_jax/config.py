@@ -28,7 +28,7 @@ from tlt_jax.metric_writers import PACKAGES, missing_package
 from tlt_jax.models.config import DTYPES, MODEL_TYPES, NUMERICS
 from tlt_jax.models.hf import check_model_folder, check_safetensors
 from tlt_jax.rl.algorithms import ALGORITHMS
-from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.loss import LossConfig
 from tlt_jax.rl.policy_update import check_micro_batch_rows
 from tlt_jax.rl.tasks import TASKS, ArithmeticTask
 from tlt_jax.speculative.sampling import SamplingParams
@@ -94,6 +94,11 @@ def base_config() -> ml_collections.ConfigDict:
   # The run's randomness: random weights, prompt order, every sampled token (with the RL step),
   # drafter batches and the tuner's exploration. Problems are task.seed's.
   c.seed = 0
+  # Plug-ins: modules of your own that register drafters, algorithms or tasks
+  # (@register_drafter / @register_algorithm / @register_task), comma-separated importable
+  # module names or .py paths, imported before the config file is read and validated
+  # (tlt_jax.plugins; docs/extending.md), e.g. --config.plugins=my_plugins.py.
+  c.plugins = ""
 
   c.mesh = ml_collections.ConfigDict()
   # Axis order matters: replica slices are the outermost groups of devices.
@@ -281,7 +286,7 @@ def base_config() -> ml_collections.ConfigDict:
   # (tlt_jax.drafters). A row copies from up to corpus_rows of its group's finished responses.
   c.rollout.speculative.corpus_rows = 8
 
-  # GRPO (python -m tlt_jax.train; tlt_jax.rl.grpo). Each step: prompts_per_step prompts,
+  # RL (python -m tlt_jax.train; tlt_jax.rl). Each step: prompts_per_step prompts,
   # num_samples responses each, advantages normalised within each prompt's group.
   # The algorithm (tlt_jax.rl.algorithms): "grpo", "dapo" (dynamic sampling and overlong
   # shaping on top of GRPO's loss), "dr_grpo" (no std scaling, a constant normaliser) or
@@ -294,7 +299,7 @@ def base_config() -> ml_collections.ConfigDict:
       c.rl[name] = ml_collections.ConfigDict(defaults_of(algorithm.Settings))
   c.rl.steps = 20                       # RL steps: the run's length (raise it and rerun to extend)
   c.rl.prompts_per_step = 16            # prompts per step, each a group of num_samples responses
-  c.rl.num_samples = 8                  # responses per prompt (the group size G, at least 2)
+  c.rl.num_samples = 8                  # responses per prompt (the group size G; GRPO: >= 2)
   c.rl.num_train_examples = 1_000_000   # the prompt pool (training split of the task)
   c.rl.reward = "answer+format"         # or "answer"
   # Added to the reward of a response ending in a '#### <number>' line (rl.reward="answer+format").
@@ -310,8 +315,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.b1 = 0.9                         # AdamW's first-moment decay
   c.rl.b2 = 0.999                       # AdamW's second-moment decay
   c.rl.grad_clip = 1.0                  # the global gradient norm is clipped to this (0 = no clip)
-  # The loss's knobs (clip_eps, clip_eps_high, ...): GrpoConfig's fields (tlt_jax.rl.grpo).
-  c.rl.update(defaults_of(GrpoConfig, exclude=("sampling",)))
+  # The loss's knobs (clip_eps, clip_eps_high, ...): LossConfig's fields (tlt_jax.rl.loss).
+  c.rl.update(defaults_of(LossConfig, exclude=("sampling",)))
   c.rl.ppo_epochs = 1                   # passes over each step's responses (PPO epochs)
   c.rl.mini_batches = 1                  # optimizer steps per epoch
   c.rl.micro_batch_rows = 32             # rows per gradient-accumulation micro-batch
@@ -650,9 +655,6 @@ def _check_rl(r: ml_collections.ConfigDict) -> None:
   if any(not isinstance(w, int) or w < 1 for w in r.update_widths):
     raise ConfigError(f"rl.update_widths={tuple(r.update_widths)} must be positive token "
                       f"counts, e.g. (256, 512)")
-  if r.num_samples < 2:
-    raise ConfigError(f"rl.num_samples={r.num_samples}: GRPO compares samples within a "
-                      f"group, so it needs at least 2")
   _one_of(r.on_nonfinite, ("stop", "skip"), "rl.on_nonfinite")
 
 

@@ -125,7 +125,8 @@ def _train(config, job: Job, reward_fn, start_over) -> dict:
   updater = PolicyUpdater(training_model_config(config, cfg), algorithm,
                           make_adamw(policy_adamw(config)), params, mesh, rules,
                           rl.ppo_epochs, rl.mini_batches, rl.micro_batch_rows,
-                          ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None,
+                          ref_params=jax.tree.map(jnp.copy, params) if algorithm.uses_reference
+                          else None,
                           widths=tuple(rl.update_widths))
   # The initial policy, for rl.paired_control: a plain engine on its own copy of the weights
   # (the update donates the policy's buffers).

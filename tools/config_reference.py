@@ -159,17 +159,26 @@ def _cell(text: str) -> str:
   return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _section(key: str) -> str:
+  """The table a key is listed in: its top-level section's, or "(top level)"."""
+  return key.split(".", 1)[0] if "." in key else "(top level)"
+
+
 def reference() -> str:
   """The generated part of docs/configs.md."""
   notes = key_notes()
   leaves = _leaves(schema.base_config())
+  first: dict[str, int] = {}
+  for i, (key, _) in enumerate(leaves):
+    first.setdefault(_section(key), i)
+  leaves.sort(key=lambda leaf: first[_section(leaf[0])])  # the top-level keys in one table
   out = [MARKER, "", "## Every knob", "",
          "Generated from `tlt_jax.config.base_config()` by `python -m tools.config_reference`; "
          "a test fails when this page is out of date. Set any of them as "
          "`--config.<key>=<value>`.", ""]
   section = None
   for key, default in leaves:
-    top = key.split(".", 1)[0] if "." in key else "(top level)"
+    top = _section(key)
     if top != section:
       section = top
       intro = notes.get(top, "")

@@ -197,8 +197,8 @@ def test_sd_emits_plain_decodings_tokens_in_bfloat16(bf16, plain_tokens, drafts,
 
 def test_the_trainers_log_probs_are_the_rollouts_bit_for_bit(bf16, plain_tokens):
   """The log-probs plain decoding recorded for its sampled tokens equal those the trainer's
-  forward computes for the same rows (tlt_jax.rl.grpo.token_log_probs): importance ratio 1."""
-  from tlt_jax.rl.grpo import token_log_probs
+  forward computes for the same rows (tlt_jax.rl.loss.token_log_probs): importance ratio 1."""
+  from tlt_jax.rl.loss import token_log_probs
   cfg, params, _ = bf16
   sp = SamplingParams(1.0)
   prompts = np.random.default_rng(1).integers(1, cfg.vocab_size, (3, 6)).astype(np.int32)

@@ -34,7 +34,7 @@ from tlt_jax.drafters.eagle.network import DrafterConfig, init_drafter_params
 from tlt_jax.drafters.io import load_drafter, save_drafter
 from tlt_jax.models.hf import load_hf_config, load_hf_params, load_tokenizer, save_hf_checkpoint
 from tlt_jax.rl.algorithms import Grpo
-from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.loss import LossConfig
 from tlt_jax.rl.policy_update import PolicyUpdater, build_rows, make_log_probs, split_minibatches
 from tlt_jax.rl.tokenizer import prompt_ids
 from tlt_jax.rollout.engine import RolloutEngine, accept_length
@@ -280,8 +280,8 @@ def test_a_grpo_step_is_transformers(qwen3, tmp_path):
              if qwen3.name == "untied" else dict(remat="dots"))
   cfg = qwen3.cfg.replace(**variant)
   prompts, completions, advantages = _grpo_batch(qwen3)
-  rows = build_rows(prompts, completions, advantages, 4, pad_id=0)
-  algorithm = Grpo(loss=GrpoConfig(sampling=SamplingParams(1.0)))
+  rows = build_rows(prompts, completions, {"advantages": advantages}, 4, pad_id=0)
+  algorithm = Grpo(loss=LossConfig(sampling=SamplingParams(1.0)))
   batch = split_minibatches(rows, 1, 4, algorithm.loss_weights)
   flat = {k: jnp.asarray(batch[k][0]) for k in ("tokens", "targets", "loss_mask")}
   log_probs = make_log_probs(cfg, SamplingParams(1.0))
@@ -307,7 +307,8 @@ def test_a_grpo_step_is_transformers(qwen3, tmp_path):
                        DEFAULT_RULES)
   updater = PolicyUpdater(cfg, algorithm, optax.sgd(lr), start, mesh, DEFAULT_RULES, ppo_epochs=1,
                           mini_batches=1, micro_batch_rows=4)
-  new, metrics, _ = updater(start, prompts, completions, advantages, 0, max_width=64)
+  new, metrics, _ = updater(start, prompts, completions, {"advantages": advantages}, 0,
+                            max_width=64)
   assert metrics["nonfinite"] == 0.0
   np.testing.assert_allclose(metrics["loss"], float(loss.detach()), rtol=1e-5)
   out = str(tmp_path / "updated")

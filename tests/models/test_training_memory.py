@@ -14,7 +14,7 @@ from tlt_jax.drafter_training.windows import pack_windows
 from tlt_jax.kernels import prefix_tree_attention
 from tlt_jax.models import ModelConfig, init_params
 from tlt_jax.rl.algorithms import Grpo
-from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.loss import LossConfig
 from tlt_jax.speculative.sampling import SamplingParams
 
 KNOBS = [dict(remat="full"), dict(remat="dots"), dict(attention_query_chunk=4),
@@ -36,7 +36,7 @@ def grpo_batch():
 
 @pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
 def test_grpo_loss_and_gradients_unchanged(tiny_cfg, tiny_params, grpo_batch, knobs):
-  gc = GrpoConfig(kl_coef=0.1, entropy_coef=0.01, sampling=SamplingParams(0.7, top_p=0.9))
+  gc = LossConfig(kl_coef=0.1, entropy_coef=0.01, sampling=SamplingParams(0.7, top_p=0.9))
   batch = dict(grpo_batch, ref_logp=jnp.zeros_like(grpo_batch["tokens"], jnp.float32) - 3.0)
   grad = jax.jit(jax.value_and_grad(Grpo(gc).loss_fn, has_aux=True), static_argnums=(2,))
   (want, _), want_g = grad(tiny_params, batch, tiny_cfg)

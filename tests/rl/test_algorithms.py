@@ -2,8 +2,12 @@
 shaping and rounds of dynamic sampling, Dr. GRPO's advantages and normaliser, GSPO's
 sequence ratio, and their config checks (their losses against TRL: test_trl_parity.py)."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from tests.conftest import REPO
@@ -11,17 +15,17 @@ from tlt_jax.cli import config_from_file, set_config_value
 from tlt_jax.components import algorithm_from_config, validate_config
 from tlt_jax.config import ConfigError, base_config
 from tlt_jax.models.hf import load_tokenizer
-from tlt_jax.rl.algorithms import (ALGORITHMS, Dapo, DapoSettings, DrGrpo, Grpo, Gspo,
-                                   GspoSettings, check_shared_knobs, make_algorithm)
+from tlt_jax.rl.algorithms import (ALGORITHMS, Dapo, DapoSettings, Grpo, GspoSettings,
+                                   check_shared_knobs, make_algorithm)
 from tlt_jax.rl.data import PromptIterator
-from tlt_jax.rl.grpo import SHARED_KNOBS, GrpoConfig, group_advantages
+from tlt_jax.rl.loss import ADVANTAGES, SHARED_KNOBS, BatchInput, LossConfig, group_advantages
 from tlt_jax.rl.phases import merge_rollouts, sample_step, Rollout
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rollout.engine import RolloutResult
 
 
 def _dapo(**settings) -> Dapo:
-  return make_algorithm("dapo", GrpoConfig(clip_eps_high=0.28), 100, settings)
+  return make_algorithm("dapo", LossConfig(clip_eps_high=0.28), 100, settings)
 
 
 def test_grpo_is_the_group_normalised_advantage_with_one_round():
@@ -78,7 +82,7 @@ def test_algorithm_config_errors_name_the_key(algorithm, key, value, message):
 
 
 def test_dr_grpo_centres_without_the_std_and_divides_by_a_constant():
-  dr = make_algorithm("dr_grpo", GrpoConfig(), 10)
+  dr = make_algorithm("dr_grpo", LossConfig(), 10)
   rewards = np.array([1, 0, 0, 0, 1, 1], np.float32)
   np.testing.assert_allclose(dr.advantages(rewards, np.full(6, 3), 3),
                              [2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3], rtol=1e-6)
@@ -88,7 +92,7 @@ def test_dr_grpo_centres_without_the_std_and_divides_by_a_constant():
 
 
 def test_gspo_ratio_is_one_per_response():
-  gspo = make_algorithm("gspo", GrpoConfig(), 10)
+  gspo = make_algorithm("gspo", LossConfig(), 10)
   assert gspo.clip_range == (3e-4, 4e-4)
   maskf = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
   logp, old = np.array([[-1, -2, 0], [-3, 0, 0]], np.float32), np.zeros((2, 3), np.float32)
@@ -113,7 +117,7 @@ def test_a_shared_knob_the_algorithm_ignores_set_away_from_its_default_is_an_err
   assert f"leave {key} at its default" in message
   if algorithm == "gspo":
     assert "rl.gspo.*" in message
-  set_config_value(config, key, getattr(GrpoConfig(), key.split(".")[1]))
+  set_config_value(config, key, getattr(LossConfig(), key.split(".")[1]))
   validate_config(config)  # at its default it is fine
 
 
@@ -131,7 +135,7 @@ def test_a_misdeclared_shared_knob_is_named():
     reads = ("clip_epsilon",)
   with pytest.raises(ValueError, match=r"declares shared knobs that do not exist: "
                                        r"\['clip_epsilon'\]"):
-    check_shared_knobs("typo", Typo, GrpoConfig())
+    check_shared_knobs("typo", Typo, LossConfig())
 
 
 def test_every_algorithm_s_settings_are_a_config_section_with_its_defaults():
@@ -224,8 +228,6 @@ def test_merged_rounds_average_the_drafter_loss_over_its_steps():
 def test_a_step_trains_on_its_kept_groups_in_the_usual_batch_shape(tiny_cfg, tiny_params):
   """update_policy: a partial batch (one group of two kept) is padded to the full batch's
   shape (no new program), trains only on its own rows, and no kept group updates nothing."""
-  import jax.numpy as jnp
-  import optax
   from tlt_jax.mesh import DEFAULT_RULES, make_mesh
   from tlt_jax.rl.phases import Scored, StepSamples, update_policy
   from tlt_jax.rl.policy_update import PolicyUpdater
@@ -256,7 +258,8 @@ def test_a_step_trains_on_its_kept_groups_in_the_usual_batch_shape(tiny_cfg, tin
   assert metrics["nonfinite"] == 0.0 and metrics["grad_norm"] > 0
   # ... is the update of group 1's rows alone (its own token-mean), not of both groups'
   alone, _, _ = updater(jax.tree.map(jnp.copy, tiny_params), [[3], [3]], tokens[2:],
-                        group_advantages(np.array([1, 0], np.float32), 2), 0, max_width=64)
+                        {"advantages": group_advantages(np.array([1, 0], np.float32), 2)}, 0,
+                        max_width=64)
   both, _ = run([0, 1], [1, 1, 1, 0])
   for a, b in zip(jax.tree.leaves(jax.device_get(alone)), jax.tree.leaves(kept)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -267,3 +270,150 @@ def test_a_step_trains_on_its_kept_groups_in_the_usual_batch_shape(tiny_cfg, tin
                      "params_finite": 1.0}
   for a, b in zip(jax.tree.leaves(none), jax.tree.leaves(jax.device_get(tiny_params))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_the_group_size_is_the_algorithm_s_check_and_names_the_key():
+  """rl.num_samples below the algorithm's min_group_size stops the run in one line, from the
+  algorithm's own check (the schema does not know what an algorithm compares)."""
+  config = base_config()
+  config.rl.num_samples = 1
+  with pytest.raises(ConfigError, match=r"rl.num_samples=1: rl.algorithm='grpo' compares "
+                                        r"samples within a group, so it needs at least 2"):
+    validate_config(config)
+
+  class Single(Grpo):  # an algorithm that would take one sample per prompt
+    min_group_size = 1
+  Single.check_group_size(1, "single")
+  with pytest.raises(ValueError, match="needs at least 2"):
+    Grpo.check_group_size(1, "grpo")
+
+
+SCALE = BatchInput("scale", np.float32, "row")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledGrpo(Grpo):
+  """GRPO whose advantages are multiplied by a per-row input of its own, "scale"."""
+  inputs = (ADVANTAGES, SCALE)
+
+  def response_inputs(self, rewards, lengths, group_size):
+    return {**super().response_inputs(rewards, lengths, group_size),
+            "scale": np.full(len(rewards), 2.0, np.float32)}
+
+  def policy_loss(self, logp, batch, entropy=None):
+    return super().policy_loss(logp, dict(batch, advantages=batch["advantages"]
+                                          * batch["scale"]), entropy)
+
+
+def _compiled_updater(cfg, params, algorithm, rows: int, widths=()):
+  """A PolicyUpdater of `algorithm` on one device, one micro-batch of `rows` rows; with
+  `widths`, its update for `rows` sequences of up to 64 tokens compiled ahead."""
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.rl.policy_update import PolicyUpdater
+  from tlt_jax.rollout.pool import wait_for_compiles_ahead
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  updater = PolicyUpdater(cfg, algorithm, optax.sgd(0.5), jax.tree.map(jnp.copy, params), mesh,
+                          DEFAULT_RULES, ppo_epochs=1, mini_batches=1, micro_batch_rows=rows,
+                          widths=widths)
+  if widths:
+    updater.compile_ahead(params, rows, 64)
+    wait_for_compiles_ahead()
+  return updater
+
+
+def test_an_algorithm_s_own_row_input_reaches_its_loss_through_the_update(tiny_cfg,
+                                                                         tiny_params):
+  """A declared per-row input ("scale" = 2) is laid out, compiled ahead and fed to the loss by
+  the update as it stands: the update equals GRPO's on doubled advantages, from the program
+  compiled ahead; undeclared inputs are refused by name."""
+  prompts, completions = [[3, 4], [5]], [[6, 7, 8], [9, 10]]
+  rewards, lengths = np.array([1.0, 0.0], np.float32), np.array([3, 2])
+
+  def update(algorithm, inputs, widths=()):
+    updater = _compiled_updater(tiny_cfg, tiny_params, algorithm, 2, widths)
+    params, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions,
+                                 inputs, 0, max_width=64)
+    return jax.device_get(params), metrics, updater.pool.report()
+
+  scaled = ScaledGrpo()
+  inputs = scaled.response_inputs(rewards, lengths, 2)
+  got, metrics, report = update(scaled, inputs, widths=(32,))
+  assert report["compiles"] == 0 and report["ahead_compiles"] == 1
+  want, want_metrics, _ = update(Grpo(), {"advantages": 2 * inputs["advantages"]})
+  assert metrics["loss"] == pytest.approx(want_metrics["loss"], rel=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+  with pytest.raises(ValueError, match=r"the algorithm's inputs are \['advantages'\]"):
+    update(Grpo(), inputs)
+
+
+TOKEN_WEIGHT = BatchInput("token_weight", np.float32, "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenWeighted(Grpo):
+  """GRPO with a token-level input of its own: each response token's value is its 1-based
+  index in the response, reported as its token mean."""
+  inputs = (ADVANTAGES, TOKEN_WEIGHT)
+
+  def response_inputs(self, rewards, lengths, group_size):
+    return {**super().response_inputs(rewards, lengths, group_size),
+            "token_weight": [np.arange(1, n + 1, dtype=np.float32) for n in lengths]}
+
+  def loss_fn(self, params, batch, cfg):
+    loss, metrics = super().loss_fn(params, batch, cfg)
+    mask = batch["loss_mask"]
+    metrics["token_weight_mean"] = (jnp.sum(jnp.where(mask, batch["token_weight"], 0.0))
+                                    / jnp.maximum(jnp.sum(mask), 1))
+    metrics["token_weight_off_mask_max"] = jnp.max(jnp.where(mask, 0.0, batch["token_weight"]))
+    return loss, metrics
+
+
+@pytest.mark.parametrize("widths", [(), (32,)])
+def test_an_algorithm_s_own_token_input_is_placed_at_its_response_tokens(tiny_cfg, tiny_params,
+                                                                         widths):
+  """A declared token-level input is laid out at the positions that predict each response's
+  tokens (0 elsewhere), widened with the batch and compiled ahead like the rest."""
+  from tlt_jax.rl.phases import take_rows
+  prompts, completions = [[3, 4], [5], [6, 7, 1]], [[6, 7, 8], [9, 10], [2]]
+  lengths = np.array([len(c) for c in completions])
+  algorithm = TokenWeighted()
+  inputs = algorithm.response_inputs(np.array([1.0, 0.0, 0.0], np.float32), lengths, 3)
+  updater = _compiled_updater(tiny_cfg, tiny_params, algorithm, 4, widths)
+  rows = [0, 2]  # the update trains on a subset of the step's responses
+  _, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), [prompts[r] for r in rows],
+                          [completions[r] for r in rows],
+                          {k: take_rows(v, rows) for k, v in inputs.items()}, 0, max_width=64,
+                          min_rows=4)
+  assert metrics["token_weight_mean"] == pytest.approx((1 + 2 + 3 + 1) / 4)
+  assert metrics["token_weight_off_mask_max"] == 0.0
+  assert updater.pool.report()["compiles"] == (0 if widths else 1)
+
+
+def test_the_updater_holds_a_reference_exactly_when_the_algorithm_reads_one(tiny_cfg,
+                                                                          tiny_params):
+  from tlt_jax.mesh import DEFAULT_RULES, make_mesh
+  from tlt_jax.rl.policy_update import PolicyUpdater
+  mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  with_kl = Grpo(LossConfig(kl_coef=0.1))
+  assert with_kl.uses_reference and not Grpo().uses_reference
+  assert [i.key for i in with_kl.batch_inputs] == ["advantages", "weight", "ref_logp"]
+  for algorithm, ref in ((with_kl, None), (Grpo(), tiny_params)):
+    with pytest.raises(ValueError, match="give ref_params exactly when it does"):
+      PolicyUpdater(tiny_cfg, algorithm, optax.sgd(0.5), tiny_params, mesh, DEFAULT_RULES,
+                    ppo_epochs=1, mini_batches=1, micro_batch_rows=2, ref_params=ref)
+
+
+def test_the_memory_budget_lays_out_the_batch_the_algorithm_declares(monkeypatch):
+  """tlt_jax.budget's policy update takes the algorithm's declared inputs (with their level:
+  a row input is [micro-batches, rows]), and the reference's log-probs only with kl_coef."""
+  from tlt_jax.budget import job_programs
+  monkeypatch.setitem(ALGORITHMS, "scaled", ScaledGrpo)
+  config = base_config()
+  config.rl.algorithm = "scaled"
+  update = {p.name: p for p in job_programs(config, "train")[1]}["rl_update"]
+  batch = update.args[2]
+  assert set(batch) == {"tokens", "targets", "loss_mask", "advantages", "weight", "scale"}
+  assert batch["scale"].shape == batch["advantages"].shape == batch["tokens"].shape[:2]
+  config.rl.kl_coef = 0.1
+  update = {p.name: p for p in job_programs(config, "train")[1]}["rl_update"]
+  assert "ref_logp" in update.args[2] and update.args[2]["ref_logp"].dtype == np.float32

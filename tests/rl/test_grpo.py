@@ -9,7 +9,7 @@ import pytest
 
 from tests.engines import engine_config
 from tlt_jax.rl.algorithms import Grpo
-from tlt_jax.rl.grpo import GrpoConfig, group_advantages, token_log_probs
+from tlt_jax.rl.loss import LossConfig, group_advantages, token_log_probs
 from tlt_jax.rl.policy_update import (build_rows, make_policy_update, nonfinite_update_message,
                                      split_minibatches)
 
@@ -26,12 +26,13 @@ def test_group_advantages():
 def test_loss_weights_token_and_sequence_mean():
   mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
   np.testing.assert_allclose(Grpo().loss_weights(mask), [3 / 4, 1 / 4, 0])
-  np.testing.assert_allclose(Grpo(GrpoConfig(loss_agg="sequence_mean")).loss_weights(mask),
+  np.testing.assert_allclose(Grpo(LossConfig(loss_agg="sequence_mean")).loss_weights(mask),
                              [1 / 2, 1 / 2, 0])
 
 
 def test_build_rows_masks_exactly_the_response_targets():
-  rows = build_rows([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], np.array([0.5, -1.0]), rows=4,
+  rows = build_rows([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], {"advantages": np.array([0.5, -1.0])},
+                    rows=4,
                     pad_id=0)
   assert rows["tokens"].shape == (4, 64)
   np.testing.assert_array_equal(rows["tokens"][0, :6], [5, 6, 7, 1, 2, 0])
@@ -49,7 +50,8 @@ def grpo_rows(completion_lengths=(4, 2, 6, 3), seed=0) -> dict:
   rng = np.random.default_rng(seed)
   prompts = [rng.integers(1, 60, n).tolist() for n in (3, 5, 2, 4)]
   completions = [rng.integers(1, 60, n).tolist() for n in completion_lengths]
-  rows = build_rows(prompts, completions, np.array([1.0, -0.5, 2.0, -1.5], np.float32), 4, 0)
+  rows = build_rows(prompts, completions,
+                    {"advantages": np.array([1.0, -0.5, 2.0, -1.5], np.float32)}, 4, 0)
   rows["weight"] = Grpo().loss_weights(rows["loss_mask"])
   return rows
 
@@ -75,7 +77,7 @@ def test_log_probs_match_a_direct_softmax(tiny_cfg, tiny_params, batch):
 
 
 def test_loss_at_ratio_one_is_minus_the_weighted_advantage(tiny_cfg, tiny_params, batch):
-  gc = GrpoConfig()
+  gc = LossConfig()
   loss, m = Grpo(gc).loss_fn(tiny_params, batch, tiny_cfg)
   n = np.asarray(batch["loss_mask"]).sum(1)
   # token mean: -(sum_b A_b n_b) / sum_b n_b
@@ -89,7 +91,7 @@ def test_clipping_with_clip_higher(tiny_cfg, tiny_params, batch, eps_high):
   logp = _logp(tiny_cfg, tiny_params, batch)
   mask = np.asarray(batch["loss_mask"])
   b = dict(batch, old_logp=jnp.asarray(np.where(mask, logp - np.log(1.5), 0.0)))  # ratio 1.5
-  loss, m = Grpo(GrpoConfig(clip_eps=0.2, clip_eps_high=eps_high)).loss_fn(tiny_params, b,
+  loss, m = Grpo(LossConfig(clip_eps=0.2, clip_eps_high=eps_high)).loss_fn(tiny_params, b,
                                                                             tiny_cfg)
   adv, n = np.asarray(batch["advantages"]), mask.sum(1)
   # A > 0: min(1.5 A, (1 + eps_high) A); A < 0: min(1.5 A, 1.2 A) = 1.5 A (not clipped).
@@ -103,8 +105,8 @@ def test_kl_low_variance_estimator_and_sequence_mean(tiny_cfg, tiny_params, batc
   mask = np.asarray(batch["loss_mask"])
   d = 0.3
   b = dict(batch, advantages=jnp.zeros(4), ref_logp=jnp.asarray(np.where(mask, logp + d, 0.0)),
-           weight=jnp.asarray(Grpo(GrpoConfig(loss_agg="sequence_mean")).loss_weights(mask)))
-  loss, m = Grpo(GrpoConfig(kl_coef=0.5, loss_agg="sequence_mean")).loss_fn(tiny_params, b,
+           weight=jnp.asarray(Grpo(LossConfig(loss_agg="sequence_mean")).loss_weights(mask)))
+  loss, m = Grpo(LossConfig(kl_coef=0.5, loss_agg="sequence_mean")).loss_fn(tiny_params, b,
                                                                             tiny_cfg)
   k3 = np.exp(d) - d - 1  # exp(ref - logp) - (ref - logp) - 1
   np.testing.assert_allclose(float(loss), 0.5 * k3, rtol=1e-4)
@@ -112,7 +114,7 @@ def test_kl_low_variance_estimator_and_sequence_mean(tiny_cfg, tiny_params, batc
 
 
 def test_gradient_accumulation_equals_one_big_batch(tiny_cfg, tiny_params, batch):
-  gc = GrpoConfig()
+  gc = LossConfig()
   tx = optax.sgd(0.1)
   host = {k: np.asarray(v) for k, v in batch.items() if k != "weight"}
   results = []
@@ -137,7 +139,7 @@ def test_updates_raise_the_likelihood_of_good_responses_and_lower_bad_ones(tiny_
   prompt = rng.integers(1, 60, 4).tolist()
   good, bad = rng.integers(1, 60, 6).tolist(), rng.integers(1, 60, 6).tolist()
   adv = group_advantages(np.array([1.0, 0.0]), 2)  # [+1, -1]
-  rows = build_rows([prompt, prompt], [good, bad], adv, 2, 0)
+  rows = build_rows([prompt, prompt], [good, bad], {"advantages": adv}, 2, 0)
   mini = {k: jnp.asarray(v[0]) for k, v in split_minibatches(rows, 1, 2, Grpo().loss_weights).items()}
   tx = optax.adam(1e-3)
   update = make_policy_update(tiny_cfg, Grpo().loss_fn, tx, None, None)
@@ -190,7 +192,8 @@ def test_one_grpo_step_moves_the_weights_as_a_hand_written_reference_says(tiny_c
   advantages = Grpo().advantages(rewards, np.array([len(c) for c in completions]), 2)
   np.testing.assert_allclose(advantages, adv, rtol=1e-6)
   got, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions,
-                            advantages, 0, max_width=64, min_rows=6)  # 2 padding rows
+                            {"advantages": advantages}, 0, max_width=64,
+                            min_rows=6)  # 2 padding rows
   # The surrogate's value at ratio 1: -sum_i A_i n_i / (all tokens).
   n = np.array([len(c) for c in completions])
   assert metrics["loss"] == pytest.approx(-np.sum(adv * n) / n.sum(), rel=1e-5)
@@ -212,7 +215,7 @@ def test_the_update_reports_how_far_its_log_probs_are_from_the_rollouts(tiny_cfg
   rng = np.random.default_rng(5)
   prompts = [rng.integers(1, 60, 3).tolist() for _ in range(4)]
   completions = [rng.integers(1, 60, n).tolist() for n in (4, 6, 2, 5)]
-  rows = build_rows(prompts, completions, np.zeros(4), 4, 0)
+  rows = build_rows(prompts, completions, {"advantages": np.zeros(4)}, 4, 0)
   own = np.asarray(_logp(tiny_cfg, tiny_params, rows))
   logps = [own[i, len(p) - 1:len(p) - 1 + len(c)].tolist()
            for i, (p, c) in enumerate(zip(prompts, completions))]
@@ -223,7 +226,8 @@ def test_the_update_reports_how_far_its_log_probs_are_from_the_rollouts(tiny_cfg
                             mesh, DEFAULT_RULES, ppo_epochs=1, mini_batches=1,
                             micro_batch_rows=2)
     _, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions,
-                            np.array([1.0, -1.0, 0.5, -0.5], np.float32), 0, max_width=64,
+                            {"advantages": np.array([1.0, -1.0, 0.5, -0.5], np.float32)}, 0,
+                            max_width=64,
                             rollout_logps=rollout_logps)
     return metrics
   same = report(logps)
@@ -278,7 +282,8 @@ def test_padding_takes_no_optimizer_step_and_does_not_dilute_the_metrics(tiny_cf
                             jax.tree.map(jnp.copy, tiny_params), mesh, DEFAULT_RULES,
                             ppo_epochs=1, mini_batches=mini_batches, micro_batch_rows=micro_rows)
     params, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions,
-                                 advantages, 0, max_width=16, min_rows=min_rows)
+                                 {"advantages": advantages}, 0, max_width=16,
+                                 min_rows=min_rows)
     return jax.device_get(params), metrics
 
   padded, _ = update(mini_batches=2, micro_rows=2)
@@ -308,10 +313,11 @@ def test_trainer_scores_tokens_under_the_distribution_the_engine_sampled(
                          engine_config(max_batch=16, max_prompt_len=8, max_new_tokens=10))
   res = engine.generate(prompts, samples, sp, key)
   rows_prompts = [prompts[i // samples] for i in range(len(res.tokens))]
-  rows = build_rows(rows_prompts, res.tokens, np.zeros(len(res.tokens), np.float32),
-                    len(res.tokens), pad_id=0)
+  rows = build_rows(rows_prompts, res.tokens,
+                    {"advantages": np.zeros(len(res.tokens), np.float32)}, len(res.tokens),
+                    pad_id=0)
   mb = {k: jnp.asarray(rows[k])[None] for k in ("tokens", "targets", "loss_mask")}
-  trainer = np.asarray(make_log_probs(tiny_cfg, GrpoConfig(sampling=sp).sampling)(
+  trainer = np.asarray(make_log_probs(tiny_cfg, LossConfig(sampling=sp).sampling)(
       tiny_params, mb)[0])
 
   logits = forward(tiny_params, jnp.asarray(rows["tokens"]),
@@ -357,7 +363,7 @@ def test_the_entropy_bonus_has_a_finite_gradient_under_top_k_and_top_p(tiny_cfg,
                                                                         batch, top_k, top_p):
   """Off the truncated support log q is -inf; the entropy term must not send 0 * -inf back."""
   from tlt_jax.speculative.sampling import SamplingParams
-  gc = GrpoConfig(sampling=SamplingParams(0.7, top_k=top_k, top_p=top_p), entropy_coef=0.01)
+  gc = LossConfig(sampling=SamplingParams(0.7, top_k=top_k, top_p=top_p), entropy_coef=0.01)
   (_, metrics), grads = jax.jit(jax.value_and_grad(  # jitted, as the update computes it
       lambda p, b: Grpo(gc).loss_fn(p, b, tiny_cfg), has_aux=True))(tiny_params, batch)
   assert float(metrics["entropy"]) > 0
@@ -367,7 +373,7 @@ def test_the_entropy_bonus_has_a_finite_gradient_under_top_k_and_top_p(tiny_cfg,
 def test_grpo_refuses_greedy_sampling():
   from tlt_jax.speculative.sampling import SamplingParams
   with pytest.raises(ValueError, match="rollout.temperature=0"):
-    GrpoConfig(sampling=SamplingParams(temperature=0.0))
+    LossConfig(sampling=SamplingParams(temperature=0.0))
 
 
 def test_a_micro_batch_computes_at_the_narrowest_width_that_holds_it():
@@ -407,7 +413,8 @@ def test_update_widths_give_the_update_of_the_step_at_its_full_width(tiny_cfg, t
       updater.compile_ahead(tiny_params, 8, 128)
       wait_for_compiles_ahead()
     params, metrics, compile_s = updater(jax.tree.map(jnp.copy, tiny_params), prompts,
-                                         completions, advantages, 0, max_width=128, min_rows=8)
+                                         completions, {"advantages": advantages}, 0,
+                                         max_width=128, min_rows=8)
     return jax.device_get(params), metrics, updater.pool.report()
 
   plain, plain_metrics, _ = update(())

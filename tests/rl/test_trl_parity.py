@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.rl.algorithms import make_algorithm
-from tlt_jax.rl.grpo import GrpoConfig
+from tlt_jax.rl.loss import LossConfig
 
 torch = pytest.importorskip("torch")
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
@@ -104,7 +104,7 @@ def trl_loss(batch: dict, loss_type: str, level: str, eps: float, eps_high: floa
 def ours(batch: dict, name: str, knobs: dict, kl_coef: float, on_policy: bool):
   """(loss, d loss / d logp, metrics) of the algorithm's policy_loss on the whole batch as
   one mini-batch (float32)."""
-  algorithm = make_algorithm(name, GrpoConfig(kl_coef=kl_coef, **knobs), MAX_NEW_TOKENS)
+  algorithm = make_algorithm(name, LossConfig(kl_coef=kl_coef, **knobs), MAX_NEW_TOKENS)
   keys = ("advantages", "loss_mask") + (() if on_policy else ("old_logp",)) + \
       (("ref_logp",) if kl_coef else ())
   b = {k: batch[k] for k in keys}
@@ -136,7 +136,7 @@ def test_micro_batches_add_up_to_the_mini_batch_loss(case):
   gradients) sum to the mini-batch's, whatever the aggregation."""
   (name, knobs), _ = CASES[case]
   batch = _batch("sequence" if name == "gspo" else "token", seed=1)
-  algorithm = make_algorithm(name, GrpoConfig(kl_coef=0.04, **knobs), MAX_NEW_TOKENS)
+  algorithm = make_algorithm(name, LossConfig(kl_coef=0.04, **knobs), MAX_NEW_TOKENS)
   b = {k: batch[k] for k in ("advantages", "loss_mask", "old_logp", "ref_logp")}
   b["weight"] = algorithm.loss_weights(batch["loss_mask"])
   whole = float(algorithm.policy_loss(batch["logp"], b)[0])

@@ -298,11 +298,11 @@ def test_sampled_sd_engine_emits_what_the_plain_engine_emits(tiny_cfg, tiny_para
   assert other_key.tokens != sd.tokens
   # Each token's log-prob as drawn: what the trainer computes for it (float32 rounding of
   # other program shapes apart), from a prefill, a plain step or a tree verify alike.
-  from tlt_jax.rl.grpo import token_log_probs
+  from tlt_jax.rl.loss import ROLLOUT_LOGP, token_log_probs
   from tlt_jax.rl.policy_update import build_rows
   prompts = [PROMPTS[i // 3] for i in range(len(plain.tokens))]
-  rows = build_rows(prompts, plain.tokens, np.zeros(len(prompts)), len(prompts), 0,
-                    rollout_logps=plain.logprobs)
+  rows = build_rows(prompts, plain.tokens, {"rollout_logp": plain.logprobs}, len(prompts), 0,
+                    declared=(ROLLOUT_LOGP,))
   trainer, _ = jax.jit(lambda r: token_log_probs(tiny_params, r["tokens"], r["targets"],
                                                  r["loss_mask"], tiny_cfg, sp))(rows)
   assert [len(lp) for lp in plain.logprobs] == [len(t) for t in plain.tokens]

@@ -7,8 +7,9 @@ hybrid from one iteration to the next. Each family's settings dataclass (`Settin
 config section `drafter.<name>`; a trained family's weights are trained, checkpointed and
 exported by name.
 
-To add a drafter: write its module (the interface and its defaults are in base.py) and add
-one line to `DRAFTERS` (the README's "Add a drafter" walks through the MTP heads).
+To add a drafter: write its module (the interface and its defaults are in base.py) and
+register its class with `@register_drafter("name")`, in the package or in a module of your
+own that the config's `plugins` names (docs/extending.md walks through both).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tlt_jax.drafters.eagle import EagleDrafter
 from tlt_jax.drafters.mtp import MtpDrafter
 from tlt_jax.drafters.prompt_lookup import PromptLookupDrafter
 from tlt_jax.drafters.suffix import SuffixDrafter
+from tlt_jax.registry import register
 
 # name -> drafter class
 DRAFTERS = {
@@ -33,8 +35,14 @@ DRAFTERS = {
 __all__ = ["Candidates", "DRAFTERS", "DraftContext", "Drafter", "EagleDrafter", "MtpDrafter",
            "PromptLookupDrafter", "SuffixDrafter", "TrainedDrafter", "candidate_count",
            "check_strategy", "drafter_class", "drafters_named", "fixed_part", "make_drafter",
-           "num_candidates", "param_count", "reads_corpus", "trainable_part",
-           "trained_drafters"]
+           "num_candidates", "param_count", "reads_corpus", "register_drafter",
+           "trainable_part", "trained_drafters"]
+
+
+def register_drafter(name: str):
+  """Class decorator: registers a `Drafter` subclass as drafter `name` (strategies name it,
+  its knobs are the section drafter.<name>); ValueError for a name already registered."""
+  return register(DRAFTERS, name, "drafter")
 
 
 def drafter_class(name: str, where: str = "a strategy") -> type:

@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 
 from tlt_jax.knobs import ConfigError
-from tlt_jax.rl.algorithms import Grpo
+from tlt_jax.rl.algorithms import Algorithm
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.policy_update import PolicyUpdater
 from tlt_jax.rl.rewards import RewardFn, answer_reward
@@ -105,7 +105,7 @@ class StepSamples:
 
 
 def sample_step(engine: RolloutEngine, spot, prompts_iter: PromptIterator, tokenizer,
-                algorithm: Grpo, reward_fn: RewardFn, answer_fn: RewardFn, sampling,
+                algorithm: Algorithm, reward_fn: RewardFn, answer_fn: RewardFn, sampling,
                 key: jax.Array, step: int, config: ml_collections.ConfigDict) -> StepSamples:
   """Rounds of rl.prompts_per_step fresh problems, rolled out and scored, until the
   algorithm keeps that many groups (`keep_groups`) or has had `algorithm.rounds` rounds;
@@ -154,7 +154,7 @@ def merge_rollouts(rollouts: list[Rollout]) -> Rollout:
                  sum(r.seconds for r in rollouts), spot)
 
 
-def update_policy(updater: PolicyUpdater, algorithm: Grpo, params: dict,
+def update_policy(updater: PolicyUpdater, algorithm: Algorithm, params: dict,
                   samples: StepSamples, pad_id: int, max_width: int,
                   config: ml_collections.ConfigDict) -> tuple[dict, dict]:
   """The step's policy update on its training groups: (new params, the update's metrics).
@@ -166,13 +166,19 @@ def update_policy(updater: PolicyUpdater, algorithm: Grpo, params: dict,
     return params, {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "nonfinite": 0.0,
                     "params_finite": 1.0}
   result = samples.rolled.result
-  advantages = algorithm.advantages(samples.scored.rewards, result.lengths, n)
+  inputs = algorithm.response_inputs(samples.scored.rewards, result.lengths, n)
   params, metrics, _ = updater(params, [samples.prompts[r // n] for r in rows],
-                               [result.tokens[r] for r in rows], advantages[rows], pad_id,
+                               [result.tokens[r] for r in rows],
+                               {k: take_rows(v, rows) for k, v in inputs.items()}, pad_id,
                                max_width=max_width, min_rows=config.rl.prompts_per_step * n,
                                rollout_logps=[result.logprobs[r] for r in rows]
                                if result.logprobs else None)
   return params, metrics
+
+
+def take_rows(values, rows: list[int]):
+  """values[rows] of an [N] array or of a list of N per-response arrays."""
+  return values[rows] if isinstance(values, np.ndarray) else [values[r] for r in rows]
 
 
 def paired_control(control: RolloutEngine, samples: StepSamples, tokenizer, sampling,
@@ -196,7 +202,7 @@ def paired_control(control: RolloutEngine, samples: StepSamples, tokenizer, samp
           "control_s": time.perf_counter() - t0}
 
 
-def step_metrics(step: int, samples: StepSamples, update: dict, algorithm: Grpo,
+def step_metrics(step: int, samples: StepSamples, update: dict, algorithm: Algorithm,
                  sd_enabled: bool, update_s: float, step_s: float, compile_s: float) -> dict:
   """One line of metrics.jsonl (train_report.METRIC_KEYS, the update's losses and the
   algorithm's own metrics), over every response of the step's rounds."""

@@ -31,12 +31,23 @@ from tlt_jax.knobs import ConfigError
 from tlt_jax.mesh import data_parallel_size, logical_to_mesh_spec
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.optim import init_optimizer
-from tlt_jax.rl.algorithms import Grpo
-from tlt_jax.rl.grpo import token_log_probs
+from tlt_jax.rl.algorithms import Algorithm
+from tlt_jax.rl.loss import (ADVANTAGES, OLD_LOGP, REF_LOGP, ROLLOUT_LOGP, SEQUENCE_INPUTS,
+                             BatchInput, token_log_probs)
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.speculative.sampling import SamplingParams
 
 WIDTH_MULTIPLE = 64
+SEQUENCE_KEYS = tuple(i.key for i in SEQUENCE_INPUTS)  # what the log-probs are computed from
+
+
+def batch_inputs(algorithm: Algorithm, old_logp: bool, rollout_logp: bool = False
+                 ) -> tuple[BatchInput, ...]:
+  """Every array of an update's batch (tlt_jax.rl.loss): the sequence's, the algorithm's
+  (`Algorithm.batch_inputs`), and the update's own old_logp (when a step takes more than one
+  optimizer step) and rollout_logp (when the rollout's log-probs are passed)."""
+  return (*SEQUENCE_INPUTS, *algorithm.batch_inputs, *((OLD_LOGP,) if old_logp else ()),
+          *((ROLLOUT_LOGP,) if rollout_logp else ()))
 
 
 def check_micro_batch_rows(micro_batch_rows: int, data_ways: int) -> None:
@@ -47,17 +58,20 @@ def check_micro_batch_rows(micro_batch_rows: int, data_ways: int) -> None:
 
 
 def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-               advantages: np.ndarray, rows: int, pad_id: int,
-               max_width: int | None = None,
-               rollout_logps: Sequence[Sequence[float]] | None = None
-               ) -> dict[str, np.ndarray]:
-  """Host arrays [rows, T] of (prompt + completion) sequences (rows >= len(prompts));
-  see tlt_jax.rl.grpo for the keys. advantages: [len(prompts)] float32. rollout_logps: each
-  completion's token log-probs as the rollout drew them, as "rollout_logp" (at the positions
-  that predict them, 0 elsewhere)."""
+               inputs: dict, rows: int, pad_id: int, max_width: int | None = None,
+               declared: Sequence[BatchInput] = (ADVANTAGES,)) -> dict[str, np.ndarray]:
+  """Host arrays of (prompt + completion) sequences, [rows] or [rows, T] (rows >=
+  len(prompts)): the sequence's (tlt_jax.rl.loss) and one per key of `inputs`, each laid out
+  as the `declared` input of that key says: a row-level one from [len(prompts)] values
+  (padding rows 0), a token-level one from each completion's values of its tokens, placed at
+  the positions that predict them (0 elsewhere)."""
   n = len(prompts)
   if rows < n:
     raise ValueError(f"{n} sequences do not fit in {rows} rows")
+  levels = {i.key: i for i in declared}
+  if set(inputs) - set(levels):
+    raise ValueError(f"batch inputs {sorted(set(inputs) - set(levels))} are not declared; "
+                     f"declared: {sorted(levels)}")
   longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
   width = -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
   if max_width is not None:
@@ -71,13 +85,15 @@ def build_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[
     targets[i, :len(seq) - 1] = seq[1:]
     # Position t predicts token t + 1: the response tokens are predicted from len(p) - 1 on.
     mask[i, len(p) - 1:len(seq) - 1] = True
-  adv = np.pad(np.asarray(advantages[:n], np.float32), (0, rows - n))
-  out = {"tokens": tokens, "targets": targets, "loss_mask": mask, "advantages": adv}
-  if rollout_logps is not None:
-    logp = np.zeros((rows, width), np.float32)
-    for i, (p, lp) in enumerate(zip(prompts, rollout_logps)):
-      logp[i, len(p) - 1:len(p) - 1 + len(lp)] = lp
-    out["rollout_logp"] = logp
+  out = {"tokens": tokens, "targets": targets, "loss_mask": mask}
+  for key, values in inputs.items():
+    spec = levels[key]
+    if spec.level == "row":
+      out[key] = np.pad(np.asarray(values[:n], spec.dtype), (0, rows - n))
+      continue
+    out[key] = np.zeros((rows, width), spec.dtype)
+    for i, (p, v) in enumerate(zip(prompts, values)):
+      out[key][i, len(p) - 1:len(p) - 1 + len(v)] = v
   return out
 
 
@@ -221,7 +237,7 @@ class PolicyUpdater:
   in one program whatever the step (see the module docstring); () = every step at its longest
   row's width."""
 
-  def __init__(self, cfg: ModelConfig, algorithm: Grpo, tx: optax.GradientTransformation,
+  def __init__(self, cfg: ModelConfig, algorithm: Algorithm, tx: optax.GradientTransformation,
                params: dict, mesh: Mesh, rules, ppo_epochs: int, mini_batches: int,
                micro_batch_rows: int, ref_params: dict | None = None,
                widths: Sequence[int] = ()):
@@ -230,6 +246,12 @@ class PolicyUpdater:
     self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
     self.micro_rows, self.ref_params = micro_batch_rows, ref_params
     self.widths = tuple(sorted(widths))
+    # With one optimizer step per RL step the ratio is 1: old log-probs are not needed.
+    self.needs_old_logp = ppo_epochs * mini_batches > 1
+    if algorithm.uses_reference != (ref_params is not None):
+      raise ValueError(f"the algorithm {'reads' if algorithm.uses_reference else 'does not read'}"
+                       f" a reference policy's log-probs (rl.kl_coef="
+                       f"{algorithm.loss.kl_coef}): give ref_params exactly when it does")
     self.opt_state, opt_sharding = init_optimizer(tx, params, mesh)
     param_sharding = jax.tree.map(lambda x: x.sharding, params)
     self._update = make_policy_update(cfg, algorithm.loss_fn, tx, param_sharding, opt_sharding,
@@ -243,31 +265,38 @@ class PolicyUpdater:
     return -(-sequences // unit) * unit
 
   def __call__(self, params: dict, prompts: Sequence[Sequence[int]],
-               completions: Sequence[Sequence[int]], advantages: np.ndarray, pad_id: int,
+               completions: Sequence[Sequence[int]], inputs: dict, pad_id: int,
                max_width: int, min_rows: int = 0,
                rollout_logps: Sequence[Sequence[float]] | None = None
                ) -> tuple[dict, dict, float]:
     """Updates `params` (donated) and the optimizer state on one step's responses (prompts[i] +
-    completions[i], advantage advantages[i]); returns (params, the updates' mean metrics, seconds
-    spent compiling). min_rows: pad the batch to at least the rows of this many sequences (a step
+    completions[i]) with their values of the algorithm's `inputs` (its `response_inputs`, e.g.
+    {"advantages": [N] float32}); returns (params, the updates' mean metrics, seconds spent
+    compiling). min_rows: pad the batch to at least the rows of this many sequences (a step
     that trains on fewer responses than usual keeps the usual batch shape, so it compiles nothing
     new, and takes one optimizer step per mini-batch that holds responses). rollout_logps: the
     rollout's log-probs of the completions' tokens: the metrics then hold how far the
     trainer's own log-probs of them, before any optimizer step, are from them
     (rollout_logp_diff_mean and _max, over the first mini-batch's tokens: after its step the
     policy has moved)."""
-    rows = build_rows(prompts, completions, advantages,
+    declared = self.algorithm.inputs
+    if set(inputs) != {i.key for i in declared}:
+      raise ValueError(f"the algorithm's inputs are {[i.key for i in declared]}; got "
+                       f"{sorted(inputs)}")
+    if rollout_logps is not None:
+      inputs, declared = {**inputs, ROLLOUT_LOGP.key: rollout_logps}, (*declared, ROLLOUT_LOGP)
+    rows = build_rows(prompts, completions, inputs,
                       self.rows_for(max(len(prompts), min_rows)), pad_id, max_width=max_width,
-                      rollout_logps=rollout_logps)
+                      declared=declared)
     if self.widths:  # one width, the rollout's capacity: one program for every step
       rows = by_length(_widened(rows, _round_up(max_width)), self.mini_batches)
     batch = self._place(split_minibatches(rows, self.mini_batches, self.micro_rows,
                                           self.algorithm.loss_weights))
     compile_before = self.pool.compile_seconds
-    if self.ppo_epochs * self.mini_batches > 1:  # with one update the ratio is 1: not needed
-      batch["old_logp"] = self._batch_log_probs(params, batch)
-    if self.ref_params is not None:
-      batch["ref_logp"] = self._batch_log_probs(self.ref_params, batch)
+    if self.needs_old_logp:
+      batch[OLD_LOGP.key] = self._batch_log_probs(params, batch)
+    if self.algorithm.uses_reference:
+      batch[REF_LOGP.key] = self._batch_log_probs(self.ref_params, batch)
     # A mini-batch of padding rows alone takes no optimizer step: with zero gradients AdamW
     # would still move the weights (momentum, weight decay) and count a step.
     real = np.flatnonzero(rows["loss_mask"].reshape(self.mini_batches, -1).any(axis=1))
@@ -300,19 +329,11 @@ class PolicyUpdater:
                        "for every step)")
     shape = (self.mini_batches, self.rows_for(sequences) // (self.mini_batches * self.micro_rows),
              self.micro_rows, _round_up(max_width))
-    dtypes = {"tokens": np.int32, "targets": np.int32, "loss_mask": np.bool_,
-              "advantages": np.float32, "weight": np.float32}
-    if rollout_logps:
-      dtypes["rollout_logp"] = np.float32
-    if self.ppo_epochs * self.mini_batches > 1:
-      dtypes["old_logp"] = np.float32
-    if self.ref_params is not None:
-      dtypes["ref_logp"] = np.float32
-    batch = {k: self._abstract(shape if k not in ("advantages", "weight") else shape[:3], d)
-             for k, d in dtypes.items()}
-    if "old_logp" in batch or "ref_logp" in batch:  # `_batch_log_probs`' flat micro-batches
+    batch = {i.key: self._abstract(i.shape(shape[:3], shape[3]), i.dtype)
+             for i in batch_inputs(self.algorithm, self.needs_old_logp, rollout_logps)}
+    if self.needs_old_logp or self.algorithm.uses_reference:  # `_batch_log_probs`' inputs
       flat = {k: self._abstract((shape[0] * shape[1], *shape[2:]), batch[k].dtype, lead=1)
-              for k in ("tokens", "targets", "loss_mask")}
+              for k in SEQUENCE_KEYS}
       self.pool.compile_ahead(("log_probs", _shapes(flat)), self._log_probs, (params, flat),
                               mesh=self.mesh, kind="log_probs", priority=priority)
     mini = {k: self._abstract(v.shape[1:], v.dtype, lead=1) for k, v in batch.items()}
@@ -335,7 +356,7 @@ class PolicyUpdater:
   def _batch_log_probs(self, params: dict, batch: dict) -> jax.Array:
     """log-probs over the [mini_batches, micro_batches, rows, T] batch -> [.., T]."""
     flat = {k: batch[k].reshape(-1, *batch[k].shape[2:])
-            for k in ("tokens", "targets", "loss_mask")}
+            for k in SEQUENCE_KEYS}
     # Laid out as `compile_ahead` expects them (a reshape may leave another layout).
     flat = {k: jax.device_put(v, self._abstract(v.shape, v.dtype, lead=1).sharding)
             for k, v in flat.items()}
@@ -354,14 +375,11 @@ def _round_up(width: int) -> int:
 
 
 def _widened(rows: dict[str, np.ndarray], width: int) -> dict[str, np.ndarray]:
-  """`build_rows`' arrays padded (pad columns: token and target as the last column's padding,
-  no loss) to `width` columns."""
+  """`build_rows`' token-level arrays padded (pad columns: token and target as the last
+  column's padding, no loss, 0 for the others) to `width` columns."""
   out = dict(rows)
-  for k in ("tokens", "targets", "loss_mask", "rollout_logp"):
-    if k not in rows:
-      continue
-    v = rows[k]
-    if v.shape[1] < width:
+  for k, v in rows.items():
+    if v.ndim == 2 and v.shape[1] < width:  # the token-level arrays
       fill = rows["tokens"][:, -1:] if k == "tokens" else np.zeros_like(v[:, :1])
       out[k] = np.concatenate([v, np.broadcast_to(fill, (v.shape[0], width - v.shape[1]))],
                               axis=1)

@@ -94,7 +94,7 @@ class StepStats:
 def token_logp(logits: jax.Array, tokens: jax.Array, sp: SamplingParams) -> jax.Array:
   """log q(tokens) [...] float32 from logits [..., V] and tokens [...] int32, q the sampling
   distribution sp (temperature, top-k, top-p): computed as the trainer computes it
-  (`tlt_jax.rl.grpo.token_log_probs`, a log-softmax of the support's logits), so that where
+  (`tlt_jax.rl.loss.token_log_probs`, a log-softmax of the support's logits), so that where
   both see the same logits they report the same number."""
   logq = log_softmax(support_logits(logits, sp), sp)
   return jnp.take_along_axis(logq, tokens[..., None], axis=-1)[..., 0]

@@ -69,7 +69,7 @@ class SamplingParams:
 def support_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """float32 logits [..., V] -> logits / temperature with -inf outside the top-k / top-p
   support [..., V] float32: log q up to a constant, q being what a non-greedy sp samples from.
-  The trainer scores sampled tokens under this same q (tlt_jax.rl.grpo.token_log_probs)."""
+  The trainer scores sampled tokens under this same q (tlt_jax.rl.loss.token_log_probs)."""
   t = sp.temperature
   if isinstance(t, jax.Array):  # traced: a 0 (greedy) selects the argmax in `target_probs`
     t = jnp.where(t > 0, t, 1.0)

@@ -21,8 +21,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from tlt_jax.rl.algorithms.base import Grpo, token_mean_weights
-from tlt_jax.rl.grpo import group_advantages
+from tlt_jax.rl.algorithms.base import register_algorithm, token_mean_weights
+from tlt_jax.rl.algorithms.grpo import Grpo
+from tlt_jax.rl.loss import group_advantages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,7 @@ class DapoSettings:
   overlong_penalty: float = 1.0
 
 
+@register_algorithm("dapo")
 @dataclasses.dataclass(frozen=True)
 class Dapo(Grpo):
   """DAPO; see the module docstring."""

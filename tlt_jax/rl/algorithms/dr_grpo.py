@@ -12,10 +12,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from tlt_jax.rl.algorithms.base import Grpo
-from tlt_jax.rl.grpo import group_advantages
+from tlt_jax.rl.algorithms.base import register_algorithm
+from tlt_jax.rl.algorithms.grpo import Grpo
+from tlt_jax.rl.loss import group_advantages
 
 
+@register_algorithm("dr_grpo")
 @dataclasses.dataclass(frozen=True)
 class DrGrpo(Grpo):
   """Dr. GRPO; see the module docstring."""

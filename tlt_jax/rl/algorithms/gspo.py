@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.rl.algorithms.base import Grpo, sequence_mean_weights
+from tlt_jax.rl.algorithms.base import register_algorithm, sequence_mean_weights
+from tlt_jax.rl.algorithms.grpo import Grpo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class GspoSettings:
   clip_eps_high: float = 4e-4
 
 
+@register_algorithm("gspo")
 @dataclasses.dataclass(frozen=True)
 class Gspo(Grpo):
   """GSPO; see the module docstring."""

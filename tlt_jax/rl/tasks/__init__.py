@@ -1,14 +1,14 @@
 """Tasks behind one interface (`base.Task` documents it, and how to add one): the built-in
-arithmetic chains and reasoning_gym's procedural problems; `task.name` selects one."""
+arithmetic chains and reasoning_gym's procedural problems, each registered by name
+(`register_task`); `task.name` selects one."""
 
 from __future__ import annotations
 
+# Imported in this order, they register in it (the config's sections follow it).
 from tlt_jax.rl.tasks.arithmetic import ArithmeticTask, TaskSlice, sample_num_ops
-from tlt_jax.rl.tasks.base import Task
+from tlt_jax.rl.tasks.base import TASKS, Task, register_task
 from tlt_jax.rl.tasks.example import Example
 from tlt_jax.rl.tasks.reasoning_gym import ReasoningGymSettings, ReasoningGymTask
-
-TASKS = {"arithmetic": ArithmeticTask, "reasoning_gym": ReasoningGymTask}
 
 
 def make_task(task, seed: int) -> Task:
@@ -19,4 +19,4 @@ def make_task(task, seed: int) -> Task:
 
 
 __all__ = ["ArithmeticTask", "Example", "ReasoningGymSettings", "ReasoningGymTask", "TASKS",
-           "Task", "TaskSlice", "make_task", "sample_num_ops"]
+           "Task", "TaskSlice", "make_task", "register_task", "sample_num_ops"]

@@ -21,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 
 from tlt_jax.knobs import build_from
-from tlt_jax.rl.tasks.base import Task
+from tlt_jax.rl.tasks.base import Task, register_task
 from tlt_jax.rl.tasks.example import Example
 
 OPS = ("add", "subtract", "multiply")
@@ -48,6 +48,7 @@ def sample_num_ops(rng: np.random.Generator, min_ops: int, max_ops: int, body_p:
       return n
 
 
+@register_task("arithmetic")
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask(Task):
   """Generator of arithmetic chains; held-out accuracy is broken down by number of operations.

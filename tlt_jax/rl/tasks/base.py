@@ -5,7 +5,8 @@ RewardFn in [0, 1]), its format bonus, and what the held-out accuracy is broken 
 The defaults below judge '#### x' / '\\boxed{x}' answers by `answers_match` (the built-in
 task's and the data files' format). A task's knobs are its `Settings` dataclass, whose fields
 and defaults make the config section `task.<name>`; `from_config(task_section, seed)` builds
-the task, and adding one is its module and a line in `tlt_jax.rl.tasks.TASKS`.
+the task, and adding one is a class decorated `@register_task("name")` (it joins `TASKS`), in
+the package or in a module of your own that the config's `plugins` names.
 """
 
 from __future__ import annotations
@@ -13,11 +14,21 @@ from __future__ import annotations
 from typing import ClassVar
 
 from tlt_jax.knobs import NoSettings
+from tlt_jax.registry import register
 from tlt_jax.rl.rewards import RewardFn, make_answer_reward, make_format_reward
 from tlt_jax.rl.tasks.example import Example
 
 # How many problems a task without a bound on its prompts measures for the length check.
 PROMPTS_MEASURED = 256
+
+# name -> task class (task.name), filled by `register_task`
+TASKS: dict[str, type] = {}
+
+
+def register_task(name: str):
+  """Class decorator: registers a `Task` subclass as task.name=`name` (its knobs: the section
+  task.<name>); ValueError for a name already registered."""
+  return register(TASKS, name, "task")
 
 
 class Task:

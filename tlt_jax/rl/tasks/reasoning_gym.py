@@ -23,7 +23,7 @@ import numpy as np
 from tlt_jax.knobs import build_from
 from tlt_jax.rl.answers import extract_hash_answer
 from tlt_jax.rl.rewards import RewardFn
-from tlt_jax.rl.tasks.base import Task
+from tlt_jax.rl.tasks.base import Task, register_task
 from tlt_jax.rl.tasks.example import Example, json_safe
 
 ANSWER_FORMAT = "End your response with a line '#### <answer>'."
@@ -64,6 +64,7 @@ def _import_reasoning_gym():
   return reasoning_gym
 
 
+@register_task("reasoning_gym")
 @dataclasses.dataclass(frozen=True)
 class ReasoningGymTask(Task):
   """A mix of reasoning_gym data sets (see the module docstring)."""

@@ -1,23 +1,37 @@
-"""What every RL algorithm (tlt_jax.rl.algorithms) shares: the batch layout, the shared
-rl.* loss knobs (`GrpoConfig`), group-normalised advantages and the policy's log-probs, as
-pure functions. What differs between algorithms (advantages, aggregation, importance ratio,
-clipping, the loss itself) is the algorithm's (`tlt_jax.rl.algorithms.base`).
+"""What every RL algorithm (tlt_jax.rl.algorithms) shares: the shared rl.* loss knobs
+(`LossConfig`), the layout of the update's batch (`BatchInput`), group-normalised advantages
+and the policy's log-probs, as pure functions. What differs between algorithms (advantages,
+aggregation, importance ratio, clipping, the loss itself, and which batch inputs the loss
+reads) is the algorithm's (`tlt_jax.rl.algorithms.base.Algorithm`).
 
-A batch holds one sequence (prompt + response) per row, right-padded to a bucketed width:
+A batch holds one sequence (prompt + response) per row, right-padded to a bucketed width.
+Each of its arrays is a `BatchInput`: a key, a dtype and a level, "row" ([B], one value per
+sequence) or "token" ([B, T], one per position). Every batch has the sequence's own
+(`SEQUENCE_INPUTS`):
 
   tokens [B, T] int32      prompt + response ids
   targets [B, T] int32     tokens shifted left: the token each position predicts
   loss_mask [B, T] bool    positions whose target is a response token
-  advantages [B] float32   one per sequence (the algorithm's `advantages`)
-  old_logp [B, T] float32  log-probs of the targets under the policy that sampled them,
-                           recomputed by the trainer (the rollout's numbers are not trusted);
-                           optional: absent = the current params sampled the batch
-  ref_logp [B, T] float32  the frozen reference policy's (present when kl_coef > 0)
+
+the algorithm declares the rest (`Algorithm.batch_inputs`); GRPO's:
+
+  advantages [B] float32   one per sequence (the algorithm's `response_inputs`)
   weight [B] float32       each row's weight in its mini-batch's loss (the algorithm's
                            `loss_weights`)
+  ref_logp [B, T] float32  the frozen reference policy's log-probs (when it uses a reference:
+                           kl_coef > 0)
+
+and the update adds two of its own:
+
+  old_logp [B, T] float32  log-probs of the targets under the policy that sampled them,
+                           recomputed by the trainer (the rollout's numbers are not trusted);
+                           only when a step takes more than one optimizer step (absent = the
+                           current params sampled the batch)
+  rollout_logp [B, T] f32  the rollout's own log-probs of the response tokens (when given:
+                           the update reports how far its own are from them)
 
 Every log-prob (logp, old_logp, ref_logp) and the entropy are taken under the distribution the
-rollout sampled from (`GrpoConfig.sampling`: temperature, top-k, top-p, exactly as
+rollout sampled from (`LossConfig.sampling`: temperature, top-k, top-p, exactly as
 `speculative.sampling.support_logits` applies them), so at temperature 0.7 the gradient is that
 of the policy that produced the tokens, not of the untempered one. Top-k / top-p renormalise
 over the support the current parameters give, with the scored token always inside it: at the
@@ -39,10 +53,40 @@ from tlt_jax.models.decoder import forward
 from tlt_jax.speculative.sampling import SamplingParams, log_softmax, support_logits
 
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
+INPUT_LEVELS = ("row", "token")
 
 
 @dataclasses.dataclass(frozen=True)
-class GrpoConfig:
+class BatchInput:
+  """One array of the update's batch: `key`, its numpy `dtype`, and its `level`: "row" (one
+  value per sequence, [..., B]) or "token" (one per position, [..., B, T])."""
+  key: str
+  dtype: type
+  level: str
+
+  def __post_init__(self):
+    if self.level not in INPUT_LEVELS:
+      raise ValueError(f"batch input {self.key!r}: level={self.level!r} is not allowed; "
+                       f"allowed values: {INPUT_LEVELS}")
+
+  def shape(self, rows: tuple[int, ...], width: int) -> tuple[int, ...]:
+    """Its shape in a batch of `rows` (the leading dims, rows last) of `width` tokens."""
+    return (*rows, width) if self.level == "token" else tuple(rows)
+
+
+TOKENS = BatchInput("tokens", np.int32, "token")
+TARGETS = BatchInput("targets", np.int32, "token")
+LOSS_MASK = BatchInput("loss_mask", np.bool_, "token")
+SEQUENCE_INPUTS = (TOKENS, TARGETS, LOSS_MASK)
+ADVANTAGES = BatchInput("advantages", np.float32, "row")
+WEIGHT = BatchInput("weight", np.float32, "row")
+REF_LOGP = BatchInput("ref_logp", np.float32, "token")
+OLD_LOGP = BatchInput("old_logp", np.float32, "token")
+ROLLOUT_LOGP = BatchInput("rollout_logp", np.float32, "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
   """The shared loss knobs; all but `sampling` are the config's rl.<field> knobs, with these
   defaults (SHARED_KNOBS). Each algorithm reads some of them (its `reads`); a run that sets
   another away from its default stops (`tlt_jax.rl.algorithms.make_algorithm`).
@@ -76,8 +120,8 @@ class GrpoConfig:
       raise ValueError("rl.kl_coef and rl.entropy_coef must be >= 0")
 
 
-# The rl.* knobs GrpoConfig holds, which algorithms share.
-SHARED_KNOBS = tuple(f.name for f in dataclasses.fields(GrpoConfig) if f.name != "sampling")
+# The rl.* knobs LossConfig holds, which algorithms share.
+SHARED_KNOBS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name != "sampling")
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, scale_by_std: bool = True,
