@@ -43,7 +43,6 @@ import itertools
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 
@@ -56,6 +55,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
+from .bench_decode import median_ms
 from .common import REPO, module_command, run_metadata, write_json
 from tlt_jax import xla_flags
 from tlt_jax.compile_cache import enable_compilation_cache
@@ -135,19 +135,6 @@ def slice_inputs(base, batch, prefix_len, t):
           jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t)))
 
 
-def median_seconds(fn, args, warmup: int, iters: int):
-  """(median wall seconds of fn(*args) after `warmup` calls (the first one compiles), the
-  last output)."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), out
-
-
 def repeated(fn, repeat: int):
   """A jitted program that calls fn(*args) `repeat` times and returns the last output. Each
   call's first argument is shifted by a zero that XLA can only know from the previous call's
@@ -171,17 +158,18 @@ def repeated(fn, repeat: int):
 def copy_bytes_per_s(nbytes: int, warmup: int, iters: int) -> float:
   """Measured device-to-device copy bandwidth of a bfloat16 buffer of nbytes: (read + write
   bytes) / time of x + 1, which XLA cannot elide the way it may elide a bare copy."""
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  seconds, _ = median_seconds(jax.jit(lambda a: a + 1), (x,), warmup, max(iters, 5))
-  return 2 * nbytes / seconds
+  x, add = jnp.ones((nbytes // 2,), jnp.bfloat16), jax.jit(lambda a: a + 1)
+  return 2 * nbytes / median_ms(lambda: jax.block_until_ready(add(x)), max(iters, 5), warmup) * 1e3
 
 
 def bench_point(fn, args, warmup, iters, repeat, kv_bytes, ceilings):
   """Returns (ms per call on the device, bytes/s, {ceiling name: fraction of it or None},
   status, output or None), timing `repeated(fn, repeat)`."""
+  program, last = repeated(fn, repeat), [None]  # the first of the warm-up calls compiles
   try:
-    seconds, out = median_seconds(repeated(fn, repeat), args, warmup, iters)
-    seconds /= repeat
+    ms = median_ms(lambda: last.__setitem__(0, jax.block_until_ready(program(*args))), iters,
+                   warmup)
+    seconds, out = ms / 1e3 / repeat, last[0]
   except Exception as e:  # e.g. the reference running out of memory at batch 32 x 32k
     return None, None, {name: None for name in ceilings}, \
         f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}", None
