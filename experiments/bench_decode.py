@@ -1,62 +1,34 @@
 """Benchmark: one plain decode step against one SD iteration, per batch size and strategy, on
 random weights of a named shape (--shape) or on a config's policy, drafters and held-out
-prompts (--config FILE[:variant], --set KEY=VALUE).
+prompts (--config FILE[:variant], --set KEY=VALUE). docs/reproducing.md lists the flags.
 
-Per batch size (default 1, 8, 32), with the prompts in the cache:
+Per batch size (default 1, 8, 32), with the prompts in the cache, in milliseconds, medians of
+--iters one-iteration calls of the engine's `decode_loop` after two warm-up calls, each call
+from the previous one's state:
 
-  tlt plain       a plain step of tlt_jax.speculative.decoding (policy only)
-  tlt plain+sync  the same step also keeping the EAGLE drafters' caches in step, as the
-                  rollout does before it switches to SD (when a strategy drafts with EAGLE)
-  tlt SD          one SD iteration per strategy ('depth,topk,verify[,drafts]', drafts
-                  eagle | suffix | eagle+suffix | ...), greedy, and per EAGLE drafter of
-                  --drafters: `random` (an untrained one), `config` (the config's
-                  drafter.eagle, trained where its path is set), `oracle` (the policy itself:
-                  every draft is accepted, at the policy's cost), and per --draft-vocab-sizes
-                  a random one with a reduced draft vocabulary and its own head (EAGLE-3).
-                  For each: the iteration's time and its ratio to the plain step, its accept
-                  length (tokens per row per iteration), whether its tokens are the plain
-                  step's, the decode speedup they give (accept length x plain step /
-                  iteration), and its weight bytes in plain steps (`weight_read_floor`: its
-                  floor where decode is bound by reading weights). The suffix drafter copies
-                  from a corpus of random responses (its matching costs the same whatever
-                  they hold).
-  floor           a minimal decoder written here in plain JAX (a Python loop over static
-                  slices of the stacked weights, GQA attention over the cache, LM head): what
-                  the hardware allows for these weights
+  tlt_plain_ms       a plain step (policy only); tlt_plain_sync_ms: the same step also keeping
+                     the EAGLE drafters' caches in step, as the rollout does before SD
+  sd[name]           one greedy SD iteration per strategy ('depth,topk,verify[,drafts]') and
+                     EAGLE drafter (--drafters random | config | oracle: the policy itself,
+                     every draft accepted; --draft-vocab-sizes: random ones with a reduced draft
+                     vocabulary and its own head): its time and ratio to the step, accept length,
+                     whether its tokens are the plain step's, the decode speedup, and its weight
+                     bytes in plain steps (`weight_read_floor`). The suffix drafter copies from a
+                     corpus of random responses (its matching costs the same whatever they hold).
+  floor_ms           a minimal decoder in plain JAX over the same weights (`floor_decoder`)
+  --loop-iterations  every program also N iterations in one call, the programs of a batch
+                     alternating, per iteration (`loop_iteration_ms`)
+  --shared-shape     each strategy of top-k K also inside the program shaped for (S, K, T), as
+                     shared SD programs run it (`padding_cost`: its time over its own program's)
 
-Every program is the engine's `decode_loop`, whose iteration count is an argument: a call of
-one iteration times the step, a call of N the step as the engine runs it. Times are medians of
---iters one-iteration calls after two warm-up calls, in milliseconds, each call from the
-previous one's state. More timings on request:
-  --loop-iterations N   every program also N iterations in one call (from where its
-                        one-iteration calls left it), the programs of a batch alternating, the
-                        median of --loop-repeats calls after a warm-up round, per iteration
-                        (`loop_iteration_ms`; on a small model one call's time is mostly
-                        dispatch)
-  --shared-shape S,K,T  each strategy of top-k K also inside the program shaped for (S, K, T),
-                        as shared SD programs run it (`rollout.speculative.shared_max_batch`):
-                        the same tokens; `padding_cost` (and `loop_padding_cost`) is its
-                        iteration time over its own program's
-  --compile-times       the first-call compile seconds of prefill, the plain step and the
-                        first SD strategy with the layers as a Python loop and as a lax.scan
+Each program is jitted once per batch size. The prefill that fills the caches is set-up, with
+the layers as a scan; the persistent compilation cache is on. With --config the policy runs as
+the config says, on one device, with a cache as long as the rollout's. The JSON (run metadata
+recorded) is rewritten after every measurement, the PNG after every batch; --time-budget
+starts no batch after the first once that many seconds have passed.
 
-Each program is jitted once and reused for every call of the same shapes (any iteration
-count); a new batch size compiles them again. The prefill that fills the caches is set-up, not
-a result: it runs with the layers as a scan, which compiles much faster than the unrolled loop
-at 28 layers. The persistent compilation cache (tlt_jax.compile_cache) is on, so a rerun loads
-the programs from disk, except with --compile-times, whose compile seconds are results. With
---config the policy runs as the config says (dtype, attention, scanned layers), on one device,
-with a cache as long as the rollout's (rollout.max_prompt_len + max_new_tokens, at least).
-
-The JSON (the device, jax version, date, commit and command line recorded) is rewritten after
-every measurement, so a run cut short keeps what it measured; the PNG after every batch.
---time-budget starts no batch after the first once that many seconds have passed.
-
-  python -m experiments.bench_decode --out results/decode.json                # CPU: 'small'
   python -m experiments.bench_decode --shape qwen2.5-7b --batches 1 8 --time-budget 480 \
       --out docs/results/decode_h100.json
-  python -m experiments.bench_decode --batches 1 --strategies 8,4,48 \
-      --draft-vocab-sizes 7061 --out results/draft_vocab/cost.json      # 32k/152k of 32k
   python -m experiments.bench_decode --config configs/default.py --drafters random oracle \
       --strategies 4,2,8 3,2,6 6,2,12 --shared-shape 6,2,12 --loop-iterations 48 \
       --batches 1 2 4 --out results/shared_programs/sd_step.json
@@ -90,12 +62,12 @@ from tlt_jax.config import ConfigError
 from tlt_jax.drafters import (DRAFTERS, Drafter, EagleDrafter, drafters_named, make_drafter,
                               reads_corpus)
 from tlt_jax.kernels import ATTENTION_IMPLS
-from tlt_jax.models import ModelConfig, init_cache, init_params, prefill
+from tlt_jax.models import ModelConfig, init_cache, init_params
 from tlt_jax.drafters.eagle.network import (DRAFT_TO_POLICY, DrafterConfig, drafter_from_policy,
                                     init_drafter_params)
 from tlt_jax.models.policy import Policy
 from tlt_jax.models.shapes import MODEL_SHAPES
-from tlt_jax.speculative.decoding import decode_loop, plain_step, sd_step, start
+from tlt_jax.speculative.decoding import decode_loop, start
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
 
@@ -395,38 +367,6 @@ def loop_ms(calls: dict, states: dict, params, key, iterations: int, repeats: in
   return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def compile_seconds(cfg, params, entry: SdEntry | None, batch, prompt_len) -> dict:
-  """First-call compile seconds (lower + compile) of prefill, the plain step and (with an
-  entry) one SD iteration, with the layers as a loop and as a scan."""
-  out = {}
-  prompts = jnp.zeros((batch, prompt_len), jnp.int32)
-  lengths = jnp.full((batch,), prompt_len, jnp.int32)
-  cap = -(-(prompt_len + 64) // 64) * 64
-  drafters = entry.drafters if entry else {}
-  for name, scan in (("loop", False), ("scan", True)):
-    c = cfg.replace(scan_layers=scan)
-    cache = init_cache(c, batch, cap)
-    states = {n: d.init_state(c, batch, cap) for n, d in drafters.items()}
-    state = jax.eval_shape(functools.partial(start, sp=GREEDY, max_new_tokens=32, eos_id=-1),
-                           Policy(params, c), prompts, lengths, cache, jax.random.key(0),
-                           drafters=drafters,
-                           draft_states={n: s for n, s in states.items() if s is not None})
-    programs = {
-        "prefill": (functools.partial(prefill, cfg=c), (params, prompts, lengths, cache)),
-        "plain_step": (lambda pol, st, k, ds: plain_step(pol, st, k, GREEDY, -1, drafters=ds),
-                       (Policy(params, c), state, jax.random.key(1), drafters)),
-    }
-    if entry:
-      programs["sd_step"] = (functools.partial(sd_step, sp=GREEDY, eos_id=-1,
-                                               strategy=entry.program),
-                             (Policy(params, c), drafters, state, jax.random.key(1)))
-    for prog, (fn, args) in programs.items():
-      t0 = time.perf_counter()
-      jax.jit(fn).lower(*args).compile()  # a fresh jit on purpose: the compile is the result
-      out[f"{prog}_{name}_s"] = time.perf_counter() - t0
-  return out
-
-
 def plot(result: dict, path: pathlib.Path) -> None:
   """Step times per batch (left), SD iteration / plain step per strategy in its own program
   (middle) and, with a shared shape, the padding cost per batch (right), from the batches
@@ -512,16 +452,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--loop-iterations", type=int, default=0, metavar="N",
                       help="also time every program as N iterations in one decode_loop call")
   parser.add_argument("--loop-repeats", type=int, default=5)
-  parser.add_argument("--compile-times", action="store_true",
-                      help="also compile prefill / plain / SD with a loop and with a scan "
-                           "(turns the persistent compilation cache off)")
   parser.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
                       help="start no batch after the first once this many seconds have passed "
                            "since the script started (0 = no limit)")
   parser.add_argument("--quick", action="store_true",
                       help="smoke run on any device: 3 iterations, shape 'small' and 32 prompt "
-                           "tokens without --config, batch 1 and strategy 3,2,6 unless given, "
-                           "no --compile-times")
+                           "tokens without --config, batch 1 and strategy 3,2,6 unless given")
   args = parser.parse_args(argv)
   if args.shape and args.config:
     parser.error("give --shape (random weights) or --config (a config's policy), not both")
@@ -532,7 +468,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.shape = None if args.config else "small"
     args.batches = args.batches or [1]
     args.strategies = ["3,2,6"] if args.strategies is None else args.strategies
-    args.compile_times = False
   args.batches = args.batches or [1, 8, 32]
   for s in [*(args.strategies or []), *([args.shared_shape] if args.shared_shape else [])]:
     try:
@@ -622,13 +557,7 @@ def load_drafters(args, cfg, params, settings, config, strategies) -> tuple[dict
 def main(argv=None):
   args = parse_args(argv)
   gpu = jax.default_backend() == "gpu"
-  if args.compile_times:
-    # The environment (JAX_COMPILATION_CACHE_DIR) may turn it on: compile seconds would then
-    # measure a disk read.
-    jax.config.update("jax_enable_compilation_cache", False)
-    cache_dir = None
-  else:
-    cache_dir = enable_compilation_cache()
+  cache_dir = enable_compilation_cache()
   cfg, params, prompts, lengths, prompt_len, settings, config, model_name = load_model(args, gpu)
   if args.strategies is None:
     args.strategies = (list(config.rollout.speculative.arms) if config else SHAPE_STRATEGIES)
@@ -686,14 +615,6 @@ def main(argv=None):
     sync = (f" (+sync {row['tlt_plain_sync_ms']:.2f})" if "tlt_plain_sync_ms" in row else "")
     print(f"B={b}: plain {row['tlt_plain_ms']:.2f} ms{sync}, floor {row['floor_ms']:.2f} ms "
           f"({row['tlt_vs_floor']:.2f}x); {sd}", flush=True)
-  if args.compile_times and result["stopped_early"]:
-    result["compile_s"] = "skipped: time budget spent"
-  elif args.compile_times:
-    own = [e for e in bench.entries if e.own is None]
-    result["compile_s"] = compile_seconds(cfg, params, own[0] if own else None,
-                                          args.batches[0], prompt_len)
-    print("compile seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                          result["compile_s"].items()), flush=True)
   result["wall_s"] = time.perf_counter() - T0
   save()
   plot(result, png)

@@ -1,55 +1,34 @@
-"""Benchmark: Pallas prefix + tree attention (split-K where chosen) against the jnp reference.
+"""Benchmark: Pallas prefix + tree attention (split-K where chosen) against the jnp reference;
+with --numerics, whether this device computes the attention right at all.
 
-Grid over batch size x prefix length x tree size (T verify tokens). For each point it reports
-the kernel and reference times, their ratio (speedup_vs_reference = reference_ms / kernel_ms),
-the kernel's number of prefix splits, and the achieved bandwidth (bytes of prefix K and V read /
-time) in bytes/s and as a fraction of two ceilings: the device's datasheet peak HBM bandwidth,
-and the bandwidth of a large device-to-device copy measured once per run by this script (x + 1
-over a 1 GiB bfloat16 buffer on GPU, 64 MiB on CPU: read + write bytes / time), which is what a
-streaming kernel can actually reach. Verification at small batch is memory-bound, so those
-fractions say how much is left on the table.
+Grid over batch size x prefix length x tree size (T verify tokens; default 1, 4, 16, 32 x 2k,
+8k, 16k, 32k x 1, 8, 16, 48 = 64 points at the Qwen2.5-7B head shape: 28 query / 4 KV heads,
+D = 128, bf16). Per point: the kernel and reference times (each a call's time on the device:
+one program calls it --repeat times, see `repeated`; a call timed alone from Python also pays
+its launch, about 0.1 ms on an H100, which a decode step does not), speedup_vs_reference, the
+kernel's prefix splits, and the bandwidth (prefix K and V bytes / time) as a fraction of the
+datasheet peak and of a large device-to-device copy measured once per run (what a streaming
+kernel can reach). Each output is checked against the reference run in float32 on the host's
+CPU (`check_point`), and the JSON records per point whether the kernel met each of TARGETS that
+applies there. On CPU only the reference runs (interpret mode would time the interpreter).
 
-Every GPU point is also checked: the kernel's output must be finite everywhere, and its relative
-error (max |kernel - ref32| / max |ref32|) against the reference run in float32 on the host's
-CPU, on the first and last sequence, must stay within the dtype's tolerance. The bf16 reference's
-own error on the device is recorded next to it as the baseline.
+--numerics: the reference attention (what prefill and training run) and on GPU the kernel, on
+the default device, against the float32 reference on the host's CPU, at the shapes where on
+one H100 with jax 0.11.2 (2026-11-26) XLA's default autotuning compiled the reference wrong
+(batch 1, cache 8192, 2, 8, 9 or 12 new tokens: relative error about 1); the package's XLA
+flags (tlt_jax/xla_flags.py) made it right. It runs with those flags and, in a second process,
+with them turned off (does the installed jax still need them?), and exits 1 when the leg with
+them is wrong. --quick uses toy shapes.
 
-The JSON records the kernel's targets (TARGETS) and, per point, whether the kernel met each one
-that applies there (a wrong output meets none):
-  - batch 1, prefix >= 16k: >= 50% of the measured copy bandwidth;
-  - batch >= 16, tree >= 16, prefix >= 16k: >= 3x the reference;
-  - every point: at least as fast as the reference.
-
-On CPU only the reference runs; kernel entries are marked skipped and targets null (interpret
-mode measures the interpreter, not the kernel).
-
-The default grid is 4 batches (1, 4, 16, 32) x 4 prefix lengths (2k, 8k, 16k, 32k) x 4 tree
-sizes (1: a plain step; 8, 16, 48: the default tuner table's, whose 32 falls in the 48 bucket of
-the crossover table) = 64 points at the Qwen2.5-7B head shape (28 query / 4 KV heads, D = 128,
-bf16). Each is timed on the device: one program calls it --repeat (20) times in a loop
-(`repeated`), run 2 times to warm up and 10 timed; a time is the median / 20. A call timed
-alone from Python also pays its launch, about 0.1 ms on an H100: more than a kernel that reads
-a few MB takes, and not what a decode step (one program over every layer) pays. Compiles
-dominate: per point the reference's and the kernel's programs, about 0.5-2 s each on an H100,
-the float32 check on the host's CPU and a slice of the inputs (drawn once at the largest
-shape), against at most ~1 s of timed calls. On the first H100 run (per-call timing then) a
-point took about 5 s: about 5 minutes for the grid. The persistent compilation cache makes a
-rerun much faster.
-
-The JSON is rewritten after every grid point, so a run cut short loses at most the point in
-flight; --time-budget starts no point after the first once that many seconds have passed since
-the script started, and records the points it skipped. Use --iters / --batches / --prefix-lens
-/ --tree-sizes to shrink the grid, and --k-splits 1 for an unsplit-kernel run to compare
-against.
+The JSON is rewritten after every grid point; --time-budget starts no point after the first
+once that many seconds have passed since the script started. At the end a PNG (time and
+bandwidth fraction vs prefix length, one column per T) and, with --write-crossovers, the
+kernel-vs-reference table the `impl="auto"` dispatcher reads (merged into an existing file).
 
   python -m experiments.bench_tree_attention --out results/tree_attention.json \
       --time-budget 480 --write-crossovers tlt_jax/kernels/crossover.json
   python -m experiments.bench_tree_attention --quick --out /tmp/bt.json    # CPU smoke run
-
-Writes the JSON and, at the end, a PNG (time and bandwidth fraction vs prefix length, one column
-per T) next to it; with --write-crossovers also the kernel-vs-reference crossover table the
-`impl="auto"` dispatcher reads (merged into an existing file: the table for this device kind and
-dtype is replaced).
+  python -m experiments.bench_tree_attention --numerics --out runs/numerics.json
 """
 
 from __future__ import annotations
@@ -62,8 +41,10 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import pathlib
-import statistics
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +55,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from .common import run_metadata, write_json
+from .bench_decode import median_ms
+from .common import REPO, module_command, run_metadata, write_json
+from tlt_jax import xla_flags
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.kernels import crossover
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
@@ -152,19 +135,6 @@ def slice_inputs(base, batch, prefix_len, t):
           jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t)))
 
 
-def median_seconds(fn, args, warmup: int, iters: int):
-  """(median wall seconds of fn(*args) after `warmup` calls (the first one compiles), the
-  last output)."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), out
-
-
 def repeated(fn, repeat: int):
   """A jitted program that calls fn(*args) `repeat` times and returns the last output. Each
   call's first argument is shifted by a zero that XLA can only know from the previous call's
@@ -188,17 +158,18 @@ def repeated(fn, repeat: int):
 def copy_bytes_per_s(nbytes: int, warmup: int, iters: int) -> float:
   """Measured device-to-device copy bandwidth of a bfloat16 buffer of nbytes: (read + write
   bytes) / time of x + 1, which XLA cannot elide the way it may elide a bare copy."""
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  seconds, _ = median_seconds(jax.jit(lambda a: a + 1), (x,), warmup, max(iters, 5))
-  return 2 * nbytes / seconds
+  x, add = jnp.ones((nbytes // 2,), jnp.bfloat16), jax.jit(lambda a: a + 1)
+  return 2 * nbytes / median_ms(lambda: jax.block_until_ready(add(x)), max(iters, 5), warmup) * 1e3
 
 
 def bench_point(fn, args, warmup, iters, repeat, kv_bytes, ceilings):
   """Returns (ms per call on the device, bytes/s, {ceiling name: fraction of it or None},
   status, output or None), timing `repeated(fn, repeat)`."""
+  program, last = repeated(fn, repeat), [None]  # the first of the warm-up calls compiles
   try:
-    seconds, out = median_seconds(repeated(fn, repeat), args, warmup, iters)
-    seconds /= repeat
+    ms = median_ms(lambda: last.__setitem__(0, jax.block_until_ready(program(*args))), iters,
+                   warmup)
+    seconds, out = ms / 1e3 / repeat, last[0]
   except Exception as e:  # e.g. the reference running out of memory at batch 32 x 32k
     return None, None, {name: None for name in ceilings}, \
         f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}", None
@@ -344,10 +315,88 @@ def plot(results, path: pathlib.Path, title: str):
   plt.close(fig)
 
 
+# ---------------------------------------------------------------- --numerics
+
+# (batch, cache length, new tokens): the H100 run's wrong and right shapes (module docstring).
+NUMERICS_SHAPES = ([(1, 8192, t) for t in (1, 2, 4, 7, 8, 9, 12, 16, 48)]
+                   + [(1, 16384, 8), (2, 8192, 8)])
+NUMERICS_QUICK = dict(shapes=[(1, 64, 2), (2, 128, 8)], heads=4, kv_heads=2, head_dim=16)
+
+
+def check_shapes(shapes, heads: dict, dtype=jnp.bfloat16) -> list[dict]:
+  """Per (B, S, T): relative errors of the device's reference and (on GPU) kernel outputs
+  against the host's float32 reference, over every sequence of the batch."""
+  largest = [max(s[i] for s in shapes) for i in range(3)]
+  base = make_inputs(jax.random.key(0), *largest, heads["heads"], heads["kv_heads"],
+                     heads["head_dim"], dtype)
+  reference = jax.jit(prefix_tree_attention_reference)
+  on_gpu = jax.default_backend() == "gpu"
+  rows = []
+  for batch, prefix_len, t in shapes:
+    inputs = slice_inputs(base, batch, prefix_len, t)
+    every = tuple(range(batch))
+    row = dict(batch=batch, prefix_len=prefix_len, tree_size=t,
+               reference=check_point(inputs, reference(*inputs), every),
+               kernel=(check_point(inputs, prefix_tree_attention_pallas(*inputs), every)
+                       if on_gpu else None))
+    row["right"] = all(c is None or (c["finite"] and c["rel_err"] <= TOLERANCE["bfloat16"])
+                       for c in (row["reference"], row["kernel"]))
+    rows.append(row)
+    print(f"B={batch} S={prefix_len:>6} T={t:>2}  reference err {row['reference']['rel_err']:.1e}"
+          + (f"  kernel err {row['kernel']['rel_err']:.1e}" if row["kernel"] else "")
+          + ("" if row["right"] else "  WRONG"), flush=True)
+  return rows
+
+
+def flags_off() -> str:
+  """This process's XLA_FLAGS with each of the package's flags set to false instead."""
+  kept = [word for word in os.environ.get("XLA_FLAGS", "").split()
+          if word.lstrip("-").split("=", 1)[0] not in xla_flags.FLAGS]
+  return " ".join([*kept, *(f"--{name}=false" for name in xla_flags.FLAGS)])
+
+
+def numerics(args) -> None:
+  """--numerics: both legs (the second in a child process with the flags off), one JSON."""
+  heads = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+  shapes = NUMERICS_SHAPES
+  if args.quick:
+    shapes, heads = NUMERICS_QUICK["shapes"], {k: NUMERICS_QUICK[k] for k in heads}
+  print(f"--- {args.leg}: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+  rows = check_shapes(shapes, heads)
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  if args.leg == "flags_off":
+    write_json(args.out, rows)
+    return
+  child_out = args.out.with_suffix(".flags_off.tmp")
+  argv_child = [*module_command("bench_tree_attention"), "--numerics", "--out", str(child_out),
+                "--leg", "flags_off", *(["--quick"] if args.quick else [])]
+  env = dict(os.environ, XLA_FLAGS=flags_off())
+  done = subprocess.run(argv_child, env=env, cwd=REPO, timeout=600)
+  off_rows = json.loads(child_out.read_text()) if done.returncode == 0 else None
+  child_out.unlink(missing_ok=True)
+  doc = dict(run_metadata(jax.devices()[0]), heads=heads, dtype="bfloat16",
+             tolerance=TOLERANCE["bfloat16"],
+             legs=dict(flags=dict(xla_flags=os.environ.get("XLA_FLAGS", ""), rows=rows),
+                       flags_off=dict(xla_flags=env["XLA_FLAGS"], rows=off_rows,
+                                      returncode=done.returncode)))
+  doc["right_with_flags"] = all(r["right"] for r in rows)
+  doc["right_without_flags"] = None if off_rows is None else all(r["right"] for r in off_rows)
+  write_json(args.out, doc)
+  print(f"right with the package's flags: {doc['right_with_flags']}; without them: "
+        f"{doc['right_without_flags']}; wrote {args.out}")
+  if not doc["right_with_flags"]:
+    sys.exit(1)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, type=pathlib.Path, help="JSON output path")
-  parser.add_argument("--quick", action="store_true", help="tiny grid for CPU smoke runs")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny grid (with --numerics toy shapes) for CPU smoke runs")
+  parser.add_argument("--numerics", action="store_true",
+                      help="check the attention's numerics on this device (module docstring)")
+  parser.add_argument("--leg", choices=("flags", "flags_off"), default="flags",
+                      help=argparse.SUPPRESS)  # flags_off: the --numerics child process
   parser.add_argument("--batches", type=int, nargs="+")
   parser.add_argument("--prefix-lens", type=int, nargs="+")
   parser.add_argument("--tree-sizes", type=int, nargs="+")
@@ -375,6 +424,8 @@ def main(argv=None):
   for name in ("iters", "repeat"):
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  if args.numerics:
+    return numerics(args)
   enable_compilation_cache()
 
   grid = dict(QUICK_GRID if args.quick else FULL_GRID)

@@ -49,6 +49,7 @@ The table printed at the end is the same on a CPU and a GPU. --time-budget start
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -90,6 +91,9 @@ FLAG_SETS = {
 }
 DEFAULT_FLAGS = ("no_command_buffers", "while_in_graph")
 RAW_TRACE_LIMIT = 16 * 2**20
+# The defaults that --quick changes: flag -> (default, --quick's).
+DEFAULTS = {"config": (CONFIG, QUICK_CONFIG), "batches": ([1, 8, 32, 128], [1, 4]),
+            "iterations": (32, 4), "repeats": (5, 2), "peer_new_tokens": (32, 8)}
 TARGETS = {"plain_128_vs_1": 2.0, "sd_1_vs_plain_1": 1.3, "plain_vs_peer_compiled": 1.0}
 
 
@@ -179,6 +183,14 @@ class Bench:
     state = self.progs.take_rows(self.base, np.arange(batch, dtype=np.int32))
     return state if strategy is not None else state.replace(drafts={})
 
+  def with_room(self, state, batch: int, strategy, iterations: int):
+    """`state`, or a fresh one (ready) where `iterations` more could run out of output slots:
+    no row finishes while timed."""
+    per_token = strategy.depth + 1 if strategy else 1
+    if int(np.asarray(state.num_out).max()) + iterations * per_token <= self.max_new:
+      return state
+    return jax.block_until_ready(self.fresh(batch, strategy))
+
   def call(self, strategy):
     """call(state, iterations) -> (state, stats, iterations run), through the engine."""
     drafters = self.drafters if strategy is not None else {}
@@ -190,10 +202,6 @@ class Bench:
 
 
 # ---------------------------------------------------------------- transformers (--peer)
-
-
-def hf_available() -> bool:
-  return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
 
 def hf_model(cfg: ModelConfig, device: str, dtype):
@@ -281,14 +289,12 @@ def time_program(bench: Bench, batch: int, strategy, iterations: int, repeats: i
   """Calls of 1 and of `iterations` iterations, through the engine and through the compiled
   executable: medians (ms), per iteration and fixed per call. A state about to run out of
   output slots is replaced by a fresh one between calls (not timed)."""
-  call, per_token = bench.call(strategy), (strategy.depth + 1 if strategy else 1)
+  call = bench.call(strategy)
   box, ran = [bench.fresh(batch, strategy)], []
 
   def one(n):
     def run():
-      if int(np.asarray(box[0].num_out).max()) + n * per_token > bench.max_new:
-        box[0] = bench.fresh(batch, strategy)
-        jax.block_until_ready(box[0].num_out)
+      box[0] = bench.with_room(box[0], batch, strategy, n)
       t0 = time.perf_counter()
       box[0], _, done = call(box[0], n)
       jax.block_until_ready(box[0].num_out)
@@ -316,13 +322,11 @@ def time_executable(bench: Bench, batch: int, strategy, state, iterations: int,
   drafters = bench.drafters if strategy is not None else {}
   temperature = put(np.float32(bench.sp.temperature))
   box, out = [state], {}
-  per_token = strategy.depth + 1 if strategy else 1
   for name, n in (("exe_call_1_ms", 1), ("exe_call_n_ms", iterations)):
     scalars = (put(np.int32(1)), put(np.int32(n)), temperature)
 
     def run():
-      if int(np.asarray(box[0].num_out).max()) + n * per_token > bench.max_new:
-        box[0] = bench.fresh(batch, strategy)
+      box[0] = bench.with_room(box[0], batch, strategy, n)
       box[0], _, _ = exe(bench.params, drafters, box[0], bench.key, *scalars)
       jax.block_until_ready(box[0].num_out)
     out[name] = median_ms(run, repeats, warmup=1)
@@ -593,12 +597,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--variant-of", type=pathlib.Path, default=None,
                       help=argparse.SUPPRESS)  # a flag variant's own process: plain timings only
   args = parser.parse_args(argv)
-  q = args.quick
-  args.config = args.config or (QUICK_CONFIG if q else CONFIG)
-  args.batches = args.batches or ([1, 4] if q else [1, 8, 32, 128])
-  args.iterations = args.iterations or (4 if q else 32)
-  args.repeats = args.repeats or (2 if q else 5)
-  args.peer_new_tokens = args.peer_new_tokens or (8 if q else 32)
+  for name, (full, quick) in DEFAULTS.items():
+    setattr(args, name, getattr(args, name) or (quick if args.quick else full))
   args.flags = list(DEFAULT_FLAGS) if args.flags is None else args.flags
   args.flag_batches = args.flag_batches or sorted({args.batches[0], args.batches[-1]})
   for f in args.flags:
@@ -713,10 +713,9 @@ def run_peer(args, cfg, result: dict, gpu: bool, save) -> None:
           f"skipped: torch.compile off on {jax.default_backend()} (slow there); "
           f"--peer-compile on runs it"}
   result["peer"] = peer
-  if not hf_available():
+  if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
     peer["status"] = "skipped: torch or transformers is not installed"
     return
-  import importlib.metadata
   import torch
   torch.backends.cuda.matmul.allow_tf32 = True  # as JAX's default float32 matmuls on a GPU
   peer["versions"] = {m: importlib.metadata.version(m) for m in ("torch", "transformers")}

@@ -493,13 +493,14 @@ def test_rl_runs_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_check_gpu_numerics_quick(tmp_path):
-  """The attention against the host's float32 reference at toy shapes, with the package's XLA
-  flags and, in a second process, with each of them turned off."""
+def test_bench_tree_attention_numerics_quick(tmp_path):
+  """--numerics: the attention against the host's float32 reference at toy shapes, with the
+  package's XLA flags and, in a second process, with each of them turned off."""
   out = tmp_path / "gpu_numerics.json"
-  _run_script("check_gpu_numerics", "--quick", "--out", str(out))
+  _run_script("bench_tree_attention", "--numerics", "--quick", "--out", str(out))
   numerics = json.loads(out.read_text())
-  _check_run_metadata(numerics, "check_gpu_numerics")
+  _check_run_metadata(numerics, "bench_tree_attention")
+  assert "--numerics" in numerics["command"]
   assert numerics["right_with_flags"] is True and numerics["right_without_flags"] is True
   legs = numerics["legs"]
   assert "--xla_gpu_exclude_nondeterministic_ops=true" in legs["flags"]["xla_flags"]

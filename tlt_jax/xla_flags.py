@@ -9,7 +9,8 @@ or batch 2, were right. The kernel was right where it was checked against the CP
 flag (or `--xla_gpu_deterministic_ops=true`, or turning autotuning off) made the result right;
 `--xla_gpu_enable_triton_gemm=false` did not. The reference attention
 is what prefill and every training step run on GPU, so without it a GPU run could train on
-wrong attention without any error. `python -m experiments.check_gpu_numerics` repeats the check.
+wrong attention without any error. `python -m experiments.bench_tree_attention --numerics`
+repeats the check.
 
 `--xla_allow_excess_precision=false`: XLA may otherwise keep a bfloat16 (or float16) value in
 float32 between two fused operations instead of rounding it, so a value's bits depend on
