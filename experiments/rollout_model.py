@@ -274,3 +274,12 @@ def load_lengths(path: str) -> np.ndarray:
     raise ValueError(f"{path!r} needs a non-empty `lengths` list (as written by "
                      f"experiments/length_histogram.py) or to be a list of lengths")
   return np.asarray(lengths, np.int64)
+
+
+def length_summary(lengths) -> dict:
+  """count, mean, median, p90, p99, max, min and max over median of response lengths."""
+  a = np.asarray(lengths, np.float64)
+  return {"count": int(a.size), "mean": float(a.mean()), "median": float(np.median(a)),
+          "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)),
+          "max": int(a.max()), "min": int(a.min()),
+          "max_over_median": float(a.max() / max(np.median(a), 1.0))}

@@ -42,26 +42,21 @@ import matplotlib.pyplot as plt
 from tlt_jax.rollout.scheduler import batch_ladder
 
 from .common import write_json
-from .rollout_model import (CostModel, load_lengths, make_costs, read_json,  # noqa: F401
+from .rollout_model import (CostModel, length_summary, load_lengths, make_costs, read_json,
                             simulate_rollout)
 
 
 def _ladder(max_batch: int) -> np.ndarray:
   return np.asarray(batch_ladder(int(max_batch)), np.float64)
 
-
 # ---------------------------------------------------------------- where costs come from
 
 def default_costs(max_batch: int = 1024) -> CostModel:
-  """Illustrative (not measured) costs of a 7B policy with one H100-class device per slice.
-
-  Plain decode is memory-bound: each iteration reads the weights once (6 ms) plus every row's
-  KV cache (0.15 ms per row at a few thousand tokens of context). An SD iteration runs the
-  one-layer drafter for 8 steps and verifies a tree of v tokens per row, v from the BEG-MAB
-  buckets (48 at batch 1, 32 up to 4, 16 up to 20, 8 beyond): 11 ms + (0.15 ms + 0.04 ms * v)
-  per row. Accept length shrinks with the tree: 6.4, 5.5, 4.5, 3.5 tokens for v = 48, 32, 16,
-  8. Use measured costs for projections about a real system.
-  """
+  """Illustrative (not measured) costs of a 7B policy on one H100-class device per slice: a
+  plain step reads the weights (6 ms) and each row's cache (0.15 ms at a few thousand tokens);
+  an SD iteration runs the drafter 8 steps and verifies v tokens per row (v = 48, 32, 16, 8 at
+  batch 1, <= 4, <= 20, beyond): 11 ms + (0.15 + 0.04 v) ms per row, accepting 6.4, 5.5,
+  4.5, 3.5 tokens."""
   b = _ladder(max_batch)
   verify = np.select([b <= 1, b <= 4, b <= 20], [48.0, 32.0, 16.0], 8.0)
   accept = np.interp(verify, [8, 16, 32, 48], [3.5, 4.5, 5.5, 6.4])
@@ -370,9 +365,8 @@ def sweep_main(args) -> None:
   lengths_record = dict(length_args)
   if args.lengths:
     length_args.update(dist="measured", pool=load_lengths(args.lengths))
-    pool = length_args["pool"]
     lengths_record = dict(dist="measured", max_new_tokens=args.max_new_tokens,
-                          count=int(pool.size), mean=float(pool.mean()), max=int(pool.max()))
+                          **length_summary(length_args["pool"]))
   t0 = time.perf_counter()
   rows = sweep(args.devices, cfg, costs, args.prompts_per_step, args.samples, args.scaling,
                args.trials, args.seed, length_args)
