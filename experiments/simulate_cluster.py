@@ -347,7 +347,8 @@ def sweep_main(args) -> None:
     args.max_new_tokens = min(args.max_new_tokens, 4096)
   sources = [a for a in ("costs", "costs_from_bench", "costs_from_decode") if getattr(args, a)]
   if len(sources) > 1:
-    raise ValueError(f"give one cost source, not {' and '.join(sources)}")
+    raise ValueError("give one cost source, not " + " and ".join(
+        "--" + a.replace("_", "-") for a in sources))
   cfg = StepConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(StepConfig)})
   if args.costs_from_decode:
     costs, upto = costs_from_decode_json(args.costs_from_decode, cfg.max_batch, args.decode_sd,
