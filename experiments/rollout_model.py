@@ -59,12 +59,14 @@ class CostModel:
 
   @functools.cached_property
   def _sd(self) -> np.ndarray:
-    out, have = self.sd_s.copy(), np.flatnonzero(~np.isnan(self.sd_s))
-    for i in np.flatnonzero(np.isnan(self.sd_s)):
-      near = have[np.argmin(np.abs(np.log(self.batch[have] / self.batch[i])))] if have.size \
-          else None
-      out[i] = self.plain_s[i] if near is None else \
-          self.sd_s[near] * self.plain_s[i] / self.plain_s[near]
+    """sd_s with its NaN entries filled (the class docstring's rule)."""
+    have = np.flatnonzero(~np.isnan(self.sd_s))
+    if not have.size:
+      return self.plain_s.copy()
+    out = self.sd_s.copy()
+    for i in np.flatnonzero(np.isnan(out)):
+      near = have[np.argmin(np.abs(np.log(self.batch[have] / self.batch[i])))]
+      out[i] = self.sd_s[near] * self.plain_s[i] / self.plain_s[near]
     return out
 
   def plain_at(self, b):
