@@ -11,7 +11,7 @@ from tests.conftest import REPO
 from tests.experiment_modules import load_experiment
 
 replay = load_experiment("replay")
-sim = load_experiment("simulate_cluster")
+model = load_experiment("rollout_model")
 H200 = REPO + "/docs/results/gpu_h200_2026-12-04"
 
 
@@ -95,14 +95,14 @@ def test_costs_recorded_with_their_iterations_are_fitted_back():
   sd = {1: 2e-3, 4: 2.5e-3, 8: 4e-3}
   steps = _recorded_steps(lengths, plain, sd, 5e-3, 2.0, engine)
   calls = {v: [replay.calls_of(s, engine, v == "tlt") for s in steps[v]] for v in steps}
-  base = replay.fit_costs(steps["baseline"], calls["baseline"], engine)
-  tlt = replay.fit_costs(steps["tlt"], calls["tlt"], engine)
+  base, rest = replay.fit_costs(steps["baseline"], calls["baseline"], engine)
+  tlt, _ = replay.fit_costs(steps["tlt"], calls["tlt"], engine)
   assert base.call_s == pytest.approx(5e-3, rel=1e-6)
-  for b, s in plain.items():
-    assert base.per_iteration["plain"][b] == pytest.approx(s, rel=1e-6)
-  for b in tlt.per_iteration["sd"]:
-    assert tlt.per_iteration["sd"][b] == pytest.approx(sd[b], rel=1e-6)
-  assert base.update_s == 1.0
+  assert base.measured("plain") == pytest.approx(plain, rel=1e-6)
+  assert base.measured("sd") == {}  # the baseline never ran SD
+  assert tlt.measured("sd") and all(tlt.measured("sd")[b] == pytest.approx(sd[b], rel=1e-6)
+                                    for b in tlt.measured("sd"))
+  assert rest["update_s"] == 1.0
 
 
 def test_lengths_are_rebuilt_from_a_plain_rollouts_calls():
@@ -119,7 +119,7 @@ def test_lengths_are_rebuilt_from_a_plain_rollouts_calls():
   old = {k: v for k, v in step.items() if k not in ("calls", "lengths")}
   old.update(running=running, rollout_s=t)
   calls = replay.calls_of(old, engine, speculative=False)
-  costs = replay.fit_costs([old], [calls], engine)
+  costs, _ = replay.fit_costs([old], [calls], engine)
   rebuilt = replay.rebuild_lengths(old, calls, costs, engine)
   assert len(rebuilt) == 8 and rebuilt.max() == lengths.max()
   assert abs(int(rebuilt.sum()) - int(lengths.sum())) <= 8 * 8  # within a call per response
@@ -143,8 +143,8 @@ def test_the_projection_moves_the_way_each_change_must():
   assert need["ratio_now"] < 1.5
   lever = need["sd_iteration_fraction"]
   assert lever["needed"] is not None and 0 < lever["needed"] < 1  # cheaper SD reaches it
-  at = replay.with_costs(cal.costs["tlt"], {"sd": {b: s * lever["needed"] for b, s in
-                                                   cal.costs["tlt"].per_iteration["sd"].items()}})
+  at = cal.costs["tlt"].with_table(sd={b: s * lever["needed"] for b, s in
+                                       cal.costs["tlt"].measured("sd").items()})
   assert replay.replay_steps(cal, tlt_costs=at)["step_ratio"] >= 1.5
   assert rows[0]["step_ratio"] == pytest.approx(replay.validate(headline, cal)[
       "replayed_step_ratio"])
@@ -153,10 +153,10 @@ def test_the_projection_moves_the_way_each_change_must():
 def test_sd_where_it_pays_skips_batches_where_a_token_costs_more():
   """A table where SD pays at one row only: with the rule, the 4-row phase decodes plainly
   and the rollout is no slower than plain decoding there."""
-  costs = sim.make_costs([1, 4], [1.0, 1.0], [1.5, 3.0], 2.0)
+  costs = model.make_costs([1, 4], [1.0, 1.0], [1.5, 3.0], 2.0)
   assert costs.sd_pays_at(1) and not costs.sd_pays_at(4)
   lengths = [40, 40, 40, 100]
-  always = sim.simulate_rollout(lengths, 1, 4, costs, 4)["rollout_s"]
-  paid = sim.simulate_rollout(lengths, 1, 4, costs, 4, sd_where_it_pays=True)["rollout_s"]
-  plain = sim.simulate_rollout(lengths, 1, 4, costs, 0)["rollout_s"]
+  always = model.simulate_rollout(lengths, 1, 4, costs, 4)["rollout_s"]
+  paid = model.simulate_rollout(lengths, 1, 4, costs, 4, sd_where_it_pays=True)["rollout_s"]
+  plain = model.simulate_rollout(lengths, 1, 4, costs, 0)["rollout_s"]
   assert paid < always and paid < plain

@@ -1,4 +1,5 @@
-"""experiments/simulate_cluster.py: closed-form cases, the check against a run, the CLI."""
+"""experiments/simulate_cluster.py and the rollout cost model it evaluates
+(experiments/rollout_model.py): closed-form cases, the check against a run, the CLI."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ import numpy as np
 import pytest
 
 from tests.experiment_modules import load_experiment
+from tlt_jax.rollout.scheduler import bucket
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 sim = load_experiment("simulate_cluster")
+model = load_experiment("rollout_model")
 vs_run = load_experiment("simulate_vs_run")
 
 
 def flat_costs(seconds=0.01, accept=1.0, sd_seconds=None, max_batch=64, prefill_s=0.0):
   """Iteration time independent of the batch; SD costs `sd_seconds` (default: the same)."""
   b = 2.0 ** np.arange(int(np.log2(max_batch)) + 1)
-  return sim.make_costs(b, seconds, seconds if sd_seconds is None else sd_seconds, accept,
+  return model.make_costs(b, seconds, seconds if sd_seconds is None else sd_seconds, accept,
                         prefill_s=prefill_s)
 
 
@@ -33,7 +36,7 @@ def flat_costs(seconds=0.01, accept=1.0, sd_seconds=None, max_batch=64, prefill_
 def test_equal_lengths_even_split_leaves_no_idle_time(threshold):
   # 8 slices x 40 requests of 300 tokens, batch 16 (refills), the default batch-dependent
   # costs, with and without SD: every slice does the same work, so all finish together.
-  r = sim.simulate_rollout(np.full(8 * 40, 300), 8, 16, sim.default_costs(16), threshold)
+  r = model.simulate_rollout(np.full(8 * 40, 300), 8, 16, sim.default_costs(16), threshold)
   idle = sim.idle_summary(r["finish_s"], devices_per_slice=4)
   assert r["rollout_s"] > 0
   assert idle["idle_device_s"] == 0.0 and idle["idle_share"] == 0.0
@@ -47,7 +50,7 @@ def test_one_long_response_idles_all_other_slices(num_slices):
   # over the rollout's device-seconds. Exactly (R - 1) / R: all other slices idle throughout.
   lengths = np.ones(num_slices * 10, np.int64)
   lengths[0] = 1000
-  r = sim.simulate_rollout(lengths, num_slices, 4, flat_costs(0.01))
+  r = model.simulate_rollout(lengths, num_slices, 4, flat_costs(0.01))
   assert r["rollout_s"] == pytest.approx(999 * 0.01, rel=1e-12)
   idle = sim.idle_summary(r["finish_s"], devices_per_slice=2)
   assert idle["idle_share"] == pytest.approx((num_slices - 1) / num_slices, abs=1e-12)
@@ -60,7 +63,7 @@ def test_one_long_response_with_short_rest():
   R, L, S = 16, 2001, 51
   lengths = np.full(R * 3, S)
   lengths[5] = L  # slice 5
-  r = sim.simulate_rollout(lengths, R, 4, flat_costs(0.02))
+  r = model.simulate_rollout(lengths, R, 4, flat_costs(0.02))
   idle = sim.idle_summary(r["finish_s"], devices_per_slice=1)
   assert idle["idle_share"] == pytest.approx((R - 1) * (L - S) / (R * (L - 1)), rel=1e-12)
   assert np.argmax(r["finish_s"]) == 5
@@ -71,8 +74,8 @@ def test_sd_with_equal_iteration_cost_shortens_a_single_row_tail_by_k(k):
   m = 40
   lengths = [1 + int(k * m)]  # k * m decode tokens: m SD iterations or k * m plain ones
   costs = flat_costs(0.01, accept=k)
-  plain = sim.simulate_rollout(lengths, 1, 8, costs, sd_threshold=0)
-  sd = sim.simulate_rollout(lengths, 1, 8, costs, sd_threshold=1)
+  plain = model.simulate_rollout(lengths, 1, 8, costs, sd_threshold=0)
+  sd = model.simulate_rollout(lengths, 1, 8, costs, sd_threshold=1)
   assert plain["rollout_s"] / sd["rollout_s"] == pytest.approx(k, rel=1e-12)
   assert sd["sd_iterations"][0] == m
 
@@ -80,16 +83,16 @@ def test_sd_with_equal_iteration_cost_shortens_a_single_row_tail_by_k(k):
 def test_interleaved_schedule_serialises_the_slices():
   # Two slices with one 101-token response each, 1 s per call, free prefill. One host loop
   # alternates: slice 0's last call ends at 100 + 99 s, slice 1's at 200 s.
-  r = sim.simulate_rollout([101, 101], 2, 4, flat_costs(1.0), schedule="interleaved")
+  r = model.simulate_rollout([101, 101], 2, 4, flat_costs(1.0), schedule="interleaved")
   np.testing.assert_allclose(r["finish_s"], [199.0, 200.0])
-  par = sim.simulate_rollout([101, 101], 2, 4, flat_costs(1.0))
+  par = model.simulate_rollout([101, 101], 2, 4, flat_costs(1.0))
   np.testing.assert_allclose(par["finish_s"], [100.0, 100.0])
 
 
 def test_interleaved_calls_of_several_steps():
   # The same with 10 iterations per call: 10 calls of 10 s per slice; slice 0 ends after
   # its 10 calls and slice 1's first 9, slice 1 after all 20.
-  r = sim.simulate_rollout([101, 101], 2, 4, flat_costs(1.0), schedule="interleaved",
+  r = model.simulate_rollout([101, 101], 2, 4, flat_costs(1.0), schedule="interleaved",
                            iterations_per_call=10)
   np.testing.assert_allclose(r["finish_s"], [190.0, 200.0])
   np.testing.assert_array_equal(r["calls"], [11, 11])  # the prefill and 10 decode calls
@@ -113,7 +116,7 @@ def _reference(lengths, num_slices, max_batch, costs, threshold):
         del queues[s][:k]
         cost = costs.prefill_s
       else:
-        b = sim.bucket(len(rows[s]), max_batch)
+        b = bucket(len(rows[s]), max_batch)
         sd = len(rows[s]) <= threshold
         step = costs.accept_at(b) if sd else 1.0
         cost = costs.sd_at(b) if sd else costs.plain_at(b)
@@ -132,19 +135,19 @@ def test_event_jumps_match_a_call_by_call_reference(seed):
   lengths = rng.integers(1, 60, int(rng.integers(5, 40)))
   num_slices, max_batch = int(rng.integers(1, 5)), int(rng.choice([1, 2, 4, 8]))
   b = 2.0 ** np.arange(4)
-  costs = sim.make_costs(b, 0.01 + 0.003 * b, 0.02 + 0.005 * b, [3.0, 2.5, 2.0, 1.5],
+  costs = model.make_costs(b, 0.01 + 0.003 * b, 0.02 + 0.005 * b, [3.0, 2.5, 2.0, 1.5],
                          prefill_s=0.007)
   threshold = int(rng.integers(0, max_batch + 1))
   parallel, interleaved = _reference(lengths, num_slices, max_batch, costs, threshold)
   for schedule, want in (("parallel", parallel), ("interleaved", interleaved)):
-    got = sim.simulate_rollout(lengths, num_slices, max_batch, costs, threshold, schedule)
+    got = model.simulate_rollout(lengths, num_slices, max_batch, costs, threshold, schedule)
     np.testing.assert_allclose(got["finish_s"], want, rtol=1e-9, atol=1e-12)
 
 
 def test_continuous_batching_and_round_robin_split():
   # Slice 1 serves requests 1 and 3 (lengths 11 and 21) one at a time (max_batch 1): 10 + 20
   # decode iterations plus two prefill calls of 0.5 s. Slice 0 serves requests 0 and 2 (6, 6).
-  r = sim.simulate_rollout([6, 11, 6, 21], 2, 1, flat_costs(1.0, max_batch=1, prefill_s=0.5))
+  r = model.simulate_rollout([6, 11, 6, 21], 2, 1, flat_costs(1.0, max_batch=1, prefill_s=0.5))
   np.testing.assert_allclose(r["finish_s"], [5 + 5 + 1.0, 10 + 20 + 1.0])
   np.testing.assert_array_equal(r["prefill_calls"], [2, 2])
 
@@ -170,33 +173,52 @@ def test_large_cluster_is_fast():
   rng = np.random.default_rng(0)
   lengths = sim.sample_lengths(rng, 16384, "lognormal", 32768)
   t0 = time.perf_counter()
-  r = sim.simulate_rollout(lengths, 1024, 64, sim.default_costs(64), sd_threshold=32)
+  r = model.simulate_rollout(lengths, 1024, 64, sim.default_costs(64), sd_threshold=32)
   assert time.perf_counter() - t0 < 10.0
   assert r["finish_s"].shape == (1024,) and r["rollout_s"] > 0
+
+
+def test_unmeasured_sd_costs_scale_the_nearest_measured_by_the_plain_ratio():
+  """An SD cost the table lacks (NaN) is the nearest measured batch's times the plain steps'
+  ratio, plain where none is measured; with_table replaces entries, and a fill follows them."""
+  costs = model.make_costs([1, 8, 32, 128], [1.0, 2.0, 4.0, 12.0], [3.0, 5.0, 6.0, np.nan], 2.0)
+  assert costs.sd_at(128) == pytest.approx(6.0 * 12.0 / 4.0)
+  assert costs.measured("sd") == {1: 3.0, 8: 5.0, 32: 6.0}
+  cheaper = costs.with_table(sd={32: 2.0}, accept={1: 4.0}, call_s=0.5)
+  assert cheaper.sd_at(128) == pytest.approx(6.0) and cheaper.accept_at(1) == 4.0
+  assert cheaper.accept_at(8) == 2.0 and cheaper.call_s == 0.5 and costs.call_s == 0.0
+  plain_only = model.make_costs([1, 2], [1.0, 3.0], np.nan, 1.0)
+  assert plain_only.sd_at(2) == 3.0 and plain_only.measured("sd") == {}
+  with pytest.raises(ValueError, match="no batch 4"):
+    costs.with_table(plain={4: 1.0})
+  with pytest.raises(ValueError, match="no plain step at batch"):
+    model.simulate_rollout([5], 1, 2, model.make_costs([1, 2], [1.0, np.nan], 1.0, 1.0))
 
 
 # ---------------------------------------------------------------- inputs and errors
 
 def test_sample_lengths_are_capped():
   rng = np.random.default_rng(1)
-  for dist in ("lognormal", "geozipf"):
-    x = sim.sample_lengths(rng, 5000, dist, 4096)
-    assert x.min() >= 1 and x.max() <= 4096
+  x = sim.sample_lengths(rng, 5000, "lognormal", 4096)
+  assert x.min() >= 1 and x.max() <= 4096
   x = sim.sample_lengths(rng, 100, "measured", 50, pool=np.array([10, 80]))
   assert set(x.tolist()) <= {10, 50}
 
 
 def test_load_lengths_json_and_jsonl(tmp_path):
   (tmp_path / "lengths.json").write_text(json.dumps({"lengths": [3, 4, 5], "summary": {}}))
-  np.testing.assert_array_equal(sim.load_lengths(str(tmp_path / "lengths.json")), [3, 4, 5])
+  np.testing.assert_array_equal(model.load_lengths(str(tmp_path / "lengths.json")), [3, 4, 5])
   (tmp_path / "r.jsonl").write_text("".join(json.dumps({"step": 1, "tokens": t}) + "\n"
                                             for t in (7, 9)))
-  np.testing.assert_array_equal(sim.load_lengths(str(tmp_path / "r.jsonl")), [7, 9])
+  np.testing.assert_array_equal(model.load_lengths(str(tmp_path / "r.jsonl")), [7, 9])
+  (tmp_path / "responses.jsonl").write_text("".join(json.dumps({"completion": [1] * t}) + "\n"
+                                                    for t in (2, 5)))
+  np.testing.assert_array_equal(model.load_lengths(str(tmp_path / "responses.jsonl")), [2, 5])
   (tmp_path / "bad.json").write_text(json.dumps({"lens": [1]}))
   with pytest.raises(ValueError, match="lengths"):
-    sim.load_lengths(str(tmp_path / "bad.json"))
+    model.load_lengths(str(tmp_path / "bad.json"))
   with pytest.raises(FileNotFoundError, match="nope.json"):
-    sim.load_lengths(str(tmp_path / "nope.json"))
+    model.load_lengths(str(tmp_path / "nope.json"))
 
 
 def test_cost_file_and_bad_settings(tmp_path):
@@ -213,7 +235,7 @@ def test_cost_file_and_bad_settings(tmp_path):
   with pytest.raises(ValueError, match="sd_s"):
     sim.load_costs(str(path))
   with pytest.raises(ValueError, match="accept_len"):
-    sim.make_costs([1, 2], 1.0, 1.0, 0.5)
+    model.make_costs([1, 2], 1.0, 1.0, 0.5)
 
 
 def test_costs_from_rollout_json(tmp_path):
@@ -275,9 +297,9 @@ def _write_run(workdir, schedule, num_slices=2, max_batch=4, threshold=2, summar
     g, prompts = 4, 3
     lengths = rng.integers(1, 120, prompts * g)
     sd_on, accept = step % 3 != 0, float(rng.uniform(1.5, 3.5))
-    costs = sim.make_costs(grid, TRUE["plain_fixed_s"] + TRUE["plain_per_row_s"] * grid,
+    costs = model.make_costs(grid, TRUE["plain_fixed_s"] + TRUE["plain_per_row_s"] * grid,
                            TRUE["sd_s"], accept, TRUE["prefill_s"])
-    r = sim.simulate_rollout(lengths, num_slices, max_batch, costs,
+    r = model.simulate_rollout(lengths, num_slices, max_batch, costs,
                              threshold if sd_on else 0, schedule)
     compile_s = 50.0 if step == 1 else 0.0  # compiling step: its rollout_s is inflated
     metrics.append({"step": step, "rollout_s": r["rollout_s"] + compile_s,
