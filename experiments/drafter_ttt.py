@@ -30,13 +30,8 @@ import time
 
 
 import jax
-import matplotlib
 import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from tlt_jax.cli import config_from_file
 from tlt_jax.components import (drafter_opt_config, load_drafters_for, load_policy,
                                 load_tokenizer_for, make_engine, model_config, task_prompts)
 from tlt_jax.drafter_training.train_step import init_train_state
@@ -49,7 +44,11 @@ from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
 from . import drafter_protocol as protocol
-from .common import REPO, strategy_label, write_json
+from .common import REPO, config_or_exit, pyplot, save_figure, strategy_label, write_json
+
+# The training and evaluation sizes: flag -> (default, with --quick).
+SIZES = {"train-prompts": (256, 8), "eval-prompts": (64, 2), "max-new-tokens": (256, 32),
+         "train-steps": (200, 6), "batch-rows": (8, 2), "window": (256, 64), "seed": (0, 0)}
 
 
 def parse_args(argv=None):
@@ -63,18 +62,14 @@ def parse_args(argv=None):
                  help="draft vocabulary sizes to compare (0 = the policy's whole vocabulary)")
   p.add_argument("--strategies", nargs="+", default=None,
                  help="'steps,topk,verify' each; default: the config's tuner arms")
-  p.add_argument("--train-prompts", type=int, default=256)
-  p.add_argument("--eval-prompts", type=int, default=64)
-  p.add_argument("--max-new-tokens", type=int, default=256)
-  p.add_argument("--train-steps", type=int, default=200)
-  p.add_argument("--batch-rows", type=int, default=8)
-  p.add_argument("--window", type=int, default=256)
-  p.add_argument("--seed", type=int, default=0)
+  for flag, (full, _) in SIZES.items():
+    p.add_argument(f"--{flag}", type=int, default=full)
   p.add_argument("--quick", action="store_true", help="smoke setting (about a minute)")
   args = p.parse_args(argv)
   if args.quick:
-    args.train_depth, args.train_prompts, args.eval_prompts = [1, 2], 8, 2
-    args.max_new_tokens, args.train_steps, args.batch_rows, args.window = 32, 6, 2, 64
+    args.train_depth = [1, 2]
+    for flag, (_, quick) in SIZES.items():
+      setattr(args, flag.replace("-", "_"), quick)
   if min(args.train_depth) < 1:
     p.error(f"--train-depth {args.train_depth}: every K must be >= 1")
   if min(args.draft_vocab_sizes) < 0:
@@ -86,7 +81,7 @@ def main(argv=None):
   args = parse_args(argv)
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  config = config_from_file(args.config)
+  config = config_or_exit(args.config)
   feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
   strategies = [Strategy.parse(s) for s in (args.strategies or config.rollout.speculative.arms)]
   if args.quick:
@@ -182,6 +177,7 @@ def main(argv=None):
 
 def plot(rows, strategies, path):
   """Accept length against K per strategy and drafter; with a single K, bars per strategy."""
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4))
   if len({r["train_depth"] for r in rows}) == 1:
     width = 0.8 / len(rows)
@@ -207,9 +203,7 @@ def plot(rows, strategies, path):
     ax.set_title("training-time test: accept length per strategy")
   ax.set_ylabel("greedy accept length")
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Held-out accuracy before and after GRPO, per setting and seed: what the RL update does to a
 policy, measured.
 
-Runs the main job (tlt_jax.train) on the baseline variant of a config (no SD, no spot
-training: the update is the same with TLT, whose outputs are identical) once per setting and
-seed, each from the same policy, with the paired control on (rl.paired_control), and records
-the reward gained over the initial policy on each step's own prompts and sampling keys
-(`paired`: the mean over steps 2..N), held-out greedy and sampled accuracy at the first and
+Runs the main job (experiments.rl_runs's run_variants) on the baseline variant of a config (no
+SD, no spot training: the update is the same with TLT, whose outputs are identical) once per
+setting and seed, each from the same policy, with the paired control on (rl.paired_control),
+and records the reward gained over the initial policy on each step's own prompts and sampling
+keys (`paired`: the mean over steps 2..N), held-out greedy and sampled accuracy at the first and
 the last step, the reward per step, and the run-to-run spread over seeds.
 
   python -m experiments.grpo_settings --out results/grpo_settings
@@ -22,25 +22,16 @@ held-out greedy and sampled accuracy per setting, one point per seed).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
-import time
 
-
-import jax
-import matplotlib
 import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from .common import own_folder, write_json
-from tlt_jax.cli import config_from_file, set_config_value, setup_devices
+from .common import REPO, config_or_exit, pyplot, run_metadata, save_figure, write_json
+from .rl_runs import run_variants
+from tlt_jax.cli import setup_devices
 from tlt_jax.config import ConfigError
-from tlt_jax.train import train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 # What was tried on the tiny default (README: "What GRPO does to the tiny policy").
 # Each costs what the default costs (128 responses per step), so any of them fits the quick
 # start's time; 32 x 4 trades samples per prompt for prompts.
@@ -62,24 +53,14 @@ def parse_setting(text: str) -> tuple[str, list[str]]:
   return name.strip(), overrides
 
 
-def run_one(base, overrides: list[str], seed: int, workdir: pathlib.Path) -> dict:
-  """One run of the job from scratch; its held-out evaluations and reward per step."""
-  config = base.copy_and_resolve_references()
-  config.unlock()
-  for item in overrides:
-    key, _, value = item.partition("=")
-    set_config_value(config, key, value)
-  config.seed = seed
-  config.rl.export = False
-  config.rl.paired_control = True
-  config.lock()
-  own_folder(workdir, "grpo_settings")
-  t0 = time.perf_counter()
-  train(config, str(workdir), progress=False)
-  evals = [json.loads(line) for line in open(workdir / "eval.jsonl")]
-  metrics = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  first, last = evals[0], evals[-1]
-  return {"seed": seed, "wall_s": time.perf_counter() - t0,
+def run_one(base, overrides: list[str], seed: int, out: pathlib.Path, name: str) -> dict:
+  """One run of the job from scratch in OUT/runs/<name>; its held-out evaluations and reward
+  per step."""
+  settings = {**dict(o.split("=", 1) for o in overrides), "seed": seed, "rl.export": False,
+              "rl.paired_control": True}
+  run = run_variants(base, {name: settings}, out, script="grpo_settings")[name]
+  first, last, metrics = run["eval"][0], run["eval"][-1], run["metrics"]
+  return {"seed": seed, "wall_s": run["wall_s"],
           "greedy": [first["greedy_accuracy"], last["greedy_accuracy"]],
           "sampled": [first.get("sampled_accuracy"), last.get("sampled_accuracy")],
           "reward": [m["reward_mean"] for m in metrics],
@@ -89,22 +70,26 @@ def run_one(base, overrides: list[str], seed: int, workdir: pathlib.Path) -> dic
           "paired": float(np.mean([m["reward_vs_initial"] for m in metrics[1:]]))}
 
 
+def changes(runs: list[dict], kind: str) -> list[float]:
+  """Per run, the paired reward gain, or the change (last - first) of an accuracy."""
+  if kind == "paired":
+    return [r["paired"] for r in runs]
+  return [r[kind][1] - r[kind][0] for r in runs if r[kind][0] is not None]
+
+
 def summarize(runs: list[dict]) -> dict:
-  """Mean and spread over seeds of the change (last - first) of each accuracy, and of the
-  paired reward gain over the initial policy."""
-  paired = [r["paired"] for r in runs]
-  out = {"paired_mean": float(np.mean(paired)), "paired_min": float(np.min(paired)),
-         "paired_max": float(np.max(paired))}
-  for kind in ("greedy", "sampled"):
-    deltas = [r[kind][1] - r[kind][0] for r in runs if r[kind][0] is not None]
-    if deltas:
-      out[f"{kind}_change_mean"] = float(np.mean(deltas))
-      out[f"{kind}_change_min"] = float(np.min(deltas))
-      out[f"{kind}_change_max"] = float(np.max(deltas))
+  """Mean and spread over seeds of the paired reward gain and of each accuracy's change."""
+  out = {}
+  for kind, prefix in (("paired", "paired"), ("greedy", "greedy_change"),
+                       ("sampled", "sampled_change")):
+    if values := changes(runs, kind):
+      out.update({f"{prefix}_{stat}": float(fn(values))
+                  for stat, fn in (("mean", np.mean), ("min", np.min), ("max", np.max))})
   return out
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
+  plt = pyplot()
   names = list(result["settings"])
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), dpi=110, sharey=True)
   labels = {"greedy": "held-out greedy accuracy: after - before",
@@ -112,9 +97,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
             "paired": "reward vs the initial policy (paired, steps 2-N)"}
   for ax, kind in zip(axes, ("paired", "greedy", "sampled")):
     for i, name in enumerate(names):
-      runs = result["settings"][name]["runs"]
-      deltas = ([r["paired"] for r in runs] if kind == "paired" else
-                [r[kind][1] - r[kind][0] for r in runs if r[kind][0] is not None])
+      deltas = changes(result["settings"][name]["runs"], kind)
       ax.plot(deltas, [i] * len(deltas), "o", color="#3b6ea5", alpha=0.8)
       if deltas:
         ax.plot([np.mean(deltas)], [i], "|", color="#c0392b", markersize=14)
@@ -124,9 +107,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax.set_xlabel(labels[kind], fontsize=8)
   axes[0].invert_yaxis()
   fig.suptitle(result["title"], fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main():
@@ -145,20 +126,17 @@ def main():
   try:
     settings = dict(parse_setting(s) for s in args.setting) if args.setting else {
         name: parse_setting(f"{name}={text}")[1] for name, text in DEFAULT_SETTINGS.items()}
-    # Quick: the runlocal settings without SD and spot training, as the baseline variant.
-    config = config_from_file(spec, ["rollout.speculative.enable=False",
-                                     "drafter.spot_training=False"] if args.quick else [])
-  except (ConfigError, ValueError) as e:
+  except ValueError as e:
     sys.exit(f"error: {e}")
-  settings = {"default": [], **settings}
-  seeds = args.seeds
+  # Quick: the runlocal settings without SD and spot training, as the baseline variant.
+  config = config_or_exit(spec, ["rollout.speculative.enable=False",
+                                 "drafter.spot_training=False"] if args.quick else [])
+  settings, seeds = {"default": [], **settings}, args.seeds
   if args.quick:
-    settings, seeds = {"default": [], **dict(list(settings.items())[1:2])}, seeds[:1]
+    settings, seeds = dict(list(settings.items())[:2]), seeds[:1]
   setup_devices(config)
   args.out.mkdir(parents=True, exist_ok=True)
-  result = {"config": spec, "seeds": seeds,
-            "command": " ".join(["python", "experiments/grpo_settings.py", *sys.argv[1:]]),
-            "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
+  result = {"config": spec, "seeds": seeds, **run_metadata(),
             "title": f"{spec.split('/')[-1]}: {config.rl.steps} RL steps, held-out "
                      f"{config.rl.num_eval_examples} problems, seeds {seeds}",
             "settings": {}}
@@ -167,8 +145,8 @@ def main():
     for seed in seeds:
       print(f"=== {name} (seed {seed}): {' '.join(overrides) or 'no overrides'}", flush=True)
       try:
-        runs.append(run_one(config, overrides, seed, args.out / "runs" / f"{name}-seed{seed}"))
-      except ConfigError as e:  # a run folder this script did not make
+        runs.append(run_one(config, overrides, seed, args.out, f"{name}-seed{seed}"))
+      except ConfigError as e:  # a run folder this script did not make, an unknown key
         sys.exit(f"error: {e}")
     result["settings"][name] = {"overrides": overrides, "runs": runs, **summarize(runs)}
     write_json(args.out / "grpo_settings.json", result)  # a killed sweep keeps what ran

@@ -57,7 +57,7 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
       "simulate_vs_run": ["simulate_vs_run", "--out", str(out / "simulate_vs_run"),
                           "--run", str(baseline_run)],
       # Against transformers on the same checkpoint.
-      "vs_hf": ["bench_vs_hf", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
+      "vs_hf": ["bench_vs", "--against", "hf", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
       # The drafter trained with unrolled draft steps (training-time test), per strategy.
       "drafter_ttt": ["drafter_ttt", "--out", str(out / "drafter_ttt" / "drafter_ttt.json"),
                       *q],

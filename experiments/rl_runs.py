@@ -1,39 +1,20 @@
 """The RL-step figures: the long tail, adaptive vs frozen drafter, and TLT vs baseline end to end.
 
-Runs the main job (tlt_jax.train) four times, back to back on the same machine, with the same
-prompts and seed:
-
-  baseline   no SD, no spot training (what TLT is compared with)
-  tlt        SD with the warmed drafter, spot-trained on idle slices
-  frozen     SD with the warmed drafter, never trained (drafter.spot_training=False)
-  no_warmup  SD with a randomly initialised drafter, spot-trained (drafter.eagle.path='')
-
-and, when asked for (--variants ...), TLT with and without compiling ahead (tlt_ahead,
-tlt_on_demand: rollout.compile_ahead True / False, whatever the config says), to measure
-what compiling the tail's programs in the background saves, and with and without shared SD
-programs (tlt_shared, tlt_own_programs: rollout.speculative.shared_max_batch every bucket /
-none), to measure what one program per bucket saves against what its padding costs, and with
-SD at any number of running rows (tlt_sd_whole_batch: rollout.sd_threshold above the batch).
+Runs the main job (tlt_jax.train) once per variant of VARIANTS, back to back on the same
+machine, with the same prompts and seed: by default baseline (no SD, no spot training), tlt
+(SD with the warmed drafter, spot-trained on idle slices), frozen (never trained) and
+no_warmup (a random drafter, spot-trained); the others compare compiling ahead, shared SD
+programs and SD on the whole batch with TLT.
 
   python -m experiments.rl_runs --out results/rl_runs
   python -m experiments.rl_runs --out /tmp/rl --quick          # configs/default.py:runlocal
-  python -m experiments.rl_runs --out results/rl --config configs/qwen2_5_gpu.py:8gpu \
-      --set model.path=/models/Qwen2.5-7B-Instruct --set drafter.eagle.path=runs/warmup/export/eagle
 
-With --resume a rerun keeps OUT's runs: a variant that finished is read back (OUT/runs/<variant>/
-run.json), one cut off (a kill, a timeout) resumes from its own checkpoints.
-
-Writes OUT/runs/<variant>/ (each run's workdir: metrics.jsonl, rollouts.jsonl, summary.json),
-OUT/rl_runs.json (per-step series and the ratios below) and four figures:
-  long_tail.png           response-length percentiles per RL step (baseline), and the
-                          baseline's step time split into rollout (busy / idle slice time)
-                          and update;
-  drafter_adaptation.png  SD accept length per RL step for the three drafters;
-  end_to_end.png          step time and cumulative wall time of TLT vs baseline, with their
-                          reward curves overlaid;
-  compiles.png            per variant, compile seconds where the host waited (inside and
-                          outside the steps) and in the background, and cumulative step time.
-"""
+With --resume a rerun keeps OUT's runs: a finished variant is read back (OUT/runs/<variant>/
+run.json), one cut off resumes from its own checkpoints. Writes OUT/runs/<variant>/ (each
+run's workdir), OUT/rl_runs.json (per-step series and the ratios of `end_to_end`) and
+long_tail.png (response-length percentiles and the baseline's step time split),
+drafter_adaptation.png (accept length per step per drafter), end_to_end.png (TLT vs baseline
+step time, wall time and reward) and compiles.png (compile seconds per variant)."""
 
 from __future__ import annotations
 
@@ -45,24 +26,18 @@ import shutil
 import sys
 import time
 
-
-import matplotlib
 import numpy as np
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
-
 from jax.experimental.compilation_cache import compilation_cache
 
-from .common import check_own_folder, own_folder, write_json
-from tlt_jax.cli import config_from_file, set_config_value, setup_devices
+from .common import (REPO, add_config_flags, check_own_folder, config_or_exit, own_folder,
+                     pyplot, save_figure, write_json)
+from tlt_jax.cli import set_config_value, setup_devices
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.config import ConfigError
 from tlt_jax.rollout.pool import wait_for_compiles_ahead
 from tlt_jax.train import train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+plt = pyplot()
 VARIANTS = {
     "baseline": {"rollout.speculative.enable": False, "drafter.spot_training": False},
     "tlt": {},
@@ -80,54 +55,59 @@ VARIANTS = {
 DEFAULT_VARIANTS = ["baseline", "tlt", "frozen", "no_warmup"]
 
 
-def run_variants(base, variants: list[str], out: pathlib.Path, resume: bool = False,
-                 fresh_cache: bool = False) -> dict[str, dict]:
-  """Runs the job once per variant; returns each run's metrics and summary. Fresh workdirs,
-  unless `resume`: then a variant that finished (its run.json) is read back, and one that was
-  cut off resumes from its own checkpoints (its compiles and wall time count again).
-  fresh_cache: each run gets an empty persistent compilation cache of its own, as on a new
-  machine: its slices share programs through it, and no run loads another's. A variant's
-  folder, OUT/runs/<variant>, is replaced only when an earlier run of this script made it:
-  ConfigError (before any run) for one that holds anything else."""
-  for name in variants:  # every folder refused before any run starts
-    check_own_folder(out / "runs" / name, "rl_runs")
-  runs = {}
-  for name in variants:
+def run_variants(base, variants, out: pathlib.Path, resume: bool = False,
+                 fresh_cache: bool = False, script: str = "rl_runs") -> dict[str, dict]:
+  """Runs the job once per variant (names of VARIANTS, or {name: {key: value}} of config
+  overrides) in OUT/runs/<name>; returns each run's wall time, summary, metrics, rollouts and
+  held-out evaluations. Fresh workdirs, unless `resume`: then a variant that finished (its
+  run.json) is read back, and one that was cut off resumes from its own checkpoints (its
+  compiles and wall time count again). fresh_cache: each run gets an empty persistent
+  compilation cache of its own, as on a new machine: its slices share programs through it,
+  and no run loads another's. A run's folder is replaced only when an earlier run of `script`
+  made it: ConfigError (before any run) for one that holds anything else, or for an unknown
+  config key."""
+  if not isinstance(variants, dict):
+    variants = {name: VARIANTS[name] for name in variants}
+  configs = {}
+  for name, overrides in variants.items():  # every folder and override checked before any run
+    check_own_folder(out / "runs" / name, script)
     config = base.copy_and_resolve_references()
     config.unlock()
-    for key, value in VARIANTS[name].items():
+    for key, value in {**overrides, "rl.save_rollouts": True}.items():
       set_config_value(config, key, value)
-    config.rl.save_rollouts = True
     config.lock()
+    configs[name] = config
+  runs = {}
+  for name, config in configs.items():
     workdir = out / "runs" / name
     record = workdir / "run.json"
     if resume and record.is_file():
       print(f"=== {name}: finished in an earlier run, read back", flush=True)
       done = json.loads(record.read_text())
     else:
-      own_folder(workdir, "rl_runs", replace=not resume)
+      own_folder(workdir, script, replace=not resume)
       print(f"=== {name}", flush=True)
-      with _own_cache(out / "xla-cache" / name, fresh_cache):
+      with _own_cache(out / "xla-cache" / name, fresh_cache, script):
         t0 = time.perf_counter()
         summary = train(config, str(workdir))
         done = {"wall_s": time.perf_counter() - t0, "summary": summary}
       if summary.get("stopped_early"):  # a signal: the checkpoint holds the rest
         sys.exit(f"run {name!r} stopped early; run the same command with --resume to go on")
       write_json(record, done)
-    runs[name] = {**done, "metrics": _jsonl(workdir / "metrics.jsonl"),
-                  "rollouts": _jsonl(workdir / "rollouts.jsonl"),
+    runs[name] = {**done, **{k: _jsonl(workdir / f"{k}.jsonl")
+                             for k in ("metrics", "rollouts", "eval")},
                   "slices": int(config.mesh.axes.get("replica", 1))}
   return runs
 
 
 @contextlib.contextmanager
-def _own_cache(path: pathlib.Path, fresh: bool):
+def _own_cache(path: pathlib.Path, fresh: bool, script: str):
   """With `fresh`, an empty compilation cache at `path` (a folder of this script's own) while
   the block runs, removed after."""
   if not fresh:
     yield
     return
-  own_folder(path, "rl_runs")
+  own_folder(path, script)
   enable_compilation_cache(str(path))
   compilation_cache.reset_cache()  # the next compile opens the new folder
   try:
@@ -186,15 +166,11 @@ def end_to_end(tlt: list[dict], base: list[dict]) -> dict:
   return out
 
 
-def _integer_steps(*axes) -> None:
-  for ax in axes:
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
-def _save(fig, path: pathlib.Path) -> None:
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+def _save(fig, path: pathlib.Path, *step_axes) -> None:
+  """save_figure, with integer ticks on the RL-step axes."""
+  for ax in step_axes:
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+  save_figure(fig, path)
 
 
 def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Path) -> None:
@@ -221,8 +197,7 @@ def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Pat
   b.set_ylabel("seconds")
   b.set_title("baseline step time", fontsize=9)
   b.legend(fontsize=8)
-  _integer_steps(a, b)
-  _save(fig, path)
+  _save(fig, path, a, b)
 
 
 def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
@@ -238,8 +213,7 @@ def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
   ax.set_ylabel("SD accept length (tokens / iteration)")
   ax.set_title("drafter: adaptive vs frozen", fontsize=9)
   ax.legend(fontsize=8)
-  _integer_steps(ax)
-  _save(fig, path)
+  _save(fig, path, ax)
 
 
 def plot_compiles(runs: dict, path: pathlib.Path) -> None:
@@ -267,8 +241,7 @@ def plot_compiles(runs: dict, path: pathlib.Path) -> None:
   b.set_xlabel("RL step")
   b.set_title("cumulative step time (s), compiles included", fontsize=9)
   b.legend(fontsize=8)
-  _integer_steps(b)
-  _save(fig, path)
+  _save(fig, path, b)
 
 
 def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
@@ -284,17 +257,13 @@ def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
     ax.set_xlabel("RL step")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-  _integer_steps(a, b, c)
-  _save(fig, path)
+  _save(fig, path, a, b, c)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
-  parser.add_argument("--config", default=str(REPO / "configs" / "default.py"),
-                      help="config file[:variant] (default: the tiny CPU default)")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="config override, e.g. --set rl.steps=8 (repeatable)")
+  add_config_flags(parser)
   parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
   parser.add_argument("--resume", action="store_true",
                       help="keep OUT's runs: finished variants are read back, a cut-off one "
@@ -309,10 +278,7 @@ def main():
   # take a smoke run's 2 CPU cores from the rollout for long; no held-out evaluation.
   quick = ["drafter.spot.max_steps=16", "rl.num_eval_examples=0"]
   overrides = [*quick, *args.set] if args.quick else args.set
-  try:
-    config = config_from_file(spec, overrides)
-  except ConfigError as e:
-    sys.exit(f"config error: {e}")
+  config = config_or_exit(spec, overrides)
   for needed in ("baseline", "tlt"):
     if needed not in args.variants:
       sys.exit(f"--variants must include {needed!r} (the figures compare against it)")

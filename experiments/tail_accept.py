@@ -1,25 +1,17 @@
 """What SD accepts in the long tail, measured on the policy's own held-out responses at the
 run's temperature, without decoding them again (`tlt_jax.speculative.teacher_forced`).
 
-The policy answers held-out problems of the config's task (plain decoding, its sampling, one
-engine call; kept in OUT/responses.jsonl and reused by a rerun with the same settings, or read
-from a GPU lease's responses with --responses). The responses are grouped into RL steps of
-rl.prompts_per_step x rl.num_samples as the run draws them; a response's token at position j
-is decoded while as many rows run as the step has responses longer than j (plain decoding's
-schedule). SD starts once rollout.sd_threshold rows or fewer run: each response is walked from
-there, its iterations credited to the running-row bucket they start in. For every drafter
-variant (an EAGLE export with --drafter LABEL=PATH; by default the config's) and strategy,
+The policy answers held-out problems of the config's task once (cached in OUT/responses.jsonl,
+or a GPU lease's with --responses). Grouped into RL steps of rl.prompts_per_step x
+rl.num_samples, a response's position j decodes while as many rows run as the step has
+responses longer than j; SD starts once rollout.sd_threshold rows or fewer run, and each
+response is walked from there, its iterations credited to the running-row bucket they start
+in. Per drafter (--drafter LABEL=PATH, an EAGLE export; default the config's) and strategy:
 the accept length (tree nodes accepted per SD iteration, the bonus token included) per bucket
-and over the tail.
+and over the tail, in OUT/tail_accept.json and OUT/tail_accept.png.
 
   python -m experiments.tail_accept --config configs/smollm2.py:headline_cpu --out results/tail
-  python -m experiments.tail_accept --config configs/smollm2.py:headline_cpu --out results/tail \
-      --drafter shipped=assets/smollm2-drafter --drafter longer=runs/warm/export/eagle \
-      --strategies 8,2,16 8,4,32 8,4,32,eagle+suffix
   python -m experiments.tail_accept --quick --out /tmp/tail          # the tiny default (CI)
-
-Writes OUT/tail_accept.json (settings, the responses' lengths and reward, per variant and
-strategy the accept length per bucket and over the tail) and OUT/tail_accept.png.
 """
 
 from __future__ import annotations
@@ -32,8 +24,8 @@ import types
 
 import numpy as np
 
-from .common import (REPO, add_config_flags, config_or_exit, run_stamp,
-                                strategy_label, write_json)
+from .common import (REPO, add_config_flags, config_or_exit, pyplot, run_stamp, save_figure,
+                     strategy_label, write_json)
 
 BUCKETS = (1, 2, 9, 33)  # running-row buckets: 1, 2-8, 9-32, 33 and more
 
@@ -219,9 +211,7 @@ def measure(config, out: pathlib.Path, prompts: int, strategies: list, labelled:
 
 def plot(result: dict, path: pathlib.Path) -> None:
   """Accept length per running-row bucket, one group of bars per strategy and variant."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   rows = [(label, s, r) for label, v in result["variants"].items() for s, r in v.items()]
   buckets = result["buckets"]
   fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows)), 3.8), dpi=100)
@@ -237,9 +227,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
   ax.set_title(f"accept length by running rows, T={result['temperature']}, "
                f"{result['responses']['in_tail']} responses in the tail", fontsize=9)
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main(argv=None) -> None:

@@ -268,7 +268,7 @@ def test_tuner_comparison_ranks_by_tail_time():
 @pytest.mark.slow
 def test_bench_vs_hf_quick(tmp_path):
   out = tmp_path / "vs_hf.json"
-  _run_script("bench_vs_hf", "--quick", "--out", str(out))
+  _run_script("bench_vs", "--quick", "--against", "hf", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert set(data["greedy"]) == {"1", "4"}
@@ -283,15 +283,15 @@ def test_bench_vs_hf_quick(tmp_path):
 def test_bench_vs_revision_quick(tmp_path):
   """The committed tree against itself, extracted by git archive: the same greedy tokens."""
   out = tmp_path / "vs_rev.json"
-  _run_script("bench_vs_revision", "--quick", "--rev", "HEAD", "--out", str(out))
+  _run_script("bench_vs", "--quick", "--against", "HEAD", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert data["outputs_identical"] is True
   assert data["revision"]["tokens"] == data["current"]["tokens"] > 0
   assert len(data["revision"]["wall_s"]) == len(data["current"]["wall_s"]) == 1
   assert data["speedup"] > 0
-  r = subprocess.run([*_module("bench_vs_revision"),
-                      "--rev", "no-such-revision", "--out", str(out)], cwd=REPO,
+  r = subprocess.run([*_module("bench_vs"),
+                      "--against", "no-such-revision", "--out", str(out)], cwd=REPO,
                      capture_output=True, text=True)
   assert r.returncode != 0 and "not a revision" in r.stderr
 
