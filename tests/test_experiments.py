@@ -384,7 +384,7 @@ def test_rl_runs_refuses_a_run_folder_it_did_not_make_before_any_run(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_settings_quick(tmp_path):
-  _run_script("grpo_settings", "--quick", "--out", str(tmp_path))
+  _run_script("rl_runs", "--settings", "--quick", "--out", str(tmp_path))
   data = json.loads((tmp_path / "grpo_settings.json").read_text())
   assert (tmp_path / "grpo_settings.png").stat().st_size > 1000
   assert list(data["settings"]) == ["default", "lr3e-5"]
@@ -403,8 +403,8 @@ def test_grpo_settings_names_a_bad_setting(tmp_path):
   # In a process of its own: the script imports the main job, whose flags a test process
   # that imported another job already holds.
   for bad in ("kl", "kl=", "kl=rl.kl_coef"):
-    r = subprocess.run([*_module("grpo_settings"),
-                        "--out", str(tmp_path), "--setting", bad], cwd=REPO,
+    r = subprocess.run([*_module("rl_runs"),
+                        "--out", str(tmp_path), "--settings", bad], cwd=REPO,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and "expected NAME=KEY=VALUE" in r.stderr, r.stderr[-500:]
