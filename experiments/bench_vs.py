@@ -1,12 +1,12 @@
 """Benchmark: this tree's rollout engine (plain greedy decoding of an HF checkpoint) against
 another implementation, --against:
 
-  hf   transformers (PyTorch) on the same checkpoint (default: the shipped tiny policy) and
+  hf   transformers (PyTorch) on the same checkpoint (the shipped tiny policy) and
        held-out task prompts: `generate` (left padding) at each of --batch-sizes against the
        engine, tokens/s and the share of the engine's wall time its compiled calls were in
        flight (`tlt_busy_share`); at batch 1, assisted generation (`assistant_model`: the
-       policy cut to its first --assistant-layers layers, saved in HF layout) against the
-       engine's SD with its EAGLE drafter; greedy outputs compared token for token. Tokens
+       policy cut to its first 2 layers, saved in HF layout) against the engine's SD with
+       its EAGLE drafter at (4, 2, 8); greedy outputs compared token for token. Tokens
        are the generated ones up to and including EOS. Needs torch.
   REV  the engine of git revision REV (its tlt_jax extracted with `git archive`; nothing in
        the working tree changes), in the default config's rollout shape (16 prompts x 8
@@ -290,13 +290,13 @@ def main(argv=None):
   p.add_argument("--samples", type=int, help="REV: responses per prompt (default 8)")
   p.add_argument("--repeats", type=int, help="REV: timed runs per tree (default 3)")
   p.add_argument("--batch1-prompts", type=int, help="hf: prompts at batch 1 (default 8)")
-  p.add_argument("--policy", default=POLICY, help="hf: the checkpoint")
-  p.add_argument("--drafter", default=str(REPO / "assets" / "tiny-drafter"), help="hf: SD's")
-  p.add_argument("--assistant-layers", type=int, default=2, help="hf: the draft model's")
-  p.add_argument("--strategy", default="4,2,8", help="hf: SD's strategy")
   p.add_argument("--quick", action="store_true", help="small run for smoke tests")
   p.add_argument("--child", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  # hf: the shipped tiny policy, its EAGLE drafter at (4, 2, 8); its first 2 layers draft for
+  # transformers.
+  args.policy, args.drafter = POLICY, str(REPO / "assets" / "tiny-drafter")
+  args.assistant_layers, args.strategy = 2, "4,2,8"
   kind = "hf" if args.against == "hf" else "rev"
   for key, value in DEFAULTS[kind].items():
     setattr(args, key, value if getattr(args, key) is None else getattr(args, key))

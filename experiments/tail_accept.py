@@ -129,8 +129,7 @@ def _variants(config, cfg, labelled: list[str]) -> dict[str, dict]:
 
 
 def measure(config, out: pathlib.Path, prompts: int, strategies: list, labelled: list[str],
-            given: pathlib.Path | None = None, thresholds=BUCKETS, min_length: int = 0,
-            bulk_every: int = 1) -> dict:
+            given: pathlib.Path | None = None, thresholds=BUCKETS, bulk_every: int = 1) -> dict:
   """Runs the measurement (see the module docstring); returns what tail_accept.json holds.
   bulk_every: of the responses that end before their step's last `thresholds[-1] - 1` rows
   run (they decode only where many rows do), measure every k-th (their iterations are many
@@ -164,12 +163,9 @@ def measure(config, out: pathlib.Path, prompts: int, strategies: list, labelled:
     step_lengths = lengths[list(step)]
     starts = tail_starts(step_lengths, threshold)
     running = running_rows(step_lengths)
-    bulk = running
     for n, (i, first) in enumerate(zip(step, starts)):
-      in_bulk_only = bulk[min(max(lengths[i] - 2, 0), len(bulk) - 1)] >= thresholds[-1]
-      if in_bulk_only and n % bulk_every:
-        continue
-      if first < lengths[i] - 1 and lengths[i] >= min_length:
+      in_bulk_only = running[min(max(lengths[i] - 2, 0), len(running) - 1)] >= thresholds[-1]
+      if first < lengths[i] - 1 and not (in_bulk_only and n % bulk_every):
         group = [responses[g] for g in range((i // samples) * samples,
                                              (i // samples + 1) * samples) if g != i]
         work.append((i, int(first), running, group))
@@ -241,8 +237,6 @@ def main(argv=None) -> None:
   parser.add_argument("--drafter", action="append", default=[], metavar="LABEL=PATH",
                       help="an EAGLE export to measure (repeatable)")
   parser.add_argument("--strategies", nargs="+", help="default: the config's arms")
-  parser.add_argument("--min-length", type=int, default=0,
-                      help="measure responses of at least this many tokens only")
   parser.add_argument("--bulk-every", type=int, default=1, metavar="K",
                       help="of the responses that end while 33 or more rows run, measure "
                            "every K-th")
@@ -251,19 +245,17 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if args.out.exists() and not args.out.is_dir():
     sys.exit(f"--out {args.out} is a file; give a folder")
-  if args.quick:
-    config = config_or_exit(str(REPO / "configs" / "default.py"), [
-        "mesh.num_cpu_devices=1", "mesh.axes.replica=1", "rollout.max_new_tokens=48",
-        "rl.prompts_per_step=4", "rl.num_samples=4", "rollout.sd_threshold=8", *args.set])
-    args.prompts = 8
-  else:
-    config = config_or_exit(args.config, ["mesh.num_cpu_devices=1", "mesh.axes.replica=1",
-                                          *args.set])
+  # Quick: the tiny default, 8 problems x 4 samples of 48 tokens, SD for the last 8 rows.
+  quick = ["rollout.max_new_tokens=48", "rl.prompts_per_step=4", "rl.num_samples=4",
+           "rollout.sd_threshold=8"] if args.quick else []
+  config = config_or_exit(str(REPO / "configs" / "default.py") if args.quick else args.config,
+                          ["mesh.num_cpu_devices=1", "mesh.axes.replica=1", *quick, *args.set])
+  args.prompts = 8 if args.quick else args.prompts
   from tlt_jax.cli import setup_devices
   setup_devices(config)
   strategies = args.strategies or list(dict.fromkeys(config.rollout.speculative.arms))
   result = measure(config, args.out, args.prompts, strategies, args.drafter, args.responses,
-                   min_length=args.min_length, bulk_every=args.bulk_every)
+                   bulk_every=args.bulk_every)
   write_json(args.out / "tail_accept.json", result)
   plot(result, args.out / "tail_accept.png")
   print(f"{result['responses']['count']} responses (mean {result['responses']['mean']:.0f} "
