@@ -25,6 +25,7 @@ from tlt_jax.components import load_drafters_for, load_policy, load_tokenizer_fo
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.scheduler import batch_ladder, bucket
 from tlt_jax.models.policy import Policy
 from tlt_jax.speculative.decoding import decode_loop, start
 from tlt_jax.speculative.sampling import SamplingParams
@@ -34,10 +35,10 @@ from .common import add_config_flags, config_or_exit, pyplot, save_figure, write
 
 
 def program_sets(max_batch: int, sd_threshold: int, strategies: list) -> dict[str, list]:
-  """(mode, batch, strategy) keys of the two sets; mode is 'plain' or 'sd'."""
-  pow2 = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
-  sd_pow2 = sorted({min(max_batch, 1 << max(0, (b - 1).bit_length()))
-                    for b in range(1, sd_threshold + 1)})
+  """(mode, batch, strategy) keys of the two sets; mode is 'plain' or 'sd'. Bucketed: the
+  engine's ladder (powers of two) and the buckets the SD threshold's row counts fall in."""
+  pow2 = batch_ladder(max_batch)
+  sd_pow2 = sorted({bucket(b, max_batch) for b in range(1, sd_threshold + 1)})
   bucketed = [("plain", b, None) for b in pow2] + \
       [("sd", b, s) for b in sd_pow2 for s in strategies]
   every = [("plain", b, None) for b in range(1, max_batch + 1)] + \

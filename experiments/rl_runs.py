@@ -48,6 +48,7 @@ from tlt_jax.cli import set_config_value, setup_devices
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.config import ConfigError
 from tlt_jax.rollout.pool import wait_for_compiles_ahead
+from tlt_jax.run_log import read_jsonl
 from tlt_jax.train import train
 
 plt = pyplot()
@@ -82,11 +83,9 @@ def parse_setting(text: str) -> tuple[str, list[str]]:
   name, sep, rest = text.partition("=")
   overrides = [o.strip() for o in rest.split(",") if o.strip()]
   if not sep or not name or not overrides or any("=" not in o for o in overrides):
-    raise ValueError(f"--setting {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...], e.g. "
+    raise ValueError(f"--settings {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...], e.g. "
                      f"kl=rl.kl_coef=0.1,rl.lr_warmup_steps=4")
   return name.strip(), overrides
-
-
 
 
 def run_variants(base, variants, out: pathlib.Path, resume: bool = False,
@@ -97,9 +96,9 @@ def run_variants(base, variants, out: pathlib.Path, resume: bool = False,
   run.json) is read back, and one that was cut off resumes from its own checkpoints (its
   compiles and wall time count again). fresh_cache: each run gets an empty persistent
   compilation cache of its own, as on a new machine: its slices share programs through it,
-  and no run loads another's. A run's folder is replaced only when an earlier run of this script
-  made it: ConfigError (before any run) for one that holds anything else, or for an unknown
-  config key."""
+  and no run loads another's. A run's folder is replaced only when an earlier run of this
+  script made it: ConfigError (before any run) for one that holds anything else, or for an
+  unknown config key."""
   if not isinstance(variants, dict):
     variants = {name: VARIANTS[name] for name in variants}
   configs = {}
@@ -128,7 +127,7 @@ def run_variants(base, variants, out: pathlib.Path, resume: bool = False,
       if summary.get("stopped_early"):  # a signal: the checkpoint holds the rest
         sys.exit(f"run {name!r} stopped early; run the same command with --resume to go on")
       write_json(record, done)
-    runs[name] = {**done, **{k: _jsonl(workdir / f"{k}.jsonl")
+    runs[name] = {**done, **{k: read_jsonl(str(workdir / f"{k}.jsonl"))[0]
                              for k in ("metrics", "rollouts", "eval")},
                   "slices": int(config.mesh.axes.get("replica", 1))}
   return runs
@@ -149,10 +148,6 @@ def _own_cache(path: pathlib.Path, fresh: bool):
   finally:
     wait_for_compiles_ahead()  # a compile the run left running writes to the folder
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _jsonl(path: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in open(path)] if path.is_file() else []
 
 
 def length_percentiles(rollouts: list[dict]) -> list[dict]:
