@@ -2,51 +2,26 @@
 GRPO-shaped rollouts of one config's policy, drafters and task (--config FILE[:variant],
 --set KEY=VALUE).
 
-A rollout here is what an RL step samples: --prompts held-out prompts (default the config's
-rl.prompts_per_step) x --samples responses (default rl.num_samples) at --temperature (default
-rollout.temperature), on the config's
-mesh (its slices decode their shares side by side), SD once rollout.sd_threshold rows or fewer
-run on a slice. Modes, side by side in one run:
-
-  plain           plain decoding
-  sd(S)           SD with strategy S fixed, for each of --strategies ('depth,topk,verify
-                  [,drafts]', drafts eagle | suffix | eagle+suffix | ...; default the config's
-                  arms): EAGLE alone, the suffix drafter alone (it copies from its row, the
-                  batch and its group's finished siblings), their hybrid
-  sd-beg_mab      BEG-MAB choosing among those strategies, as rollout.speculative configures it
-  sd-table        a fixed table over rollout.speculative.bucket_thresholds: the largest tree
-                  for the fewest running rows
-(--tuners picks the last two; none: fixed strategies only). The drafters are the config's
-(drafter.eagle.path: a warmed EAGLE drafter). Every mode decodes the same requests with the
-same key (--seed; default the config's seed), so its tokens are plain decoding's at any
-temperature, which is checked. Each mode runs untimed first, to compile its programs (BEG-MAB,
-which explores, until a rollout compiles nothing new), then once timed.
+A rollout is what an RL step samples: --prompts held-out prompts x --samples responses at
+--temperature (defaults: the config's), on the config's mesh, SD once rollout.sd_threshold
+rows or fewer run on a slice. Modes, side by side: plain; sd(S) per --strategies S (default
+the config's arms; EAGLE, the suffix drafter, their hybrid 'eagle+suffix'); sd-beg_mab and
+sd-table (a fixed table: the largest tree for the fewest rows), per --tuners. Every mode
+decodes the same requests with the same key (--seed), so its tokens are plain decoding's at
+any temperature, which is checked. Each mode runs untimed first, to compile its programs
+(BEG-MAB, which explores, until a rollout compiles nothing new), then once timed.
 
   python -m experiments.bench_rollout --out results/rollout/rollout.json      # configs/default.py
-  python -m experiments.bench_rollout --config configs/smollm2.py \
-      --set drafter.eagle.path=runs/smollm2_cpu/warmup/export/eagle --tuners \
-      --strategies 4,2,8 4,1,5,suffix 4,2,8,eagle+suffix --out results/drafts/smollm2.json
   python -m experiments.bench_rollout --quick --out /tmp/rollout.json
 
-JSON: the settings and the run's record; per mode (`modes`): wall and tail seconds (the tail:
-calls that start with at most sd_threshold rows running on their slice), tokens/s overall and
-in the tail, accept length, calls and iterations, SD iterations and seconds per SD iteration,
-host overhead (`busy_share`: the compiled calls' summed wall time over the rollout's),
-executables and compile seconds, tokens/s by running rows (`by_active`, power-of-two buckets),
-`identical_to_plain`, and `speedup_wall` and `speedup_tail` over plain decoding (seconds over
-seconds); `best_sd_mode` (the fastest tail among the modes that ran SD there) with its
-`speedup_wall` and `speedup_tail`; `tuner_comparison` (with sd-beg_mab): BEG-MAB against the
-best and the worst fixed strategy (and the table), by tail time; `hybrid_vs_eagle`: per hybrid
-strategy whose EAGLE-alone strategy also ran, its accept length and tail time over EAGLE's;
-with --sweep-iterations-per-call N ..., `iterations_per_call_sweep`: plain decoding at each N
-(at most N decode steps per compiled call; N = 1 is one host round trip per token), the median
-wall time of three timed rollouts each. Every mode decodes plainly until the tail, so
-speedup_wall is bounded by the tail's share of the plain rollout and carries that phase's
-run-to-run noise.
-
-PNGs: OUT.png running rows and tokens/s per call over time (plain and the best SD mode);
-OUT_by_batch.png tokens/s by running rows per mode, and each mode's tail seconds with its
-accept length; OUT_iterations_per_call.png the sweep's wall times.
+JSON (docs/reproducing.md lists it): per mode (`modes`) wall and tail seconds (the tail:
+calls that start with at most sd_threshold rows running), tokens/s, accept length, calls,
+host overhead (`busy_share`), compiles, tokens/s by running rows (`by_active`),
+`identical_to_plain`, `speedup_wall` and `speedup_tail`; `best_sd_mode`; `tuner_comparison`;
+`hybrid_vs_eagle`; with --sweep-iterations-per-call N ..., `iterations_per_call_sweep` (plain
+decoding at each N decode steps per compiled call, the median of three rollouts). PNGs: OUT.png
+(running rows and tokens/s per call over time), OUT_by_batch.png (tokens/s by running rows,
+tail seconds per mode), OUT_iterations_per_call.png (the sweep).
 """
 
 from __future__ import annotations
@@ -58,13 +33,9 @@ import pathlib
 import sys
 
 import jax
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from .common import (add_config_flags, config_or_exit, run_metadata, strategy_label,
-                     write_json)
+from .common import (add_config_flags, config_or_exit, pyplot, run_metadata, save_figure,
+                     strategy_label, write_json)
 from tlt_jax.cli import setup_devices
 from tlt_jax.components import (load_drafters_for, load_policy, load_tokenizer_for,
                                 make_engine, make_tuner_from_config, sampling_params,
@@ -77,6 +48,7 @@ from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import BegMabTuner, FixedTuner
 
 TUNERS = ("beg_mab", "table")
+plt = pyplot()
 
 
 def mode_name(strategy: Strategy) -> str:
@@ -227,9 +199,7 @@ def plot_sweep(sweep: dict, path) -> None:
   ax.set_xlabel("decode steps per compiled call, at most")
   ax.set_ylabel("plain rollout wall time (s)")
   ax.set_ylim(bottom=0)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path, dpi=110)
 
 
 def plot_by_batch(rows: dict, path) -> None:
@@ -256,9 +226,7 @@ def plot_by_batch(rows: dict, path) -> None:
              fontsize=7)
   b.set_xticks(range(len(names)), names, fontsize=7, rotation=25, ha="right")
   b.set_ylabel("seconds in the tail (accept length on the bars)")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path, dpi=110)
 
 
 def plot(runs: dict, path, threshold):
@@ -274,9 +242,7 @@ def plot(runs: dict, path, threshold):
   ax2.set_yscale("log")
   ax2.set_xlabel("seconds since rollout start")
   ax1.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path, dpi=120)
 
 
 # ---------------------------------------------------------------- main

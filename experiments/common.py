@@ -1,7 +1,7 @@
 """What the experiments share: the repository root, a run's record (device, jax version, date,
 commit, command line), JSON written whole and read back, folders a script may replace (its
 own, marked), the command that runs a sibling as a module, the --config/--set flags of the
-config-driven benchmarks, and a strategy's label."""
+config-driven benchmarks, a strategy's label, and figures written to files."""
 
 from __future__ import annotations
 
@@ -117,3 +117,23 @@ def usable_cpus() -> int:
   """The CPUs this process may run on (its affinity mask; os.cpu_count() counts the machine's,
   and threads beyond the process's share of them wait on each other)."""
   return len(os.sched_getaffinity(0))
+
+
+def pyplot():
+  """matplotlib.pyplot on the Agg backend: figures go to files, no display is needed."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def save_figure(fig, path, dpi=None) -> None:
+  """Lays fig out, writes it to path in one step (a killed run keeps the previous file) and
+  closes it."""
+  import matplotlib.pyplot as plt
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+  fig.tight_layout()
+  fig.savefig(tmp, dpi=dpi)
+  plt.close(fig)
+  tmp.replace(path)

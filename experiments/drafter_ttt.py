@@ -5,7 +5,11 @@ the full or a reduced draft vocabulary (`drafter.eagle.draft_vocab_size`).
 Every variant trains from the same random initialisation on the same samples of the policy's
 own responses (one sampled response per training prompt, features recomputed by the policy)
 for the same number of updates, then drafts greedily for held-out prompts at each strategy;
-the accept length is the mean tokens per running row per SD iteration.
+the accept length is the mean tokens per running row per SD iteration. The protocol
+(`policy_responses`, `train`, `decode`) is notebooks/drafter_ablation.ipynb's too: the policy
+answers the training prompts (one response each at temperature 1.0, as the warm-up job samples
+them), a drafter trains on the samples of those responses for a fixed number of updates (the
+warm-up's `train_drafter`), an engine decodes the held-out prompts after an untimed call.
 
   python -m experiments.drafter_ttt --out results/drafter_ttt/drafter_ttt.json [--quick]
   python -m experiments.drafter_ttt --train-depth 1 --feature-layers '' \
@@ -28,19 +32,13 @@ import dataclasses
 import pathlib
 import time
 
-
 import jax
-import matplotlib
 import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from tlt_jax.cli import config_from_file
 from tlt_jax.components import (drafter_opt_config, load_drafters_for, load_policy,
                                 load_tokenizer_for, make_engine, model_config, task_prompts)
 from tlt_jax.drafter_training.train_step import init_train_state
-from tlt_jax.drafter_training.warmup import collect_samples
+from tlt_jax.drafter_training.warmup import collect_samples, train_drafter
 from tlt_jax.drafters import EagleDrafter
 from tlt_jax.mesh import make_mesh
 from tlt_jax.speculative.sampling import SamplingParams
@@ -48,8 +46,46 @@ from tlt_jax.rollout.engine import accept_length
 from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
-from . import drafter_protocol as protocol
-from .common import REPO, strategy_label, write_json
+from .common import REPO, config_or_exit, pyplot, save_figure, strategy_label, write_json
+
+# The training and evaluation sizes: flag -> (default, with --quick).
+SIZES = {"train-prompts": (256, 8), "eval-prompts": (64, 2), "max-new-tokens": (256, 32),
+         "train-steps": (200, 6), "batch-rows": (8, 2), "window": (256, 64), "seed": (0, 0)}
+
+
+def policy_responses(config, cfg, params, mesh, eos: int, pad: int, prompts,
+                     max_new_tokens: int, seed: int):
+  """The policy's own responses to `prompts`, one each at temperature 1.0 (the engine's
+  result: tokens, lengths)."""
+  sampler = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=max_new_tokens,
+                        max_batch=min(64, 1 << (len(prompts) - 1).bit_length()))
+  return sampler.generate(prompts, 1, SamplingParams(1.0), jax.random.key(seed))
+
+
+def train(drafter_params, policy_params, samples, model_cfg, settings: dict, opt_config,
+          steps: int, window: int, batch_rows: int, seed: int, state=None):
+  """(trained drafter params, summary) after `steps` updates from `drafter_params` ({family:
+  params}; or from `state`, an optimizer state to continue). The summary: training seconds
+  (first-step compile included), steps, the first loss, and the loss, top-1 and top-1-ahead
+  means over the last 10% of steps (batch-to-batch noise smoothed), where the family reports
+  them."""
+  t0 = time.perf_counter()
+  trained, history = train_drafter(drafter_params, policy_params, samples, model_cfg, settings,
+                                   opt_config, steps, window=window, batch_rows=batch_rows,
+                                   seed=seed, progress=False, state=state)
+  tail = history[-max(1, len(history) // 10):]
+  summary = {"train_s": time.perf_counter() - t0, "steps": len(history),
+             "loss_first": history[0]["loss"]}
+  summary.update({f"{k}_last": float(np.mean([h[k] for h in tail]))
+                  for k in ("loss", "top1", "top1_ahead") if k in history[-1]})
+  return trained, summary
+
+
+def decode(engine, prompts, samples: int, sampling: SamplingParams, seed: int):
+  """The engine's result for `prompts` x `samples`, measured after an untimed call on the
+  first prompt that compiles its programs."""
+  engine.generate(prompts[:1], samples, sampling, jax.random.key(seed))
+  return engine.generate(prompts, samples, sampling, jax.random.key(seed))
 
 
 def parse_args(argv=None):
@@ -63,18 +99,14 @@ def parse_args(argv=None):
                  help="draft vocabulary sizes to compare (0 = the policy's whole vocabulary)")
   p.add_argument("--strategies", nargs="+", default=None,
                  help="'steps,topk,verify' each; default: the config's tuner arms")
-  p.add_argument("--train-prompts", type=int, default=256)
-  p.add_argument("--eval-prompts", type=int, default=64)
-  p.add_argument("--max-new-tokens", type=int, default=256)
-  p.add_argument("--train-steps", type=int, default=200)
-  p.add_argument("--batch-rows", type=int, default=8)
-  p.add_argument("--window", type=int, default=256)
-  p.add_argument("--seed", type=int, default=0)
+  for flag, (full, _) in SIZES.items():
+    p.add_argument(f"--{flag}", type=int, default=full)
   p.add_argument("--quick", action="store_true", help="smoke setting (about a minute)")
   args = p.parse_args(argv)
   if args.quick:
-    args.train_depth, args.train_prompts, args.eval_prompts = [1, 2], 8, 2
-    args.max_new_tokens, args.train_steps, args.batch_rows, args.window = 32, 6, 2, 64
+    args.train_depth = [1, 2]
+    for flag, (_, quick) in SIZES.items():
+      setattr(args, flag.replace("-", "_"), quick)
   if min(args.train_depth) < 1:
     p.error(f"--train-depth {args.train_depth}: every K must be >= 1")
   if min(args.draft_vocab_sizes) < 0:
@@ -86,7 +118,7 @@ def main(argv=None):
   args = parse_args(argv)
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  config = config_from_file(args.config)
+  config = config_or_exit(args.config)
   feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
   strategies = [Strategy.parse(s) for s in (args.strategies or config.rollout.speculative.arms)]
   if args.quick:
@@ -99,7 +131,7 @@ def main(argv=None):
   _, eval_prompts = task_prompts(config, tokenizer, args.eval_prompts, eval_split=True)
 
   t0 = time.perf_counter()
-  generated = protocol.policy_responses(config, cfg, params, mesh, eos, pad, train_prompts,
+  generated = policy_responses(config, cfg, params, mesh, eos, pad, train_prompts,
                                         args.max_new_tokens, args.seed)
   feature_sets = {"unfused": ()} | ({"fused": feature_layers} if feature_layers else {})
   samples = {}
@@ -130,7 +162,7 @@ def main(argv=None):
       oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), train_depth=k)
       state = jax.device_put(init_train_state({"eagle": jax.device_put(init)}, oc),
                              jax.devices()[0])
-      trained[k], summary = protocol.train(
+      trained[k], summary = train(
           state.params, params, samples[feat_name], vcfg, {"eagle": dcfg}, oc,
           args.train_steps, args.window, args.batch_rows, args.seed, state=state)
       rows.append({"variant": f"{name} K={k}", "features": feat_name,
@@ -148,7 +180,7 @@ def main(argv=None):
                            compile_ahead=False)  # every call SD: what is measured
       for k in args.train_depth:
         engine.update_params(drafter_params=trained[k])
-        result = protocol.decode(engine, eval_prompts, 1, SamplingParams(0.0), args.seed)
+        result = decode(engine, eval_prompts, 1, SamplingParams(0.0), args.seed)
         row = next(r for r in rows if r["variant"] == f"{name} K={k}")
         arm = strategy_label(strategy)
         row["accept_len"][arm] = accept_length(result)
@@ -182,6 +214,7 @@ def main(argv=None):
 
 def plot(rows, strategies, path):
   """Accept length against K per strategy and drafter; with a single K, bars per strategy."""
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4))
   if len({r["train_depth"] for r in rows}) == 1:
     width = 0.8 / len(rows)
@@ -207,9 +240,7 @@ def plot(rows, strategies, path):
     ax.set_title("training-time test: accept length per strategy")
   ax.set_ylabel("greedy accept length")
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

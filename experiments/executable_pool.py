@@ -1,18 +1,13 @@
 """The compiled-executable pool: bucketed programs vs one program per batch size and strategy.
 
 The rollout engine compiles a decode program per power-of-two batch bucket, and an SD program
-per (bucket, strategy) for the buckets at or below rollout.sd_threshold, with the strategies the
-tuner may pick (rollout.speculative.arms). The alternative, a program for every batch size the
-rollout can reach and every strategy, is what compiling on demand without buckets ends up with.
-This script compiles both sets for the config's policy and drafter (single device, AOT:
-`jax.jit(...).lower(...).compile()`, as the pool does) and records, per set: the number of
-executables, compile seconds, and XLA's memory analysis (generated code, which the CPU backend
-reports as 0, and the temporaries each program needs while it runs).
+per (bucket, strategy) for the buckets at or below rollout.sd_threshold with the tuner's arms;
+without buckets, compiling on demand ends with a program for every batch size and strategy.
+Both sets are compiled for the config's policy and drafters (one device, AOT, as the pool
+does); per set: executables, compile seconds, and XLA's memory analysis (generated code, 0 on
+the CPU backend, and each program's temporaries), in OUT/executable_pool.{json,png}.
 
-  python -m experiments.executable_pool --out results/executable_pool
-  python -m experiments.executable_pool --out /tmp/pool --quick
-
-Writes OUT/executable_pool.json and OUT/executable_pool.png.
+  python -m experiments.executable_pool --out results/executable_pool [--quick]
 """
 
 from __future__ import annotations
@@ -23,35 +18,27 @@ import pathlib
 import sys
 import time
 
-
 import jax
 import jax.numpy as jnp
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from tlt_jax.cli import config_from_file
 from tlt_jax.components import load_drafters_for, load_policy, load_tokenizer_for
-from tlt_jax.config import ConfigError
 from tlt_jax.mesh import make_mesh
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.scheduler import batch_ladder, bucket
 from tlt_jax.models.policy import Policy
 from tlt_jax.speculative.decoding import decode_loop, start
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.speculative.strategy import Strategy
 
-from .common import write_json
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from .common import add_config_flags, config_or_exit, pyplot, save_figure, write_json
 
 
 def program_sets(max_batch: int, sd_threshold: int, strategies: list) -> dict[str, list]:
-  """(mode, batch, strategy) keys of the two sets; mode is 'plain' or 'sd'."""
-  pow2 = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
-  sd_pow2 = sorted({min(max_batch, 1 << max(0, (b - 1).bit_length()))
-                    for b in range(1, sd_threshold + 1)})
+  """(mode, batch, strategy) keys of the two sets; mode is 'plain' or 'sd'. Bucketed: the
+  engine's ladder (powers of two) and the buckets the SD threshold's row counts fall in."""
+  pow2 = batch_ladder(max_batch)
+  sd_pow2 = sorted({bucket(b, max_batch) for b in range(1, sd_threshold + 1)})
   bucketed = [("plain", b, None) for b in pow2] + \
       [("sd", b, s) for b in sd_pow2 for s in strategies]
   every = [("plain", b, None) for b in range(1, max_batch + 1)] + \
@@ -100,6 +87,7 @@ def compile_set(keys, cfg, drafters, params, capacity: int, max_new_tokens: int,
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
+  plt = pyplot()
   names = list(result["sets"])
   fig, axes = plt.subplots(1, 3, figsize=(11, 3.4), dpi=100)
   for ax, key, label in ((axes[0], "executables", "executables"),
@@ -111,23 +99,17 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax.tick_params(axis="x", labelsize=8)
   fig.suptitle(f"max_batch {result['max_batch']}, SD threshold {result['sd_threshold']}, "
                f"{len(result['strategies'])} strategies", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
-  parser.add_argument("--config", default=str(REPO / "configs" / "default.py"),
-                      help="config file[:variant]: model.path, drafter.eagle.path, rollout.*")
+  add_config_flags(parser)
   parser.add_argument("--quick", action="store_true",
                       help="max_batch 4, SD threshold 2, one strategy (smoke test)")
   args = parser.parse_args()
-  try:
-    config = config_from_file(args.config)
-  except ConfigError as e:
-    sys.exit(f"config error: {e}")
+  config = config_or_exit(args.config, args.set)
 
   r = config.rollout
   strategies = [Strategy.parse(s) for s in r.speculative.arms]

@@ -20,9 +20,16 @@ import pathlib
 import statistics
 import time
 
-from .common import run_metadata, write_json
+from .common import pyplot, run_metadata, save_figure, write_json
 
 DECODE_TARGET = 1.5  # invariant decode step / fast decode step, at most
+# The sizes' flags: (flag, type, default, default with --quick, what).
+SIZES = (("--shape", str, "smollm2-135m", "small", "a name of tlt_jax.models.shapes"),
+         ("--layers", int, 4, 2, "layers"), ("--batches", int, [1, 8, 32], [1, 8], "decode rows"),
+         ("--context", int, 256, 64, "valid cache slots"),
+         ("--tree", int, 16, 16, "verify nodes"),
+         ("--train-len", int, 256, 64, "tokens per update row"),
+         ("--repeats", int, 5, 2, "timed calls"))
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -77,9 +84,7 @@ def measure(cfg, args) -> dict:
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   names = list(result["ratio"])
   fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.5))
   ax.bar(names, [result["ratio"][n] for n in names], color="tab:blue")
@@ -90,37 +95,21 @@ def plot(result: dict, path: pathlib.Path) -> None:
                f"bfloat16, {result['device']['device_kind']}", fontsize=9)
   ax.legend(fontsize=8)
   plt.xticks(rotation=30, fontsize=8)
-  fig.tight_layout()
-  tmp = path.with_suffix(".tmp.png")
-  fig.savefig(tmp, dpi=120)
-  plt.close(fig)
-  tmp.replace(path)
+  save_figure(fig, path, dpi=120)
 
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
-  parser.add_argument("--shape", default=None, help="a name of tlt_jax.models.shapes "
-                      "(default smollm2-135m; --quick small)")
-  parser.add_argument("--layers", type=int, default=None, help="layers (default 4; --quick 2)")
-  parser.add_argument("--batches", type=int, nargs="+", default=None,
-                      help="decode rows (default 1 8 32; --quick 1 8)")
-  parser.add_argument("--context", type=int, default=None,
-                      help="valid cache slots (default 256; --quick 64)")
-  parser.add_argument("--tree", type=int, default=16, help="verify nodes (default 16)")
-  parser.add_argument("--train-len", type=int, default=None,
-                      help="tokens per update row (default 256; --quick 64)")
-  parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 5; "
-                      "--quick 2)")
+  for flag, kind, full, quick, what in SIZES:
+    parser.add_argument(flag, type=kind, nargs="+" if isinstance(full, list) else None,
+                        help=f"{what} (default {full}; --quick {quick})")
   parser.add_argument("--quick", action="store_true", help="CI: the small shape, short")
   args = parser.parse_args(argv)
-  q = args.quick
-  args.shape = args.shape or ("small" if q else "smollm2-135m")
-  args.layers = args.layers or (2 if q else 4)
-  args.batches = args.batches or ([1, 8] if q else [1, 8, 32])
-  args.context = args.context or (64 if q else 256)
-  args.train_len = args.train_len or (64 if q else 256)
-  args.repeats = args.repeats or (2 if q else 5)
+  for flag, _, full, quick, _ in SIZES:
+    name = flag[2:].replace("-", "_")
+    if getattr(args, name) is None:
+      setattr(args, name, quick if args.quick else full)
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.models.shapes import MODEL_SHAPES
   if args.shape not in MODEL_SHAPES:

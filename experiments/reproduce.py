@@ -43,7 +43,7 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
       # 1, 3, 4: baseline / TLT / frozen / no-warm-up RL runs, back to back.
       "rl_runs": ["rl_runs", "--out", str(out / "rl_runs"), *q],
       # Held-out accuracy before and after GRPO, per update setting and seed.
-      "grpo_settings": ["grpo_settings", "--out", str(out / "grpo_settings"), *q],
+      "grpo_settings": ["rl_runs", "--settings", "--out", str(out / "grpo_settings"), *q],
       # 2, 5: rollout throughput by mode and active batch size; the tuner vs fixed strategies.
       "rollout": ["bench_rollout", *[a for kv in ROLLOUT_SETS for a in ("--set", kv)],
                   "--samples", "1", "--temperature", "0", *(q or ["--prompts", "96"]),
@@ -57,7 +57,7 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
       "simulate_vs_run": ["simulate_vs_run", "--out", str(out / "simulate_vs_run"),
                           "--run", str(baseline_run)],
       # Against transformers on the same checkpoint.
-      "vs_hf": ["bench_vs_hf", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
+      "vs_hf": ["bench_vs", "--against", "hf", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
       # The drafter trained with unrolled draft steps (training-time test), per strategy.
       "drafter_ttt": ["drafter_ttt", "--out", str(out / "drafter_ttt" / "drafter_ttt.json"),
                       *q],

@@ -1,38 +1,32 @@
-"""The RL-step figures: the long tail, adaptive vs frozen drafter, and TLT vs baseline end to end.
+"""The RL-step figures (the long tail, adaptive vs frozen drafter, TLT vs baseline end to end),
+and what the RL update does to a policy per setting and seed.
 
-Runs the main job (tlt_jax.train) four times, back to back on the same machine, with the same
-prompts and seed:
-
-  baseline   no SD, no spot training (what TLT is compared with)
-  tlt        SD with the warmed drafter, spot-trained on idle slices
-  frozen     SD with the warmed drafter, never trained (drafter.spot_training=False)
-  no_warmup  SD with a randomly initialised drafter, spot-trained (drafter.eagle.path='')
-
-and, when asked for (--variants ...), TLT with and without compiling ahead (tlt_ahead,
-tlt_on_demand: rollout.compile_ahead True / False, whatever the config says), to measure
-what compiling the tail's programs in the background saves, and with and without shared SD
-programs (tlt_shared, tlt_own_programs: rollout.speculative.shared_max_batch every bucket /
-none), to measure what one program per bucket saves against what its padding costs, and with
-SD at any number of running rows (tlt_sd_whole_batch: rollout.sd_threshold above the batch).
+Runs the main job (tlt_jax.train) once per variant of VARIANTS, back to back on the same
+machine, with the same prompts and seed: by default baseline (no SD, no spot training), tlt
+(SD with the warmed drafter, spot-trained on idle slices), frozen (never trained) and
+no_warmup (a random drafter, spot-trained); the others compare compiling ahead, shared SD
+programs and SD on the whole batch with TLT.
 
   python -m experiments.rl_runs --out results/rl_runs
   python -m experiments.rl_runs --out /tmp/rl --quick          # configs/default.py:runlocal
-  python -m experiments.rl_runs --out results/rl --config configs/qwen2_5_gpu.py:8gpu \
-      --set model.path=/models/Qwen2.5-7B-Instruct --set drafter.eagle.path=runs/warmup/export/eagle
 
-With --resume a rerun keeps OUT's runs: a variant that finished is read back (OUT/runs/<variant>/
-run.json), one cut off (a kill, a timeout) resumes from its own checkpoints.
+With --resume a rerun keeps OUT's runs: a finished variant is read back (OUT/runs/<variant>/
+run.json), one cut off resumes from its own checkpoints. Writes OUT/runs/<variant>/ (each
+run's workdir), OUT/rl_runs.json (per-step series and the ratios of `end_to_end`) and
+long_tail.png (response-length percentiles and the baseline's step time split),
+drafter_adaptation.png (accept length per step per drafter), end_to_end.png (TLT vs baseline
+step time, wall time and reward) and compiles.png (compile seconds per variant).
 
-Writes OUT/runs/<variant>/ (each run's workdir: metrics.jsonl, rollouts.jsonl, summary.json),
-OUT/rl_runs.json (per-step series and the ratios below) and four figures:
-  long_tail.png           response-length percentiles per RL step (baseline), and the
-                          baseline's step time split into rollout (busy / idle slice time)
-                          and update;
-  drafter_adaptation.png  SD accept length per RL step for the three drafters;
-  end_to_end.png          step time and cumulative wall time of TLT vs baseline, with their
-                          reward curves overlaid;
-  compiles.png            per variant, compile seconds where the host waited (inside and
-                          outside the steps) and in the background, and cumulative step time.
+With --settings [NAME=KEY=VALUE[,KEY=VALUE...] ...] (default: DEFAULT_SETTINGS) it runs the
+baseline variant instead, once per setting (`default`, no overrides, first) and --seeds seed,
+each from the same policy with the paired control on (rl.paired_control), and records the
+reward gained over the initial policy on each step's own prompts and sampling keys (`paired`:
+the mean over steps 2..N), held-out greedy and sampled accuracy at the first and the last step,
+and the spread over seeds: OUT/runs/<setting>-seed<k>/, OUT/grpo_settings.json and
+grpo_settings.png (one point per seed).
+
+  python -m experiments.rl_runs --out results/gs --seeds 0 1 2 \
+      --settings "kl=rl.kl_coef=0.1,rl.lr_warmup_steps=4" "lr3e-5=rl.learning_rate=3e-5"
 """
 
 from __future__ import annotations
@@ -45,24 +39,19 @@ import shutil
 import sys
 import time
 
-
-import matplotlib
 import numpy as np
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
-
 from jax.experimental.compilation_cache import compilation_cache
 
-from .common import check_own_folder, own_folder, write_json
-from tlt_jax.cli import config_from_file, set_config_value, setup_devices
+from .common import (REPO, add_config_flags, check_own_folder, config_or_exit, own_folder,
+                     pyplot, run_metadata, save_figure, write_json)
+from tlt_jax.cli import set_config_value, setup_devices
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.config import ConfigError
 from tlt_jax.rollout.pool import wait_for_compiles_ahead
+from tlt_jax.run_log import read_jsonl
 from tlt_jax.train import train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+plt = pyplot()
 VARIANTS = {
     "baseline": {"rollout.speculative.enable": False, "drafter.spot_training": False},
     "tlt": {},
@@ -78,27 +67,51 @@ VARIANTS = {
     "tlt_sd_whole_batch": {"rollout.sd_threshold": 1024},
 }
 DEFAULT_VARIANTS = ["baseline", "tlt", "frozen", "no_warmup"]
+# What was tried on the tiny default (README: "What GRPO does to the tiny policy").
+# Each costs what the default costs (128 responses per step), so any of them fits the quick
+# start's time; 32 x 4 trades samples per prompt for prompts.
+DEFAULT_SETTINGS = {
+    "lr3e-5": "rl.learning_rate=3e-5",
+    "kl0.1+warmup": "rl.kl_coef=0.1,rl.lr_warmup_steps=4",
+    "32x4": "rl.prompts_per_step=32,rl.num_samples=4",
+    "32x4, lr3e-5": "rl.prompts_per_step=32,rl.num_samples=4,rl.learning_rate=3e-5",
+}
 
 
-def run_variants(base, variants: list[str], out: pathlib.Path, resume: bool = False,
+def parse_setting(text: str) -> tuple[str, list[str]]:
+  """'NAME=KEY=VALUE,KEY=VALUE' -> (NAME, ['KEY=VALUE', ...])."""
+  name, sep, rest = text.partition("=")
+  overrides = [o.strip() for o in rest.split(",") if o.strip()]
+  if not sep or not name or not overrides or any("=" not in o for o in overrides):
+    raise ValueError(f"--settings {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...], e.g. "
+                     f"kl=rl.kl_coef=0.1,rl.lr_warmup_steps=4")
+  return name.strip(), overrides
+
+
+def run_variants(base, variants, out: pathlib.Path, resume: bool = False,
                  fresh_cache: bool = False) -> dict[str, dict]:
-  """Runs the job once per variant; returns each run's metrics and summary. Fresh workdirs,
-  unless `resume`: then a variant that finished (its run.json) is read back, and one that was
-  cut off resumes from its own checkpoints (its compiles and wall time count again).
-  fresh_cache: each run gets an empty persistent compilation cache of its own, as on a new
-  machine: its slices share programs through it, and no run loads another's. A variant's
-  folder, OUT/runs/<variant>, is replaced only when an earlier run of this script made it:
-  ConfigError (before any run) for one that holds anything else."""
-  for name in variants:  # every folder refused before any run starts
+  """Runs the job once per variant (names of VARIANTS, or {name: {key: value}} of config
+  overrides) in OUT/runs/<name>; returns each run's wall time, summary, metrics, rollouts and
+  held-out evaluations. Fresh workdirs, unless `resume`: then a variant that finished (its
+  run.json) is read back, and one that was cut off resumes from its own checkpoints (its
+  compiles and wall time count again). fresh_cache: each run gets an empty persistent
+  compilation cache of its own, as on a new machine: its slices share programs through it,
+  and no run loads another's. A run's folder is replaced only when an earlier run of this
+  script made it: ConfigError (before any run) for one that holds anything else, or for an
+  unknown config key."""
+  if not isinstance(variants, dict):
+    variants = {name: VARIANTS[name] for name in variants}
+  configs = {}
+  for name, overrides in variants.items():  # every folder and override checked before any run
     check_own_folder(out / "runs" / name, "rl_runs")
-  runs = {}
-  for name in variants:
     config = base.copy_and_resolve_references()
     config.unlock()
-    for key, value in VARIANTS[name].items():
+    for key, value in {**overrides, "rl.save_rollouts": True}.items():
       set_config_value(config, key, value)
-    config.rl.save_rollouts = True
     config.lock()
+    configs[name] = config
+  runs = {}
+  for name, config in configs.items():
     workdir = out / "runs" / name
     record = workdir / "run.json"
     if resume and record.is_file():
@@ -114,8 +127,8 @@ def run_variants(base, variants: list[str], out: pathlib.Path, resume: bool = Fa
       if summary.get("stopped_early"):  # a signal: the checkpoint holds the rest
         sys.exit(f"run {name!r} stopped early; run the same command with --resume to go on")
       write_json(record, done)
-    runs[name] = {**done, "metrics": _jsonl(workdir / "metrics.jsonl"),
-                  "rollouts": _jsonl(workdir / "rollouts.jsonl"),
+    runs[name] = {**done, **{k: read_jsonl(str(workdir / f"{k}.jsonl"))[0]
+                             for k in ("metrics", "rollouts", "eval")},
                   "slices": int(config.mesh.axes.get("replica", 1))}
   return runs
 
@@ -135,10 +148,6 @@ def _own_cache(path: pathlib.Path, fresh: bool):
   finally:
     wait_for_compiles_ahead()  # a compile the run left running writes to the folder
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _jsonl(path: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in open(path)] if path.is_file() else []
 
 
 def length_percentiles(rollouts: list[dict]) -> list[dict]:
@@ -186,15 +195,11 @@ def end_to_end(tlt: list[dict], base: list[dict]) -> dict:
   return out
 
 
-def _integer_steps(*axes) -> None:
-  for ax in axes:
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
-def _save(fig, path: pathlib.Path) -> None:
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+def _save(fig, path: pathlib.Path, *step_axes) -> None:
+  """save_figure, with integer ticks on the RL-step axes."""
+  for ax in step_axes:
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+  save_figure(fig, path)
 
 
 def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Path) -> None:
@@ -221,8 +226,7 @@ def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Pat
   b.set_ylabel("seconds")
   b.set_title("baseline step time", fontsize=9)
   b.legend(fontsize=8)
-  _integer_steps(a, b)
-  _save(fig, path)
+  _save(fig, path, a, b)
 
 
 def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
@@ -238,8 +242,7 @@ def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
   ax.set_ylabel("SD accept length (tokens / iteration)")
   ax.set_title("drafter: adaptive vs frozen", fontsize=9)
   ax.legend(fontsize=8)
-  _integer_steps(ax)
-  _save(fig, path)
+  _save(fig, path, ax)
 
 
 def plot_compiles(runs: dict, path: pathlib.Path) -> None:
@@ -267,8 +270,7 @@ def plot_compiles(runs: dict, path: pathlib.Path) -> None:
   b.set_xlabel("RL step")
   b.set_title("cumulative step time (s), compiles included", fontsize=9)
   b.legend(fontsize=8)
-  _integer_steps(b)
-  _save(fig, path)
+  _save(fig, path, b)
 
 
 def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
@@ -284,56 +286,98 @@ def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
     ax.set_xlabel("RL step")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-  _integer_steps(a, b, c)
+  _save(fig, path, a, b, c)
+
+
+def setting_run(base, overrides: list[str], seed: int, out: pathlib.Path, name: str) -> dict:
+  """One run of the baseline variant from scratch in OUT/runs/<name>, with the setting's
+  overrides; its held-out evaluations and reward per step."""
+  settings = {**VARIANTS["baseline"], **dict(o.split("=", 1) for o in overrides), "seed": seed,
+              "rl.export": False, "rl.paired_control": True}
+  run = run_variants(base, {name: settings}, out)[name]
+  first, last, metrics = run["eval"][0], run["eval"][-1], run["metrics"]
+  return {"seed": seed, "wall_s": run["wall_s"],
+          "greedy": [first["greedy_accuracy"], last["greedy_accuracy"]],
+          "sampled": [first.get("sampled_accuracy"), last.get("sampled_accuracy")],
+          "reward": [m["reward_mean"] for m in metrics],
+          # The paired control: this run's reward minus the initial policy's on the same
+          # prompts and sampling keys, per step (0 at step 1), and its mean over steps 2..N.
+          "reward_vs_initial": [m["reward_vs_initial"] for m in metrics],
+          "paired": float(np.mean([m["reward_vs_initial"] for m in metrics[1:]]))}
+
+
+def changes(runs: list[dict], kind: str) -> list[float]:
+  """Per run, the paired reward gain, or the change (last - first) of an accuracy."""
+  if kind == "paired":
+    return [r["paired"] for r in runs]
+  return [r[kind][1] - r[kind][0] for r in runs if r[kind][0] is not None]
+
+
+def summarize(runs: list[dict]) -> dict:
+  """Mean and spread over seeds of the paired reward gain and of each accuracy's change."""
+  out = {}
+  for kind, prefix in (("paired", "paired"), ("greedy", "greedy_change"),
+                       ("sampled", "sampled_change")):
+    if values := changes(runs, kind):
+      out.update({f"{prefix}_{stat}": float(fn(values))
+                  for stat, fn in (("mean", np.mean), ("min", np.min), ("max", np.max))})
+  return out
+
+
+def plot_settings(result: dict, path: pathlib.Path) -> None:
+  names = list(result["settings"])
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), dpi=110, sharey=True)
+  labels = {"greedy": "held-out greedy accuracy: after - before",
+            "sampled": "held-out sampled accuracy: after - before",
+            "paired": "reward vs the initial policy (paired, steps 2-N)"}
+  for ax, kind in zip(axes, ("paired", "greedy", "sampled")):
+    for i, name in enumerate(names):
+      deltas = changes(result["settings"][name]["runs"], kind)
+      ax.plot(deltas, [i] * len(deltas), "o", color="#3b6ea5", alpha=0.8)
+      if deltas:
+        ax.plot([np.mean(deltas)], [i], "|", color="#c0392b", markersize=14)
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.set_xlabel(labels[kind], fontsize=8)
+  axes[0].invert_yaxis()
+  fig.suptitle(result["title"], fontsize=9)
   _save(fig, path)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
-  parser.add_argument("--config", default=str(REPO / "configs" / "default.py"),
-                      help="config file[:variant] (default: the tiny CPU default)")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="config override, e.g. --set rl.steps=8 (repeatable)")
-  parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
-  parser.add_argument("--resume", action="store_true",
-                      help="keep OUT's runs: finished variants are read back, a cut-off one "
-                           "resumes from its checkpoints (default: every variant from scratch)")
-  parser.add_argument("--quick", action="store_true",
-                      help="configs/default.py:runlocal (2 steps, at most 16 drafter steps per "
-                           "idle slice and rollout, no evaluation, the persistent compilation "
-                           "cache on: its times compare nothing), for smoke tests")
-  args = parser.parse_args()
-  spec = str(REPO / "configs" / "default.py") + ":runlocal" if args.quick else args.config
-  # Quick: at most 16 drafter steps per idle slice per rollout, so that spot threads do not
-  # take a smoke run's 2 CPU cores from the rollout for long; no held-out evaluation.
-  quick = ["drafter.spot.max_steps=16", "rl.num_eval_examples=0"]
-  overrides = [*quick, *args.set] if args.quick else args.set
-  try:
-    config = config_from_file(spec, overrides)
-  except ConfigError as e:
-    sys.exit(f"config error: {e}")
-  for needed in ("baseline", "tlt"):
-    if needed not in args.variants:
-      sys.exit(f"--variants must include {needed!r} (the figures compare against it)")
+def settings_sweep(config, settings: dict[str, list[str]], seeds, args) -> None:
+  """--settings: each setting's runs per seed, summarised, into OUT/grpo_settings.{json,png}."""
+  result = {"config": args.config, "seeds": seeds, **run_metadata(),
+            "title": f"{args.config.split('/')[-1]}: {config.rl.steps} RL steps, held-out "
+                     f"{config.rl.num_eval_examples} problems, seeds {seeds}", "settings": {}}
+  for name, overrides in settings.items():
+    runs = []
+    for seed in seeds:
+      print(f"=== {name} (seed {seed}): {' '.join(overrides) or 'no overrides'}", flush=True)
+      runs.append(setting_run(config, overrides, seed, args.out, f"{name}-seed{seed}"))
+    result["settings"][name] = {"overrides": overrides, "runs": runs, **summarize(runs)}
+    write_json(args.out / "grpo_settings.json", result)  # a killed sweep keeps what ran
+  plot_settings(result, args.out / "grpo_settings.png")
+  for name, s in result["settings"].items():
+    print(f"{name:>18}: paired reward {s['paired_mean']:+.3f}, greedy "
+          + ", sampled ".join(f"{s.get(f'{k}_change_mean', float('nan')):+.3f}"
+                              for k in ("greedy", "sampled")))
+  print(f"wrote {args.out}/grpo_settings.json and grpo_settings.png")
 
+
+def figures(config, args) -> None:
+  """The variants' runs, their figures and OUT/rl_runs.json."""
   # The runs are compared with their compile times, so each starts from an empty compilation
   # cache of its own (its slices share programs through it) and none loads the programs an
   # earlier one compiled. A quick run is a smoke test of the pipeline, not a comparison: it
   # takes what the user's cache holds.
-  setup_devices(config, compilation_cache=args.quick)
-  args.out.mkdir(parents=True, exist_ok=True)
-  try:
-    runs = run_variants(config, args.variants, args.out, resume=args.resume,
-                        fresh_cache=not args.quick)
-  except ConfigError as e:
-    sys.exit(f"rl_runs: {e}")
-
+  runs = run_variants(config, args.variants, args.out, resume=args.resume,
+                      fresh_cache=not args.quick)
   base = runs["baseline"]
   lengths = length_percentiles(base["rollouts"])
   breakdown = time_breakdown(base["metrics"], base["slices"])
   result = {
-      "config": spec, "overrides": args.set, "variants": args.variants,
+      "config": args.config, "overrides": args.set, "variants": args.variants,
       "long_tail": {"lengths": lengths, "time_breakdown": breakdown,
                     "idle_share_mean": float(np.mean([r["idle_share"] for r in breakdown]))},
       "drafter_adaptation": {name: [m["sd_accept_len_mean"] for m in runs[name]["metrics"]]
@@ -363,6 +407,50 @@ def main():
           f"critical path, {line['ahead_programs']} in {line['ahead_seconds']:.1f} s ahead")
   print(f"wrote {args.out}/rl_runs.json, long_tail.png, drafter_adaptation.png, end_to_end.png, "
         f"compiles.png")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
+  add_config_flags(parser)
+  parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+  parser.add_argument("--resume", action="store_true",
+                      help="keep OUT's runs: finished variants are read back, a cut-off one "
+                           "resumes from its checkpoints (default: every variant from scratch)")
+  parser.add_argument("--settings", nargs="*", metavar="NAME=KEY=VALUE[,KEY=VALUE...]",
+                      help="the baseline variant per setting and seed (none named: the "
+                           "settings the README reports)")
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="with --settings")
+  parser.add_argument("--quick", action="store_true",
+                      help="configs/default.py:runlocal (2 steps, at most 16 drafter steps per "
+                           "idle slice and rollout, no evaluation but with --settings, the "
+                           "persistent compilation cache on: its times compare nothing; with "
+                           "--settings one setting and one seed), for smoke tests")
+  args = parser.parse_args()
+  sweep = args.settings is not None
+  try:
+    settings = {"default": [], **(dict(map(parse_setting, args.settings)) if args.settings else {
+        name: parse_setting(f"{name}={text}")[1] for name, text in DEFAULT_SETTINGS.items()})}
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  seeds = args.seeds[:1] if args.quick else args.seeds
+  if args.quick:
+    args.config = str(REPO / "configs" / "default.py") + ":runlocal"
+    settings = dict(list(settings.items())[:2])
+  # Quick: at most 16 drafter steps per idle slice per rollout, so that spot threads do not
+  # take a smoke run's 2 CPU cores from the rollout for long; no held-out evaluation (the
+  # settings' sweep measures it).
+  quick = ["drafter.spot.max_steps=16", *([] if sweep else ["rl.num_eval_examples=0"])]
+  config = config_or_exit(args.config, [*quick, *args.set] if args.quick else args.set)
+  for needed in ("baseline", "tlt"):
+    if needed not in args.variants:
+      sys.exit(f"--variants must include {needed!r} (the figures compare against it)")
+  setup_devices(config, compilation_cache=args.quick or sweep)
+  args.out.mkdir(parents=True, exist_ok=True)
+  try:
+    settings_sweep(config, settings, seeds, args) if sweep else figures(config, args)
+  except ConfigError as e:  # a run folder this script did not make, an unknown key
+    sys.exit(f"rl_runs: {e}")
 
 
 if __name__ == "__main__":

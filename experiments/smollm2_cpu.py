@@ -4,24 +4,14 @@
   python -m experiments.smollm2_cpu --out /tmp/sm --quick      # configs/smollm2.py:runlocal
   python -m experiments.smollm2_cpu --out runs/smollm2_cpu --stages decode rollout
 
-Stages (each a subprocess; its output streams to the console and OUT/logs/STAGE.log; a stage
-that finished is recorded in OUT/stages.json and skipped when the command is run again):
-  decode   experiments/bench_decode.py --config ...: the policy's plain decode step (float32,
-           scanned layers, a cache as long as the rollout's) at each batch size of --batches,
-           the median of --iters steps -> OUT/decode.json
-  warmup   python -m tlt_jax.warmup_drafter: the EAGLE drafter on the model's own responses
-           -> OUT/warmup/export/eagle
-  rollout  experiments/bench_rollout.py --config ... with the warmed drafter: one long-tailed
-           batch (--rollout-prompts problems x the config's samples, the config's temperature
-           and one key) decoded plainly and with SD under each fixed strategy of the config's
-           arms and under BEG-MAB, tokens checked identical to the plain rollout's;
-           whole-rollout and tail seconds (calls with at most rollout.sd_threshold rows
-           running), accept length -> OUT/rollout.json
-  rl       experiments/rl_runs.py: GRPO baseline and TLT back to back -> OUT/rl
-
-OUT/smollm2_cpu.json: device, date, commit, the stages' commands and seconds, and the
-headline numbers of each stage; OUT/smollm2_cpu.png: the decode step against batch size, the
-rollout's whole and tail seconds per mode, and the RL runs' reward and step time per step.
+A campaign (experiments/stages.py: each stage a process, its log in OUT/logs/STAGE.log, a
+finished stage recorded in OUT/stages.json and skipped on a rerun): decode (bench_decode: the
+plain decode step at each of --batches rows -> OUT/decode.json), warmup (tlt_jax.warmup_drafter
+-> OUT/warmup/export/eagle), rollout (bench_rollout with the warmed drafter: --rollout-prompts
+problems, plain vs each fixed strategy and BEG-MAB -> OUT/rollout.json), rl (rl_runs: GRPO
+baseline and TLT -> OUT/rl). OUT/smollm2_cpu.json holds the run's record and each stage's
+headline numbers; OUT/smollm2_cpu.png the decode step against batch size, the rollout's whole
+and tail seconds per mode, the RL runs' reward and step time per step.
 """
 
 from __future__ import annotations
@@ -30,20 +20,12 @@ import argparse
 import pathlib
 import sys
 
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from .common import REPO, module_command, read_json, run_metadata, usable_cpus, write_json
+from .common import (REPO, module_command, pyplot, read_json, run_metadata, save_figure,
+                     usable_cpus, write_json)
 from .stages import run_stages
 
 STAGES = ("decode", "warmup", "rollout", "rl")
 CONFIG = str(REPO / "configs" / "smollm2.py")
-
-
-# ---------------------------------------------------------------- pipeline
 
 
 def stage_commands(out: pathlib.Path, quick: bool, sets: list[str], args) -> dict:
@@ -96,8 +78,8 @@ def collect(out: pathlib.Path, stages: dict) -> dict:
           "rl": {"end_to_end": rl.get("end_to_end"), "runs": runs}}
 
 
-
 def plot(out: pathlib.Path, summary: dict) -> None:
+  plt = pyplot()
   fig, (ax_d, ax_r, ax_rl) = plt.subplots(1, 3, figsize=(15, 4))
   rows = summary.get("decode") or []
   if rows:
@@ -139,9 +121,7 @@ def plot(out: pathlib.Path, summary: dict) -> None:
     ax_rl.legend(fontsize=7, loc="upper left")
   ax_rl.set_title("GRPO: baseline and TLT", fontsize=9)
   fig.suptitle(f"{summary['device']}, {summary['date']}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(out / "smollm2_cpu.png", dpi=120)
-  plt.close(fig)
+  save_figure(fig, out / "smollm2_cpu.png", dpi=120)
 
 
 def main(argv=None):

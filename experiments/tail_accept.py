@@ -1,25 +1,17 @@
 """What SD accepts in the long tail, measured on the policy's own held-out responses at the
 run's temperature, without decoding them again (`tlt_jax.speculative.teacher_forced`).
 
-The policy answers held-out problems of the config's task (plain decoding, its sampling, one
-engine call; kept in OUT/responses.jsonl and reused by a rerun with the same settings, or read
-from a GPU lease's responses with --responses). The responses are grouped into RL steps of
-rl.prompts_per_step x rl.num_samples as the run draws them; a response's token at position j
-is decoded while as many rows run as the step has responses longer than j (plain decoding's
-schedule). SD starts once rollout.sd_threshold rows or fewer run: each response is walked from
-there, its iterations credited to the running-row bucket they start in. For every drafter
-variant (an EAGLE export with --drafter LABEL=PATH; by default the config's) and strategy,
+The policy answers held-out problems of the config's task once (cached in OUT/responses.jsonl,
+or a GPU lease's with --responses). Grouped into RL steps of rl.prompts_per_step x
+rl.num_samples, a response's position j decodes while as many rows run as the step has
+responses longer than j; SD starts once rollout.sd_threshold rows or fewer run, and each
+response is walked from there, its iterations credited to the running-row bucket they start
+in. Per drafter (--drafter LABEL=PATH, an EAGLE export; default the config's) and strategy:
 the accept length (tree nodes accepted per SD iteration, the bonus token included) per bucket
-and over the tail.
+and over the tail, in OUT/tail_accept.json and OUT/tail_accept.png.
 
   python -m experiments.tail_accept --config configs/smollm2.py:headline_cpu --out results/tail
-  python -m experiments.tail_accept --config configs/smollm2.py:headline_cpu --out results/tail \
-      --drafter shipped=assets/smollm2-drafter --drafter longer=runs/warm/export/eagle \
-      --strategies 8,2,16 8,4,32 8,4,32,eagle+suffix
   python -m experiments.tail_accept --quick --out /tmp/tail          # the tiny default (CI)
-
-Writes OUT/tail_accept.json (settings, the responses' lengths and reward, per variant and
-strategy the accept length per bucket and over the tail) and OUT/tail_accept.png.
 """
 
 from __future__ import annotations
@@ -32,8 +24,8 @@ import types
 
 import numpy as np
 
-from .common import (REPO, add_config_flags, config_or_exit, run_stamp,
-                                strategy_label, write_json)
+from .common import (REPO, add_config_flags, config_or_exit, pyplot, run_stamp, save_figure,
+                     strategy_label, write_json)
 
 BUCKETS = (1, 2, 9, 33)  # running-row buckets: 1, 2-8, 9-32, 33 and more
 
@@ -137,8 +129,7 @@ def _variants(config, cfg, labelled: list[str]) -> dict[str, dict]:
 
 
 def measure(config, out: pathlib.Path, prompts: int, strategies: list, labelled: list[str],
-            given: pathlib.Path | None = None, thresholds=BUCKETS, min_length: int = 0,
-            bulk_every: int = 1) -> dict:
+            given: pathlib.Path | None = None, thresholds=BUCKETS, bulk_every: int = 1) -> dict:
   """Runs the measurement (see the module docstring); returns what tail_accept.json holds.
   bulk_every: of the responses that end before their step's last `thresholds[-1] - 1` rows
   run (they decode only where many rows do), measure every k-th (their iterations are many
@@ -172,12 +163,9 @@ def measure(config, out: pathlib.Path, prompts: int, strategies: list, labelled:
     step_lengths = lengths[list(step)]
     starts = tail_starts(step_lengths, threshold)
     running = running_rows(step_lengths)
-    bulk = running
     for n, (i, first) in enumerate(zip(step, starts)):
-      in_bulk_only = bulk[min(max(lengths[i] - 2, 0), len(bulk) - 1)] >= thresholds[-1]
-      if in_bulk_only and n % bulk_every:
-        continue
-      if first < lengths[i] - 1 and lengths[i] >= min_length:
+      in_bulk_only = running[min(max(lengths[i] - 2, 0), len(running) - 1)] >= thresholds[-1]
+      if first < lengths[i] - 1 and not (in_bulk_only and n % bulk_every):
         group = [responses[g] for g in range((i // samples) * samples,
                                              (i // samples + 1) * samples) if g != i]
         work.append((i, int(first), running, group))
@@ -219,9 +207,7 @@ def measure(config, out: pathlib.Path, prompts: int, strategies: list, labelled:
 
 def plot(result: dict, path: pathlib.Path) -> None:
   """Accept length per running-row bucket, one group of bars per strategy and variant."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   rows = [(label, s, r) for label, v in result["variants"].items() for s, r in v.items()]
   buckets = result["buckets"]
   fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows)), 3.8), dpi=100)
@@ -237,9 +223,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
   ax.set_title(f"accept length by running rows, T={result['temperature']}, "
                f"{result['responses']['in_tail']} responses in the tail", fontsize=9)
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main(argv=None) -> None:
@@ -253,8 +237,6 @@ def main(argv=None) -> None:
   parser.add_argument("--drafter", action="append", default=[], metavar="LABEL=PATH",
                       help="an EAGLE export to measure (repeatable)")
   parser.add_argument("--strategies", nargs="+", help="default: the config's arms")
-  parser.add_argument("--min-length", type=int, default=0,
-                      help="measure responses of at least this many tokens only")
   parser.add_argument("--bulk-every", type=int, default=1, metavar="K",
                       help="of the responses that end while 33 or more rows run, measure "
                            "every K-th")
@@ -263,19 +245,17 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if args.out.exists() and not args.out.is_dir():
     sys.exit(f"--out {args.out} is a file; give a folder")
-  if args.quick:
-    config = config_or_exit(str(REPO / "configs" / "default.py"), [
-        "mesh.num_cpu_devices=1", "mesh.axes.replica=1", "rollout.max_new_tokens=48",
-        "rl.prompts_per_step=4", "rl.num_samples=4", "rollout.sd_threshold=8", *args.set])
-    args.prompts = 8
-  else:
-    config = config_or_exit(args.config, ["mesh.num_cpu_devices=1", "mesh.axes.replica=1",
-                                          *args.set])
+  # Quick: the tiny default, 8 problems x 4 samples of 48 tokens, SD for the last 8 rows.
+  quick = ["rollout.max_new_tokens=48", "rl.prompts_per_step=4", "rl.num_samples=4",
+           "rollout.sd_threshold=8"] if args.quick else []
+  config = config_or_exit(str(REPO / "configs" / "default.py") if args.quick else args.config,
+                          ["mesh.num_cpu_devices=1", "mesh.axes.replica=1", *quick, *args.set])
+  args.prompts = 8 if args.quick else args.prompts
   from tlt_jax.cli import setup_devices
   setup_devices(config)
   strategies = args.strategies or list(dict.fromkeys(config.rollout.speculative.arms))
   result = measure(config, args.out, args.prompts, strategies, args.drafter, args.responses,
-                   min_length=args.min_length, bulk_every=args.bulk_every)
+                   bulk_every=args.bulk_every)
   write_json(args.out / "tail_accept.json", result)
   plot(result, args.out / "tail_accept.png")
   print(f"{result['responses']['count']} responses (mean {result['responses']['mean']:.0f} "

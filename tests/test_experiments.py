@@ -268,7 +268,7 @@ def test_tuner_comparison_ranks_by_tail_time():
 @pytest.mark.slow
 def test_bench_vs_hf_quick(tmp_path):
   out = tmp_path / "vs_hf.json"
-  _run_script("bench_vs_hf", "--quick", "--out", str(out))
+  _run_script("bench_vs", "--quick", "--against", "hf", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert set(data["greedy"]) == {"1", "4"}
@@ -283,15 +283,15 @@ def test_bench_vs_hf_quick(tmp_path):
 def test_bench_vs_revision_quick(tmp_path):
   """The committed tree against itself, extracted by git archive: the same greedy tokens."""
   out = tmp_path / "vs_rev.json"
-  _run_script("bench_vs_revision", "--quick", "--rev", "HEAD", "--out", str(out))
+  _run_script("bench_vs", "--quick", "--against", "HEAD", "--out", str(out))
   data = json.loads(out.read_text())
   assert out.with_suffix(".png").exists()
   assert data["outputs_identical"] is True
   assert data["revision"]["tokens"] == data["current"]["tokens"] > 0
   assert len(data["revision"]["wall_s"]) == len(data["current"]["wall_s"]) == 1
   assert data["speedup"] > 0
-  r = subprocess.run([*_module("bench_vs_revision"),
-                      "--rev", "no-such-revision", "--out", str(out)], cwd=REPO,
+  r = subprocess.run([*_module("bench_vs"),
+                      "--against", "no-such-revision", "--out", str(out)], cwd=REPO,
                      capture_output=True, text=True)
   assert r.returncode != 0 and "not a revision" in r.stderr
 
@@ -384,7 +384,7 @@ def test_rl_runs_refuses_a_run_folder_it_did_not_make_before_any_run(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_settings_quick(tmp_path):
-  _run_script("grpo_settings", "--quick", "--out", str(tmp_path))
+  _run_script("rl_runs", "--settings", "--quick", "--out", str(tmp_path))
   data = json.loads((tmp_path / "grpo_settings.json").read_text())
   assert (tmp_path / "grpo_settings.png").stat().st_size > 1000
   assert list(data["settings"]) == ["default", "lr3e-5"]
@@ -403,8 +403,8 @@ def test_grpo_settings_names_a_bad_setting(tmp_path):
   # In a process of its own: the script imports the main job, whose flags a test process
   # that imported another job already holds.
   for bad in ("kl", "kl=", "kl=rl.kl_coef"):
-    r = subprocess.run([*_module("grpo_settings"),
-                        "--out", str(tmp_path), "--setting", bad], cwd=REPO,
+    r = subprocess.run([*_module("rl_runs"),
+                        "--out", str(tmp_path), "--settings", bad], cwd=REPO,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and "expected NAME=KEY=VALUE" in r.stderr, r.stderr[-500:]
