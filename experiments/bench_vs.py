@@ -64,9 +64,12 @@ def engine_for(cfg, params, tok, mesh, max_batch: int, prompts, max_new_tokens: 
                sd_threshold: int = 0, **kw):
   """The rollout engine for `prompts` (kw: drafters, tuner)."""
   from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+  # Programs compile on first use (in the untimed pass), as in every revision: an engine
+  # that has compile_ahead (on by default now) would otherwise also compile in the background.
+  ahead = {"compile_ahead": False} if "compile_ahead" in EngineConfig.__dataclass_fields__ else {}
   ec = EngineConfig(max_batch=max_batch, max_prompt_len=max(map(len, prompts)),
                     max_new_tokens=max_new_tokens, sd_threshold=sd_threshold,
-                    eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+                    eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, **ahead)
   return RolloutEngine(cfg, params, mesh, ec, **kw)
 
 
