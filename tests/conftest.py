@@ -60,6 +60,12 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 
 from tlt_jax.models import ModelConfig, RopeConfig, init_params  # noqa: E402
+from tlt_jax.plugins import import_plugins  # noqa: E402
+
+# Plug-ins a test session registers before it collects (TLT_PLUGINS, in the config's `plugins`
+# syntax): the shared tests read the registries as they are collected, so a drafter, algorithm
+# or task of your own is covered by them without an edit to a test (docs/extending.md).
+import_plugins(os.environ.get("TLT_PLUGINS", ""))
 
 
 @pytest.fixture(scope="module")

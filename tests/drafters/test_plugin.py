@@ -2,6 +2,11 @@
 config; and registering a drafter changes none of a run's programs that do not draft with it."""
 
 import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import flax.struct
 import jax
@@ -11,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.engines import engine_config
+from tests.conftest import REPO
 from tests.speculative.test_sd_greedy import GREEDY, LENGTHS, PROMPTS
 from tlt_jax.components import load_drafters_for, make_engine, validate_config
 from tlt_jax.config import ConfigError, base_config
@@ -174,3 +180,28 @@ def test_registering_a_drafter_changes_no_program_of_a_run_that_does_not_use_it(
     assert len(after[sd]) == len(before[sd]) > 0  # the compiled program count
     assert after[sd] == before[sd]  # and the programs themselves
   assert "rollout_decode_sd" in {kind for kind, _ in after[True]}
+
+
+@pytest.mark.slow
+def test_a_family_from_a_users_file_is_covered_by_the_shared_tests(tmp_path):
+  """docs/extending.md's toy drafter, as a file of the user's own named in TLT_PLUGINS: the
+  shared exactness tests collect and pass it with no edit to a test file: greedy (here the
+  family's chain of them), sampled (chi-square, alone and in the hybrid of every family)."""
+  page = (pathlib.Path(REPO) / "docs" / "extending.md").read_text()
+  module = re.search(r"```python\n(.*?)```", page, re.S).group(1)  # the first block: the family
+  assert '@register_drafter("repeat")' in module
+  (tmp_path / "repeat_drafter.py").write_text(module)
+  env = {**os.environ, "TLT_PLUGINS": str(tmp_path / "repeat_drafter.py")}
+  env.pop("PYTEST_XDIST_WORKER", None)
+  done = subprocess.run(
+      [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+       "-rA", "tests/speculative/test_sd_greedy.py", "tests/speculative/test_sd_sampling.py",
+       "-k", "(test_greedy_every_family and repeat-4-1-5) or "
+             "(test_every_family_and_hybrid_trees_sample_exactly and repeat)"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  passed = [line for line in done.stdout.splitlines() if line.startswith("PASSED")]
+  assert any("[repeat-4-1-5]" in line for line in passed), done.stdout[-3000:]
+  assert any("[repeat]" in line for line in passed), done.stdout[-3000:]
+  assert any("eagle+mtp+prompt_lookup+repeat+suffix" in line for line in passed), \
+      done.stdout[-3000:]
