@@ -346,6 +346,29 @@ def test_an_algorithm_s_own_row_input_reaches_its_loss_through_the_update(tiny_c
     update(Grpo(), inputs)
 
 
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_algorithm_updates_the_policy_from_the_program_compiled_ahead(tiny_cfg,
+                                                                            tiny_params, name):
+  """Every registered algorithm at its defaults (a plug-in's too: tests/conftest.py registers
+  TLT_PLUGINS first): the inputs it declares, made by its response_inputs from two groups of
+  mixed rewards, are laid out by the update and its program compiled ahead, and one step moves
+  the policy with finite numbers."""
+  config = base_config()
+  config.rl.algorithm = name
+  algorithm = algorithm_from_config(config)
+  prompts, completions = [[3, 4], [3, 4], [5], [5]], [[6, 7, 8], [9, 10], [11], [12, 13]]
+  rewards, lengths = np.array([1.0, 0.0, 0.0, 1.0], np.float32), np.array([3, 2, 1, 2])
+  inputs = algorithm.response_inputs(rewards, lengths, 2)
+  updater = _compiled_updater(tiny_cfg, tiny_params, algorithm, 4, widths=(32,))
+  new, metrics, _ = updater(jax.tree.map(jnp.copy, tiny_params), prompts, completions, inputs,
+                            0, max_width=64)
+  report = updater.pool.report()
+  assert report["compiles"] == 0 and report["ahead_compiles"] == 1
+  assert metrics["nonfinite"] == 0.0 and metrics["grad_norm"] > 0
+  assert not np.allclose(jax.device_get(new)["lm_head"]["kernel"],
+                         jax.device_get(tiny_params)["lm_head"]["kernel"])
+
+
 TOKEN_WEIGHT = BatchInput("token_weight", np.float32, "token")
 
 
