@@ -401,10 +401,13 @@ def test_sampled_engine_is_exact():
   assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 
-def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16, mtp=None):
+def _tail_engine(tiny_cfg, tiny_params, strategy, drafter=None, max_new=16, drafters=None):
+  """Two rows, SD from two running rows with `strategy`; drafters: name -> drafter (None: the
+  weightless ones and EAGLE from `drafter`)."""
   ec = engine_config(max_batch=2, max_prompt_len=8, max_new_tokens=max_new, sd_threshold=2,
-                    prompt_widths=(8,))
-  return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec, drafters=drafter_set(drafter, mtp),
+                     prompt_widths=(8,))
+  return RolloutEngine(tiny_cfg, tiny_params, _mesh(1), ec,
+                       drafters=drafter_set(drafter) if drafters is None else drafters,
                        tuner=FixedTuner(strategy))
 
 
@@ -426,9 +429,8 @@ def test_every_family_and_hybrid_rollouts_return_plain_tokens(tiny_cfg, tiny_par
       PROMPTS[:2], 4, sp, jax.random.key(3))
   drafts = Strategy.parse(strategy).drafts
   examples = example_drafters(tiny_cfg, seed=2)
-  engine = RolloutEngine(tiny_cfg, tiny_params, _mesh(1), dataclasses.replace(
-      ec, sd_threshold=2), drafters={n: examples[n] for n in drafts},
-      tuner=FixedTuner(strategy))
+  engine = _tail_engine(tiny_cfg, tiny_params, strategy,
+                        drafters={n: examples[n] for n in drafts})
   assert set(engine.drafters) == set(drafts)
   res = engine.generate(PROMPTS[:2], 4, sp, jax.random.key(3))
   assert res.tokens == plain.tokens

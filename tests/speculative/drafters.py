@@ -46,12 +46,10 @@ def every_family_and_hybrid() -> list[str]:
   return ["+".join(c) for n in range(1, len(names) + 1) for c in itertools.combinations(names, n)]
 
 
-def drafter_set(eagle=None, mtp=None) -> dict:
-  """name -> drafter: every registered weightless drafter with its default settings, EAGLE
-  from `eagle` = (DrafterConfig, params) and the MTP heads `mtp` when given."""
+def drafter_set(eagle=None) -> dict:
+  """name -> drafter: every registered weightless drafter with its default settings, and EAGLE
+  from `eagle` = (DrafterConfig, params) when given."""
   out = {name: make_drafter(name) for name, cls in DRAFTERS.items() if not cls.trained}
   if eagle is not None:
     out["eagle"] = EagleDrafter(params=eagle[1], settings=eagle[0])
-  if mtp is not None:
-    out["mtp"] = mtp
   return out

@@ -24,11 +24,11 @@ PROMPTS = np.array([[5, 9, 2, 7, 1, 3, 8], [4, 4, 6, 0, 0, 0, 0], [1, 2, 3, 4, 5
 LENGTHS = np.array([7, 3, 5], np.int32)
 
 
-def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None, corpus=None, mtp=None,
+def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None, corpus=None,
          prompts=(PROMPTS, LENGTHS), drafters=None):
   """Generates to completion; returns (final state, accepted counts per SD iteration).
-  drafter: (dcfg, params) of the EAGLE drafter or None, mtp: MTP heads or None (the
-  weightless drafters are always there), or drafters: name -> drafter, all of them;
+  drafter: (dcfg, params) of the EAGLE drafter or None (the weightless drafters are always
+  there), or drafters: name -> drafter, all of them;
   corpus: [3, S, L] responses the suffix drafter may copy from; prompts: ([3, P] tokens,
   [3] lengths)."""
   tokens, lengths = prompts
@@ -36,7 +36,7 @@ def _run(cfg, params, max_new, eos_id, strategy=None, drafter=None, corpus=None,
   margin = strategy.depth + 1 if strategy else 1
   cap = tokens.shape[1] + max_new + margin
   policy = Policy(params, cfg)
-  drafters = drafter_set(drafter, mtp) if drafters is None else drafters
+  drafters = drafter_set(drafter) if drafters is None else drafters
   states = {name: d.init_state(cfg, b, cap) for name, d in drafters.items()}
   state = jax.jit(functools.partial(start, sp=GREEDY, max_new_tokens=max_new, eos_id=eos_id))(
       policy, jnp.asarray(tokens), jnp.asarray(lengths), init_cache(cfg, b, cap),
