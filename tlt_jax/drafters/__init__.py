@@ -16,33 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tlt_jax.drafters.base import (Candidates, DraftContext, Drafter, TrainedDrafter,
-                                   fixed_part, param_count, trainable_part)
+from tlt_jax.drafters.base import (DRAFTERS, Candidates, DraftContext, Drafter, TrainedDrafter,
+                                   fixed_part, param_count, register_drafter, trainable_part)
+# Imported in this order, they register in it (a family's place seeds its fresh weights).
 from tlt_jax.drafters.eagle import EagleDrafter
+from tlt_jax.drafters.suffix import SuffixDrafter
 from tlt_jax.drafters.mtp import MtpDrafter
 from tlt_jax.drafters.prompt_lookup import PromptLookupDrafter
-from tlt_jax.drafters.suffix import SuffixDrafter
-from tlt_jax.registry import register
-
-# name -> drafter class
-DRAFTERS = {
-    "eagle": EagleDrafter,
-    "suffix": SuffixDrafter,
-    "mtp": MtpDrafter,
-    "prompt_lookup": PromptLookupDrafter,
-}
 
 __all__ = ["Candidates", "DRAFTERS", "DraftContext", "Drafter", "EagleDrafter", "MtpDrafter",
            "PromptLookupDrafter", "SuffixDrafter", "TrainedDrafter", "candidate_count",
            "check_strategy", "drafter_class", "drafters_named", "fixed_part", "make_drafter",
            "num_candidates", "param_count", "reads_corpus", "register_drafter",
            "trainable_part", "trained_drafters"]
-
-
-def register_drafter(name: str):
-  """Class decorator: registers a `Drafter` subclass as drafter `name` (strategies name it,
-  its knobs are the section drafter.<name>); ValueError for a name already registered."""
-  return register(DRAFTERS, name, "drafter")
 
 
 def drafter_class(name: str, where: str = "a strategy") -> type:

@@ -63,6 +63,19 @@ import numpy as np
 from tlt_jax.knobs import NoSettings
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.params import ParamSpec, init_from_specs, logical_axes_from_specs
+from tlt_jax.registry import register
+
+
+# name -> drafter class, in registration order: the package registers its own families in the
+# order eagle, suffix, mtp, prompt_lookup (tlt_jax.drafters imports them so), and a family's
+# place seeds its fresh weights (`components.load_drafters_for`).
+DRAFTERS: dict[str, type] = {}
+
+
+def register_drafter(name: str):
+  """Class decorator: registers a `Drafter` subclass as drafter `name` (strategies name it,
+  its knobs are the section drafter.<name>); ValueError for a name already registered."""
+  return register(DRAFTERS, name, "drafter")
 
 
 @flax.struct.dataclass

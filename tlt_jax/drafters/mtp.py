@@ -32,7 +32,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.drafters.base import previous_features
+from tlt_jax.drafters.base import previous_features, register_drafter
 from tlt_jax.drafters.base import (Candidates, DraftContext, TrainedDrafter,
                                    beam_tree_count)
 from tlt_jax.models.config import ModelConfig
@@ -62,6 +62,7 @@ class MtpSettings:
                        f"{self.num_heads}")
 
 
+@register_drafter("mtp")
 @flax.struct.dataclass
 class MtpDrafter(TrainedDrafter):
   """params: {'head_k': {'fc': {'kernel' [in, E], 'bias' [E]}, 'res': {'kernel' [E, E]}}}

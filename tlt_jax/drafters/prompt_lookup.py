@@ -21,7 +21,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.drafters.base import Candidates, DraftContext, Drafter, chain_count
+from tlt_jax.drafters.base import (Candidates, DraftContext, Drafter, chain_count,
+                                   register_drafter)
 from tlt_jax.drafters.suffix import copy_chain
 from tlt_jax.models.policy import Policy
 
@@ -42,6 +43,7 @@ class PromptLookupSettings:
                        f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}")
 
 
+@register_drafter("prompt_lookup")
 @flax.struct.dataclass
 class PromptLookupDrafter(Drafter):
   """A chain copied from the row's own prompt and response (see the module docstring)."""

@@ -24,7 +24,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.drafters.base import Candidates, DraftContext, Drafter, chain_count
+from tlt_jax.drafters.base import (Candidates, DraftContext, Drafter, chain_count,
+                                   register_drafter)
 from tlt_jax.models.policy import Policy
 
 if TYPE_CHECKING:  # the strategy module imports the drafter registry
@@ -44,6 +45,7 @@ class SuffixSettings:
                        f"min_match={self.min_match}, max_match={self.max_match}")
 
 
+@register_drafter("suffix")
 @flax.struct.dataclass
 class SuffixDrafter(Drafter):
   """Copies what followed the best match of the row's last tokens elsewhere (see the module

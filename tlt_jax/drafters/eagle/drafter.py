@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.drafters.base import Candidates, DraftContext, TrainedDrafter, beam_tree_count
+from tlt_jax.drafters.base import (Candidates, DraftContext, TrainedDrafter, beam_tree_count,
+                                   register_drafter)
 from tlt_jax.drafters.eagle.draft_vocab import (frequent_tokens, ids_from_offsets,
                                                 in_draft_vocab, offsets_from_ids)
 from tlt_jax.drafters.eagle.loss import drafter_loss
@@ -57,6 +58,7 @@ def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return (top - m) - lse, ids
 
 
+@register_drafter("eagle")
 @flax.struct.dataclass
 class EagleDrafter(TrainedDrafter):
   """params: the drafter's weights (`init_drafter_params`); settings: its DrafterConfig
