@@ -340,6 +340,28 @@ def test_bad_rollout_values(path, value, match):
     validate_config(c)
 
 
+@pytest.mark.parametrize("arms,knob,value,trains", [
+    (("4,1,5,suffix",), "ce_weight", 0.5, "[]"),
+    (("4,1,5,suffix",), "train_depth", 2, "[]"),
+    (("4,2,8,mtp",), "ce_weight", 0.5, "['mtp']"),
+])
+def test_a_drafter_loss_knob_no_trained_drafter_reads_is_an_error(arms, knob, value, trains):
+  """drafter.ce_weight and train_depth are EAGLE's loss knobs alone (MTP reads the decay): a
+  run that trains no EAGLE drafter must not look as if it used them."""
+  c = base_config()
+  c.rollout.speculative.arms = arms
+  validate_config(c)
+  c.drafter[knob] = value
+  with pytest.raises(ConfigError) as e:
+    validate_config(c)
+  default = getattr(base_config().drafter, knob)
+  assert str(e.value) == (f"drafter.{knob}={value!r} is set but no drafter the run trains "
+                          f"reads it (it trains {trains}); train a drafter whose loss reads it "
+                          f"(eagle), or leave drafter.{knob} at its default ({default!r})")
+  c.rollout.speculative.arms = ("4,2,8", "4,2,8,mtp")  # EAGLE trains too: read
+  validate_config(c)
+
+
 @pytest.mark.parametrize("tuner", ["cheapest", "table", "fixed"])
 def test_the_strategy_is_checked_under_every_tuner(tuner):
   """The warm-up's accept-length check reads rollout.speculative.strategy whatever the tuner."""

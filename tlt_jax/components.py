@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from tlt_jax.config import ConfigError, base_config, check_config, flat_settings
 from tlt_jax.drafter_training.spot import SpotConfig
-from tlt_jax.drafter_training.train_step import DrafterOptConfig
+from tlt_jax.drafter_training.train_step import LOSS_KNOBS, DrafterOptConfig
 from tlt_jax.drafters import (DRAFTERS, Drafter, check_strategy, drafter_class, drafters_named,
                               make_drafter, reads_corpus)
 from tlt_jax.knobs import build_from
@@ -33,7 +33,7 @@ from tlt_jax.optim import AdamWConfig
 from tlt_jax.plugins import import_plugins
 from tlt_jax.rl.algorithms import ALGORITHMS, Algorithm, make_algorithm
 from tlt_jax.rl.data import load_numbered_examples
-from tlt_jax.rl.loss import LossConfig
+from tlt_jax.rl.loss import SHARED_KNOBS, LossConfig
 from tlt_jax.rl.phases import rl_prompts
 from tlt_jax.rl.rewards import RewardFn, make_reward
 from tlt_jax.rl.tasks import Example, Task, TaskSlice, make_task
@@ -141,7 +141,9 @@ TUNER_KNOBS = {"epsilon": ("epsilon",), "window": ("window",), "plain_arm": ("pl
 def unread_knobs(config: ml_collections.ConfigDict,
                  writes_metrics: bool = True) -> list[UnreadKnob]:
   """Every knob set away from its default (base_config's) that the run does not read: another
-  algorithm's section rl.<name>; the section drafter.<name> of a drafter the run does not use;
+  algorithm's section rl.<name>; a shared loss knob rl.<knob> the algorithm does not read (its
+  `reads`); a drafter loss knob (drafter.ce_weight, ...) that no drafter the run trains reads
+  (their `loss_reads`); the section drafter.<name> of a drafter the run does not use;
   a tuner knob the configured tuner does not take (with SD on); the W&B project without W&B;
   and with writes_metrics=False (a job that writes no metrics.jsonl) TensorBoard and W&B.
   A run must not look as if it used them: `validate_config` refuses the first."""
@@ -158,7 +160,23 @@ def unread_knobs(config: ml_collections.ConfigDict,
       for knob in r[name]:
         unread(f"rl.{name}", knob, f"rl.algorithm={r.algorithm!r} does not read it",
                f"set rl.algorithm={name!r}")
+  algorithm = ALGORITHMS.get(r.algorithm)
+  if algorithm is not None:  # an unknown name is refused, naming the allowed ones, before this
+    own = f" and its own rl.{r.algorithm}.*" if dataclasses.fields(algorithm.Settings) else ""
+    reads = ", ".join(f"rl.{k}" for k in algorithm.reads) or "none of them"
+    for knob in SHARED_KNOBS:
+      if knob not in algorithm.reads:
+        unread("rl", knob, f"rl.algorithm={r.algorithm!r} does not read it (of the shared loss "
+               f"knobs it reads {reads}{own})", "choose another rl.algorithm")
   used, key = run_drafters(config), _strategies_key(config)
+  trained = [name for name in used if drafter_class(name).trained]
+  for knob in LOSS_KNOBS:
+    readers = [name for name in trained if knob in drafter_class(name).loss_reads]
+    if not readers:
+      takers = [name for name, cls in DRAFTERS.items()
+                if cls.trained and knob in cls.loss_reads]
+      unread("drafter", knob, f"no drafter the run trains reads it (it trains {trained})",
+             f"train a drafter whose loss reads it ({', '.join(takers)})")
   for name, cls in DRAFTERS.items():
     if name not in used and name in config.drafter:
       for knob in config.drafter[name]:

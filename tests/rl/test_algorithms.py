@@ -16,7 +16,7 @@ from tlt_jax.components import algorithm_from_config, validate_config
 from tlt_jax.config import ConfigError, base_config
 from tlt_jax.models.hf import load_tokenizer
 from tlt_jax.rl.algorithms import (ALGORITHMS, Dapo, DapoSettings, Grpo, GspoSettings,
-                                   check_shared_knobs, make_algorithm)
+                                   make_algorithm, register_algorithm)
 from tlt_jax.rl.data import PromptIterator
 from tlt_jax.rl.loss import ADVANTAGES, SHARED_KNOBS, BatchInput, LossConfig, group_advantages
 from tlt_jax.rl.phases import merge_rollouts, sample_step, Rollout
@@ -113,7 +113,8 @@ def test_a_shared_knob_the_algorithm_ignores_set_away_from_its_default_is_an_err
     validate_config(config)
   message = str(e.value)
   assert "\n" not in message
-  assert message.startswith(f"{key}={value!r} is ignored by rl.algorithm={algorithm!r}")
+  assert message.startswith(f"{key}={value!r} is set but rl.algorithm={algorithm!r} does not "
+                            f"read it")
   assert f"leave {key} at its default" in message
   if algorithm == "gspo":
     assert "rl.gspo.*" in message
@@ -130,12 +131,13 @@ def test_every_algorithm_declares_shared_knobs_that_exist_and_runs_at_the_defaul
   assert type(algorithm_from_config(config)) is ALGORITHMS[name]
 
 
-def test_a_misdeclared_shared_knob_is_named():
+def test_a_misdeclared_shared_knob_is_refused_when_the_algorithm_registers():
   class Typo(Grpo):
     reads = ("clip_epsilon",)
   with pytest.raises(ValueError, match=r"declares shared knobs that do not exist: "
                                        r"\['clip_epsilon'\]"):
-    check_shared_knobs("typo", Typo, LossConfig())
+    register_algorithm("typo")(Typo)
+  assert "typo" not in ALGORITHMS
 
 
 def test_every_algorithm_s_settings_are_a_config_section_with_its_defaults():

@@ -89,7 +89,7 @@ ROLLOUT_LOGP = BatchInput("rollout_logp", np.float32, "token")
 class LossConfig:
   """The shared loss knobs; all but `sampling` are the config's rl.<field> knobs, with these
   defaults (SHARED_KNOBS). Each algorithm reads some of them (its `reads`); a run that sets
-  another away from its default stops (`tlt_jax.rl.algorithms.make_algorithm`).
+  another away from its default stops (`tlt_jax.components.unread_knobs`).
   clip_eps / clip_eps_high: the ratio's clip range [1 - eps, 1 + eps_high]
   (eps_high > eps: DAPO's clip-higher; equal: plain PPO clipping). scale_by_std: divide
   advantages by the group's reward std. loss_agg: 'token_mean' (every response token weighs

@@ -55,8 +55,8 @@ import numpy as np
 from tlt_jax.knobs import NoSettings
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.registry import register
-from tlt_jax.rl.loss import (ADVANTAGES, REF_LOGP, WEIGHT, BatchInput, LossConfig,
-                             token_log_probs)
+from tlt_jax.rl.loss import (ADVANTAGES, REF_LOGP, SHARED_KNOBS, WEIGHT, BatchInput,
+                             LossConfig, token_log_probs)
 
 # name -> algorithm class (rl.algorithm), filled by `register_algorithm`
 ALGORITHMS: dict[str, type] = {}
@@ -64,8 +64,16 @@ ALGORITHMS: dict[str, type] = {}
 
 def register_algorithm(name: str):
   """Class decorator: registers an `Algorithm` subclass as rl.algorithm=`name` (its knobs:
-  the section rl.<name>); ValueError for a name already registered."""
-  return register(ALGORITHMS, name, "algorithm")
+  the section rl.<name>); ValueError for a name already registered, or for a `reads` that
+  names a shared knob that does not exist (a typo would otherwise hide that knob's use)."""
+  add = register(ALGORITHMS, name, "algorithm")
+
+  def checked(cls: type) -> type:
+    if unknown := sorted(set(getattr(cls, "reads", ())) - set(SHARED_KNOBS)):
+      raise ValueError(f"rl.algorithm={name!r} declares shared knobs that do not exist: "
+                       f"{unknown}; the shared knobs are {SHARED_KNOBS}")
+    return add(cls)
+  return checked
 
 
 def token_mean_weights(loss_mask: np.ndarray) -> np.ndarray:
