@@ -16,7 +16,10 @@ Override any knob: --config.rl.steps=20 --config.rollout.sd_threshold=8
 
 import os
 
-from tlt_jax.config import base_config, smoke_run_settings, tiny_task_settings
+from tlt_jax.config import base_config
+from tlt_jax.plugins import import_file
+
+presets = import_file(os.path.join(os.path.dirname(__file__), "presets.py"))
 
 ASSETS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                        "assets"))
@@ -27,7 +30,7 @@ def get_config(arg: str | None = None):
   c.mesh.num_cpu_devices = 2
   c.mesh.axes.replica = 2
   c.mesh.axes.fsdp = -1
-  tiny_task_settings(c)
+  presets.tiny_task_settings(c)
   c.model.path = os.path.join(ASSETS, "tiny-policy")
   c.drafter.eagle.path = os.path.join(ASSETS, "tiny-drafter")
 
@@ -66,7 +69,7 @@ def get_config(arg: str | None = None):
     c.rollout.speculative.enable = False
     c.drafter.spot_training = False
   elif arg == "runlocal":
-    smoke_run_settings(c)
+    presets.smoke_run_settings(c)
   elif arg:
     raise ValueError(f"configs/default.py: unknown variant {arg!r}; allowed: {variants}")
   c.lock()

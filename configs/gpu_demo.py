@@ -13,7 +13,12 @@ On one H100 an SFT step of this shape took 1.07 s (docs/results/gpu_h100_2026-11
 decode step's busy share (metrics) is not yet measured past the first, compile-bound RL step.
 """
 
-from tlt_jax.config import base_config, toy_settings
+import os
+
+from tlt_jax.config import base_config
+from tlt_jax.plugins import import_file
+
+presets = import_file(os.path.join(os.path.dirname(__file__), "presets.py"))
 
 
 def get_config(arg: str | None = None):
@@ -72,7 +77,7 @@ def get_config(arg: str | None = None):
     c.rl.num_eval_examples = 64
   elif arg == "quick":
     c.mesh.num_cpu_devices = 1
-    toy_settings(c)
+    presets.toy_settings(c)
     c.model.vocab_size = 320
     c.model.max_position_embeddings = 512
     c.model.attention_impl = "reference"

@@ -12,18 +12,23 @@ slices that finish first train the drafter. There is no one-GPU variant: the 7B 
 (~44 GiB) and the rollout cache of 64 rows x 8.7k slots (~30 GiB) already pass a 70 GiB
 budget on one 80 GB GPU before any activation (tests/test_gpu_programs.py). Settings follow the paper's 7B runs where the hardware
 allows (8 samples per prompt, clip 0.2, token-mean loss, KL 0.001, lr 1e-6; see
-`tlt_jax.config.gpu_grpo_settings`); the built-in task stands in for a math data set.
+`gpu_grpo_settings` in configs/presets.py); the built-in task stands in for a math data set.
 model.path is required: the config fails early without it (its placeholder names no folder).
 """
 
-from tlt_jax.config import base_config, gpu_grpo_settings
+import os
+
+from tlt_jax.config import base_config
+from tlt_jax.plugins import import_file
+
+presets = import_file(os.path.join(os.path.dirname(__file__), "presets.py"))
 
 
 def get_config(arg: str | None = None):
   c = base_config()
   # A placeholder that fails validation ("does not exist") until --config.model.path is given.
   c.model.path = "/path/to/Qwen2.5-7B-Instruct"
-  gpu_grpo_settings(c)
+  presets.gpu_grpo_settings(c)
   if arg == "8gpu":
     c.mesh.axes.replica = 8
     c.mesh.axes.fsdp = 1

@@ -16,19 +16,24 @@ Variants:
         holds 16 rows of 8.7k slots (~19 GiB) beside its 15 GiB of bf16 weights.
   1gpu  Qwen3-1.7B on one GPU: weights, AdamW state, the KL reference and the rollout cache
         of 32 rows x 8.7k slots on one device.
-Settings follow the paper's 7B runs where the hardware allows (`tlt_jax.config.
-gpu_grpo_settings`); the built-in task stands in for a math data set. Both variants' programs
+Settings follow the paper's 7B runs where the hardware allows (`gpu_grpo_settings`
+in configs/presets.py); the built-in task stands in for a math data set. Both variants' programs
 fit 70 GiB per device by XLA's memory analysis at the named shapes (`tlt_jax.models.shapes`:
 qwen3-8b, qwen3-1.7b; docs/results/gpu_budget_qwen3_*.json, tests/test_gpu_programs.py).
 model.path is required: the config fails early without it (its placeholder names no folder).
 """
 
-from tlt_jax.config import base_config, gpu_grpo_settings
+import os
+
+from tlt_jax.config import base_config
+from tlt_jax.plugins import import_file
+
+presets = import_file(os.path.join(os.path.dirname(__file__), "presets.py"))
 
 
 def get_config(arg: str | None = None):
   c = base_config()
-  gpu_grpo_settings(c)
+  presets.gpu_grpo_settings(c)
   if arg == "8gpu":
     # A placeholder that fails validation ("does not exist") until --config.model.path is given.
     c.model.path = "/path/to/Qwen3-8B"

@@ -38,8 +38,11 @@ Variants:
 
 import os
 
-from tlt_jax.config import ConfigError, base_config, smoke_run_settings
+from tlt_jax.config import ConfigError, base_config
 from tlt_jax.import_model import ImportModelError, smollm2_cache_folder, smollm2_folder
+from tlt_jax.plugins import import_file
+
+presets = import_file(os.path.join(os.path.dirname(__file__), "presets.py"))
 
 DRAFTER = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                         "assets", "smollm2-drafter"))
@@ -180,7 +183,7 @@ def get_config(arg: str | None = None):
     c.drafter.warmup.max_new_tokens = 256
     c.rl.algorithm = "dapo"
   elif arg == "runlocal":
-    smoke_run_settings(c)
+    presets.smoke_run_settings(c)
     c.rollout.max_new_tokens = 24
     c.drafter.warmup.num_prompts = 4
     c.drafter.warmup.steps = 4

@@ -4,7 +4,12 @@ Run: python -m tlt_jax.sft --config configs/tiny_sft.py --workdir runs/tiny_sft
 Smoke test: --config configs/tiny_sft.py:runlocal (a 2-layer model, a few steps).
 """
 
-from tlt_jax.config import base_config, tiny_task_settings, toy_settings
+import os
+
+from tlt_jax.config import base_config
+from tlt_jax.plugins import import_file
+
+presets = import_file(os.path.join(os.path.dirname(__file__), "presets.py"))
 
 
 def get_config(arg: str | None = None):
@@ -13,7 +18,7 @@ def get_config(arg: str | None = None):
   c.mesh.axes.fsdp = -1
   # 6 layers, hidden 128: a decode step is cheap on a CPU, and a 1-layer drafter of the same
   # width costs about a sixth of it.
-  tiny_task_settings(c)
+  presets.tiny_task_settings(c)
   c.model.scan_layers = "all"  # CPU: compiles dominate (see configs/default.py)
   c.sft.steps = 900
   c.sft.rows = 8
@@ -21,7 +26,7 @@ def get_config(arg: str | None = None):
   c.sft.eval_every = 450
   c.sft.num_eval_examples = 512
   if arg == "runlocal":  # smallest settings, for smoke tests
-    toy_settings(c)
+    presets.toy_settings(c)
     c.sft.log_every = 1
     c.sft.checkpoint_every = 4
   elif arg:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -208,6 +209,23 @@ def test_config_file_errors_are_one_line(tmp_path):
   r = _job("train", "--config", str(tmp_path / "raises.py"), "--config.rl.steps=3")
   _one_line_error(r, f"config error: config file '{tmp_path / 'raises.py'}' failed at line 2: "
                      f"KeyError: 'rl'")
+
+
+def test_a_config_file_reads_the_presets_beside_it_from_any_directory(tmp_path, monkeypatch):
+  """configs/presets.py is imported by its path, beside the config file: a copy of both
+  elsewhere, run from a third directory, reads the copy's presets."""
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  configs = pathlib.Path(REPO) / "configs"
+  (mine / "default.py").write_text((configs / "default.py").read_text())
+  presets = (configs / "presets.py").read_text()
+  assert "c.rollout.update(max_batch=8, " in presets
+  (mine / "presets.py").write_text(presets.replace("c.rollout.update(max_batch=8, ",
+                                                   "c.rollout.update(max_batch=6, "))
+  monkeypatch.chdir(tmp_path)
+  assert config_from_file(f"{configs}/default.py:runlocal").rollout.max_batch == 8
+  assert config_from_file(str(mine / "default.py:runlocal")).rollout.max_batch == 6
+  assert config_from_file(str(mine / "default.py")).rollout.max_batch == 32  # no preset
 
 
 @pytest.mark.parametrize("text,message", [

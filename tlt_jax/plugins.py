@@ -35,28 +35,38 @@ def import_plugins(spec) -> tuple[types.ModuleType, ...]:
   return tuple(_import_one(name) for name in plugin_names(spec))
 
 
+def import_file(path: str) -> types.ModuleType:
+  """The module in the .py file at `path` (relative to the current directory), imported once
+  per resolved path: a plug-in named twice registers once, and a config file imports the
+  settings file beside it (configs/presets.py) however often it is read. FileNotFoundError
+  for a missing file; the module's own error if it raises."""
+  path = os.path.abspath(path)
+  if path in _FILES:
+    return _FILES[path]
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no such file: {path}")
+  module_name = f"tlt_jax_file_{os.path.splitext(os.path.basename(path))[0]}"
+  spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[module_name] = module  # dataclasses look their module up while importing
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[module_name]
+    raise
+  _FILES[path] = module
+  return module
+
+
 def _import_one(name: str) -> types.ModuleType:
   key = f"plugins={name!r}"
   try:
     if not name.endswith(".py"):
       return importlib.import_module(name)
-    path = os.path.abspath(name)
-    if path in _FILES:
-      return _FILES[path]
-    if not os.path.isfile(path):
+    if not os.path.isfile(name):
       raise ConfigError(f"{key}: no such file (in {os.getcwd()}); give a .py path or an "
                         f"importable module name")
-    module_name = f"tlt_jax_plugin_{os.path.splitext(os.path.basename(path))[0]}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses look their module up while importing
-    try:
-      spec.loader.exec_module(module)
-    except BaseException:
-      del sys.modules[module_name]
-      raise
-    _FILES[path] = module
-    return module
+    return import_file(name)
   except ConfigError:
     raise
   except ModuleNotFoundError as e:
