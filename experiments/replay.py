@@ -1,25 +1,14 @@
-"""A what-if replay of the GPU headline: a run's measured costs, as the rollout cost model
-(`experiments.rollout_model`), through the engine's own scheduler, checked against the run it
-came from, then with one change at a time: other response lengths, accept lengths, SD at other
-row counts, cheaper calls or steps.
+"""The rollout cost model (`experiments.rollout_model`) against measurement, one of:
 
   python -m experiments.replay --headline docs/results/gpu_h200_2026-12-04/tf32/headline.json \
-      --out docs/results/replay
-  python -m experiments.replay --headline .../headline.json --out results/replay \
-      --lengths results/tail/responses.jsonl --accept results/tail/tail_accept.json \
-      --strategy 6,4,32,eagle+suffix
+      --out docs/results/replay [--lengths F] [--accept F --variant V --strategy S]
+  python -m experiments.replay --run runs/baseline --out results/simulate_vs_run
 
-The costs: each (mode, program batch)'s seconds per iteration and every decode call's fixed
-seconds. A headline.json written since `run` records its calls' iterations gives them by least
-squares; an earlier one (2026-12-04) records when each call began and how many rows ran, so
-they come from the calls that ran all their iterations (no row left the program's range) and
-the step's total iterations, which fix the rest. Response lengths: the run's own (recorded, or
-for an earlier run rebuilt from the baseline's calls: the rows that ended in a call ended
-within its iterations), or a responses file's. The update and the rest of a step, and SD's
-accept length per step, are the run's.
-
-Writes OUT/replay.json (the costs, the replay of every step against the run, the projected
-ratios of each change) and OUT/replay.png.
+--headline: a GPU run's measured costs (`fit_costs`) through the engine's own scheduler,
+checked against the run it came from, then with one change at a time (`project`); writes
+OUT/replay.{json,png}. --run: a run saved with --config.rl.save_rollouts=True, its steps'
+lengths replayed with costs fitted to its rollout times (`compare_with_run`), simulated
+against measured idle slice-seconds; writes OUT/compare.{json,png}.
 """
 
 from __future__ import annotations
@@ -27,15 +16,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 
 import numpy as np
 
+from tlt_jax.config import with_current_keys
 from tlt_jax.rollout.scheduler import batch_ladder, bucket
 
-from .common import run_stamp, write_json
-from .rollout_model import CostModel, load_lengths, make_costs, simulate_rollout
+from .common import pyplot, run_stamp, save_figure, write_json
+from .rollout_model import CostModel, load_lengths, make_costs, read_json, simulate_rollout
 
 # The engine settings of configs/smollm2.py:gpu_headline at 2026-12-04, for a headline.json
 # that does not record them.
@@ -149,8 +140,11 @@ def _fixed_point_call_s(steps, per_step_calls, ipc) -> float:
 def fit_costs(steps: list[dict], per_step_calls: list[list[Call]], engine: Engine,
               call_s: float | None = None, first: int = 2) -> tuple[CostModel, dict]:
   """A variant's cost model on the engine's ladder (NaN where it never ran a mode) and the
-  rest of its step ({update_s, other_s}, means over steps >= first). call_s: given (the
-  baseline's, for TLT's old records), else fitted (module docstring)."""
+  rest of its step ({update_s, other_s}, means over steps >= first). Calls recorded with their
+  iterations give the per-call and per-iteration seconds by least squares; a record without
+  them (2026-12-04: when each call began and how many rows ran) gives them from the calls that
+  ran all their iterations and the step's total iterations, which fix the rest. call_s: given
+  (the baseline's, for TLT's old records), else fitted."""
   ipc, calls = engine.iterations_per_call, [c for cs in per_step_calls for c in cs]
   known = [c for c in calls if c.iterations]
   if call_s is None and known:  # seconds = call_s + per_iteration[mode, batch] * iterations
@@ -393,10 +387,117 @@ def costs_record(costs: CostModel, rest: dict) -> dict:
           "call_ms": costs.call_s * 1e3, "prefill_ms": costs.prefill_s * 1e3, **rest}
 
 
+# ---------------------------------------------------------------- a CPU run
+
+def run_settings(run_dir: str, **given) -> tuple[dict, int]:
+  """num_slices / max_batch / sd_threshold: `given` where not None, else the run's
+  summary.json (mesh replica axis, rollout.max_batch, rollout.sd_threshold); and its
+  rollout.iterations_per_call (1 where it does not say)."""
+  path = os.path.join(run_dir, "summary.json")
+  have = os.path.isfile(path)
+  config = read_json(path, "run summary").get("config", {}) if have else {}
+  axes = config.get("mesh", {}).get("axes", {})
+  replica = axes.get("replica", 1)
+  if replica == -1:  # the free axis: the devices left over by the fixed ones
+    fixed = int(np.prod([v for k, v in axes.items() if k != "replica"]))
+    replica = config.get("mesh", {}).get("num_cpu_devices", 0) // max(fixed, 1) or None
+  rollout = with_current_keys("rollout", config.get("rollout", {}))
+  found = {"num_slices": replica if have else None, "max_batch": rollout.get("max_batch"),
+           "sd_threshold": rollout.get("sd_threshold")}
+  out = {k: given.get(k) if given.get(k) is not None else v for k, v in found.items()}
+  missing = [k for k, v in out.items() if v is None]
+  if missing:
+    raise ValueError(f"cannot tell {missing} of the run: no summary.json in {run_dir!r} says "
+                     f"so; pass them (--num-slices, --max-batch, --sd-threshold)")
+  return {k: int(v) for k, v in out.items()}, int(rollout.get("iterations_per_call", 1))
+
+
+def _run_rows(run_dir: str, name: str, need: tuple, hint: str) -> list[dict]:
+  rows = read_json(os.path.join(run_dir, name), name, lines=True, hint=hint)
+  missing = sorted({k for r in rows for k in need if k not in r})
+  if not rows or missing:
+    raise ValueError(f"{name} in {run_dir!r} is empty or lacks keys {missing}; {hint}")
+  return rows
+
+
+def compare_with_run(run_dir: str, num_slices: int | None = None, max_batch: int | None = None,
+                     sd_threshold: int | None = None, max_compile_share: float = 0.1) -> dict:
+  """Simulated against measured idle slice-seconds for every step of a single-machine run.
+
+  A CPU run records no calls, only each step's totals (RUN/metrics.jsonl: rollout_s,
+  idle_slice_s, compile_s, sd_enabled, sd_accept_len_mean) and responses (RUN/rollouts.jsonl,
+  each one's tokens). Each step's lengths are replayed in request order and the cost model
+  fitted by non-negative least squares: seconds per plain iteration (fixed + per row of the
+  program batch), per SD iteration (at the step's accept length) and per prefill call. Each
+  schedule is fitted on what it determines exactly: "parallel" on busy slice-seconds (slices *
+  rollout_s - idle_slice_s), "interleaved" on rollout_s; the idle time is then a prediction.
+  Steps whose compile_s exceeds max_compile_share of rollout_s are left out of the fit
+  (compiling is in rollout_s, not in the model).
+
+  Returns {"settings", "iterations_per_call", "steps": [{step, measured_idle_slice_s,
+  measured_rollout_s, used_in_fit, <schedule>_idle_slice_s, <schedule>_rollout_s}], "fit":
+  {schedule: costs}, "totals": {measured and simulated idle slice-seconds}}.
+  """
+  from scipy.optimize import nnls
+  hint = "write it with `python -m tlt_jax.train ... --config.rl.save_rollouts=True`"
+  metrics = _run_rows(run_dir, "metrics.jsonl", ("step", "rollout_s", "idle_slice_s"),
+                      "pass a run's workdir")
+  rollouts = _run_rows(run_dir, "rollouts.jsonl", ("step", "prompt", "sample", "tokens"), hint)
+  settings, iterations_per_call = run_settings(run_dir, num_slices=num_slices,
+                                               max_batch=max_batch, sd_threshold=sd_threshold)
+  by_step: dict[int, list] = {}
+  for r in rollouts:
+    by_step.setdefault(int(r["step"]), []).append((r["prompt"], r["sample"], r["tokens"]))
+  steps = [m for m in metrics if int(m["step"]) in by_step]
+  if not steps:
+    raise ValueError(f"no step of {run_dir!r}/metrics.jsonl has responses in rollouts.jsonl; "
+                     f"{hint}")
+  slices, grid = settings["num_slices"], np.asarray(batch_ladder(settings["max_batch"]), float)
+  # Every cost enters a slice's finish time linearly (the schedule of calls does not depend
+  # on their costs), so four unit-cost runs give each slice's time for any fitted costs.
+  bases = [dict(plain_s=1.0, sd_s=0.0), dict(plain_s=grid, sd_s=0.0),
+           dict(plain_s=0.0, sd_s=1.0), dict(plain_s=0.0, sd_s=0.0, prefill_s=1.0)]
+  finish = {"parallel": [], "interleaved": []}
+  for m in steps:
+    lengths = [t for _, _, t in sorted(by_step[int(m["step"])])]
+    accept = max(m.get("sd_accept_len_mean") or 1.0, 1.0)
+    threshold = settings["sd_threshold"] if m.get("sd_enabled", False) else 0
+    for schedule, per_step in finish.items():
+      per_step.append(np.stack([simulate_rollout(
+          lengths, slices, settings["max_batch"], make_costs(grid, accept_len=accept, **basis),
+          threshold, schedule, iterations_per_call)["finish_s"] for basis in bases], 1))  # [R, 4]
+  used = np.asarray([(m.get("compile_s") or 0.0) <= max_compile_share * m["rollout_s"]
+                     for m in steps])
+  if used.sum() < 2:
+    used[:] = True  # too few clean steps: fit on all of them, compile time included
+  idle, rollout = (np.asarray([m[k] for m in steps]) for k in ("idle_slice_s", "rollout_s"))
+  result = {"settings": settings, "iterations_per_call": iterations_per_call, "fit": {},
+            "steps": [{"step": int(m["step"]), "measured_idle_slice_s": float(idle[i]),
+                       "measured_rollout_s": float(rollout[i]), "used_in_fit": bool(used[i])}
+                      for i, m in enumerate(steps)],
+            "totals": {"measured_idle_slice_s": float(idle.sum())}}
+  for schedule, per_step in finish.items():
+    if schedule == "parallel":
+      features, target = np.stack([f.sum(0) for f in per_step]), slices * rollout - idle
+    else:  # the slice that finishes last waited for every call
+      features, target = np.stack([f[np.argmax(f.sum(1))] for f in per_step]), rollout
+    coef, _ = nnls(features[used], target[used])
+    result["fit"][schedule] = dict(zip(("plain_fixed_s", "plain_per_row_s", "sd_s",
+                                        "prefill_s"), coef.tolist()))
+    for row, f in zip(result["steps"], per_step):
+      t = f @ coef
+      row[f"{schedule}_idle_slice_s"] = float((t.max() - t).sum())
+      row[f"{schedule}_rollout_s"] = float(t.max())
+    result["totals"][f"{schedule}_idle_slice_s"] = float(sum(
+        s[f"{schedule}_idle_slice_s"] for s in result["steps"]))
+  return result
+
+
+# ---------------------------------------------------------------- the command
+
 def plot(result: dict, path: pathlib.Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  """replay.png: the replay against the run per step, and the projected ratios."""
+  plt = pyplot()
   fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4), dpi=100)
   val = result["validation"]
   x = [s["step"] for s in val["steps"]]
@@ -418,26 +519,53 @@ def plot(result: dict, path: pathlib.Path) -> None:
   b.invert_yaxis()
   b.axvline(result["projection"]["needed"]["target"], color="#999", lw=0.8, ls=":")
   b.set_xlabel("projected step ratio (each row adds to those above; grey: a bound)")
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  save_figure(fig, path)
+
+
+def plot_run(result: dict, path: pathlib.Path) -> None:
+  """compare.png: measured and simulated idle slice-seconds per step."""
+  fig, ax = pyplot().subplots(figsize=(7, 3.4), dpi=110)
+  for key, style, label in (("measured", "ko-", "measured"),
+                            ("interleaved", "s--", "simulated, interleaved"),
+                            ("parallel", "^:", "simulated, parallel")):
+    ax.plot([s["step"] for s in result["steps"]],
+            [s[f"{key}_idle_slice_s"] for s in result["steps"]], style, label=label)
+  ax.set(xlabel="RL step", ylabel="idle slice-seconds")
+  ax.legend(fontsize=8)
+  save_figure(fig, path)
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--headline", type=pathlib.Path, required=True,
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--headline", type=pathlib.Path,
                       help="a headline.json of experiments/gpu_headline.py run")
+  source.add_argument("--run", type=pathlib.Path,
+                      help="a run's workdir (metrics.jsonl, rollouts.jsonl)")
   parser.add_argument("--out", type=pathlib.Path, required=True)
   parser.add_argument("--lengths", type=pathlib.Path,
                       help="responses.jsonl whose lengths replace the run's")
   parser.add_argument("--accept", type=pathlib.Path, help="a tail_accept.json")
   parser.add_argument("--variant", default="config", help="its drafter variant")
   parser.add_argument("--strategy", help="its strategy (the arm to project)")
+  for flag in ("--num-slices", "--max-batch", "--sd-threshold"):
+    parser.add_argument(flag, type=int, help="with --run: the run's (default: its summary.json)")
   args = parser.parse_args(argv)
-  if not args.headline.is_file():
-    sys.exit(f"--headline {args.headline}: no such file")
   if args.out.exists() and not args.out.is_dir():
     sys.exit(f"--out {args.out} is a file; give a folder")
+  if args.run:
+    try:
+      result = compare_with_run(str(args.run), args.num_slices, args.max_batch,
+                                args.sd_threshold)
+    except (ValueError, FileNotFoundError) as e:
+      sys.exit(f"error: {e}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "compare.json", result)
+    plot_run(result, args.out / "compare.png")
+    print(json.dumps({"settings": result["settings"], "totals": result["totals"]}))
+    return
+  if not args.headline.is_file():
+    sys.exit(f"--headline {args.headline}: no such file")
   if args.accept and not args.strategy:
     sys.exit("--accept needs --strategy (the arm whose accept lengths to use)")
   headline = json.loads(args.headline.read_text())
@@ -466,12 +594,13 @@ def main(argv=None) -> None:
         f"against {val['measured_rollout_ratio']:.3f}x)")
   for row in result["projection"]["rows"]:
     print(f"  {row['step_ratio']:.2f}x  {row['change']}  ({row['assumes']})")
-  for name, lever in need.items():
-    if isinstance(lever, dict) and need["ratio_now"] < need["target"]:
-      print(f"  for {need['target']}x before a faster step: {name} {lever['now']:.3g} -> "
-            f"{'unreachable' if lever['needed'] is None else format(lever['needed'], '.3g')}")
   if need["ratio_now"] >= need["target"]:
     print(f"  {need['target']}x is reached before a faster step ({need['ratio_now']:.2f}x)")
+  for name in ("call_ms", "sd_iteration_fraction"):
+    if need["ratio_now"] < need["target"]:
+      got = need[name]["needed"]
+      print(f"  for {need['target']}x before a faster step: {name} {need[name]['now']:.3g} -> "
+            f"{'unreachable' if got is None else format(got, '.3g')}")
   print(f"wrote {args.out / 'replay.json'}")
 
 

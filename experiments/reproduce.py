@@ -54,7 +54,7 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
       # 7: cluster-scale projection (8 to 1024 devices), and the simulator against a measured
       # run: its lengths replayed with costs fitted to it, simulated vs measured idle time.
       "simulate_cluster": ["simulate_cluster", "--out", str(out / "simulate_cluster"), *q],
-      "simulate_vs_run": ["simulate_vs_run", "--out", str(out / "simulate_vs_run"),
+      "simulate_vs_run": ["replay", "--out", str(out / "simulate_vs_run"),
                           "--run", str(baseline_run)],
       # Against transformers on the same checkpoint.
       "vs_hf": ["bench_vs", "--against", "hf", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],

@@ -1,11 +1,8 @@
-"""The cost model of a rollout, and the rollout it prices, which the cluster simulator, the
-replay of a GPU run and the check against a CPU run all evaluate.
+"""The cost model of a rollout, and the rollout it prices: what the cluster simulator and the
+replay (of a GPU headline or a CPU run) evaluate.
 
-A `CostModel` gives one slice's seconds per decode iteration by program batch and mode
-(plain, SD), SD's accept length by program batch, and the seconds of each prefill call and of
-each compiled decode call besides its iterations. `simulate_rollout` drives the engine's own
-scheduler (`tlt_jax.rollout.scheduler.SliceScheduler`) on every slice with those costs.
-Response lengths come in as JSON (`load_lengths`).
+`simulate_rollout` drives the engine's own scheduler (`tlt_jax.rollout.scheduler`) on every
+slice with a `CostModel`'s seconds; response lengths come in as JSON (`load_lengths`).
 """
 
 from __future__ import annotations
@@ -236,28 +233,16 @@ def _interleave(traces: list[np.ndarray]) -> np.ndarray:
 
 # ---------------------------------------------------------------- response lengths
 
-def read_json(path: str, what: str):
-  """The JSON at path; FileNotFoundError / ValueError naming `what` and the path."""
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{what} {path!r} not found; check the path")
-  with open(path) as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
-
-
-def read_jsonl(path: str, what: str, need: tuple = (), hint: str = "check the path"
-               ) -> list[dict]:
-  """The objects of a JSON-lines file, each with the keys `need`; errors name `hint`."""
+def read_json(path: str, what: str, lines: bool = False, hint: str = "check the path"):
+  """The JSON at path, or with lines=True the list of its JSON lines' objects;
+  FileNotFoundError / ValueError naming `what`, the path and `hint`."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{what} {path!r} not found; {hint}")
   with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  missing = sorted({k for r in rows for k in need if k not in r})
-  if not rows or missing:
-    raise ValueError(f"{what} {path!r} is empty or lacks keys {missing}; {hint}")
-  return rows
+    try:
+      return [json.loads(line) for line in f if line.strip()] if lines else json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
 
 
 def load_lengths(path: str) -> np.ndarray:
@@ -265,8 +250,8 @@ def load_lengths(path: str) -> np.ndarray:
   lengths.json or a plain list; or JSON lines, each with a `tokens` count (a run's
   rollouts.jsonl) or a `completion` of token ids (a responses.jsonl)."""
   if str(path).endswith(".jsonl"):
-    rows = read_jsonl(str(path), "lengths file")
-    if not all("tokens" in r or "completion" in r for r in rows):
+    rows = read_json(str(path), "lengths file", lines=True)
+    if not rows or not all("tokens" in r or "completion" in r for r in rows):
       raise ValueError(f"{path!r}: every line needs a `tokens` count or a `completion`")
     return np.asarray([r["tokens"] if "tokens" in r else len(r["completion"]) for r in rows],
                       np.int64)

@@ -1,24 +1,12 @@
 """Cluster simulator: idle device-time in one synchronous RL step, and what TLT wins back.
 
-One GRPO step on N devices split into R = N / devices_per_slice rollout replicas ("slices"),
-each priced by the rollout cost model (`experiments.rollout_model`: requests round-robin to
-slices, continuous batching with up to max_batch rows, SD once running rows <= threshold).
-For each N it compares the baseline (plain decode, no spot training) with TLT (SD in the tail
-+ drafter training on idle slices).
+One GRPO step on N devices split into N / devices_per_slice rollout replicas ("slices"), each
+priced by the rollout cost model (`experiments.rollout_model`), for each N the baseline (plain
+decode, no spot training) against TLT (SD in the tail + drafter training on idle slices):
+OUT/simulation.json (inputs, cost table, per-N results with per-slice finish times),
+OUT/simulation.csv (one row per N) and OUT/simulation.png. Commands: docs/reproducing.md.
 
-  python -m experiments.simulate_cluster --out results/sim
-  python -m experiments.simulate_cluster --out /tmp/sim --quick
-  python -m experiments.simulate_cluster --out results/sim --lengths runs/lengths/lengths.json \
-      --max-new-tokens 256 --costs costs.json
-  python -m experiments.simulate_cluster --out results/sim --costs-from-bench results/rollout.json
-  python -m experiments.simulate_cluster --out results/sim --sd-threshold 8 \
-      --costs-from-decode docs/results/gpu_h100_2026-11-26/decode_7b.json
-
-Writes OUT/simulation.json (inputs, cost table, per-N results with per-slice finish times),
-OUT/simulation.csv (one row per N) and OUT/simulation.png (idle share without TLT, reclaimed
-share and projected speedup vs N).
-
-Cost file (--costs, seconds per iteration of one slice, at each batch size):
+A cost file (--costs) holds one slice's seconds per iteration at each batch size:
   {"batch": [1, 2, 4, ...], "plain_s": [...], "sd_s": [...], "accept_len": [...],
    "prefill_s": 0.0, "call_s": 0.0}
 accept_len may be one number; prefill_s and call_s (per compiled decode call) are optional.
@@ -33,15 +21,11 @@ import os
 import sys
 import time
 
-import matplotlib
 import numpy as np
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 from tlt_jax.rollout.scheduler import batch_ladder
 
-from .common import write_json
+from .common import pyplot, save_figure, write_json
 from .rollout_model import (CostModel, length_summary, load_lengths, make_costs, read_json,
                             simulate_rollout)
 
@@ -269,7 +253,8 @@ def sweep(devices: list[int], cfg: StepConfig, costs: CostModel, prompts_per_ste
 def write_outputs(rows: list[dict], record: dict, out: str) -> None:
   """OUT/simulation.json (record + rows), simulation.csv and simulation.png."""
   write_json(os.path.join(out, "simulation.json"), {**record, "results": rows})
-  with open(os.path.join(out, "simulation.csv"), "w", newline="") as f:
+  tmp = os.path.join(out, ".simulation.csv.tmp")  # renamed whole: a killed run keeps the last
+  with open(tmp, "w", newline="") as f:
     w = csv.writer(f)
     w.writerow(["devices", "slices", "responses"] + [f"{m}_{k}" for m in _MODES
                                                      for k in _SCALARS] +
@@ -278,8 +263,9 @@ def write_outputs(rows: list[dict], record: dict, out: str) -> None:
       w.writerow([r["devices"], r["slices"], r["responses"]] +
                  [f"{r[m][k]:.6g}" for m in _MODES for k in _SCALARS] +
                  [f"{r['speedup_rollout']:.4f}", f"{r['speedup_step']:.4f}"])
+  os.replace(tmp, os.path.join(out, "simulation.csv"))
   n = [r["devices"] for r in rows]
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
+  fig, axes = pyplot().subplots(1, 2, figsize=(10, 3.6), dpi=110)
   for ax, lines, label in (
       (axes[0], (("baseline", "idle_share", "o-", "idle, no TLT"),
                  ("tlt", "idle_share", "s--", "idle, TLT"),
@@ -296,9 +282,7 @@ def write_outputs(rows: list[dict], record: dict, out: str) -> None:
   axes[1].axhline(1.0, color="k", lw=0.6)
   fig.suptitle(f"{record['title']}\ncosts: {os.path.basename(record['costs']['source'])}",
                fontsize=8)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out, "simulation.png"))
-  plt.close(fig)
+  save_figure(fig, os.path.join(out, "simulation.png"))
 
 
 # ---------------------------------------------------------------- command line

@@ -1,8 +1,11 @@
 """experiments/replay.py: the replay of a GPU headline reproduces the run it came from, fits
 costs it was given back, rebuilds a rollout's lengths from its calls, and projects changes in
-the direction they must go."""
+the direction they must go; costs fitted to a CPU run's totals are the ones it ran with."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -160,3 +163,78 @@ def test_sd_where_it_pays_skips_batches_where_a_token_costs_more():
   paid = model.simulate_rollout(lengths, 1, 4, costs, 4, sd_where_it_pays=True)["rollout_s"]
   plain = model.simulate_rollout(lengths, 1, 4, costs, 0)["rollout_s"]
   assert paid < always and paid < plain
+
+
+# ---------------------------------------------------------------- --run: a CPU run
+
+TRUE = dict(plain_fixed_s=0.02, plain_per_row_s=0.001, sd_s=0.05, prefill_s=0.03)
+
+
+def _write_run(workdir, schedule, num_slices=2, max_batch=4, threshold=2, summary=False):
+  """A synthetic run: per step random lengths, its timings simulated with TRUE costs."""
+  rng = np.random.default_rng(7)
+  grid = 2.0 ** np.arange(3)
+  metrics, rollouts = [], []
+  for step in range(1, 9):
+    g, prompts = 4, 3
+    lengths = rng.integers(1, 120, prompts * g)
+    sd_on, accept = step % 3 != 0, float(rng.uniform(1.5, 3.5))
+    costs = model.make_costs(grid, TRUE["plain_fixed_s"] + TRUE["plain_per_row_s"] * grid,
+                             TRUE["sd_s"], accept, TRUE["prefill_s"])
+    r = model.simulate_rollout(lengths, num_slices, max_batch, costs,
+                               threshold if sd_on else 0, schedule)
+    compile_s = 50.0 if step == 1 else 0.0  # compiling step: its rollout_s is inflated
+    metrics.append({"step": step, "rollout_s": r["rollout_s"] + compile_s,
+                    "idle_slice_s": float((r["rollout_s"] - r["finish_s"]).sum()),
+                    "compile_s": compile_s, "sd_enabled": sd_on,
+                    "sd_accept_len_mean": accept if sd_on else None,
+                    "response_len_mean": float(lengths.mean()),
+                    "response_len_max": int(lengths.max()), "update_s": 1.0, "step_s": 2.0,
+                    "reclaimed_slice_s": 0.0})
+    rollouts += [{"step": step, "prompt": i // g, "sample": i % g, "tokens": int(t)}
+                 for i, t in enumerate(lengths)]
+  rng.shuffle(rollouts)  # the order of lines must not matter: (prompt, sample) does
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(m) + "\n" for m in metrics)
+  with open(os.path.join(workdir, "rollouts.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rollouts)
+  if summary:
+    config = {"mesh": {"axes": {"replica": num_slices, "fsdp": 1, "tensor": 1}},
+              "rollout": {"max_batch": max_batch, "sd_threshold": threshold}}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump({"config": config}, f)
+  return metrics
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "parallel"])
+def test_compare_with_run_recovers_a_synthetic_run(tmp_path, schedule):
+  metrics = _write_run(str(tmp_path), schedule)
+  res = replay.compare_with_run(str(tmp_path), num_slices=2, max_batch=4, sd_threshold=2)
+  assert [s["used_in_fit"] for s in res["steps"]] == [False] + [True] * 7
+  for name, value in TRUE.items():
+    assert res["fit"][schedule][name] == pytest.approx(value, rel=1e-6, abs=1e-9)
+  for s, m in zip(res["steps"][1:], metrics[1:]):
+    assert s[f"{schedule}_idle_slice_s"] == pytest.approx(m["idle_slice_s"], rel=1e-6)
+    assert s[f"{schedule}_rollout_s"] == pytest.approx(m["rollout_s"], rel=1e-6)
+
+
+def test_compare_with_run_needs_rollouts(tmp_path):
+  _write_run(str(tmp_path), "parallel")
+  os.remove(tmp_path / "rollouts.jsonl")
+  with pytest.raises(FileNotFoundError, match="save_rollouts=True"):
+    replay.compare_with_run(str(tmp_path), num_slices=2, max_batch=4, sd_threshold=2)
+  _write_run(str(tmp_path), "parallel")
+  with pytest.raises(ValueError, match="num_slices"):  # no summary.json to read them from
+    replay.compare_with_run(str(tmp_path))
+
+
+def test_compare_run_cli_reads_the_run_summary(tmp_path):
+  _write_run(str(tmp_path / "run"), "interleaved", summary=True)
+  r = subprocess.run([sys.executable, "-m", "experiments.replay", "--run",
+                      str(tmp_path / "run"), "--out", str(tmp_path / "out")], cwd=REPO,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads((tmp_path / "out" / "compare.json").read_text())
+  assert res["settings"] == {"num_slices": 2, "max_batch": 4, "sd_threshold": 2}
+  assert (tmp_path / "out" / "compare.png").exists()

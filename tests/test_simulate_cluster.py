@@ -1,5 +1,5 @@
 """experiments/simulate_cluster.py and the rollout cost model it evaluates
-(experiments/rollout_model.py): closed-form cases, the check against a run, the CLI."""
+(experiments/rollout_model.py): closed-form cases, inputs and errors, the CLI."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sim = load_experiment("simulate_cluster")
 model = load_experiment("rollout_model")
-vs_run = load_experiment("simulate_vs_run")
 
 
 def flat_costs(seconds=0.01, accept=1.0, sd_seconds=None, max_batch=64, prefill_s=0.0):
@@ -283,76 +282,10 @@ def test_costs_from_decode_json(tmp_path):
   assert r.returncode != 0 and "measured SD up to batch 8; use --sd-threshold 8" in r.stderr
 
 
-# ---------------------------------------------------------------- check against a run
-
-TRUE = dict(plain_fixed_s=0.02, plain_per_row_s=0.001, sd_s=0.05, prefill_s=0.03)
-
-
-def _write_run(workdir, schedule, num_slices=2, max_batch=4, threshold=2, summary=False):
-  """A synthetic run: per step random lengths, its timings simulated with TRUE costs."""
-  rng = np.random.default_rng(7)
-  grid = 2.0 ** np.arange(3)
-  metrics, rollouts = [], []
-  for step in range(1, 9):
-    g, prompts = 4, 3
-    lengths = rng.integers(1, 120, prompts * g)
-    sd_on, accept = step % 3 != 0, float(rng.uniform(1.5, 3.5))
-    costs = model.make_costs(grid, TRUE["plain_fixed_s"] + TRUE["plain_per_row_s"] * grid,
-                           TRUE["sd_s"], accept, TRUE["prefill_s"])
-    r = model.simulate_rollout(lengths, num_slices, max_batch, costs,
-                             threshold if sd_on else 0, schedule)
-    compile_s = 50.0 if step == 1 else 0.0  # compiling step: its rollout_s is inflated
-    metrics.append({"step": step, "rollout_s": r["rollout_s"] + compile_s,
-                    "idle_slice_s": float((r["rollout_s"] - r["finish_s"]).sum()),
-                    "compile_s": compile_s, "sd_enabled": sd_on,
-                    "sd_accept_len_mean": accept if sd_on else None,
-                    "response_len_mean": float(lengths.mean()),
-                    "response_len_max": int(lengths.max()), "update_s": 1.0, "step_s": 2.0,
-                    "reclaimed_slice_s": 0.0})
-    rollouts += [{"step": step, "prompt": i // g, "sample": i % g, "tokens": int(t)}
-                 for i, t in enumerate(lengths)]
-  rng.shuffle(rollouts)  # the order of lines must not matter: (prompt, sample) does
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-    f.writelines(json.dumps(m) + "\n" for m in metrics)
-  with open(os.path.join(workdir, "rollouts.jsonl"), "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rollouts)
-  if summary:
-    config = {"mesh": {"axes": {"replica": num_slices, "fsdp": 1, "tensor": 1}},
-              "rollout": {"max_batch": max_batch, "sd_threshold": threshold}}
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump({"config": config}, f)
-  return metrics
-
-
-@pytest.mark.parametrize("schedule", ["interleaved", "parallel"])
-def test_compare_with_run_recovers_a_synthetic_run(tmp_path, schedule):
-  metrics = _write_run(str(tmp_path), schedule)
-  res = vs_run.compare_with_run(str(tmp_path / "metrics.jsonl"), num_slices=2, max_batch=4,
-                             sd_threshold=2)
-  assert [s["used_in_fit"] for s in res["steps"]] == [False] + [True] * 7
-  for name, value in TRUE.items():
-    assert res["fit"][schedule][name] == pytest.approx(value, rel=1e-6, abs=1e-9)
-  for s, m in zip(res["steps"][1:], metrics[1:]):
-    assert s[f"{schedule}_idle_slice_s"] == pytest.approx(m["idle_slice_s"], rel=1e-6)
-    assert s[f"{schedule}_rollout_s"] == pytest.approx(m["rollout_s"], rel=1e-6)
-
-
-def test_compare_with_run_needs_rollouts(tmp_path):
-  _write_run(str(tmp_path), "parallel")
-  os.remove(tmp_path / "rollouts.jsonl")
-  with pytest.raises(FileNotFoundError, match="save_rollouts=True"):
-    vs_run.compare_with_run(str(tmp_path / "metrics.jsonl"), num_slices=2, max_batch=4,
-                         sd_threshold=2)
-  _write_run(str(tmp_path), "parallel")
-  with pytest.raises(ValueError, match="num_slices"):  # no summary.json to read them from
-    vs_run.compare_with_run(str(tmp_path / "metrics.jsonl"))
-
-
 # ---------------------------------------------------------------- the script
 
-def _run_script(*args, timeout=120, script="simulate_cluster"):
-  r = subprocess.run([sys.executable, "-m", f"experiments.{script}",
+def _run_script(*args, timeout=120):
+  r = subprocess.run([sys.executable, "-m", "experiments.simulate_cluster",
                       *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
   assert r.returncode == 0, r.stderr[-3000:]
   return r
@@ -371,15 +304,6 @@ def test_quick_mode_end_to_end(tmp_path):
   lines = (tmp_path / "simulation.csv").read_text().strip().splitlines()
   assert len(lines) == 3 and lines[0].startswith("devices,slices,responses")
   assert (tmp_path / "simulation.png").stat().st_size > 0
-
-
-def test_compare_run_cli_reads_the_run_summary(tmp_path):
-  _write_run(str(tmp_path / "run"), "interleaved", summary=True)
-  _run_script("--run", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
-              script="simulate_vs_run")
-  res = json.loads((tmp_path / "out" / "compare.json").read_text())
-  assert res["settings"] == {"num_slices": 2, "max_batch": 4, "sd_threshold": 2}
-  assert (tmp_path / "out" / "compare.png").exists()
 
 
 def test_cli_names_bad_input(tmp_path):
