@@ -1,29 +1,17 @@
 """Benchmark: Pallas prefix + tree attention (split-K where chosen) against the jnp reference;
 with --numerics, whether this device computes the attention right at all.
 
-Grid over batch size x prefix length x tree size (T verify tokens; default 1, 4, 16, 32 x 2k,
-8k, 16k, 32k x 1, 8, 16, 48 = 64 points at the Qwen2.5-7B head shape: 28 query / 4 KV heads,
-D = 128, bf16). Per point: the kernel and reference times (each a call's time on the device:
-one program calls it --repeat times, see `repeated`; a call timed alone from Python also pays
-its launch, about 0.1 ms on an H100, which a decode step does not), speedup_vs_reference, the
-kernel's prefix splits, and the bandwidth (prefix K and V bytes / time) as a fraction of the
-datasheet peak and of a large device-to-device copy measured once per run (what a streaming
-kernel can reach). Each output is checked against the reference run in float32 on the host's
-CPU (`check_point`), and the JSON records per point whether the kernel met each of TARGETS that
-applies there. On CPU only the reference runs (interpret mode would time the interpreter).
+Grid over batch size x prefix length x tree size (T verify tokens) at the Qwen2.5-7B head
+shape (HEADS), bf16; docs/reproducing.md lists what a point records. Times are a call's time on
+the device (`repeated`), outputs are checked on the host's CPU (`check_point`); on CPU only
+the reference runs (interpret mode would time the interpreter). The JSON is rewritten after
+every point; at the end a PNG (time and bandwidth fraction vs prefix length, one column per T)
+and, with --write-crossovers, the table the `impl="auto"` dispatcher reads (merged into PATH).
 
---numerics: the reference attention (what prefill and training run) and on GPU the kernel, on
-the default device, against the float32 reference on the host's CPU, at the shapes where on
-one H100 with jax 0.11.2 (2026-11-26) XLA's default autotuning compiled the reference wrong
-(batch 1, cache 8192, 2, 8, 9 or 12 new tokens: relative error about 1); the package's XLA
-flags (tlt_jax/xla_flags.py) made it right. It runs with those flags and, in a second process,
-with them turned off (does the installed jax still need them?), and exits 1 when the leg with
-them is wrong. --quick uses toy shapes.
-
-The JSON is rewritten after every grid point; --time-budget starts no point after the first
-once that many seconds have passed since the script started. At the end a PNG (time and
-bandwidth fraction vs prefix length, one column per T) and, with --write-crossovers, the
-kernel-vs-reference table the `impl="auto"` dispatcher reads (merged into an existing file).
+--numerics: the reference attention (what prefill and training run) and on GPU the kernel,
+against the host's float32 reference at the shapes where XLA once compiled it wrong
+(tlt_jax/xla_flags.py), with the package's XLA flags and, in a second process, without them
+(does the installed jax still need them?); exits 1 when it is wrong with them.
 
   python -m experiments.bench_tree_attention --out results/tree_attention.json \
       --time-budget 480 --write-crossovers tlt_jax/kernels/crossover.json
@@ -48,15 +36,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
 from .bench_decode import median_ms
-from .common import REPO, module_command, run_metadata, write_json
+from .common import REPO, module_command, pyplot, run_metadata, save_figure, write_json
 from tlt_jax import xla_flags
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.kernels import crossover
@@ -66,23 +50,17 @@ from tlt_jax.kernels.tree_attention_pallas import (
 
 # Peak HBM bandwidth in bytes/s by substring of `device_kind`; first match wins, so the more
 # specific names come first. Datasheet numbers (SXM parts unless named).
-PEAK_HBM_BYTES_PER_S = (
-    ("H200", 4.8e12),
-    ("H100 PCIe", 2.0e12),
-    ("H100 NVL", 3.9e12),
-    ("H100", 3.35e12),
-    ("A100-SXM4-80GB", 2.039e12),
-    ("A100", 1.555e12),
-)
+PEAK_HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12),
+                        ("H100", 3.35e12), ("A100-SXM4-80GB", 2.039e12), ("A100", 1.555e12))
 
-FULL_GRID = dict(batches=(1, 4, 16, 32),
-                 prefix_lens=(2048, 8192, 16384, 32768),
+FULL_GRID = dict(batches=(1, 4, 16, 32), prefix_lens=(2048, 8192, 16384, 32768),
                  tree_sizes=(1, 8, 16, 48))
 QUICK_GRID = dict(batches=(1, 2), prefix_lens=(1024, 2048), tree_sizes=(8, 16))
+# Qwen2.5-7B's attention: 28 query heads, 4 KV heads, head dim 128; bfloat16 K/V blocks of 64.
+HEADS, DTYPE, BLOCK_K = dict(heads=28, kv_heads=4, head_dim=128), jnp.dtype("bfloat16"), 64
+WARMUP, ITERS = 2, 10  # per point: warm-up programs, then the timed ones (--quick: 3)
 CPU_SKIP = "skipped: cpu: reference only"
-# Max relative error of the kernel against the float32 reference (see `check_point`).
-TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
-COPY_BYTES = {"gpu": 1 << 30, "cpu": 64 << 20}
+TOLERANCE = 2e-2  # max relative error of a bfloat16 output against the float32 reference
 # What the kernel should reach. `where` bounds the points a target applies to: axis -> [min,
 # max], None = unbounded; `metric` (a result field) must be >= `at_least` there.
 TARGETS = (
@@ -101,35 +79,24 @@ TARGETS = (
 )
 
 
-def peak_hbm_bytes_per_s(device: jax.Device) -> float | None:
-  if device.platform != "gpu":
-    return None
-  for name, peak in PEAK_HBM_BYTES_PER_S:
-    if name in device.device_kind:
-      return peak
-  return None
-
-
 def make_inputs(key, batch, prefix_len, t, heads, kv_heads, head_dim, dtype):
-  """The largest point's inputs, drawn once: q [B, T, H, D], k/v cache [B, KVH, S, D] full
-  (cache_lengths [B] == S), k/v new [B, T, KVH, D] and a causal (chain) draft tree [B, T, T]."""
+  """The largest point's random inputs, drawn once: q [B, T, H, D], k/v cache [B, KVH, S, D]
+  and k/v new [B, T, KVH, D] (`slice_inputs` cuts a point's from them)."""
   k = jax.random.split(key, 5)
   normal = lambda kk, shape: jax.random.normal(kk, shape, jnp.float32).astype(dtype)  # noqa: E731
   return (normal(k[0], (batch, t, heads, head_dim)),
           normal(k[1], (batch, kv_heads, prefix_len, head_dim)),
           normal(k[2], (batch, kv_heads, prefix_len, head_dim)),
-          jnp.full((batch,), prefix_len, jnp.int32),
           normal(k[3], (batch, t, kv_heads, head_dim)),
-          normal(k[4], (batch, t, kv_heads, head_dim)),
-          jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t)))
+          normal(k[4], (batch, t, kv_heads, head_dim)))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def slice_inputs(base, batch, prefix_len, t):
-  """One point's inputs cut from the largest ones (layout of `make_inputs`), in one program:
-  drawing them per point would compile a random generator per point, slicing eagerly a
-  program per slice."""
-  q, kc, vc, _, kn, vn, _ = base
+  """One point's attention arguments cut from `make_inputs`' in one program (drawing them per
+  point would compile a random generator per point, slicing eagerly a program per slice): the
+  cache full (cache_lengths [B] == S) and a causal (chain) draft tree [B, T, T]."""
+  q, kc, vc, kn, vn = base
   return (q[:batch, :t], kc[:batch, :, :prefix_len], vc[:batch, :, :prefix_len],
           jnp.full((batch,), prefix_len, jnp.int32), kn[:batch, :t], vn[:batch, :t],
           jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t)))
@@ -162,22 +129,6 @@ def copy_bytes_per_s(nbytes: int, warmup: int, iters: int) -> float:
   return 2 * nbytes / median_ms(lambda: jax.block_until_ready(add(x)), max(iters, 5), warmup) * 1e3
 
 
-def bench_point(fn, args, warmup, iters, repeat, kv_bytes, ceilings):
-  """Returns (ms per call on the device, bytes/s, {ceiling name: fraction of it or None},
-  status, output or None), timing `repeated(fn, repeat)`."""
-  program, last = repeated(fn, repeat), [None]  # the first of the warm-up calls compiles
-  try:
-    ms = median_ms(lambda: last.__setitem__(0, jax.block_until_ready(program(*args))), iters,
-                   warmup)
-    seconds, out = ms / 1e3 / repeat, last[0]
-  except Exception as e:  # e.g. the reference running out of memory at batch 32 x 32k
-    return None, None, {name: None for name in ceilings}, \
-        f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}", None
-  bw = kv_bytes / seconds
-  fractions = {name: bw / c if c else None for name, c in ceilings.items()}
-  return seconds * 1e3, bw, fractions, "ok", out
-
-
 @jax.jit
 def _reference32(*inputs):
   """The reference in float32 (run where its inputs live: on the host's CPU, see below)."""
@@ -199,6 +150,27 @@ def check_point(inputs, out, rows):
   got = np.asarray(out[jnp.asarray(rows)].astype(jnp.float32))
   err = np.max(np.abs(got - ref32)) / max(float(np.max(np.abs(ref32))), 1e-30)
   return dict(rel_err=float(err), finite=bool(jnp.all(jnp.isfinite(out))))
+
+
+def measure(impl: str, fn, inputs, rows, args, kv_bytes: int, ceilings: dict) -> dict:
+  """A result row's `impl`_* fields: ms per call on the device (timing `repeated(fn,
+  args.repeat)`), bytes/s and its fractions of the ceilings, status, and the output's check
+  (`check_point`). fn None: not run (the kernel on CPU)."""
+  ms, status, last = None, CPU_SKIP, [None]
+  if fn is not None:
+    program = repeated(fn, args.repeat)  # the first of the warm-up calls compiles
+    try:
+      ms = median_ms(lambda: last.__setitem__(0, jax.block_until_ready(program(*inputs))),
+                     args.iters, WARMUP) / args.repeat
+      status = "ok"
+    except Exception as e:  # e.g. the reference running out of memory at batch 32 x 32k
+      last[0], status = None, f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  bw = kv_bytes / ms * 1e3 if ms else None
+  check = check_point(inputs, last[0], rows)
+  return {f"{impl}_ms": ms, f"{impl}_status": status, f"{impl}_bytes_per_s": bw,
+          f"{impl}_bw_fraction": bw / ceilings["peak"] if bw and ceilings["peak"] else None,
+          f"{impl}_bw_fraction_of_copy": bw / ceilings["copy"] if bw else None,
+          f"{impl}_rel_err": check["rel_err"], f"{impl}_finite": check["finite"]}
 
 
 def target_met(target: dict, r: dict) -> bool | None:
@@ -231,59 +203,42 @@ def summarize_targets(results: list[dict]) -> dict:
   return summary
 
 
-def bench_grid_point(args, base, reference, kernel, ceilings, on_gpu, dtype, batch,
-                     prefix_len, t) -> dict:
-  """One result row: the reference (and on GPU the kernel) timed and checked at (B, S, T)."""
+def bench_grid_point(args, base, reference, kernel, ceilings, batch, prefix_len, t) -> dict:
+  """One result row: the reference (and with a kernel, on GPU, the kernel) timed and checked
+  at (B, S, T)."""
   inputs = slice_inputs(base, batch, prefix_len, t)
-  kv_bytes = 2 * batch * args.kv_heads * prefix_len * args.head_dim * dtype.itemsize
+  kv_bytes = 2 * batch * HEADS["kv_heads"] * prefix_len * HEADS["head_dim"] * DTYPE.itemsize
   rows = tuple(sorted({0, batch - 1}))
-  ref_ms, ref_bw, ref_frac, ref_status, ref_out = bench_point(
-      reference, inputs, args.warmup, args.iters, args.repeat, kv_bytes, ceilings)
-  ref_check = check_point(inputs, ref_out, rows)
-  del ref_out
-  plan = kernel_plan(inputs[0].shape, inputs[1].shape, dtype, block_k=args.block_k,
+  plan = kernel_plan(inputs[0].shape, inputs[1].shape, DTYPE, block_k=BLOCK_K,
                      k_splits=args.k_splits)
-  if on_gpu:
-    ker_ms, ker_bw, ker_frac, ker_status, ker_out = bench_point(
-        kernel, inputs, args.warmup, args.iters, args.repeat, kv_bytes, ceilings)
-    ker_check = check_point(inputs, ker_out, rows)
-    ker_correct = (ker_status == "ok" and ker_check["finite"]
-                   and ker_check["rel_err"] <= TOLERANCE[args.dtype])
-  else:
-    ker_ms, ker_bw, ker_frac, ker_status = None, None, dict.fromkeys(ceilings), CPU_SKIP
-    ker_check, ker_correct = check_point(inputs, None, rows), None
-  row = dict(
-      batch=batch, prefix_len=prefix_len, tree_size=t, kv_bytes=kv_bytes,
-      k_splits=plan["k_splits"],
-      grid_programs=(batch * args.kv_heads * plan["rows_pad"] // plan["block_rows"]
-                     * plan["k_splits"]),
-      reference_ms=ref_ms, reference_status=ref_status, reference_bytes_per_s=ref_bw,
-      reference_bw_fraction=ref_frac["peak"], reference_bw_fraction_of_copy=ref_frac["copy"],
-      reference_rel_err=ref_check["rel_err"], reference_finite=ref_check["finite"],
-      kernel_ms=ker_ms, kernel_status=ker_status, kernel_bytes_per_s=ker_bw,
-      kernel_bw_fraction=ker_frac["peak"], kernel_bw_fraction_of_copy=ker_frac["copy"],
-      kernel_rel_err=ker_check["rel_err"], kernel_finite=ker_check["finite"],
-      kernel_correct=ker_correct,
-      speedup_vs_reference=(ref_ms / ker_ms) if ref_ms and ker_ms else None)
+  row = dict(batch=batch, prefix_len=prefix_len, tree_size=t, kv_bytes=kv_bytes,
+             k_splits=plan["k_splits"],
+             grid_programs=(batch * HEADS["kv_heads"] * plan["rows_pad"] // plan["block_rows"]
+                            * plan["k_splits"]),
+             **measure("reference", reference, inputs, rows, args, kv_bytes, ceilings),
+             **measure("kernel", kernel, inputs, rows, args, kv_bytes, ceilings))
+  row["kernel_correct"] = None if kernel is None else bool(
+      row["kernel_status"] == "ok" and row["kernel_finite"]
+      and row["kernel_rel_err"] <= TOLERANCE)
+  ref_ms, ker_ms = row["reference_ms"], row["kernel_ms"]
+  row["speedup_vs_reference"] = ref_ms / ker_ms if ref_ms and ker_ms else None
   row["targets"] = {g["name"]: target_met(g, row) for g in TARGETS if applies(g, row)}
   return row
 
 
 def describe(r: dict) -> str:
   """One line of a result row for the log."""
-  kernel_col = (f"{r['kernel_ms']:.3f} ms ({r['k_splits']} splits, "
-                f"{r['kernel_bw_fraction_of_copy']:.0%} of copy bw, "
-                f"err {r['kernel_rel_err']:.1e})" if r["kernel_ms"] is not None
-                else r["kernel_status"])
-  ref_col = (f"{r['reference_ms']:.3f} ms" if r["reference_ms"] is not None
-             else r["reference_status"])
+  ref = f"{r['reference_ms']:.3f} ms" if r["reference_ms"] is not None else r["reference_status"]
+  kernel = (f"{r['kernel_ms']:.3f} ms ({r['k_splits']} splits, "
+            f"{r['kernel_bw_fraction_of_copy']:.0%} of copy bw, err {r['kernel_rel_err']:.1e})"
+            if r["kernel_ms"] is not None else r["kernel_status"])
   missed = [name for name, met in r["targets"].items() if met is False]
-  return (f"B={r['batch']:>3} S={r['prefix_len']:>6} T={r['tree_size']:>3}  "
-          f"reference {ref_col}  kernel {kernel_col}"
-          + (f"  missed: {', '.join(missed)}" if missed else ""))
+  return (f"B={r['batch']:>3} S={r['prefix_len']:>6} T={r['tree_size']:>3}  reference {ref}  "
+          f"kernel {kernel}" + (f"  missed: {', '.join(missed)}" if missed else ""))
 
 
 def plot(results, path: pathlib.Path, title: str):
+  plt = pyplot()
   tree_sizes = sorted({r["tree_size"] for r in results})
   batches = sorted({r["batch"] for r in results})
   fig, axes = plt.subplots(2, len(tree_sizes), figsize=(4.5 * len(tree_sizes), 7.5),
@@ -302,33 +257,27 @@ def plot(results, path: pathlib.Path, title: str):
           if pts:
             ax.plot(*zip(*pts), style, marker="o", ms=3, color=colors[i % len(colors)],
                     label=f"B={batch} {label}")
+      ax.set(yscale=yscale, xlabel="prefix length", ylabel=ylabel, title=f"T={t}")
       ax.set_xscale("log", base=2)
-      ax.set_yscale(yscale)
-      ax.set_xlabel("prefix length")
-      ax.set_ylabel(ylabel)
-      ax.set_title(f"T={t}")
       ax.grid(True, which="both", alpha=0.3)
   axes[0][-1].legend(fontsize=7, ncol=2)
   fig.suptitle(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path, dpi=120)
 
 
 # ---------------------------------------------------------------- --numerics
 
-# (batch, cache length, new tokens): the H100 run's wrong and right shapes (module docstring).
+# (batch, cache length, new tokens): the H100 run's wrong and right shapes (tlt_jax/xla_flags.py).
 NUMERICS_SHAPES = ([(1, 8192, t) for t in (1, 2, 4, 7, 8, 9, 12, 16, 48)]
                    + [(1, 16384, 8), (2, 8192, 8)])
-NUMERICS_QUICK = dict(shapes=[(1, 64, 2), (2, 128, 8)], heads=4, kv_heads=2, head_dim=16)
+NUMERICS_QUICK = ([(1, 64, 2), (2, 128, 8)], dict(heads=4, kv_heads=2, head_dim=16))
 
 
-def check_shapes(shapes, heads: dict, dtype=jnp.bfloat16) -> list[dict]:
+def check_shapes(shapes, heads: dict) -> list[dict]:
   """Per (B, S, T): relative errors of the device's reference and (on GPU) kernel outputs
   against the host's float32 reference, over every sequence of the batch."""
   largest = [max(s[i] for s in shapes) for i in range(3)]
-  base = make_inputs(jax.random.key(0), *largest, heads["heads"], heads["kv_heads"],
-                     heads["head_dim"], dtype)
+  base = make_inputs(jax.random.key(0), *largest, *heads.values(), DTYPE)
   reference = jax.jit(prefix_tree_attention_reference)
   on_gpu = jax.default_backend() == "gpu"
   rows = []
@@ -339,7 +288,7 @@ def check_shapes(shapes, heads: dict, dtype=jnp.bfloat16) -> list[dict]:
                reference=check_point(inputs, reference(*inputs), every),
                kernel=(check_point(inputs, prefix_tree_attention_pallas(*inputs), every)
                        if on_gpu else None))
-    row["right"] = all(c is None or (c["finite"] and c["rel_err"] <= TOLERANCE["bfloat16"])
+    row["right"] = all(c is None or (c["finite"] and c["rel_err"] <= TOLERANCE)
                        for c in (row["reference"], row["kernel"]))
     rows.append(row)
     print(f"B={batch} S={prefix_len:>6} T={t:>2}  reference err {row['reference']['rel_err']:.1e}"
@@ -357,10 +306,7 @@ def flags_off() -> str:
 
 def numerics(args) -> None:
   """--numerics: both legs (the second in a child process with the flags off), one JSON."""
-  heads = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
-  shapes = NUMERICS_SHAPES
-  if args.quick:
-    shapes, heads = NUMERICS_QUICK["shapes"], {k: NUMERICS_QUICK[k] for k in heads}
+  shapes, heads = NUMERICS_QUICK if args.quick else (NUMERICS_SHAPES, HEADS)
   print(f"--- {args.leg}: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   rows = check_shapes(shapes, heads)
   args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -374,8 +320,7 @@ def numerics(args) -> None:
   done = subprocess.run(argv_child, env=env, cwd=REPO, timeout=600)
   off_rows = json.loads(child_out.read_text()) if done.returncode == 0 else None
   child_out.unlink(missing_ok=True)
-  doc = dict(run_metadata(jax.devices()[0]), heads=heads, dtype="bfloat16",
-             tolerance=TOLERANCE["bfloat16"],
+  doc = dict(run_metadata(jax.devices()[0]), heads=heads, dtype=DTYPE.name, tolerance=TOLERANCE,
              legs=dict(flags=dict(xla_flags=os.environ.get("XLA_FLAGS", ""), rows=rows),
                        flags_off=dict(xla_flags=env["XLA_FLAGS"], rows=off_rows,
                                       returncode=done.returncode)))
@@ -400,55 +345,41 @@ def main(argv=None):
   parser.add_argument("--batches", type=int, nargs="+")
   parser.add_argument("--prefix-lens", type=int, nargs="+")
   parser.add_argument("--tree-sizes", type=int, nargs="+")
-  # Default head layout: Qwen2.5-7B (28 query heads, 4 KV heads, head dim 128).
-  parser.add_argument("--heads", type=int, default=28)
-  parser.add_argument("--kv-heads", type=int, default=4)
-  parser.add_argument("--head-dim", type=int, default=128)
-  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-  parser.add_argument("--block-k", type=int, default=64)
   parser.add_argument("--k-splits", type=int, default=None,
                       help="force this many prefix splits (default: the kernel's split rule)")
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--repeat", type=int, default=20,
                       help="calls per timed program (see `repeated`); a point's time is the "
-                           "median over --iters programs / repeat")
+                           "median over ITERS programs / repeat")
   parser.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
                       help="start no grid point after the first once this many seconds have "
                            "passed since the script started (0 = no limit)")
   parser.add_argument("--write-crossovers", type=pathlib.Path, default=None, metavar="PATH",
                       help="merge this run's kernel-vs-reference table into PATH (GPU runs)")
   args = parser.parse_args(argv)
-  if args.time_budget < 0:
-    parser.error(f"--time-budget must be >= 0 seconds, got {args.time_budget}")
-  for name in ("iters", "repeat"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  if args.time_budget < 0 or args.repeat < 1:
+    parser.error(f"--time-budget must be >= 0 and --repeat >= 1, got {args.time_budget} and "
+                 f"{args.repeat}")
   if args.numerics:
     return numerics(args)
   enable_compilation_cache()
 
-  grid = dict(QUICK_GRID if args.quick else FULL_GRID)
-  for name in ("batches", "prefix_lens", "tree_sizes"):
-    if getattr(args, name):
-      grid[name] = tuple(getattr(args, name))
-  if args.quick:
-    args.iters, args.repeat = min(args.iters, 3), min(args.repeat, 2)
+  grid = {name: tuple(getattr(args, name) or default)
+          for name, default in (QUICK_GRID if args.quick else FULL_GRID).items()}
+  args.iters = 3 if args.quick else ITERS
+  args.repeat = min(args.repeat, 2) if args.quick else args.repeat
 
   device = jax.devices()[0]
   on_gpu = jax.default_backend() == "gpu"
-  copy_bytes = COPY_BYTES["gpu" if on_gpu else "cpu"]
-  ceilings = dict(peak=peak_hbm_bytes_per_s(device),
-                  copy=copy_bytes_per_s(copy_bytes, args.warmup, args.iters))
-  dtype = jnp.dtype(args.dtype)
+  copy_bytes = (1 << 30) if on_gpu else (64 << 20)  # a copy long enough to reach the peak
+  peak = next((p for name, p in PEAK_HBM_BYTES_PER_S if name in device.device_kind), None)
+  ceilings = dict(peak=peak if on_gpu else None,
+                  copy=copy_bytes_per_s(copy_bytes, WARMUP, args.iters))
   reference = jax.jit(prefix_tree_attention_reference)
-  kernel = jax.jit(functools.partial(prefix_tree_attention_pallas, block_k=args.block_k,
-                                     k_splits=args.k_splits))
+  kernel = jax.jit(functools.partial(prefix_tree_attention_pallas, block_k=BLOCK_K,
+                                     k_splits=args.k_splits)) if on_gpu else None
 
-  config = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                dtype=args.dtype, block_k=args.block_k, k_splits=args.k_splits or "auto",
-                warmup=args.warmup, iters=args.iters, tolerance=TOLERANCE[args.dtype],
-                repeat=args.repeat,
+  config = dict(**HEADS, dtype=DTYPE.name, block_k=BLOCK_K, k_splits=args.k_splits or "auto",
+                warmup=WARMUP, iters=args.iters, tolerance=TOLERANCE, repeat=args.repeat,
                 timing="median over iters of the wall time of one program calling it repeat "
                        "times (block_until_ready included), / repeat",
                 error="max |out - ref32| / max |ref32| over the first and last sequence",
@@ -470,7 +401,7 @@ def main(argv=None):
   save()  # the device and copy bandwidth, before any point
   base = jax.jit(make_inputs, static_argnums=(1, 2, 3, 4, 5, 6, 7))(
       jax.random.key(0), max(grid["batches"]), max(grid["prefix_lens"]),
-      max(grid["tree_sizes"]), args.heads, args.kv_heads, args.head_dim, dtype)
+      max(grid["tree_sizes"]), *HEADS.values(), DTYPE)
   points = list(itertools.product(grid["batches"], grid["prefix_lens"], grid["tree_sizes"]))
   progress = tqdm(points, desc="tree attention")
   for i, (batch, prefix_len, t) in enumerate(progress):
@@ -479,36 +410,34 @@ def main(argv=None):
       tqdm.write(f"time budget of {args.time_budget:.0f} s spent: {len(points) - i} of "
                  f"{len(points)} points skipped")
       break
-    row = bench_grid_point(args, base, reference, kernel, ceilings, on_gpu, dtype, batch,
-                           prefix_len, t)
-    results.append(row)
+    results.append(bench_grid_point(args, base, reference, kernel, ceilings, batch,
+                                    prefix_len, t))
     save()
-    tqdm.write(describe(row))
+    tqdm.write(describe(results[-1]))
   progress.close()
   save()
 
   png = args.out.with_suffix(".png")
-  plot(results, png, f"prefix + tree attention, {device.device_kind}, {args.dtype}, "
-                     f"H={args.heads} KVH={args.kv_heads} D={args.head_dim}")
+  plot(results, png, f"prefix + tree attention, {device.device_kind}, {DTYPE.name}, "
+                     "H={heads} KVH={kv_heads} D={head_dim}".format(**HEADS))
   print(f"copy bandwidth {ceilings['copy'] / 1e9:.0f} GB/s; wrote {args.out} and {png}")
   for name, s in report["target_summary"].items():
     print(f"target {name}: met at {s['met']} of {s['measured']} measured points "
           f"({s['points']} in the grid)")
   if any(r["kernel_correct"] is False for r in results):
     print("WARNING: kernel output failed the correctness check at some points (kernel_correct)")
-
   if args.write_crossovers:
     table = crossover.table_from_results(
-        results, device.device_kind, args.dtype,
+        results, device.device_kind, config["dtype"],
         source=dict(config, jax_version=jax.__version__, benchmark=args.out.name))
+    path = args.write_crossovers
     if not table["entries"]:
-      print(f"no kernel measurements on {device.platform}: {args.write_crossovers} not written")
-    else:
-      path = args.write_crossovers
-      doc = json.loads(path.read_text()) if path.exists() else None
-      path.parent.mkdir(parents=True, exist_ok=True)
-      write_json(path, crossover.merge_tables(doc, table))
-      print(f"wrote crossover table for {device.device_kind} {args.dtype} to {path}")
+      print(f"no kernel measurements on {device.platform}: {path} not written")
+      return
+    doc = json.loads(path.read_text()) if path.exists() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, crossover.merge_tables(doc, table))
+    print(f"wrote crossover table for {device.device_kind} {config['dtype']} to {path}")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
-import time
 
+from .bench_decode import median_ms
 from .common import pyplot, run_metadata, save_figure, write_json
 
 DECODE_TARGET = 1.5  # invariant decode step / fast decode step, at most
@@ -30,18 +29,6 @@ SIZES = (("--shape", str, "smollm2-135m", "small", "a name of tlt_jax.models.sha
          ("--tree", int, 16, 16, "verify nodes"),
          ("--train-len", int, 256, 64, "tokens per update row"),
          ("--repeats", int, 5, 2, "timed calls"))
-
-
-def timed(fn, *args, repeats: int) -> float:
-  """Median seconds of fn(*args) over `repeats` calls after one warm-up (compile) call."""
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def measure(cfg, args) -> dict:
@@ -57,6 +44,10 @@ def measure(cfg, args) -> dict:
   capacity = args.context + args.tree + 8
   out = {}
 
+  def timed(fn, *inputs) -> float:
+    """Median seconds of fn(*inputs) over --repeats calls after one warm-up (compile) call."""
+    return median_ms(lambda: jax.block_until_ready(fn(*inputs)), args.repeats, warmup=1) / 1e3
+
   def cache_for(rows):
     cache = init_cache(cfg, rows, capacity)
     prompt = jnp.asarray(rng.integers(1, cfg.vocab_size, (rows, args.context)), jnp.int32)
@@ -68,18 +59,18 @@ def measure(cfg, args) -> dict:
   for rows in args.batches:
     cache = cache_for(rows)
     tokens = jnp.ones((rows,), jnp.int32)
-    out[f"decode_{rows}"] = timed(step, params, tokens, cache, repeats=args.repeats)
+    out[f"decode_{rows}"] = timed(step, params, tokens, cache)
   cache = cache_for(8)
   parents = np.tile(np.arange(-1, args.tree - 1), (8, 1)).astype(np.int32)
   mask = ancestor_mask(jnp.asarray(parents))
   tree = jnp.ones((8, args.tree), jnp.int32)
   verify = jax.jit(lambda p, t, c: decoder.verify(p, t, tree_depths(mask), mask, c, cfg)[0])
-  out[f"verify_8x{args.tree}"] = timed(verify, params, tree, cache, repeats=args.repeats)
+  out[f"verify_8x{args.tree}"] = timed(verify, params, tree, cache)
   seqs = jnp.asarray(rng.integers(1, cfg.vocab_size, (4, args.train_len + 1)), jnp.int32)
   loss_mask = jnp.ones((4, args.train_len), bool)
   grad = jax.jit(jax.grad(lambda p: token_log_probs(
       p, seqs[:, :-1], seqs[:, 1:], loss_mask, cfg.replace(scan_layers=True))[0].sum()))
-  out[f"update_4x{args.train_len}"] = timed(grad, params, repeats=args.repeats)
+  out[f"update_4x{args.train_len}"] = timed(grad, params)
   return out
 
 
@@ -131,8 +122,7 @@ def main(argv=None) -> dict:
   args.out.mkdir(parents=True, exist_ok=True)
   write_json(args.out / "numerics_cost.json", result)
   plot(result, args.out / "numerics_cost.png")
-  for k, r in ratio.items():
-    print(f"{k}: invariant / fast = {r:.2f}")
+  print("invariant / fast: " + ", ".join(f"{k} {r:.2f}" for k, r in ratio.items()))
   print(f"wrote {args.out / 'numerics_cost.json'} and numerics_cost.png")
   return result
 

@@ -9,8 +9,7 @@ Each experiment runs as its own process (a fresh JAX runtime, its own device set
 into OUT/<name>/, a stage of the campaign runner (experiments/stages.py; its log in
 OUT/logs/<name>.log). A failing experiment does not stop the others: OUT/reproduce.json
 records each one's command, exit status, seconds and files, and the exit status is non-zero
-if any failed. An experiment whose extra package is missing (vs_hf needs torch) is skipped and
-recorded as such. The cluster projection uses the simulator's illustrative 7B cost model; the
+if any failed. The cluster projection uses the simulator's illustrative 7B cost model; the
 simulator is also checked against the baseline RL run (simulate_vs_run) when rl_runs ran first.
 """
 
@@ -26,9 +25,6 @@ POLICY = "assets/tiny-policy"
 # The rollout benchmark's setting (docs/results/rollout): one slice of up to 64 rows, and below,
 # 96 held-out prompts with one greedy sample each; the config's (shipped) drafter.
 ROLLOUT_SETS = ["rollout.max_batch=64", "mesh.num_cpu_devices=1", "mesh.axes.replica=1"]
-# Experiments that need a package `pip install -e .` does not install: skipped, not failed,
-# when it is missing.
-REQUIRES = {"vs_hf": "torch"}
 
 
 def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
@@ -49,15 +45,11 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
                   "--samples", "1", "--temperature", "0", *(q or ["--prompts", "96"]),
                   "--sweep-iterations-per-call", *([1, 32] if quick else [1, 4, 16, 32, 128]),
                   "--out", str(out / "rollout" / "rollout.json")],
-      # 6: the compiled-executable pool.
-      "executable_pool": ["executable_pool", "--out", str(out / "executable_pool"), *q],
       # 7: cluster-scale projection (8 to 1024 devices), and the simulator against a measured
       # run: its lengths replayed with costs fitted to it, simulated vs measured idle time.
       "simulate_cluster": ["simulate_cluster", "--out", str(out / "simulate_cluster"), *q],
       "simulate_vs_run": ["replay", "--out", str(out / "simulate_vs_run"),
                           "--run", str(baseline_run)],
-      # Against transformers on the same checkpoint.
-      "vs_hf": ["bench_vs", "--against", "hf", "--out", str(out / "vs_hf" / "vs_hf.json"), *q],
       # The drafter trained with unrolled draft steps (training-time test), per strategy.
       "drafter_ttt": ["drafter_ttt", "--out", str(out / "drafter_ttt" / "drafter_ttt.json"),
                       *q],
@@ -88,7 +80,7 @@ def main():
       print(f"[{i}/{len(commands)}] {name}: {' '.join(cmd[1:])}")
     return
   stages = run_stages(args.out, commands, names, args.quick, record_name="reproduce.json",
-                      resume=False, keep_going=True, requires=REQUIRES)
+                      resume=False, keep_going=True)
   failed = [n for n, r in stages.items() if r["returncode"]]
   print(f"wrote {args.out / 'reproduce.json'}" + (f"; failed: {failed}" if failed else ""))
   sys.exit(1 if failed else 0)

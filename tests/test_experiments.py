@@ -66,10 +66,10 @@ def test_bench_tree_attention_checks_outputs_against_a_host_reference():
   inputs = bench.slice_inputs(base, 2, 64, 4)
   right = jax.jit(prefix_tree_attention_reference)(*inputs)
   good = bench.check_point(inputs, right, (0, 1))
-  assert good["finite"] and good["rel_err"] < bench.TOLERANCE["bfloat16"]
+  assert good["finite"] and good["rel_err"] < bench.TOLERANCE
   wrong = right.at[1, 2].multiply(-1)  # one query of the last sequence
   assert bench.check_point(inputs, wrong, (0, 1))["rel_err"] > 0.5
-  assert bench.check_point(inputs, wrong, (0,))["rel_err"] < bench.TOLERANCE["bfloat16"]
+  assert bench.check_point(inputs, wrong, (0,))["rel_err"] < bench.TOLERANCE
   assert bench.check_point(inputs, right.at[0, 0, 0, 0].set(jnp.nan), (1,))["finite"] is False
 
 
@@ -266,20 +266,6 @@ def test_tuner_comparison_ranks_by_tail_time():
 
 
 @pytest.mark.slow
-def test_bench_vs_hf_quick(tmp_path):
-  out = tmp_path / "vs_hf.json"
-  _run_script("bench_vs", "--quick", "--against", "hf", "--out", str(out))
-  data = json.loads(out.read_text())
-  assert out.with_suffix(".png").exists()
-  assert set(data["greedy"]) == {"1", "4"}
-  for row in list(data["greedy"].values()) + [data["speculative"]["1"]]:
-    assert row["tlt_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
-    assert row["ratio"] == pytest.approx(row["tlt_tokens_per_s"] / row["hf_tokens_per_s"])
-    # The same checkpoint, greedy, in fp32: the two libraries agree token for token here.
-    assert row["identical_outputs"] == row["prompts"]
-
-
-@pytest.mark.slow
 def test_bench_vs_revision_quick(tmp_path):
   """The committed tree against itself, extracted by git archive: the same greedy tokens."""
   out = tmp_path / "vs_rev.json"
@@ -294,6 +280,9 @@ def test_bench_vs_revision_quick(tmp_path):
                       "--against", "no-such-revision", "--out", str(out)], cwd=REPO,
                      capture_output=True, text=True)
   assert r.returncode != 0 and "not a revision" in r.stderr
+  r = subprocess.run([*_module("bench_vs"), "--against", "hf", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True)
+  assert r.returncode != 0 and "profile_decode --peer" in r.stderr
 
 
 def _check_rl_runs(out, responses_per_step, compile_ahead):
@@ -411,26 +400,12 @@ def test_grpo_settings_names_a_bad_setting(tmp_path):
   assert not (tmp_path / "grpo_settings.json").exists()
 
 
-@pytest.mark.slow
-def test_executable_pool_quick(tmp_path):
-  _run_script("executable_pool", "--quick", "--out", str(tmp_path))
-  data = json.loads((tmp_path / "executable_pool.json").read_text())
-  assert (tmp_path / "executable_pool.png").exists()
-  bucketed, every = data["sets"]["bucketed"], data["sets"]["every_batch_size"]
-  # max_batch 4, SD threshold 2, one strategy: plain at 1, 2, 4 and SD at 1, 2 (bucketed);
-  # plain at 1..4 and SD at 1, 2 (every batch size).
-  assert (bucketed["plain"], bucketed["sd"]) == (3, 2)
-  assert (every["plain"], every["sd"]) == (4, 2)
-  assert data["ratio_executables"] == pytest.approx(6 / 5)
-  assert bucketed["compile_s"] > 0 and every["memory_bytes"] > bucketed["memory_bytes"] > 0
-
-
 def test_reproduce_lists_every_experiment_and_rejects_unknown_names(tmp_path):
   r = _run_script("reproduce", "--all", "--dry-run", "--out", str(tmp_path))
   names = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines()
            if line.startswith("[")]
-  assert names == ["length_histogram", "rl_runs", "grpo_settings", "rollout", "executable_pool",
-                   "simulate_cluster", "simulate_vs_run", "vs_hf", "drafter_ttt"]
+  assert names == ["length_histogram", "rl_runs", "grpo_settings", "rollout",
+                   "simulate_cluster", "simulate_vs_run", "drafter_ttt"]
   for name in names:  # every module it would run (`-m experiments.<module>`) exists
     module = next(line for line in r.stdout.splitlines() if f"] {name}:" in line).split()[3]
     assert os.path.isfile(os.path.join(REPO, *module.split(".")) + ".py"), module
