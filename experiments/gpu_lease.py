@@ -2,24 +2,17 @@
 wheels the device's image lacks), staged through the device's /tmp over as many calls as it
 takes, and a rehearsal of those calls under the device's rules on this machine.
 
-The device's rules (../shared/GPU.md; seen on an H200, 2026-12-04):
-  - a call carries the working tree (tracked files, untracked ones git does not ignore) and
-    the ignored paths it names, CALL_LIMIT (64 MiB) in all;
-  - a carried path that the next call does not name again is removed there;
-  - what a command writes under /tmp survives to the next call while the machine is warm
-    (a call must start within 30 s of the last one's end);
-  - at most MAX_FILES (8) files of at most FILE_LIMIT (16 MiB) come back from $OUT, none
-    deeper than $OUT/a/b/file.
-So `stage` cuts the payload into parts, one folder per call (`<stage>/call<k>`, each with the
-manifest of every part: its call and sha256), and call k copies its folder into
-$TLT_LEASE_TMP/tlt_lease (default /tmp/tlt_lease) and verifies every part of calls 1..k there;
+The device's rules (../shared/GPU.md; seen on an H200, 2026-12-04): a call carries the working
+tree and the ignored paths it names, CALL_LIMIT in all; a carried path that the next call does
+not name again is removed there; what a command writes under /tmp survives while the machine is
+warm (the next call within 30 s); at most MAX_FILES files of FILE_LIMIT come back from $OUT,
+none deeper than $OUT/a/b/file. So `stage` cuts the payload into one folder per call
+(<stage>/call<k>, each with the manifest of every part: its call and sha256); call k copies its
+folder into $TLT_LEASE_TMP/tlt_lease (default /tmp) and verifies the parts of calls 1..k there;
 the last call also runs the job, which reads its inputs from there (`join`). Call 1 installs
 the wheels into $TLT_LEASE_TMP/site, where the later calls find them.
 
   python -m experiments.gpu_lease check --parts /tmp/tlt_lease --call 2     (on the device)
-
-`experiments/gpu_headline.py stage` stages the headline's payload and prints its calls;
-`Rehearsal` plays a plan's calls here under the rules above (tests, the quick run).
 """
 
 from __future__ import annotations
@@ -36,6 +29,9 @@ import subprocess
 import sys
 import time
 
+# This module runs first on the device, before the wheels it brings are installed: it imports
+# nothing beyond the standard library (not even the project's JSON helpers).
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 CALL_LIMIT = 64 * MiB
@@ -46,10 +42,6 @@ MANIFEST_ROOM = 64 * 1024
 STAGE_DIR = "tlt_lease"  # under $TLT_LEASE_TMP (default /tmp) on the device
 # On the device: where staged parts and installed wheels live between calls.
 DEVICE_TMP = "${TLT_LEASE_TMP:-/tmp}"
-# Seconds a call costs besides its command (GPU.md: transfers both ways, the dispatch), and a
-# machine's start: for the lease's device-time estimate.
-CALL_OVERHEAD_S = 15.0
-MACHINE_START_S = 90.0
 
 
 class LeaseError(Exception):
@@ -60,10 +52,6 @@ class RuleBroken(LeaseError):
   """A plan did something the device does not allow."""
 
 
-# This module runs first on the device, before the wheels it brings are installed: it imports
-# nothing beyond the standard library (not even the project's JSON helpers).
-
-
 def sha256(path: pathlib.Path) -> str:
   h = hashlib.sha256()
   with open(path, "rb") as f:
@@ -72,48 +60,34 @@ def sha256(path: pathlib.Path) -> str:
   return h.hexdigest()
 
 
-def write_json(path: pathlib.Path, obj) -> None:
-  tmp = path.with_name(f".{path.name}.tmp")
-  tmp.write_text(json.dumps(obj, indent=2))
-  os.replace(tmp, path)
-
-
-def tree_files(repo: pathlib.Path = REPO) -> list[str]:
+def tree_files() -> list[str]:
   """What a device call sends besides its carried paths: the files git tracks and the
   untracked ones it does not ignore (paths relative to the repository)."""
   out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                       cwd=repo, capture_output=True, check=True).stdout
-  return [name for name in out.decode().split("\0") if name and (repo / name).is_file()]
+                       cwd=REPO, capture_output=True, check=True).stdout
+  return [name for name in out.decode().split("\0") if name and (REPO / name).is_file()]
 
 
-def tree_bytes(repo: pathlib.Path = REPO) -> int:
-  return sum((repo / name).stat().st_size for name in tree_files(repo))
-
-
-def compressed(path: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
-  """`path` xz-compressed, kept in `cache` by its sha256 (compressing takes a minute)."""
-  out = cache / f"{sha256(path)[:16]}.{path.name}.xz"
-  if not out.is_file():
-    cache.mkdir(parents=True, exist_ok=True)
-    print(f"compressing {path.name} ({path.stat().st_size / MiB:.1f} MiB) with xz ...",
-          flush=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    with open(path, "rb") as src, lzma.open(tmp, "wb", preset=6) as dst:
-      shutil.copyfileobj(src, dst, 1 << 22)
-    os.replace(tmp, out)
-  return out
+def compress(path: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+  """`path` xz-compressed into `dest` (written beside it and renamed in)."""
+  print(f"compressing {path.name} ({path.stat().st_size / MiB:.1f} MiB) with xz ...", flush=True)
+  tmp = dest.with_name(f".{dest.name}.tmp")
+  with open(path, "rb") as src, lzma.open(tmp, "wb", preset=6) as dst:
+    shutil.copyfileobj(src, dst, 1 << 22)
+  os.replace(tmp, dest)
+  return dest
 
 
 def download_wheels(dest: pathlib.Path, requirements) -> list[pathlib.Path]:
   """The wheels of `requirements` for the device image's Python (3.12, x86-64), without
   their dependencies (the image has them)."""
   dest.mkdir(parents=True, exist_ok=True)
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--python-version", "3.12", "--implementation", "cp", "--platform",
-         "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-         "--disable-pip-version-check", "--retries", "2", "--timeout", "30", "-d", str(dest),
-         *requirements]
-  proc = subprocess.run(cmd, capture_output=True, text=True)
+  proc = subprocess.run(
+      [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+       "--python-version", "3.12", "--implementation", "cp", "--platform",
+       "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+       "--disable-pip-version-check", "--retries", "2", "--timeout", "30", "-d", str(dest),
+       *requirements], capture_output=True, text=True)
   if proc.returncode:
     errors = [line for line in (proc.stderr + proc.stdout).splitlines()
               if line.startswith("ERROR")] or [f"exit status {proc.returncode}"]
@@ -125,69 +99,52 @@ def download_wheels(dest: pathlib.Path, requirements) -> list[pathlib.Path]:
 # ---------------------------------------------------------------- stage (here)
 
 
-def _owned(out: pathlib.Path) -> None:
-  """Refuses a stage folder that holds anything `stage` did not write (it replaces its own
-  call folders and nothing else)."""
-  if not out.exists():
-    return
-  if not out.is_dir():
-    raise LeaseError(f"{out} is a file; give a folder for the staged calls")
-  foreign = [p.name for p in out.iterdir()
-             if not (p.is_dir() and p.name.startswith("call")) and p.name != "plan.json"]
-  if foreign:
-    raise LeaseError(f"{out} holds {sorted(foreign)[:3]}, which staging did not write; give "
-                     f"an empty or new folder")
-
-
-def stage(out: pathlib.Path, files: dict[str, pathlib.Path], wheels=(),
-          tree: int | None = None, limit: int = CALL_LIMIT, min_calls: int = 1) -> dict:
-  """Cuts `files` (name -> file; each sent as it is) into parts over as few calls as fit,
-  call 1 also carrying `wheels`: OUT/call<k>/ with the parts and manifest.json. Returns the
-  manifest (`calls`: how many; `payload_bytes`: what each call carries with the tree).
-  min_calls: cut into at least this many (the quick run's rehearsal of several calls)."""
-  _owned(out)
-  tree = tree_bytes() if tree is None else tree
+def stage(out: pathlib.Path, name: str, path: pathlib.Path, wheels=(), tree: int | None = None,
+          min_calls: int = 1) -> dict:
+  """Cuts the file at `path` (sent as it is, as `name`) into one part per call over as few
+  calls as fit (at least min_calls), call 1 also carrying `wheels`: OUT/call<k>/ with its
+  part and manifest.json. OUT may hold only what staging wrote (call folders, plan.json).
+  Returns the manifest (`calls`: how many; `payload_bytes`: what each call carries with the
+  working tree, of `tree` bytes, default this one's)."""
+  foreign = sorted(p.name for p in out.iterdir() if p.name != "plan.json" and not (
+      p.is_dir() and p.name.startswith("call"))) if out.is_dir() else []
+  if out.exists() and (foreign or not out.is_dir()):
+    raise LeaseError(f"{out} holds {foreign[:3]}, which staging did not write; give an empty "
+                     f"or new folder" if foreign else f"{out} is a file; give a folder")
+  tree = sum((REPO / f).stat().st_size for f in tree_files()) if tree is None else tree
   wheel_bytes = sum(pathlib.Path(w).stat().st_size for w in wheels)
-  room = limit - MARGIN - MANIFEST_ROOM - tree
+  room = CALL_LIMIT - MARGIN - MANIFEST_ROOM - tree
   if room - wheel_bytes <= 0:
     raise LeaseError(f"the working tree ({tree / MiB:.1f} MiB) leaves no room in a call of "
-                     f"{limit / MiB:.0f} MiB; make it smaller (git ls-files -co "
+                     f"{CALL_LIMIT / MiB:.0f} MiB; make it smaller (git ls-files -co "
                      f"--exclude-standard lists it)")
-  total = sum(p.stat().st_size for p in files.values())
-  calls = max(min_calls, 1 + max(0, -(-(total - (room - wheel_bytes)) // room)))
+  size = path.stat().st_size
+  calls = max(min_calls, 1 + max(0, -(-(size - (room - wheel_bytes)) // room)))
   # Even shares, call 1's smaller by the wheels: each call keeps the same room for what the
   # tree gains before the lease.
-  share = -(-(total + wheel_bytes) // calls)
-  budget = [share - wheel_bytes] + [share] * (calls - 1)
-  for c in range(1, calls + 1):
-    shutil.rmtree(out / f"call{c}", ignore_errors=True)
-    (out / f"call{c}").mkdir(parents=True)
-  parts, c, left = [], 0, budget[0]
-  for name, path in files.items():
-    with open(path, "rb") as src:
-      index = 0
-      while block := src.read(left if c + 1 < calls else path.stat().st_size + 1):
-        index += 1
-        part = out / f"call{c + 1}" / f"{name}.part{index}"
-        part.write_bytes(block)
-        parts.append({"name": name, "file": f"call{c + 1}/{part.name}", "bytes": len(block),
-                      "sha256": sha256(part), "call": c + 1})
-        left -= len(block)
-        if left <= 0 and c + 1 < calls:
-          c += 1
-          left = budget[c]
+  share = -(-(size + wheel_bytes) // calls)
+  parts = []
+  with open(path, "rb") as src:
+    for k in range(1, calls + 1):
+      shutil.rmtree(out / f"call{k}", ignore_errors=True)
+      (out / f"call{k}").mkdir(parents=True)
+      part = out / f"call{k}" / f"{name}.part{k}"
+      part.write_bytes(src.read(max(share - wheel_bytes * (k == 1), 0) if k < calls else -1))
+      parts.append({"file": f"call{k}/{part.name}", "bytes": part.stat().st_size,
+                    "sha256": sha256(part), "call": k})
   copied = []
   for w in wheels:
     dest = out / "call1" / "wheels" / pathlib.Path(w).name
     dest.parent.mkdir(exist_ok=True)
     shutil.copyfile(w, dest)
     copied.append({"file": f"call1/wheels/{dest.name}", "sha256": sha256(dest), "call": 1})
-  manifest = {"files": {name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
-                        for name, p in files.items()},
-              "parts": parts, "wheels": copied, "calls": calls, "working_tree_bytes": tree,
+  manifest = {"name": name, "bytes": size, "sha256": sha256(path), "parts": parts,
+              "wheels": copied, "calls": calls, "working_tree_bytes": tree,
               "staged": datetime.datetime.now().isoformat(timespec="seconds")}
   for k in range(1, calls + 1):
-    write_json(out / f"call{k}" / "manifest.json", manifest)
+    tmp = out / f"call{k}" / ".manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / f"call{k}" / "manifest.json")
   manifest["payload_bytes"] = [tree + sum(f.stat().st_size for f in (out / f"call{k}").rglob("*")
                                           if f.is_file()) for k in range(1, calls + 1)]
   return manifest
@@ -197,12 +154,11 @@ def commands(stage_rel: str, calls: int, final: str, wheels: bool = True) -> lis
   """Each call's command: copy its folder into the device's staging folder, verify every
   part that has arrived there so far, and (the last call) run `final` with the parts'
   folder in $PARTS; call 1 installs the wheels."""
-  parts = f"{DEVICE_TMP}/{STAGE_DIR}"
   site = f"{DEVICE_TMP}/site"
   out = []
   for k in range(1, calls + 1):
-    cmd = (f"set -o pipefail; export PYTHONUNBUFFERED=1 PARTS={parts}; mkdir -p $PARTS && "
-           f"cp -r {stage_rel}/call{k} $PARTS/ && ")
+    cmd = (f"set -o pipefail; export PYTHONUNBUFFERED=1 PARTS={DEVICE_TMP}/{STAGE_DIR}; "
+           f"mkdir -p $PARTS && cp -r {stage_rel}/call{k} $PARTS/ && ")
     if wheels and k == 1:
       cmd += (f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
               f"--target {site} $PARTS/call1/wheels/*.whl && ")
@@ -248,39 +204,27 @@ def verify(parts: pathlib.Path, upto: int | None = None) -> dict:
   return manifest
 
 
-def join(parts: pathlib.Path, manifest: dict, name: str, dest: pathlib.Path) -> pathlib.Path:
-  """File `name` made again from its verified parts in dest (checked against its sha256;
-  a '.xz' name is decompressed into the name without it)."""
+def join(parts: pathlib.Path, manifest: dict, dest: pathlib.Path) -> pathlib.Path:
+  """The staged file made again from its verified parts in dest (checked against its
+  sha256; a '.xz' name is decompressed into the name without it)."""
   dest.mkdir(parents=True, exist_ok=True)
-  xz = name.endswith(".xz")
-  path = dest / (name[:-3] if xz else name)
-  pieces = sorted((p for p in manifest["parts"] if p["name"] == name),
-                  key=lambda p: (p["call"], p["file"]))
+  name = manifest["name"]
+  path = dest / name.removesuffix(".xz")
   tmp = path.with_name(f".{path.name}.tmp")
   sent = hashlib.sha256()  # of the file as staged (compressed or not)
+  decompressor = lzma.LZMADecompressor() if name.endswith(".xz") else None
   with open(tmp, "wb") as out:
-    decompressor = lzma.LZMADecompressor() if xz else None
-    for piece in pieces:
+    for piece in sorted(manifest["parts"], key=lambda p: p["call"]):
       with open(parts / piece["file"], "rb") as src:
         for block in iter(lambda: src.read(1 << 22), b""):
           sent.update(block)
-          out.write(decompressor.decompress(block) if xz else block)
-  if sent.hexdigest() != manifest["files"][name]["sha256"]:
+          out.write(decompressor.decompress(block) if decompressor else block)
+  if sent.hexdigest() != manifest["sha256"]:
     tmp.unlink()
     raise LeaseError(f"the joined {name} differs from the staged one (sha256): stage again "
                      f"here and repeat every call")
   os.replace(tmp, path)
   return path
-
-
-def check(parts: pathlib.Path, call: int) -> dict:
-  """Device call `call`: its parts and every earlier call's have arrived."""
-  manifest = verify(parts, call)
-  arrived = [p["file"] for p in manifest["parts"] if p["call"] <= call]
-  print(f"check: {len(arrived)} parts of calls 1..{call} of {manifest['calls']} verified in "
-        f"{parts}" + ("" if call == manifest["calls"] else
-                      f"; now call {call + 1}, within 30 s of this one's end"), flush=True)
-  return manifest
 
 
 # ---------------------------------------------------------------- the rules, played here
@@ -292,12 +236,12 @@ class Rehearsal:
   of its own that lasts from call to call ($TLT_LEASE_TMP), and an $OUT whose files must fit
   what comes back. RuleBroken when a call carries too much or leaves too much in $OUT."""
 
-  def __init__(self, root: pathlib.Path, repo: pathlib.Path = REPO, limit: int = CALL_LIMIT):
-    self.root, self.repo, self.limit = root, repo, limit
+  def __init__(self, root: pathlib.Path, limit: int = CALL_LIMIT):
+    self.root, self.limit = root, limit
     self.tmp = root / "device_tmp"
     self.tmp.mkdir(parents=True, exist_ok=True)
     self.calls = 0
-    self.files = tree_files(repo)
+    self.files = tree_files()
 
   def call(self, command: str, carry: dict[str, pathlib.Path] = (), timeout_s: float = 600,
            env: dict | None = None) -> tuple[int, str, list[pathlib.Path]]:
@@ -307,7 +251,7 @@ class Rehearsal:
     work = self.root / "device_repo"
     shutil.rmtree(work, ignore_errors=True)  # what the last call carried is gone
     carried = dict(carry)
-    size = sum((self.repo / f).stat().st_size for f in self.files)
+    size = sum((REPO / f).stat().st_size for f in self.files)
     size += sum(f.stat().st_size for src in carried.values()
                 for f in ([src] if src.is_file() else src.rglob("*")) if f.is_file())
     if size > self.limit:
@@ -315,11 +259,10 @@ class Rehearsal:
                        f"tree; a call carries {self.limit / MiB:.0f} MiB")
     for f in self.files:
       (work / f).parent.mkdir(parents=True, exist_ok=True)
-      shutil.copy2(self.repo / f, work / f)
+      shutil.copy2(REPO / f, work / f)
     for dest, src in carried.items():
-      target = work / dest
-      target.parent.mkdir(parents=True, exist_ok=True)
-      (shutil.copytree if src.is_dir() else shutil.copy2)(src, target)
+      (work / dest).parent.mkdir(parents=True, exist_ok=True)
+      (shutil.copytree if src.is_dir() else shutil.copy2)(src, work / dest)
     out = self.root / f"out{self.calls}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -342,11 +285,6 @@ class Rehearsal:
     return proc.returncode, proc.stdout + proc.stderr, files
 
 
-def device_seconds(calls: int, command_s: list[float]) -> float:
-  """A lease's device time: a machine's start, each call's transfers and its command."""
-  return MACHINE_START_S + calls * CALL_OVERHEAD_S + sum(command_s)
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -354,12 +292,16 @@ def main(argv=None) -> None:
   p.add_argument("--parts", type=pathlib.Path, required=True)
   p.add_argument("--call", type=int, required=True)
   args = parser.parse_args(argv)
+  t = time.perf_counter()
   try:
-    t = time.perf_counter()
-    check(args.parts, args.call)
-    print(f"check: {time.perf_counter() - t:.1f} s")
+    manifest = verify(args.parts, args.call)
   except LeaseError as e:
     sys.exit(f"check: {e}")
+  arrived = sum(p["call"] <= args.call for p in manifest["parts"])
+  print(f"check: {arrived} parts of calls 1..{args.call} of {manifest['calls']} verified in "
+        f"{args.parts} ({time.perf_counter() - t:.1f} s)" + (
+            "" if args.call == manifest["calls"] else
+            f"; now call {args.call + 1}, within 30 s of this one's end"), flush=True)
 
 
 if __name__ == "__main__":

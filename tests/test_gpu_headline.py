@@ -28,8 +28,8 @@ def staged(tmp_path_factory):
   """The toy model's GGUF, xz-compressed and staged in three calls (no wheels)."""
   root = tmp_path_factory.mktemp("headline")
   gguf = headline.write_toy_gguf(root / "toy.gguf")
-  xz = lease.compressed(gguf, root / "cache")
-  manifest = lease.stage(root / "stage", {headline.GGUF_XZ: xz}, tree=1 << 20, min_calls=3)
+  xz = lease.compress(gguf, root / "toy.gguf.xz")
+  manifest = lease.stage(root / "stage", headline.GGUF_XZ, xz, tree=1 << 20, min_calls=3)
   return root, gguf, manifest
 
 
@@ -39,7 +39,7 @@ def test_stage_cuts_the_payload_into_verified_parts_that_join_to_the_file(staged
   assert all(b <= lease.CALL_LIMIT for b in manifest["payload_bytes"])
   assert all((root / "stage" / f"call{k}" / "manifest.json").is_file() for k in (1, 2, 3))
   assert lease.verify(root / "stage", 1) == lease.verify(root / "stage")
-  joined = lease.join(root / "stage", manifest, headline.GGUF_XZ, tmp_path)
+  joined = lease.join(root / "stage", manifest, tmp_path)
   assert joined.name == "model.gguf" and joined.read_bytes() == gguf.read_bytes()
 
 
@@ -67,11 +67,11 @@ def test_stage_refuses_a_tree_that_leaves_no_room_and_a_folder_it_did_not_make(s
                                                                                tmp_path):
   root, gguf, _ = staged
   with pytest.raises(lease.LeaseError, match="leaves no room"):
-    lease.stage(tmp_path / "stage", {"model.gguf": gguf}, tree=lease.CALL_LIMIT)
+    lease.stage(tmp_path / "stage", "model.gguf", gguf, tree=lease.CALL_LIMIT)
   (tmp_path / "mine").mkdir()
   (tmp_path / "mine" / "notes.txt").write_text("keep")
   with pytest.raises(lease.LeaseError, match="which staging did not write"):
-    lease.stage(tmp_path / "mine", {"model.gguf": gguf}, tree=1 << 20)
+    lease.stage(tmp_path / "mine", "model.gguf", gguf, tree=1 << 20)
   assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
 
@@ -150,13 +150,13 @@ def test_run_writes_only_where_it_may(tmp_path):
   (tmp_path / "repo").mkdir()
   (tmp_path / "repo" / "runs").mkdir()
   (tmp_path / "repo" / "runs" / "mine.txt").write_text("keep")
-  with pytest.raises(headline.HeadlineError, match="holds files that `run` did not write"):
+  with pytest.raises(lease.LeaseError, match="holds files that gpu_headline did not write"):
     headline.run(tmp_path / "parts", 1, tmp_path / "out", tmp_path / "repo")
   assert (tmp_path / "repo" / "runs" / "mine.txt").read_text() == "keep"
   (tmp_path / "file").write_text("")
-  with pytest.raises(headline.HeadlineError, match="--out .* is a file"):
+  with pytest.raises(lease.LeaseError, match="--out .* is a file"):
     headline.run(tmp_path / "parts", 1, tmp_path / "file", tmp_path / "work")
-  with pytest.raises(headline.HeadlineError, match="no call folder"):  # its own: taken
+  with pytest.raises(lease.LeaseError, match="no call folder"):  # its own: taken
     headline.run(tmp_path / "parts", 1, tmp_path / "out", tmp_path / "work")
 
 
@@ -330,7 +330,7 @@ def test_the_shipped_drafter_is_the_warmed_one_in_bfloat16(tmp_path):
   headline.ship_drafter(warmup / "export" / "eagle", warmup, out, config_arg)  # replaces its own
   (tmp_path / "mine").mkdir()
   (tmp_path / "mine" / "notes.txt").write_text("keep")
-  with pytest.raises(headline.HeadlineError, match="is not a drafter export"):
+  with pytest.raises(lease.LeaseError, match="is not a drafter export"):
     headline.ship_drafter(warmup / "export" / "eagle", warmup, tmp_path / "mine", config_arg)
   assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
