@@ -1,7 +1,6 @@
-"""What the experiments share: the repository root, a run's record (device, jax version, date,
-commit, command line), JSON written whole and read back, folders a script may replace (its
-own, marked), the command that runs a sibling as a module, the --config/--set flags of the
-config-driven benchmarks, a strategy's label, and figures written to files."""
+"""What the experiments share: the repository root, a run's record, JSON written whole and read
+back, folders a script may replace (its own, marked), the command that runs a sibling, the
+--config/--set and --strategies flags, and figures written to files."""
 
 from __future__ import annotations
 
@@ -53,6 +52,11 @@ def write_json(path, doc) -> None:
   run_log.write_json(str(path), doc)
 
 
+def read_json(path: pathlib.Path) -> dict:
+  """The JSON object at path, or {} where there is no such file (a stage that has not run)."""
+  return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def module_command(name: str, *args) -> list[str]:
   """argv that runs experiments/<name>.py (or tools/<name>.py for 'tools.<name>') as a module;
   run it with cwd=REPO."""
@@ -84,11 +88,6 @@ def own_folder(path: pathlib.Path, script: str, replace: bool = True) -> pathlib
   return path
 
 
-def read_json(path: pathlib.Path) -> dict:
-  """The JSON object at path, or {} where there is no such file (a stage that has not run)."""
-  return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def add_config_flags(parser, default: str = str(REPO / "configs" / "default.py")) -> None:
   """--config FILE[:variant] and --set KEY=VALUE (repeatable), as the jobs take them."""
   parser.add_argument("--config", default=default, metavar="FILE[:variant]",
@@ -101,11 +100,20 @@ def config_or_exit(spec: str, sets=()):
   """The config file's get_config(variant) with the overrides, or exit with one line that
   names the problem."""
   from tlt_jax.cli import config_from_file
-  from tlt_jax.config import ConfigError
   try:
     return config_from_file(spec, sets)
   except (ConfigError, ValueError) as e:
     sys.exit(f"config error: {e}")
+
+
+def strategies_or_exit(texts, config) -> list:
+  """The Strategy of each 'depth,topk,verify[,drafts]' in `texts` (none given: the config's
+  arms), each once, or exit with one line naming a bad one."""
+  from tlt_jax.speculative.strategy import Strategy
+  try:
+    return [Strategy.parse(s) for s in dict.fromkeys(texts or config.rollout.speculative.arms)]
+  except ValueError as e:
+    sys.exit(f"--strategies: {e}")
 
 
 def strategy_label(strategy) -> str:
@@ -127,10 +135,12 @@ def pyplot():
   return plt
 
 
-def save_figure(fig, path, dpi=None) -> None:
+def save_figure(fig, path, dpi=None, step_axes=()) -> None:
   """Lays fig out, writes it to path in one step (a killed run keeps the previous file) and
-  closes it."""
+  closes it; `step_axes` get integer ticks on x (RL steps, K)."""
   import matplotlib.pyplot as plt
+  for ax in step_axes:
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
   path = pathlib.Path(path)
   tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
   fig.tight_layout()

@@ -1,27 +1,15 @@
 """Training-time test: greedy accept length per SD strategy for drafters trained with K unrolled
-draft steps (`drafter.train_depth`), without and with fused policy features, and with
-the full or a reduced draft vocabulary (`drafter.eagle.draft_vocab_size`).
-
-Every variant trains from the same random initialisation on the same samples of the policy's
-own responses (one sampled response per training prompt, features recomputed by the policy)
-for the same number of updates, then drafts greedily for held-out prompts at each strategy;
-the accept length is the mean tokens per running row per SD iteration. The protocol
-(`policy_responses`, `train`, `decode`) is notebooks/drafter_ablation.ipynb's too: the policy
-answers the training prompts (one response each at temperature 1.0, as the warm-up job samples
-them), a drafter trains on the samples of those responses for a fixed number of updates (the
-warm-up's `train_drafter`), an engine decodes the held-out prompts after an untimed call.
+draft steps (`drafter.train_depth`), without and with fused policy features, and with the full
+or a reduced draft vocabulary (`drafter.eagle.draft_vocab_size`: the tokens most frequent in
+the training responses).
 
   python -m experiments.drafter_ttt --out results/drafter_ttt/drafter_ttt.json [--quick]
   python -m experiments.drafter_ttt --train-depth 1 --feature-layers '' \
       --draft-vocab-sizes 0 69 --out results/draft_vocab/accept.json
 
-A reduced draft vocabulary holds the tokens most frequent in the training responses. JSON:
-settings, and per variant (features, draft vocabulary, K) the training seconds, last losses
-and top-1 at the first and the K-th draft step, and accept length and SD tokens/s per
-strategy; `gain_deepest`: accept length at the deepest strategy with the largest K over K = 1,
-per feature setting (full vocabulary); `vocab_ratio_deepest`: accept length at the deepest
-strategy with each reduced vocabulary over the full one, per feature setting and K. The PNG
-plots accept length against K per strategy.
+Every variant trains from the same initialisation on the same samples for the same number of
+updates, then drafts greedily for held-out prompts (docs/reproducing.md). The protocol
+(`policy_responses`, `train`, `decode`) is notebooks/drafter_ablation.ipynb's too.
 """
 
 from __future__ import annotations
@@ -43,10 +31,10 @@ from tlt_jax.drafters import EagleDrafter
 from tlt_jax.mesh import make_mesh
 from tlt_jax.speculative.sampling import SamplingParams
 from tlt_jax.rollout.engine import accept_length
-from tlt_jax.speculative.strategy import Strategy
 from tlt_jax.speculative.tuner import FixedTuner
 
-from .common import REPO, config_or_exit, pyplot, save_figure, strategy_label, write_json
+from .common import (config_or_exit, pyplot, run_metadata, save_figure, strategies_or_exit,
+                     strategy_label, write_json, REPO)
 
 # The training and evaluation sizes: flag -> (default, with --quick).
 SIZES = {"train-prompts": (256, 8), "eval-prompts": (64, 2), "max-new-tokens": (256, 32),
@@ -55,8 +43,8 @@ SIZES = {"train-prompts": (256, 8), "eval-prompts": (64, 2), "max-new-tokens": (
 
 def policy_responses(config, cfg, params, mesh, eos: int, pad: int, prompts,
                      max_new_tokens: int, seed: int):
-  """The policy's own responses to `prompts`, one each at temperature 1.0 (the engine's
-  result: tokens, lengths)."""
+  """The policy's own responses to `prompts`, one each at temperature 1.0 as the warm-up job
+  samples them (the engine's result: tokens, lengths)."""
   sampler = make_engine(config, cfg, params, mesh, eos, pad, max_new_tokens=max_new_tokens,
                         max_batch=min(64, 1 << (len(prompts) - 1).bit_length()))
   return sampler.generate(prompts, 1, SamplingParams(1.0), jax.random.key(seed))
@@ -64,11 +52,11 @@ def policy_responses(config, cfg, params, mesh, eos: int, pad: int, prompts,
 
 def train(drafter_params, policy_params, samples, model_cfg, settings: dict, opt_config,
           steps: int, window: int, batch_rows: int, seed: int, state=None):
-  """(trained drafter params, summary) after `steps` updates from `drafter_params` ({family:
-  params}; or from `state`, an optimizer state to continue). The summary: training seconds
-  (first-step compile included), steps, the first loss, and the loss, top-1 and top-1-ahead
-  means over the last 10% of steps (batch-to-batch noise smoothed), where the family reports
-  them."""
+  """(trained drafter params, summary) after `steps` updates of the warm-up's `train_drafter`
+  from `drafter_params` ({family: params}; or from `state`, an optimizer state to continue).
+  The summary: training seconds (first-step compile included), steps, the first loss, and the
+  loss, top-1 and top-1-ahead means over the last 10% of steps (batch-to-batch noise
+  smoothed), where the family reports them."""
   t0 = time.perf_counter()
   trained, history = train_drafter(drafter_params, policy_params, samples, model_cfg, settings,
                                    opt_config, steps, window=window, batch_rows=batch_rows,
@@ -90,7 +78,8 @@ def decode(engine, prompts, samples: int, sampling: SamplingParams, seed: int):
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", required=True, help="JSON path; the PNG goes next to it")
+  p.add_argument("--out", required=True, type=pathlib.Path,
+                 help="JSON path; the PNG goes next to it")
   p.add_argument("--config", default=str(REPO / "configs" / "default.py"))
   p.add_argument("--train-depth", "--steps-ahead", type=int, nargs="+", default=[1, 3, 5])
   p.add_argument("--feature-layers", "--fused-layers", default="1,3",
@@ -107,22 +96,17 @@ def parse_args(argv=None):
     args.train_depth = [1, 2]
     for flag, (_, quick) in SIZES.items():
       setattr(args, flag.replace("-", "_"), quick)
-  if min(args.train_depth) < 1:
-    p.error(f"--train-depth {args.train_depth}: every K must be >= 1")
-  if min(args.draft_vocab_sizes) < 0:
-    p.error(f"--draft-vocab-sizes {args.draft_vocab_sizes}: sizes must be >= 0")
+  if min(args.train_depth) < 1 or min(args.draft_vocab_sizes) < 0:
+    p.error("every --train-depth K must be >= 1, every --draft-vocab-sizes size >= 0")
   return args
 
 
 def main(argv=None):
   args = parse_args(argv)
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.parent.mkdir(parents=True, exist_ok=True)
   config = config_or_exit(args.config)
   feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
-  strategies = [Strategy.parse(s) for s in (args.strategies or config.rollout.speculative.arms)]
-  if args.quick:
-    strategies = strategies[:1]
+  strategies = strategies_or_exit(args.strategies, config)[:1 if args.quick else None]
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   tokenizer = load_tokenizer_for(config)
   cfg, params = load_policy(config, mesh)
@@ -132,7 +116,7 @@ def main(argv=None):
 
   t0 = time.perf_counter()
   generated = policy_responses(config, cfg, params, mesh, eos, pad, train_prompts,
-                                        args.max_new_tokens, args.seed)
+                               args.max_new_tokens, args.seed)
   feature_sets = {"unfused": ()} | ({"fused": feature_layers} if feature_layers else {})
   samples = {}
   for name, layers in feature_sets.items():
@@ -143,101 +127,98 @@ def main(argv=None):
   print(f"{len(train_prompts)} samples, {int(generated.lengths.sum())} response tokens; "
         f"{samples_s:.0f} s", flush=True)
 
-  rows = []
-  variants = [(f, r) for f in feature_sets for r in args.draft_vocab_sizes]
-  for feat_name, vocab in variants:
-    layers = feature_sets[feat_name]
-    vc = copy.deepcopy(config)
-    vc.drafter.eagle.feature_layers = layers
-    vc.drafter.eagle.draft_vocab_size = vocab
-    vcfg = model_config(vc)
-    eagle = load_drafters_for(vc, vcfg, fresh=True, names=("eagle",))["eagle"]
-    dcfg = eagle.settings
-    # With a reduced vocabulary: the tokens most frequent in the policy's responses.
-    init = jax.device_get(EagleDrafter.warm_start(dcfg, eagle.params, params, vcfg,
-                                                  generated.tokens, say=lambda _: None))
-    name = feat_name + (f" r={vocab}" if vocab else "")
-    trained = {}
-    for k in args.train_depth:
-      oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), train_depth=k)
-      state = jax.device_put(init_train_state({"eagle": jax.device_put(init)}, oc),
-                             jax.devices()[0])
-      trained[k], summary = train(
-          state.params, params, samples[feat_name], vcfg, {"eagle": dcfg}, oc,
-          args.train_steps, args.window, args.batch_rows, args.seed, state=state)
-      rows.append({"variant": f"{name} K={k}", "features": feat_name,
-                   "feature_layers": list(layers), "draft_vocab_size": vocab, "train_depth": k,
-                   **{key: summary[key] for key in ("train_s", "loss_last", "top1_last",
-                                                    "top1_ahead_last")},
-                   "accept_len": {}, "sd_tokens_per_s": {}})
-    # One engine per strategy and architecture; the K variants only swap weights.
-    for strategy in strategies:
-      first = trained[args.train_depth[0]]
-      engine = make_engine(vc, vcfg, params, mesh, eos, pad,
-                           drafters={"eagle": EagleDrafter(first["eagle"], dcfg)},
-                           speculative=True, tuner=FixedTuner(strategy), sd_threshold=1,
-                           max_batch=1, max_new_tokens=args.max_new_tokens,
-                           compile_ahead=False)  # every call SD: what is measured
+  rows = {}
+  for feat_name, layers in feature_sets.items():
+    for vocab in args.draft_vocab_sizes:
+      vc = copy.deepcopy(config)
+      vc.drafter.eagle.feature_layers = layers
+      vc.drafter.eagle.draft_vocab_size = vocab
+      vcfg = model_config(vc)
+      eagle = load_drafters_for(vc, vcfg, fresh=True, names=("eagle",))["eagle"]
+      # With a reduced vocabulary: the tokens most frequent in the policy's responses.
+      init = jax.device_get(EagleDrafter.warm_start(eagle.settings, eagle.params, params, vcfg,
+                                                    generated.tokens, say=lambda _: None))
+      name = feat_name + (f" r={vocab}" if vocab else "")
+      trained = {}
       for k in args.train_depth:
-        engine.update_params(drafter_params=trained[k])
-        result = decode(engine, eval_prompts, 1, SamplingParams(0.0), args.seed)
-        row = next(r for r in rows if r["variant"] == f"{name} K={k}")
+        oc = dataclasses.replace(drafter_opt_config(vc, warmup=True), train_depth=k)
+        state = jax.device_put(init_train_state({"eagle": jax.device_put(init)}, oc),
+                               jax.devices()[0])
+        trained[k], summary = train(
+            state.params, params, samples[feat_name], vcfg, {"eagle": eagle.settings}, oc,
+            args.train_steps, args.window, args.batch_rows, args.seed, state=state)
+        rows[f"{name} K={k}"] = {
+            "variant": f"{name} K={k}", "features": feat_name, "feature_layers": list(layers),
+            "draft_vocab_size": vocab, "train_depth": k, "accept_len": {}, "sd_tokens_per_s": {},
+            **{key: summary[key] for key in ("train_s", "loss_last", "top1_last",
+                                             "top1_ahead_last")}}
+      # One engine per strategy and architecture; the K variants only swap weights.
+      for strategy in strategies:
+        engine = make_engine(vc, vcfg, params, mesh, eos, pad,
+                             drafters={"eagle": EagleDrafter(trained[args.train_depth[0]]["eagle"],
+                                                             eagle.settings)},
+                             speculative=True, tuner=FixedTuner(strategy), sd_threshold=1,
+                             max_batch=1, max_new_tokens=args.max_new_tokens,
+                             compile_ahead=False)  # every call SD: what is measured
         arm = strategy_label(strategy)
-        row["accept_len"][arm] = accept_length(result)
-        row["sd_tokens_per_s"][arm] = float(result.lengths.sum() / result.wall_s)
-        print(f"{row['variant']:16s} {arm}: accept {row['accept_len'][arm]:.2f}", flush=True)
+        for k in args.train_depth:
+          engine.update_params(drafter_params=trained[k])
+          result = decode(engine, eval_prompts, 1, SamplingParams(0.0), args.seed)
+          row = rows[f"{name} K={k}"]
+          row["accept_len"][arm] = accept_length(result)
+          row["sd_tokens_per_s"][arm] = float(result.lengths.sum() / result.wall_s)
+          print(f"{row['variant']:16s} {arm}: accept {row['accept_len'][arm]:.2f}", flush=True)
 
+  # The largest K over K = 1 (full vocabulary), and each reduced vocabulary over the full one
+  # at the same K, at the deepest strategy.
   deepest = strategy_label(max(strategies, key=lambda s: (s.depth, s.verify_tokens)))
   gains, vocab_ratios = {}, {}
   for feat_name in feature_sets:
-    full = {r["train_depth"]: r["accept_len"][deepest] for r in rows
+    full = {r["train_depth"]: r["accept_len"][deepest] for r in rows.values()
             if r["features"] == feat_name and not r["draft_vocab_size"]}
     if full:
       gains[feat_name] = full[max(full)] / full[min(full)]
-    for r in rows:
-      if r["features"] == feat_name and r["draft_vocab_size"] and full:
-        vocab_ratios[r["variant"]] = r["accept_len"][deepest] / full[r["train_depth"]]
+      vocab_ratios.update({r["variant"]: r["accept_len"][deepest] / full[r["train_depth"]]
+                           for r in rows.values()
+                           if r["features"] == feat_name and r["draft_vocab_size"]})
   settings = {k: v for k, v in vars(args).items() if k != "out"}
   settings.update(strategies=[strategy_label(s) for s in strategies], deepest=deepest,
-                  samples_s=samples_s, device=jax.devices()[0].device_kind,
-                  date=time.strftime("%Y-%m-%d"))
-  write_json(out, {"settings": settings, "rows": rows, "gain_deepest": gains,
-                   "vocab_ratio_deepest": vocab_ratios})
-  plot(rows, strategies, out.with_suffix(".png"))
+                  samples_s=samples_s, **run_metadata())
+  write_json(args.out, {"settings": settings, "rows": list(rows.values()),
+                        "gain_deepest": gains, "vocab_ratio_deepest": vocab_ratios})
+  plot(list(rows.values()), strategies, args.out.with_suffix(".png"))
   print(f"accept length at {deepest}, largest K over K=1: "
         + ", ".join(f"{n} {g:.2f}x" for n, g in gains.items()))
   if vocab_ratios:
     print(f"accept length at {deepest}, reduced over full vocabulary: "
           + ", ".join(f"{n} {g:.3f}" for n, g in vocab_ratios.items()))
-  print(f"wrote {out} and {out.with_suffix('.png')}")
+  print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 def plot(rows, strategies, path):
   """Accept length against K per strategy and drafter; with a single K, bars per strategy."""
   plt = pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4))
+  labels = [strategy_label(s) for s in strategies]
   if len({r["train_depth"] for r in rows}) == 1:
     width = 0.8 / len(rows)
     x = np.arange(len(strategies))
     for j, r in enumerate(rows):
-      ax.bar(x + j * width, [r["accept_len"][strategy_label(s)] for s in strategies], width,
-             label=r["variant"])
-    ax.set_xticks(x + 0.4 - width / 2, [f"({strategy_label(s)})" for s in strategies])
-    ax.set_xlabel("strategy (depth, topk, verify tokens)")
-    ax.set_title("accept length per strategy and drafter")
+      ax.bar(x + j * width, [r["accept_len"][s] for s in labels], width, label=r["variant"])
+    ax.set_xticks(x + 0.4 - width / 2, [f"({s})" for s in labels])
+    ax.set(xlabel="strategy (depth, topk, verify tokens)",
+           title="accept length per strategy and drafter")
   else:
     vocabs = sorted({r["draft_vocab_size"] for r in rows})
-    for i, s in enumerate(strategies):
+    for i, s in enumerate(labels):
       for feat, style in (("unfused", "-"), ("fused", "--")):
         for vocab, marker in zip(vocabs, "osd^v"):
-          pts = sorted((r["train_depth"], r["accept_len"][strategy_label(s)]) for r in rows
-                       if r["features"] == feat and r["draft_vocab_size"] == vocab)
-          if pts:
-            tag = f" r={vocab}" if vocab else ""
+          if pts := sorted((r["train_depth"], r["accept_len"][s]) for r in rows
+                           if r["features"] == feat and r["draft_vocab_size"] == vocab):
             ax.plot(*zip(*pts), style, marker=marker, color=f"C{i}",
-                    label=f"({strategy_label(s)}) {feat}{tag}")
-    ax.set_xlabel("draft steps unrolled in training (K)")
-    ax.set_title("training-time test: accept length per strategy")
+                    label=f"({s}) {feat}" + (f" r={vocab}" if vocab else ""))
+    ax.set(xlabel="draft steps unrolled in training (K)",
+           title="training-time test: accept length per strategy")
   ax.set_ylabel("greedy accept length")
   ax.legend(fontsize=7)
   save_figure(fig, path, dpi=120)

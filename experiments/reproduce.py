@@ -1,16 +1,10 @@
 """Runs every figure experiment, one after another, into one results folder.
 
-  python -m experiments.reproduce --all --out results/
-  python -m experiments.reproduce --all --out /tmp/results --quick     # smoke run, minutes
+  python -m experiments.reproduce --all --out results/ [--quick] [--dry-run]
   python -m experiments.reproduce --only rl_runs simulate_cluster --out results/
-  python -m experiments.reproduce --all --out results/ --dry-run       # print the commands
 
-Each experiment runs as its own process (a fresh JAX runtime, its own device setup) and writes
-into OUT/<name>/, a stage of the campaign runner (experiments/stages.py; its log in
-OUT/logs/<name>.log). A failing experiment does not stop the others: OUT/reproduce.json
-records each one's command, exit status, seconds and files, and the exit status is non-zero
-if any failed. The cluster projection uses the simulator's illustrative 7B cost model; the
-simulator is also checked against the baseline RL run (simulate_vs_run) when rl_runs ran first.
+Each experiment is a stage of the campaign runner (experiments/stages.py) writing OUT/<name>/;
+a failing one does not stop the others; what OUT/reproduce.json records: docs/reproducing.md.
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ import sys
 
 from .common import module_command
 from .stages import run_stages
+
 POLICY = "assets/tiny-policy"
 # The rollout benchmark's setting (docs/results/rollout): one slice of up to 64 rows, and below,
 # 96 held-out prompts with one greedy sample each; the config's (shipped) drafter.
@@ -43,7 +38,6 @@ def experiments(out: pathlib.Path, quick: bool) -> dict[str, list[str]]:
       # 2, 5: rollout throughput by mode and active batch size; the tuner vs fixed strategies.
       "rollout": ["bench_rollout", *[a for kv in ROLLOUT_SETS for a in ("--set", kv)],
                   "--samples", "1", "--temperature", "0", *(q or ["--prompts", "96"]),
-                  "--sweep-iterations-per-call", *([1, 32] if quick else [1, 4, 16, 32, 128]),
                   "--out", str(out / "rollout" / "rollout.json")],
       # 7: cluster-scale projection (8 to 1024 devices), and the simulator against a measured
       # run: its lengths replayed with costs fitted to it, simulated vs measured idle time.
@@ -65,19 +59,16 @@ def main():
   parser.add_argument("--quick", action="store_true", help="each script's smoke mode")
   parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   args = parser.parse_args()
-  known = list(experiments(args.out, args.quick))
-  unknown = [n for n in args.only if n not in known]
-  if unknown:
-    sys.exit(f"unknown experiment(s) {unknown}; choose from {known}")
-  if not args.all and not args.only:
-    sys.exit(f"pass --all or --only NAME ...; experiments: {known}")
-  names = known if args.all else [n for n in known if n in args.only]
-
   commands = {name: module_command(*argv) for name, argv in
-              experiments(args.out, args.quick).items() if name in names}
+              experiments(args.out, args.quick).items()}
+  if unknown := [n for n in args.only if n not in commands]:
+    sys.exit(f"unknown experiment(s) {unknown}; choose from {list(commands)}")
+  if not args.all and not args.only:
+    sys.exit(f"pass --all or --only NAME ...; experiments: {list(commands)}")
+  names = [n for n in commands if args.all or n in args.only]
   if args.dry_run:
-    for i, (name, cmd) in enumerate(commands.items(), 1):
-      print(f"[{i}/{len(commands)}] {name}: {' '.join(cmd[1:])}")
+    for i, name in enumerate(names, 1):
+      print(f"[{i}/{len(names)}] {name}: {' '.join(commands[name][1:])}")
     return
   stages = run_stages(args.out, commands, names, args.quick, record_name="reproduce.json",
                       resume=False, keep_going=True)

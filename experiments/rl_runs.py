@@ -1,39 +1,19 @@
 """The RL-step figures (the long tail, adaptive vs frozen drafter, TLT vs baseline end to end),
 and what the RL update does to a policy per setting and seed.
 
-Runs the main job (tlt_jax.train) once per variant of VARIANTS, back to back on the same
-machine, with the same prompts and seed: by default baseline (no SD, no spot training), tlt
-(SD with the warmed drafter, spot-trained on idle slices), frozen (never trained) and
-no_warmup (a random drafter, spot-trained); the others compare compiling ahead, shared SD
-programs and SD on the whole batch with TLT.
-
-  python -m experiments.rl_runs --out results/rl_runs
-  python -m experiments.rl_runs --out /tmp/rl --quick          # configs/default.py:runlocal
-
-With --resume a rerun keeps OUT's runs: a finished variant is read back (OUT/runs/<variant>/
-run.json), one cut off resumes from its own checkpoints. Writes OUT/runs/<variant>/ (each
-run's workdir), OUT/rl_runs.json (per-step series and the ratios of `end_to_end`) and
-long_tail.png (response-length percentiles and the baseline's step time split),
-drafter_adaptation.png (accept length per step per drafter), end_to_end.png (TLT vs baseline
-step time, wall time and reward) and compiles.png (compile seconds per variant).
-
-With --settings [NAME=KEY=VALUE[,KEY=VALUE...] ...] (default: DEFAULT_SETTINGS) it runs the
-baseline variant instead, once per setting (`default`, no overrides, first) and --seeds seed,
-each from the same policy with the paired control on (rl.paired_control), and records the
-reward gained over the initial policy on each step's own prompts and sampling keys (`paired`:
-the mean over steps 2..N), held-out greedy and sampled accuracy at the first and the last step,
-and the spread over seeds: OUT/runs/<setting>-seed<k>/, OUT/grpo_settings.json and
-grpo_settings.png (one point per seed).
-
+  python -m experiments.rl_runs --out results/rl_runs [--variants V ...] [--quick]
   python -m experiments.rl_runs --out results/gs --seeds 0 1 2 \
       --settings "kl=rl.kl_coef=0.1,rl.lr_warmup_steps=4" "lr3e-5=rl.learning_rate=3e-5"
+
+The main job (tlt_jax.train) runs once per variant of VARIANTS, back to back, with the same
+prompts and seed, each in OUT/runs/<variant>; with --settings, the baseline variant once per
+setting and seed with the paired control on. What each writes: docs/reproducing.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import pathlib
 import shutil
 import sys
@@ -88,13 +68,10 @@ def parse_setting(text: str) -> tuple[str, list[str]]:
   return name.strip(), overrides
 
 
-def run_variants(base, variants, out: pathlib.Path, resume: bool = False,
-                 fresh_cache: bool = False) -> dict[str, dict]:
+def run_variants(base, variants, out: pathlib.Path, fresh_cache: bool = False) -> dict:
   """Runs the job once per variant (names of VARIANTS, or {name: {key: value}} of config
-  overrides) in OUT/runs/<name>; returns each run's wall time, summary, metrics, rollouts and
-  held-out evaluations. Fresh workdirs, unless `resume`: then a variant that finished (its
-  run.json) is read back, and one that was cut off resumes from its own checkpoints (its
-  compiles and wall time count again). fresh_cache: each run gets an empty persistent
+  overrides) in a fresh OUT/runs/<name>; returns each run's wall time, summary, metrics,
+  rollouts and held-out evaluations. fresh_cache: each run gets an empty persistent
   compilation cache of its own, as on a new machine: its slices share programs through it,
   and no run loads another's. A run's folder is replaced only when an earlier run of this
   script made it: ConfigError (before any run) for one that holds anything else, or for an
@@ -104,31 +81,22 @@ def run_variants(base, variants, out: pathlib.Path, resume: bool = False,
   configs = {}
   for name, overrides in variants.items():  # every folder and override checked before any run
     check_own_folder(out / "runs" / name, "rl_runs")
-    config = base.copy_and_resolve_references()
-    config.unlock()
-    for key, value in {**overrides, "rl.save_rollouts": True}.items():
-      set_config_value(config, key, value)
-    config.lock()
-    configs[name] = config
+    configs[name] = config = base.copy_and_resolve_references()
+    with config.unlocked():
+      for key, value in {**overrides, "rl.save_rollouts": True}.items():
+        set_config_value(config, key, value)
   runs = {}
   for name, config in configs.items():
-    workdir = out / "runs" / name
-    record = workdir / "run.json"
-    if resume and record.is_file():
-      print(f"=== {name}: finished in an earlier run, read back", flush=True)
-      done = json.loads(record.read_text())
-    else:
-      own_folder(workdir, "rl_runs", replace=not resume)
-      print(f"=== {name}", flush=True)
-      with _own_cache(out / "xla-cache" / name, fresh_cache):
-        t0 = time.perf_counter()
-        summary = train(config, str(workdir))
-        done = {"wall_s": time.perf_counter() - t0, "summary": summary}
-      if summary.get("stopped_early"):  # a signal: the checkpoint holds the rest
-        sys.exit(f"run {name!r} stopped early; run the same command with --resume to go on")
-      write_json(record, done)
-    runs[name] = {**done, **{k: read_jsonl(str(workdir / f"{k}.jsonl"))[0]
-                             for k in ("metrics", "rollouts", "eval")},
+    workdir = own_folder(out / "runs" / name, "rl_runs")
+    print(f"=== {name}", flush=True)
+    with _own_cache(out / "xla-cache" / name, fresh_cache):
+      t0 = time.perf_counter()
+      summary = train(config, str(workdir))
+    if summary.get("stopped_early"):  # a signal: what ran compares nothing
+      sys.exit(f"run {name!r} stopped early")
+    runs[name] = {"wall_s": time.perf_counter() - t0, "summary": summary,
+                  **{k: read_jsonl(str(workdir / f"{k}.jsonl"))[0]
+                     for k in ("metrics", "rollouts", "eval")},
                   "slices": int(config.mesh.axes.get("replica", 1))}
   return runs
 
@@ -152,9 +120,8 @@ def _own_cache(path: pathlib.Path, fresh: bool):
 
 def length_percentiles(rollouts: list[dict]) -> list[dict]:
   """Per RL step: p50 / p90 / max response length and the count (from rollouts.jsonl rows)."""
-  steps = sorted({r["step"] for r in rollouts})
   rows = []
-  for s in steps:
+  for s in sorted({r["step"] for r in rollouts}):
     lengths = np.asarray([r["tokens"] for r in rollouts if r["step"] == s], np.float64)
     rows.append({"step": s, "count": int(lengths.size), "p50": float(np.median(lengths)),
                  "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max()),
@@ -180,26 +147,17 @@ def end_to_end(tlt: list[dict], base: list[dict]) -> dict:
   n = min(len(tlt), len(base))
   tlt, base = tlt[:n], base[:n]
 
-  def total(ms, key, skip=0):
+  def total(ms, skip=0, key="step_s"):
     return float(sum(m[key] for m in ms[skip:]))
-  out = {"steps": n,
-         "speedup_step_time": total(base, "step_s") / total(tlt, "step_s"),
-         "speedup_rollout": total(base, "rollout_s") / total(tlt, "rollout_s")}
+  out = {"steps": n, "speedup_step_time": total(base) / total(tlt),
+         "speedup_rollout": total(base, key="rollout_s") / total(tlt, key="rollout_s")}
   if n > 1:
-    out["speedup_step_time_after_first"] = total(base, "step_s", 1) / total(tlt, "step_s", 1)
-    base_run = total(base, "step_s", 1) - total(base, "compile_s", 1)
-    tlt_run = total(tlt, "step_s", 1) - total(tlt, "compile_s", 1)
-    out["speedup_without_compiles_after_first"] = base_run / tlt_run
+    out["speedup_step_time_after_first"] = total(base, 1) / total(tlt, 1)
+    out["speedup_without_compiles_after_first"] = ((total(base, 1) - total(base, 1, "compile_s"))
+                                                   / (total(tlt, 1) - total(tlt, 1, "compile_s")))
   out["reward_mean_tlt"] = float(np.mean([m["reward_mean"] for m in tlt]))
   out["reward_mean_baseline"] = float(np.mean([m["reward_mean"] for m in base]))
   return out
-
-
-def _save(fig, path: pathlib.Path, *step_axes) -> None:
-  """save_figure, with integer ticks on the RL-step axes."""
-  for ax in step_axes:
-    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-  save_figure(fig, path)
 
 
 def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Path) -> None:
@@ -209,10 +167,8 @@ def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Pat
                  color="#3b6ea5", alpha=0.15, label="p50 to max")
   for key, style in (("p50", "-"), ("p90", "--"), ("max", ":")):
     a.plot(steps, [r[key] for r in lengths], style, color="#3b6ea5", label=key)
-  a.set_xlabel("RL step")
-  a.set_ylabel("response length (tokens)")
+  a.set(xlabel="RL step", ylabel="response length (tokens)")
   a.set_title("response lengths per step (baseline)", fontsize=9)
-  a.legend(fontsize=8)
   steps = np.asarray([r["step"] for r in breakdown])
   bottom = np.zeros(len(steps))
   for key, color, label in (("rollout_busy_s", "#3b6ea5", "rollout, slices busy"),
@@ -222,27 +178,35 @@ def plot_long_tail(lengths: list[dict], breakdown: list[dict], path: pathlib.Pat
     values = np.asarray([max(r[key], 0.0) for r in breakdown])
     b.bar(steps, values, bottom=bottom, color=color, label=label)
     bottom += values
-  b.set_xlabel("RL step")
-  b.set_ylabel("seconds")
+  b.set(xlabel="RL step", ylabel="seconds")
   b.set_title("baseline step time", fontsize=9)
+  a.legend(fontsize=8)
   b.legend(fontsize=8)
-  _save(fig, path, a, b)
+  save_figure(fig, path, step_axes=(a, b))
+
+
+def plot_per_step(ax, runs: dict, labels: dict, series, title: str, ylabel: str = "") -> None:
+  """One line per run of `labels` ({name: label}) that ran: series(its metrics) by RL step."""
+  for name, label in labels.items():
+    if name in runs:
+      ms = runs[name]["metrics"]
+      ax.plot([m["step"] for m in ms], series(ms), "o-", ms=4, label=label)
+  ax.set(xlabel="RL step", ylabel=ylabel)
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+
+
+def cumulative_step_s(ms: list[dict]):
+  return np.cumsum([m["step_s"] for m in ms])
 
 
 def plot_adaptation(runs: dict, path: pathlib.Path) -> None:
   fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
-  for name, label in (("no_warmup", "no warm-up, spot-trained"), ("frozen", "warmed, frozen"),
-                      ("tlt", "warmed, spot-trained")):
-    if name not in runs:
-      continue
-    ms = runs[name]["metrics"]
-    ax.plot([m["step"] for m in ms], [m["sd_accept_len_mean"] or np.nan for m in ms], "o-",
-            label=label)
-  ax.set_xlabel("RL step")
-  ax.set_ylabel("SD accept length (tokens / iteration)")
-  ax.set_title("drafter: adaptive vs frozen", fontsize=9)
-  ax.legend(fontsize=8)
-  _save(fig, path, ax)
+  plot_per_step(ax, runs, {"no_warmup": "no warm-up, spot-trained", "frozen": "warmed, frozen",
+                           "tlt": "warmed, spot-trained"},
+                lambda ms: [m["sd_accept_len_mean"] or np.nan for m in ms],
+                "drafter: adaptive vs frozen", "SD accept length (tokens / iteration)")
+  save_figure(fig, path, step_axes=(ax,))
 
 
 def plot_compiles(runs: dict, path: pathlib.Path) -> None:
@@ -264,29 +228,19 @@ def plot_compiles(runs: dict, path: pathlib.Path) -> None:
   a.set_ylabel("compile seconds")
   a.set_title("what each run compiled", fontsize=9)
   a.legend(fontsize=8, loc="upper left")
-  for n in names:
-    ms = runs[n]["metrics"]
-    b.plot([m["step"] for m in ms], np.cumsum([m["step_s"] for m in ms]), "o-", ms=3, label=n)
-  b.set_xlabel("RL step")
-  b.set_title("cumulative step time (s), compiles included", fontsize=9)
-  b.legend(fontsize=8)
-  _save(fig, path, b)
+  plot_per_step(b, runs, {n: n for n in names}, cumulative_step_s,
+                "cumulative step time (s), compiles included")
+  save_figure(fig, path, step_axes=(b,))
 
 
 def plot_end_to_end(runs: dict, path: pathlib.Path) -> None:
-  fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6), dpi=100)
-  for name, color in (("baseline", "#7f8c8d"), ("tlt", "#c0392b")):
-    ms = runs[name]["metrics"]
-    steps = [m["step"] for m in ms]
-    a.plot(steps, [m["step_s"] for m in ms], "o-", color=color, label=name)
-    b.plot(steps, np.cumsum([m["step_s"] for m in ms]), "o-", color=color, label=name)
-    c.plot(steps, [m["reward_mean"] for m in ms], "o-", color=color, label=name)
-  for ax, title in ((a, "step time (s)"), (b, "cumulative wall time (s)"),
-                    (c, "reward (mean over responses)")):
-    ax.set_xlabel("RL step")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-  _save(fig, path, a, b, c)
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), dpi=100)
+  for ax, series, title in ((axes[0], lambda ms: [m["step_s"] for m in ms], "step time (s)"),
+                            (axes[1], cumulative_step_s, "cumulative wall time (s)"),
+                            (axes[2], lambda ms: [m["reward_mean"] for m in ms],
+                             "reward (mean over responses)")):
+    plot_per_step(ax, runs, {"baseline": "baseline", "tlt": "tlt"}, series, title)
+  save_figure(fig, path, step_axes=axes)
 
 
 def setting_run(base, overrides: list[str], seed: int, out: pathlib.Path, name: str) -> dict:
@@ -337,12 +291,11 @@ def plot_settings(result: dict, path: pathlib.Path) -> None:
       if deltas:
         ax.plot([np.mean(deltas)], [i], "|", color="#c0392b", markersize=14)
     ax.axvline(0.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(names)))
-    ax.set_yticklabels(names, fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_xlabel(labels[kind], fontsize=8)
   axes[0].invert_yaxis()
   fig.suptitle(result["title"], fontsize=9)
-  _save(fig, path)
+  save_figure(fig, path)
 
 
 def settings_sweep(config, settings: dict[str, list[str]], seeds, args) -> None:
@@ -368,11 +321,9 @@ def settings_sweep(config, settings: dict[str, list[str]], seeds, args) -> None:
 def figures(config, args) -> None:
   """The variants' runs, their figures and OUT/rl_runs.json."""
   # The runs are compared with their compile times, so each starts from an empty compilation
-  # cache of its own (its slices share programs through it) and none loads the programs an
-  # earlier one compiled. A quick run is a smoke test of the pipeline, not a comparison: it
-  # takes what the user's cache holds.
-  runs = run_variants(config, args.variants, args.out, resume=args.resume,
-                      fresh_cache=not args.quick)
+  # cache of its own. A quick run is a smoke test of the pipeline, not a comparison: it takes
+  # what the user's cache holds.
+  runs = run_variants(config, args.variants, args.out, fresh_cache=not args.quick)
   base = runs["baseline"]
   lengths = length_percentiles(base["rollouts"])
   breakdown = time_breakdown(base["metrics"], base["slices"])
@@ -384,7 +335,7 @@ def figures(config, args) -> None:
                              for name in ("tlt", "frozen", "no_warmup") if name in runs},
       "end_to_end": end_to_end(runs["tlt"]["metrics"], base["metrics"]),
       **{f"end_to_end_{name}": end_to_end(runs[name]["metrics"], base["metrics"])
-         for name in VARIANTS if name.startswith("tlt_") and name in runs},
+         for name in runs if name.startswith("tlt_")},
       # What each variant compiled, per program kind (programs and seconds), side by side.
       "compile_bill": {name: r["summary"].get("compile_bill", {}) for name, r in runs.items()},
       "runs": {name: {"wall_s": r["wall_s"],
@@ -400,11 +351,6 @@ def figures(config, args) -> None:
   print(f"TLT vs baseline over {e2e['steps']} steps: step-time speedup "
         f"{e2e['speedup_step_time']:.2f}x, rollout speedup {e2e['speedup_rollout']:.2f}x; "
         f"mean reward {e2e['reward_mean_tlt']:.3f} vs {e2e['reward_mean_baseline']:.3f}")
-  for name, bill in result["compile_bill"].items():
-    line = {k: sum(v.get(k, 0) for v in bill.values())
-            for k in ("programs", "seconds", "ahead_programs", "ahead_seconds")}
-    print(f"{name}: compiled {line['programs']} programs in {line['seconds']:.1f} s on the "
-          f"critical path, {line['ahead_programs']} in {line['ahead_seconds']:.1f} s ahead")
   print(f"wrote {args.out}/rl_runs.json, long_tail.png, drafter_adaptation.png, end_to_end.png, "
         f"compiles.png")
 
@@ -414,37 +360,31 @@ def main():
   parser.add_argument("--out", required=True, type=pathlib.Path, help="output folder")
   add_config_flags(parser)
   parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
-  parser.add_argument("--resume", action="store_true",
-                      help="keep OUT's runs: finished variants are read back, a cut-off one "
-                           "resumes from its checkpoints (default: every variant from scratch)")
   parser.add_argument("--settings", nargs="*", metavar="NAME=KEY=VALUE[,KEY=VALUE...]",
                       help="the baseline variant per setting and seed (none named: the "
                            "settings the README reports)")
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="with --settings")
   parser.add_argument("--quick", action="store_true",
-                      help="configs/default.py:runlocal (2 steps, at most 16 drafter steps per "
-                           "idle slice and rollout, no evaluation but with --settings, the "
-                           "persistent compilation cache on: its times compare nothing; with "
-                           "--settings one setting and one seed), for smoke tests")
+                      help="smoke run: configs/default.py:runlocal, the persistent compilation "
+                           "cache on; with --settings one setting and one seed")
   args = parser.parse_args()
   sweep = args.settings is not None
   try:
-    settings = {"default": [], **(dict(map(parse_setting, args.settings)) if args.settings else {
-        name: parse_setting(f"{name}={text}")[1] for name, text in DEFAULT_SETTINGS.items()})}
+    settings = {"default": [], **dict(map(parse_setting, args.settings or [
+        f"{name}={text}" for name, text in DEFAULT_SETTINGS.items()]))}
   except ValueError as e:
     sys.exit(f"error: {e}")
-  seeds = args.seeds[:1] if args.quick else args.seeds
+  if not {"baseline", "tlt"} <= set(args.variants):
+    sys.exit("--variants must include 'baseline' and 'tlt' (the figures compare them)")
+  seeds, sets = args.seeds, args.set
   if args.quick:
+    # At most 16 drafter steps per idle slice per rollout, so that spot threads do not take a
+    # smoke run's 2 CPU cores from the rollout for long; no held-out evaluation (the settings'
+    # sweep measures it).
     args.config = str(REPO / "configs" / "default.py") + ":runlocal"
-    settings = dict(list(settings.items())[:2])
-  # Quick: at most 16 drafter steps per idle slice per rollout, so that spot threads do not
-  # take a smoke run's 2 CPU cores from the rollout for long; no held-out evaluation (the
-  # settings' sweep measures it).
-  quick = ["drafter.spot.max_steps=16", *([] if sweep else ["rl.num_eval_examples=0"])]
-  config = config_or_exit(args.config, [*quick, *args.set] if args.quick else args.set)
-  for needed in ("baseline", "tlt"):
-    if needed not in args.variants:
-      sys.exit(f"--variants must include {needed!r} (the figures compare against it)")
+    seeds, settings = seeds[:1], dict(list(settings.items())[:2])
+    sets = ["drafter.spot.max_steps=16", *([] if sweep else ["rl.num_eval_examples=0"]), *sets]
+  config = config_or_exit(args.config, sets)
   setup_devices(config, compilation_cache=args.quick or sweep)
   args.out.mkdir(parents=True, exist_ok=True)
   try:

@@ -1,9 +1,7 @@
-"""The campaign runner: a campaign is data, {stage name: command}, each command the project's
-own (a job or an experiment) run in its own process from the repository root. Every stage's
-output streams to the console and to OUT/logs/STAGE.log, and one record (a JSON file in OUT)
-holds, per stage, its command, exit status, seconds and the files it wrote, rewritten after
-every stage. With `resume`, a stage the record holds as done is skipped, so a killed campaign
-resumes at the stage it was in; with `keep_going`, a failed stage does not stop the others."""
+"""The campaign runner: a campaign is {stage name: command}, each run in its own process from
+the repository root, its output streamed to the console and OUT/logs/STAGE.log, and recorded
+after every stage in one JSON file (docs/reproducing.md); a rerun resumes at the stage it was
+in."""
 
 from __future__ import annotations
 

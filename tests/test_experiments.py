@@ -198,7 +198,6 @@ def _check_bench_rollout(out, modes):
   """bench_rollout.py --quick's outputs, with plain decoding and the SD `modes` (fixed
   strategies and tuners)."""
   data = json.loads(out.read_text())
-  assert out.with_suffix(".png").exists()
   assert (out.parent / f"{out.stem}_by_batch.png").exists()
   assert set(data["modes"]) == {"plain", *modes}
   assert data["identical_to_plain"] and all(m["identical_to_plain"]
@@ -222,15 +221,13 @@ def _check_bench_rollout(out, modes):
 @pytest.mark.slow
 def test_bench_rollout_quick(tmp_path):
   """GRPO-shaped rollouts of the tiny default (on one slice, SD for its last 8 rows) with its
-  trained EAGLE drafter alone and in the hybrid, fixed and under the table and BEG-MAB, and
-  plain decoding at 1 and 32 steps per call: every mode's tokens are plain decoding's, the
-  warmed drafter's trees are accepted, the hybrid is compared with EAGLE, the tuners with the
-  fixed strategies."""
+  trained EAGLE drafter alone and in the hybrid, fixed and under the table and BEG-MAB: every
+  mode's tokens are plain decoding's, the warmed drafter's trees are accepted, the hybrid is
+  compared with EAGLE, the tuners with the fixed strategies."""
   out = tmp_path / "rollout.json"
   _run_script("bench_rollout", "--quick", "--set", "mesh.num_cpu_devices=1", "--set",
               "mesh.axes.replica=1", "--set", "rollout.sd_threshold=8", "--strategies",
-              "4,2,8", "4,2,8,eagle+suffix", "--tuners", "table", "beg_mab",
-              "--sweep-iterations-per-call", "1", "32", "--out", str(out))
+              "4,2,8", "4,2,8,eagle+suffix", "--tuners", "table", "beg_mab", "--out", str(out))
   data = _check_bench_rollout(out, {"sd(4,2,8)", "sd(4,2,8,eagle+suffix)", "sd-table",
                                     "sd-beg_mab"})
   _check_run_metadata(data, "bench_rollout.py")
@@ -240,12 +237,6 @@ def test_bench_rollout_quick(tmp_path):
     assert data["modes"][mode]["accept_len"] > 1.5
   ratio = data["hybrid_vs_eagle"]["4,2,8,eagle+suffix"]
   assert ratio["accept_len"] > 0 and ratio["tail_s"] > 0
-  sweep = data["iterations_per_call_sweep"]
-  assert set(sweep) == {"1", "32"}
-  assert all(row["outputs_identical_to_plain"] for row in sweep.values())
-  # One step per call: a call per token; up to 32 per call: far fewer calls for the same tokens.
-  assert sweep["32"]["decode_calls"] < sweep["1"]["decode_calls"]
-  assert (out.parent / "rollout_iterations_per_call.png").exists()
 
 
 def test_tuner_comparison_ranks_by_tail_time():
