@@ -5,7 +5,6 @@ in."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -46,12 +45,11 @@ def _written_since(out: pathlib.Path, t0: float, record_path: pathlib.Path) -> l
 
 
 def run_stages(out: pathlib.Path, commands: dict[str, list[str]], selected, quick: bool,
-               record_name: str = "stages.json", resume: bool = True, keep_going: bool = False,
-               requires: dict[str, str] | None = None) -> dict:
+               record_name: str = "stages.json", resume: bool = True,
+               keep_going: bool = False) -> dict:
   """Runs the `selected` stages of `commands` ({name: command}, in order) and records them in
   OUT/record_name ({quick, stages: {name: {command, returncode, seconds, files}}}); returns
-  that record's stages. A stage whose package in `requires` ({name: import name}) is missing
-  is recorded as skipped. A failed stage ends the campaign (exit with one line naming its log)
+  that record's stages. A failed stage ends the campaign (exit with one line naming its log)
   unless `keep_going`."""
   out.mkdir(parents=True, exist_ok=True)
   record_path = out / record_name
@@ -66,13 +64,6 @@ def run_stages(out: pathlib.Path, commands: dict[str, list[str]], selected, quic
       continue
     if resume and name in stages and stages[name].get("returncode", 0) == 0:
       print(f"=== {name}: done in an earlier run ({stages[name]['seconds']:.0f} s), skipped")
-      continue
-    needs = (requires or {}).get(name)
-    if needs and importlib.util.find_spec(needs) is None:
-      print(f"=== {name}: skipped, needs {needs} (pip install {needs})", flush=True)
-      stages[name] = {"command": cmd, "returncode": None, "seconds": 0.0, "files": [],
-                      "skipped": f"needs {needs}"}
-      write_json(record_path, record)
       continue
     t0 = time.time()
     log_path = out / "logs" / f"{name}.log"
