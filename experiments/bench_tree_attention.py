@@ -55,7 +55,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from .bench_decode import median_ms
+from .profile_decode import median_ms
 from .common import REPO, module_command, run_metadata, write_json
 from tlt_jax import xla_flags
 from tlt_jax.compile_cache import enable_compilation_cache
