@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from .bench_decode import median_ms
-from .common import REPO, module_command, pyplot, run_metadata, save_figure, write_json
+from .common import (REPO, median_ms, module_command, pyplot, run_metadata, save_figure,
+                     write_json)
 from tlt_jax import xla_flags
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.kernels import crossover

@@ -1,6 +1,6 @@
 """What the experiments share: the repository root, a run's record, JSON written whole and read
 back, folders a script may replace (its own, marked), the command that runs a sibling, the
---config/--set and --strategies flags, and figures written to files."""
+--config/--set and --strategies flags, a median timer, and figures written to files."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
+
+import numpy as np
 
 from tlt_jax import run_log
 from tlt_jax.config import ConfigError
@@ -147,3 +150,15 @@ def save_figure(fig, path, dpi=None, step_axes=()) -> None:
   fig.savefig(tmp, dpi=dpi)
   plt.close(fig)
   tmp.replace(path)
+
+
+def median_ms(fn, iters: int, warmup: int = 2) -> float:
+  """Median wall milliseconds of fn() (which blocks on its result) after warm-up calls."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times) * 1e3)

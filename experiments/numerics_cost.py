@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from .bench_decode import median_ms
-from .common import pyplot, run_metadata, save_figure, write_json
+from .common import median_ms, pyplot, run_metadata, save_figure, write_json
 
 DECODE_TARGET = 1.5  # invariant decode step / fast decode step, at most
 # The sizes' flags: (flag, type, default, default with --quick, what).

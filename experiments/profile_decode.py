@@ -1,4 +1,4 @@
-"""Where a decode call's time goes: the rollout engine's own decode programs (plain and SD,
+"""The decode benchmark: the rollout engine's own decode programs (plain and SD,
 `SlicePrograms.decode`, i.e. `decode_loop`) timed per call and per iteration at several row
 counts, a `jax.profiler` trace of one call of each reduced to a table on the spot, the compiled
 programs' operation counts, XLA flag variants of the plain call, and (--peer) transformers
@@ -7,15 +7,23 @@ decoding the same shape on the same device.
   python -m experiments.profile_decode --out results/profile_decode          # headline config
   python -m experiments.profile_decode --out /tmp/profile --quick            # CI: seconds
   python -m experiments.profile_decode --out $OUT --peer --time-budget 110   # a GPU lease
+  python -m experiments.profile_decode --out results/decode_7b --weights random --shape \
+      qwen2.5-7b --set model.dtype=bfloat16 --set model.param_dtype=bfloat16 --batches 1 8
 
-Per row count (default 1, 8, 32, 128) and program (plain; each of the config's SD arms at the
-row counts where the config runs SD, rollout.sd_threshold and below), from the same prompts:
+Per row count (default 1, 8, 32, 128) and program (plain; each SD arm, --arms or the config's,
+at the row counts where the config runs SD, rollout.sd_threshold and below), from the same
+prompts:
 
   timing      calls of 1 and of N (--iterations) iterations through `SlicePrograms.decode`,
               the median of --repeats each after a warm-up: per iteration (t_N - t_1) / (N - 1)
               and the fixed cost of a call t_1 - that (dispatch, argument transfers, the
               loop's set-up and the result's sync); the same call also through the compiled
-              executable directly (`exe_*`: without the engine's argument placement)
+              executable directly (`exe_*`: without the engine's argument placement); tokens
+              per row per iteration (an SD arm's accept length, the bonus token included)
+  SD          per arm against plain at the same rows: its iteration's time over plain's
+              (`vs_plain`), the decode speedup its tokens per iteration give, whether its
+              tokens are plain's (greedy only: rollout.temperature=0), and its weight bytes in
+              plain iterations (`weight_read_floor`: the least it costs where weights bind)
   trace       one N-iteration call of each under jax.profiler, reduced here
               (`tlt_jax.profiling.call_table`): launches per iteration, busy and idle time
               (idle: nothing ran on the device), gaps between ops, the top ops by time. On a
@@ -32,9 +40,11 @@ row counts where the config runs SD, rollout.sd_threshold and below), from the s
 
 The model: the config's (default configs/smollm2.py:gpu_headline) policy and drafters where
 its model folder exists, else (--weights random) random weights of --shape with the config's
-drafters (the shipped EAGLE drafter reads any weights of its policy's shape); prompts are
-random tokens of rollout.max_prompt_len, EOS is off and no row finishes while timed. Cost does
-not depend on the weights, accept lengths do: with random weights they mean nothing.
+drafters (the shipped EAGLE drafter reads any weights of its policy's shape); --oracle: the
+policy itself as the EAGLE drafter, every draft accepted under greedy decoding (the bound on
+accept length, at a drafter as costly as the policy). Prompts are random tokens of
+rollout.max_prompt_len, EOS is off and no row finishes while timed. Cost does not depend on
+the weights, accept lengths do: with random weights they mean nothing.
 
 Targets (written in the JSON, checked only on a GPU, None elsewhere): a plain iteration at 128
 rows at most 2x the 1-row one; an SD iteration at 1 row at most 1.3 plain iterations, per arm;
@@ -43,7 +53,8 @@ tlt_jax's plain tokens/s at least transformers + torch.compile's at every row co
 Outputs in --out: profile_decode.json (rewritten after every measurement), profile_decode.png,
 and the raw trace of the 1-row plain call (trace_plain_1.xplane.pb) when it is under 16 MiB.
 The table printed at the end is the same on a CPU and a GPU. --time-budget starts no part
-(program, peer batch, flag variant) once that many seconds have passed.
+(program, peer batch, flag variant) once that many seconds have passed. This script replaces
+bench_decode.py (`git show d582ece:experiments/bench_decode.py`).
 """
 
 from __future__ import annotations
@@ -59,21 +70,18 @@ import sys
 import time
 import warnings
 
-T0 = time.perf_counter()
-# JAX takes 75% of a GPU's memory when it starts unless told not to: the flag variants' own
-# processes and transformers (--peer) need memory beside this process's programs.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+T0 = time.perf_counter()  # --time-budget counts from here
 
 import jax
 import numpy as np
 
-from .bench_decode import median_ms
-from .common import (REPO, config_or_exit, module_command, run_metadata,
-                                strategy_label, usable_cpus, write_json)
+from .common import (REPO, config_or_exit, module_command, pyplot, run_metadata,
+                     save_figure, strategy_label, usable_cpus, write_json)
 from tlt_jax import hlo_counts, profiling
 from tlt_jax.compile_cache import enable_compilation_cache
 from tlt_jax.config import ConfigError
-from tlt_jax.models import ModelConfig
+from tlt_jax.models import ModelConfig, init_params
+from tlt_jax.models.shapes import MODEL_SHAPES
 
 CONFIG = f"{REPO / 'configs' / 'smollm2.py'}:gpu_headline"
 QUICK_CONFIG = str(REPO / "configs" / "default.py")
@@ -101,10 +109,12 @@ TARGETS = {"plain_128_vs_1": 2.0, "sd_1_vs_plain_1": 1.3, "plain_vs_peer_compile
 
 
 def load(args):
-  """(config, cfg, params, drafters by name, what the weights are, the mesh): the config's
-  policy and drafters, or random weights of --shape."""
+  """(config, cfg, params, drafters by name, what the weights are, the mesh, the SD arms): the
+  config's policy and the drafters of the arms, or random weights of --shape; --oracle: the
+  policy itself as the EAGLE drafter."""
   from tlt_jax.components import load_drafters_for, load_policy
-  from tlt_jax.drafters import drafters_named
+  from tlt_jax.drafters import EagleDrafter, drafters_named
+  from tlt_jax.drafters.eagle.network import drafter_from_policy
   from tlt_jax.mesh import make_mesh
   from tlt_jax.models.shapes import with_model_shape
   config = config_or_exit(args.config, args.set)
@@ -121,20 +131,31 @@ def load(args):
       config.model.num_layers = args.layers
     what = f"{what}, {args.layers} layers"
   mesh = make_mesh({"replica": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  arms = arms_of(args, config)
+  oracle = args.oracle and "eagle" in drafters_named(arms)
   try:
     cfg, params = load_policy(config, mesh)
-    drafters = load_drafters_for(config, cfg, names=drafters_named(sd_arms(config)))
+    drafters = load_drafters_for(config, cfg, names=[n for n in drafters_named(arms)
+                                                     if not (oracle and n == "eagle")])
   except ConfigError as e:
     sys.exit(f"config error: {e}")
-  return config, cfg, params, drafters, str(what), mesh
+  if oracle:
+    dcfg, dparams = drafter_from_policy(cfg, params)
+    drafters["eagle"] = EagleDrafter(dparams, dcfg)
+    what = f"{what}, the policy as its EAGLE drafter (oracle)"
+  return config, cfg, params, drafters, str(what), mesh, arms
 
 
-def sd_arms(config) -> list:
-  """The config's SD arms (Strategy), none where SD is off."""
+def arms_of(args, config) -> list:
+  """The SD arms measured (Strategy): --arms, else the config's where SD is on (--quick: its
+  first); none in a flag variant's process."""
   from tlt_jax.speculative.strategy import Strategy
-  if not config.rollout.speculative.enable:
+  if args.variant_of:
     return []
-  return [Strategy.parse(a) for a in config.rollout.speculative.arms]
+  if args.arms is not None:
+    return [Strategy.parse(a) for a in args.arms]
+  arms = config.rollout.speculative.arms if config.rollout.speculative.enable else ()
+  return [Strategy.parse(a) for a in arms][:1 if args.quick else None]
 
 
 class Bench:
@@ -153,7 +174,8 @@ class Bench:
     self.prompt_len = r.max_prompt_len
     self.pool = ExecutablePool()
     self.progs = SlicePrograms(0, mesh, self.pool, cfg,
-                               {n: d.replace(params=None) for n, d in drafters.items()},
+                               {n: d.replace(params=None) if d.trained else d
+                                for n, d in drafters.items()},
                                self.capacity, self.max_new, -1, tuple(config.mesh.rollout_rules),
                                log_features=False)
     self.key = jax.random.key(seed)
@@ -197,9 +219,6 @@ class Bench:
     return lambda state, n: self.progs.decode(self.params, drafters, state, self.key, self.sp,
                                               strategy, 1, n)
 
-  def executable(self, batch: int, strategy):
-    return self.progs.decode_executable(batch, strategy, self.sp)
-
 
 # ---------------------------------------------------------------- transformers (--peer)
 
@@ -226,27 +245,19 @@ def hf_model(cfg: ModelConfig, device: str, dtype):
     torch.set_default_dtype(default_dtype)
 
 
-def hf_step_ms(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
-               cache_len: int = 0, compiled: bool = False, dtype=None) -> dict:
-  """transformers' greedy decode ms per step for a random model of cfg's shape: (time of
-  `new_tokens` new tokens - time of 1) / (new_tokens - 1), the best of two, in bfloat16 on GPU
-  and float32 on CPU unless `dtype` (a torch dtype) says.
-
-  cache_len 0: generate's dynamic cache; > 0: a static cache of that many slots (allocated
-  once, reset before each call, so its shapes never change). compiled: the decode steps under
-  torch.compile (generate's own, mode 'reduce-overhead': CUDA graphs on a GPU); needs a static
-  cache. The first calls (compiling, under `compiled`) are not timed: their seconds are
-  `warmup_s`."""
+def peer_row(cfg: ModelConfig, batch: int, prompt_len: int, cache_len: int, new_tokens: int,
+             compiled: bool, dtype_name: str) -> dict:
+  """transformers' greedy decode at `batch` rows of a random model of cfg's shape in
+  `dtype_name` with a static cache of `cache_len` slots (allocated once, reset before each
+  call, so its shapes never change): ms per step ((time of `new_tokens` new tokens - time of
+  1) / (new_tokens - 1), the best of three) and tokens/s, or why not. compiled: the decode
+  steps under torch.compile (generate's own, mode 'reduce-overhead': CUDA graphs on a GPU),
+  compiled in the untimed first calls (`warmup_s`)."""
   import torch
   from transformers import StaticCache
   from transformers.generation import CompileConfig
-  if compiled and not cache_len:
-    raise ValueError("hf_step_ms: compiled=True needs a static cache (cache_len > 0)")
   device = "cuda" if torch.cuda.is_available() else "cpu"
-  dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-  model = hf_model(cfg, device, dtype)
-  ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
-  cache = StaticCache(config=model.config, max_cache_len=cache_len) if cache_len else None
+  sync = torch.cuda.synchronize if device == "cuda" else lambda: None
   options = {"disable_compile": True}
   if compiled:
     config = CompileConfig()
@@ -254,83 +265,119 @@ def hf_step_ms(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
     options = {"compile_config": config}
 
   def gen(n):
-    if device == "cuda":
-      torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     with torch.inference_mode(), warnings.catch_warnings():
       # transformers 5.25 renames past_key_values to cache; 5.17 (the GPU image) knows only it.
       warnings.simplefilter("ignore", FutureWarning)
-      if cache is not None:
-        cache.reset()  # its tensors were made in inference mode: reset there
+      cache.reset()  # its tensors were made in inference mode: reset there
       model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                      pad_token_id=0, eos_token_id=None, past_key_values=cache, **options)
-    if device == "cuda":
-      torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
-
-  t0 = time.perf_counter()
-  gen(4)
-  gen(new_tokens)  # under `compiled`, the step compiles here (and is captured in a graph)
-  warmup = time.perf_counter() - t0
-  one = min(gen(1) for _ in range(3))
-  many = min(gen(new_tokens) for _ in range(3))
-  del model, cache
-  if device == "cuda":
-    torch.cuda.empty_cache()  # the next batch's JAX programs need the memory back
-  return {"device": device, "dtype": str(dtype).removeprefix("torch."),
-          "step_ms": (many - one) / (new_tokens - 1) * 1e3, "warmup_s": warmup,
-          "cache": f"static {cache_len}" if cache_len else "dynamic", "compiled": compiled}
+  try:
+    model = hf_model(cfg, device, getattr(torch, dtype_name))
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    t0 = time.perf_counter()
+    gen(4)
+    gen(new_tokens)  # under `compiled`, the step compiles here (and is captured in a graph)
+    warmup_s = time.perf_counter() - t0
+    one = min(gen(1) for _ in range(3))
+    step_ms = (min(gen(new_tokens) for _ in range(3)) - one) / (new_tokens - 1) * 1e3
+  except Exception as e:  # noqa: BLE001 -- a peer that fails is a finding, not a crash
+    return {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+  finally:
+    model = cache = None  # dropped, so that empty_cache can return their memory
+    if device == "cuda":
+      torch.cuda.empty_cache()  # the next batch's JAX programs need the memory back
+  if step_ms <= 0:  # N tokens took no longer than 1: a busy host's noise
+    return {"status": f"no result: {new_tokens} tokens took no longer than 1 (noise)"}
+  return {"status": "ok", "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1e3,
+          "warmup_s": warmup_s, "dtype": dtype_name, "cache": f"static {cache_len}"}
 
 
 # ---------------------------------------------------------------- measurements
 
 
-def time_program(bench: Bench, batch: int, strategy, iterations: int, repeats: int) -> dict:
+def time_program(bench: Bench, batch: int, strategy, iterations: int, repeats: int) -> tuple:
   """Calls of 1 and of `iterations` iterations, through the engine and through the compiled
-  executable: medians (ms), per iteration and fixed per call. A state about to run out of
-  output slots is replaced by a fresh one between calls (not timed)."""
-  call = bench.call(strategy)
-  box, ran = [bench.fresh(batch, strategy)], []
+  executable called directly with its arguments already on the device (`exe_*`: the call's
+  cost without the engine's argument placement): (medians (ms), per iteration and fixed per
+  call, and tokens emitted per row per iteration; the last state). A state about to run out
+  of output slots is replaced by a fresh one between calls (not timed)."""
+  from tlt_jax.drafters import reads_corpus
+  exe, put = bench.progs.decode_executable(batch, strategy, bench.sp), bench.progs.put
+  drafters = bench.drafters if strategy is not None else {}
+  # A suffix drafter's responses to copy from: none (-1), as the engine passes without any.
+  corpus = (put(np.full((batch, bench.progs.corpus_rows, bench.max_new), -1, np.int32)),) \
+      if strategy is not None and reads_corpus(strategy.drafts) else ()
+  scalars = {n: (put(np.int32(1)), put(np.int32(n)), put(np.float32(bench.sp.temperature)),
+                 *corpus) for n in (1, iterations)}
+  calls = {"": bench.call(strategy),
+           "exe_": lambda state, n: exe(bench.params, drafters, state, bench.key, *scalars[n])}
+  box, ran, tokens, out = [bench.fresh(batch, strategy)], [], [], {}
 
-  def one(n):
-    def run():
-      box[0] = bench.with_room(box[0], batch, strategy, n)
-      t0 = time.perf_counter()
-      box[0], _, done = call(box[0], n)
-      jax.block_until_ready(box[0].num_out)
-      ran.append(int(done))
-      return time.perf_counter() - t0
-    return run
-  out = {}
-  for name, n in (("call_1_ms", 1), ("call_n_ms", iterations)):
-    times = [one(n)() for _ in range(repeats + (2 if n == 1 else 1))]
-    out[name] = float(np.median(times[(2 if n == 1 else 1):]) * 1e3)
+  def timed(call, n) -> float:
+    box[0] = bench.with_room(box[0], batch, strategy, n)
+    before = np.asarray(box[0].num_out)  # ready: with_room read it
+    t0 = time.perf_counter()
+    box[0], _, done = call(box[0], n)
+    jax.block_until_ready(box[0].num_out)
+    ran.append(int(done))
+    elapsed = time.perf_counter() - t0
+    tokens.append((np.asarray(box[0].num_out) - before).mean() / max(ran[-1], 1))
+    return elapsed
+  for prefix, call in calls.items():
+    for name, n in (("call_1_ms", 1), ("call_n_ms", iterations)):
+      warmup = 2 if n == 1 and not prefix else 1
+      times = [timed(call, n) for _ in range(repeats + warmup)]
+      out[prefix + name] = float(np.median(times[warmup:]) * 1e3)
+    if not prefix:
+      out["min_iterations_run"] = min(ran[-repeats:])
   out["iterations"] = iterations
-  out["min_iterations_run"] = min(ran[-repeats:])
   out["iteration_ms"] = (out["call_n_ms"] - out["call_1_ms"]) / max(iterations - 1, 1)
   out["fixed_ms"] = out["call_1_ms"] - out["iteration_ms"]
-  out.update(time_executable(bench, batch, strategy, box[0], iterations, repeats))
+  out["tokens_per_iteration"] = float(np.mean(tokens))
+  return out, box[0]
+
+
+def against_plain(plain: dict, timing: dict, state, reference, greedy: bool) -> dict:
+  """An SD arm's iteration against plain's entry at the same rows: its time over plain's, the
+  decode speedup its tokens per iteration give, and (greedy only, else None) whether its
+  tokens are plain's (`reference`: (out [B, N], num_out [B]) on the host) as far as both go."""
+  p, ms = plain.get("timing", {}).get("iteration_ms"), timing.get("iteration_ms")
+  out = {"identical_to_plain": None}
+  if (p or 0) > 0 and (ms or 0) > 0:  # t_N - t_1 can be noise on a busy host
+    out.update(vs_plain=ms / p, decode_speedup=timing["tokens_per_iteration"] * p / ms)
+  if greedy and reference is not None:
+    n = int(min(np.asarray(state.num_out).min(), reference[1].min()))
+    out["identical_to_plain"] = bool(np.array_equal(np.asarray(state.out)[:, :n],
+                                                    reference[0][:, :n]))
   return out
 
 
-def time_executable(bench: Bench, batch: int, strategy, state, iterations: int,
-                    repeats: int) -> dict:
-  """The compiled executable called directly with its arguments already on the device: the
-  call's cost without the engine's argument placement (exe_call_1_ms, exe_call_n_ms)."""
-  exe = bench.executable(batch, strategy)
-  put = bench.progs.put
-  drafters = bench.drafters if strategy is not None else {}
-  temperature = put(np.float32(bench.sp.temperature))
-  box, out = [state], {}
-  for name, n in (("exe_call_1_ms", 1), ("exe_call_n_ms", iterations)):
-    scalars = (put(np.int32(1)), put(np.int32(n)), temperature)
+def weight_read_floor(cfg: ModelConfig, dcfg, passes: int) -> float:
+  """An SD iteration's weight bytes over a plain step's (dcfg: the EAGLE drafter's
+  DrafterConfig): verification reads the policy's weights once, like a step (all but the
+  embedding table, of which it gathers rows; a tied table is read as the head), and each of
+  the `passes` drafter passes reads the drafter's weights and a head (its own with a reduced
+  draft vocabulary, else the policy's). KV-cache and activation bytes are left out. At equal
+  bandwidth this is the least an iteration can cost, in plain steps, when decode is bound by
+  reading weights."""
+  from tlt_jax.drafters.eagle.network import DRAFT_TO_POLICY, init_drafter_params
 
-    def run():
-      box[0] = bench.with_room(box[0], batch, strategy, n)
-      box[0], _, _ = exe(bench.params, drafters, box[0], bench.key, *scalars)
-      jax.block_until_ready(box[0].num_out)
-    out[name] = median_ms(run, repeats, warmup=1)
-  return out
+  def sizes(init, *a):
+    tree = jax.eval_shape(lambda key: init(*a, key), jax.random.key(0))
+    return {jax.tree_util.keystr(p): int(np.prod(x.shape))
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  policy, drafter = sizes(init_params, cfg), sizes(init_drafter_params, cfg, dcfg)
+  table = policy["['embed']['embedding']"]
+  step = sum(policy.values()) - (0 if cfg.tie_embeddings else table)
+  head = 0 if dcfg.draft_vocab_size else policy.get("['lm_head']['kernel']", table)
+  index = jax.tree_util.keystr((jax.tree_util.DictKey(DRAFT_TO_POLICY),))  # ids, not weights
+  drafter_pass = sum(v for k, v in drafter.items() if k != index) + head
+  return 1.0 + passes * drafter_pass / step
 
 
 def trace_program(bench: Bench, batch: int, strategy, iterations: int, folder: pathlib.Path
@@ -351,7 +398,7 @@ def trace_program(bench: Bench, batch: int, strategy, iterations: int, folder: p
 def count_ops(bench: Bench, batch: int, strategy) -> dict:
   """`hlo_counts.decode_loop_counts` of the compiled program, copies of the KV cache and of
   the weights told by their shapes."""
-  exe = bench.executable(batch, strategy)
+  exe = bench.progs.decode_executable(batch, strategy, bench.sp)
   cache = bench.base.cache.k.shape
   big = {"kv_cache": {(cache[0], batch, *cache[2:])}, "weights": weight_shapes(bench.params)}
   return hlo_counts.decode_loop_counts(exe.as_text(), big)
@@ -369,21 +416,6 @@ def weight_shapes(params) -> set[tuple]:
   return shapes
 
 
-def peer_row(cfg, batch: int, prompt_len: int, capacity: int, new_tokens: int,
-             compiled: bool, dtype_name: str) -> dict:
-  """transformers' step and tokens/s at `batch` rows (see `hf_step_ms`)."""
-  import torch
-  try:
-    hf = hf_step_ms(cfg, batch, prompt_len, new_tokens, cache_len=capacity, compiled=compiled,
-                    dtype=getattr(torch, dtype_name))
-  except Exception as e:  # noqa: BLE001 -- a peer that fails is a finding, not a crash
-    return {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-  if hf["step_ms"] <= 0:  # N tokens took no longer than 1: a busy host's noise
-    return {"status": f"no result: {new_tokens} tokens took no longer than 1 (noise)"}
-  return {"status": "ok", "step_ms": hf["step_ms"], "tokens_per_s": batch / hf["step_ms"] * 1e3,
-          "warmup_s": hf["warmup_s"], "dtype": hf["dtype"], "cache": hf["cache"]}
-
-
 def run_variant(name: str, flags: str, args, out: pathlib.Path) -> dict:
   """The plain program at --flag-batches in a process of its own with `flags` added to
   XLA_FLAGS: {'flags', 'status', 'rows': {batch: timing}}."""
@@ -392,9 +424,9 @@ def run_variant(name: str, flags: str, args, out: pathlib.Path) -> dict:
     return {"flags": flags, "status": f"skipped: GPU-only flags on {jax.default_backend()}"}
   path = out / f".variant_{name}.json"
   argv = ["--out", str(out / f".variant_{name}"), "--variant-of", str(path), "--config",
-          args.config, "--weights", args.weights, "--shape", args.shape, "--iterations",
-          args.iterations, "--repeats", args.repeats, "--batches", *args.flag_batches,
-          *[a for kv in args.set for a in ("--set", kv)]]
+          args.config, "--weights", args.weights, "--shape", args.shape, "--layers", args.layers,
+          "--iterations", args.iterations, "--repeats", args.repeats, "--batches",
+          *args.flag_batches, *[a for kv in args.set for a in ("--set", kv)]]
   env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
   t0 = time.perf_counter()
   done = subprocess.run(module_command("profile_decode", *argv), cwd=REPO, env=env,
@@ -447,14 +479,15 @@ def check_targets(result: dict) -> list[dict]:
 
 
 def table(result: dict) -> str:
-  """The printed summary: per program its timing, launches and idle time per iteration, its
-  op counts per iteration and the top ops of its trace; then variants, peer and targets."""
+  """The printed summary: per program its timing, tokens, launches and idle time per
+  iteration, its op counts per iteration and the top ops of its trace; each SD arm against
+  plain; then variants, peer and targets."""
   lines = [f"{result['model']} on {result['device']['device_kind']} "
            f"({result['device']['platform']}), {result['dtype']}, cache {result['capacity']}"]
   lines.append(f"{'program':<18}{'rows':>5}{'iter ms':>9}{'fixed ms':>9}{'exe fixed':>10}"
-               f"{'launch/it':>10}{'idle/it ms':>11}{'ops/it':>8}{'copies/it':>10}"
-               f"{'whiles/it':>10}")
-  tops = []
+               f"{'tok/it':>7}{'launch/it':>10}{'idle/it ms':>11}{'ops/it':>8}"
+               f"{'copies/it':>10}{'whiles/it':>10}")
+  tops, arms = [], []
   for r in result["rows"]:
     for name, p in [("plain", r.get("plain"))] + list(r.get("sd", {}).items()):
       if not p:
@@ -464,11 +497,18 @@ def table(result: dict) -> str:
       exe_fixed = (t["exe_call_1_ms"] - t["iteration_ms"]) if "exe_call_1_ms" in t else None
       lines.append(
           f"{name:<18}{r['batch']:>5}{_f(t.get('iteration_ms'), 9)}{_f(t.get('fixed_ms'), 9)}"
-          f"{_f(exe_fixed, 10)}{_f(tr.get('launches_per_iteration'), 10, 1)}"
+          f"{_f(exe_fixed, 10)}{_f(t.get('tokens_per_iteration'), 7, 2)}"
+          f"{_f(tr.get('launches_per_iteration'), 10, 1)}"
           f"{_f(tr.get('idle_ms_per_iteration'), 11)}{_f(c.get('ops'), 8, 0)}"
           f"{_f(c.get('copies'), 10, 0)}{_f(c.get('while_loops'), 10, 0)}")
       if tr.get("top"):
         tops.append((name, r["batch"], tr))
+      if "vs_plain" in p:
+        same = {True: "yes", False: "NO", None: "not checked"}[p["identical_to_plain"]]
+        arms.append(f"{name} at {r['batch']} rows: {p['vs_plain']:.2f}x plain's iteration "
+                    f"(weight floor {p['weight_floor_vs_plain']:.2f}x), decode speedup "
+                    f"{p['decode_speedup']:.2f}x, plain's tokens: {same}")
+  lines += arms
   for name, b, tr in tops[:1] + tops[-1:] if len(tops) > 1 else tops:
     lines.append(f"top ops, {name} at {b} rows ({tr['source']}, {tr['iterations']} iterations, "
                  f"busy {tr['busy_ms']:.2f} ms of {tr['span_ms']:.2f}):")
@@ -500,9 +540,7 @@ def _f(x, width, digits=3) -> str:
 def plot(result: dict, path: pathlib.Path) -> None:
   """Per-iteration and fixed ms by rows (left), launches and idle ms per iteration (middle),
   tokens/s against transformers (right); written whole (temp file, then renamed)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   rows = result["rows"]
   if not rows:
     return
@@ -540,11 +578,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax.legend(fontsize=7)
   axes[2].set_yscale("log")
   fig.suptitle(f"{result['model']} on {result['device']['device_kind']}", fontsize=9)
-  fig.tight_layout()
-  tmp = path.with_name(path.name + ".tmp.png")
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, path)
+  save_figure(fig, path, dpi=110)
 
 
 # ---------------------------------------------------------------- set-up and main
@@ -560,7 +594,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--weights", choices=("auto", "config", "random"), default="auto",
                       help="the config's weights, or random ones of --shape (auto: the "
                            "config's where its model folder exists)")
-  parser.add_argument("--shape", default="smollm2-135m", help="model shape of --weights random")
+  parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="smollm2-135m",
+                      help="model shape of --weights random")
   parser.add_argument("--layers", type=int, default=0,
                       help="the model cut to this many layers (random weights: op counts of a "
                            "model's shape on a CPU; 0: all)")
@@ -574,6 +609,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--arms", nargs="*", default=None,
                       help="SD strategies 'depth,topk,verify' (default: the config's arms; "
                            "--quick: its first)")
+  parser.add_argument("--oracle", action="store_true",
+                      help="the policy as the EAGLE drafter (greedy: every draft accepted)")
   parser.add_argument("--iterations", type=int, default=None,
                       help="iterations of a long call (default 32; --quick 4)")
   parser.add_argument("--repeats", type=int, default=None,
@@ -609,15 +646,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def plan_of(args, config) -> tuple[list, dict]:
+def plan_of(args, config, arms: list) -> tuple[list, dict]:
   """([(batch, strategy or None)], {batch: [arms]}): plain at every batch, the arms at the SD
   batches."""
-  from tlt_jax.speculative.strategy import Strategy
-  if args.variant_of:
-    return [(b, None) for b in args.batches], {}
-  arms = [Strategy.parse(a) for a in args.arms] if args.arms is not None else sd_arms(config)
-  if args.quick and args.arms is None:
-    arms = arms[:1]
   sd_batches = args.sd_batches
   if sd_batches is None:
     sd_batches = [b for b in args.batches if b <= max(config.rollout.sd_threshold, 1)]
@@ -627,10 +658,16 @@ def plan_of(args, config) -> tuple[list, dict]:
 
 def main(argv=None):
   args = parse_args(argv)
+  # JAX takes 75% of a GPU's memory when it starts unless told not to: the flag variants' own
+  # processes and transformers (--peer) need memory beside this process's programs. (Set here,
+  # before JAX's first use, not on import.)
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   cache_dir = enable_compilation_cache()
   args.out.mkdir(parents=True, exist_ok=True)
-  config, cfg, params, drafters, model, mesh = load(args)
-  plan, sd = plan_of(args, config)
+  config, cfg, params, drafters, model, mesh, arms = load(args)
+  plan, sd = plan_of(args, config, arms)
+  floors = {strategy_label(s): weight_read_floor(cfg, drafters["eagle"].settings, s.depth)
+            if "eagle" in s.drafts else 1.0 for s in arms}
   gpu = jax.default_backend() == "gpu"
   result = {**run_metadata(), "model": model, "config": args.config, "sets": args.set,
             "dtype": cfg.dtype, "attention_impl": cfg.attention_impl,
@@ -639,6 +676,7 @@ def main(argv=None):
             "temperature": config.rollout.temperature, "iterations": args.iterations,
             "repeats": args.repeats, "batches": args.batches, "sd_batches": sorted(sd),
             "arms": sorted({strategy_label(s) for arms in sd.values() for s in arms}),
+            "oracle": args.oracle,
             "compilation_cache": cache_dir, "time_budget_s": args.time_budget or None,
             "skipped": [], "rows": [],
             "trace_note": ("a traced GPU program runs op by op: XLA turns its command buffers "
@@ -652,9 +690,9 @@ def main(argv=None):
                 compiles=bench.pool.report()["bill"])
   save()
 
-  traces = args.out / ".traces"
+  traces, greedy = args.out / ".traces", bench.sp.temperature == 0
   for b in args.batches:
-    row = {"batch": b, "plain": {}, "sd": {}}
+    row, reference = {"batch": b, "plain": {}, "sd": {}}, None
     result["rows"].append(row)
     for strategy in [None] + sd.get(b, []):
       name = "plain" if strategy is None else strategy_label(strategy)
@@ -663,7 +701,14 @@ def main(argv=None):
         continue
       entry = {}
       if not args.counts_only:
-        entry["timing"] = time_program(bench, b, strategy, args.iterations, args.repeats)
+        entry["timing"], state = time_program(bench, b, strategy, args.iterations,
+                                              args.repeats)
+        if strategy is None:
+          reference = jax.device_get((state.out, state.num_out))
+        else:
+          entry.update(against_plain(row["plain"], entry["timing"], state, reference, greedy),
+                       weight_floor_vs_plain=floors[name])
+        del state
       if not args.variant_of:
         entry["op_counts"] = count_ops(bench, b, strategy)
       if not (args.variant_of or args.no_trace or args.counts_only):
@@ -719,7 +764,6 @@ def run_peer(args, cfg, result: dict, gpu: bool, save) -> None:
   import torch
   torch.backends.cuda.matmul.allow_tf32 = True  # as JAX's default float32 matmuls on a GPU
   peer["versions"] = {m: importlib.metadata.version(m) for m in ("torch", "transformers")}
-  dtype = cfg.dtype
   for b in args.batches:
     row = peer["rows"].setdefault(str(b), {})
     for kind in ("eager", "compiled") if compiled else ("eager",):
@@ -727,7 +771,7 @@ def run_peer(args, cfg, result: dict, gpu: bool, save) -> None:
         row[kind] = {"status": "skipped: time budget spent"}
         continue
       row[kind] = peer_row(cfg, b, result["prompt_len"], result["capacity"],
-                           args.peer_new_tokens, kind == "compiled", dtype)
+                           args.peer_new_tokens, kind == "compiled", cfg.dtype)
       print(f"transformers {kind} at {b} rows: {row[kind].get('status')}"
             + (f", {row[kind]['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in row[kind]
                else ""), flush=True)

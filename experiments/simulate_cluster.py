@@ -92,8 +92,9 @@ def costs_from_rollout_json(path: str, max_batch: int = 64) -> CostModel:
 def costs_from_decode_json(path: str, max_batch: int = 64, sd_key: str | None = None,
                            accept_len: float = 6.4, kv_s_per_row: float = 1.5e-4
                            ) -> tuple[CostModel, int]:
-  """A cost table from experiments/bench_decode.py's JSON, and the largest batch it measured
-  (SD beyond it is extrapolated: keep --sd-threshold at or below it).
+  """A cost table from experiments/profile_decode.py's JSON (or bench_decode.py's, merged into
+  it since d582ece), and the largest batch it measured SD at (SD beyond it is extrapolated:
+  keep --sd-threshold at or below it).
 
   Plain step and SD iteration (sd_key: which strategy; default the fastest at the smallest
   batch) are each a least-squares line a + c * b (c >= 0) through the measured batches, plus
@@ -101,11 +102,17 @@ def costs_from_decode_json(path: str, max_batch: int = 64, sd_key: str | None = 
   responses (the default is the built-in model's). accept_len is not measured there (random
   weights); 6.4 is the built-in model's for a 48-token tree.
   """
-  data = read_json(path, "bench_decode JSON")
-  rows = [r for r in data.get("rows", []) if isinstance(r, dict) and r.get("complete")]
-  if not rows or any("tlt_plain_ms" not in r or not r.get("sd") for r in rows):
-    raise ValueError(f"{path!r} holds no complete bench_decode.py rows with SD timings; make "
-                     f"it with `python -m experiments.bench_decode --out FILE.json`")
+  data = read_json(path, "profile_decode JSON")
+
+  def ms(entry):  # an iteration's ms: profile_decode.py's entry, or bench_decode.py's
+    return entry.get("timing", entry).get("iteration_ms") if isinstance(entry, dict) else None
+  rows = [{"batch": r["batch"], "tlt_plain_ms": ms(r.get("plain")) or r.get("tlt_plain_ms"),
+           "sd": {k: {"iteration_ms": ms(v)} for k, v in r.get("sd", {}).items() if ms(v)}}
+          for r in data.get("rows", []) if isinstance(r, dict) and r.get("complete", True)]
+  rows = [r for r in rows if r["tlt_plain_ms"] and r["sd"]]  # the batches with SD
+  if not rows:
+    raise ValueError(f"{path!r} holds no rows with plain and SD timings; make it with "
+                     f"`python -m experiments.profile_decode --out DIR` (DIR/profile_decode.json)")
   keys = sorted(rows[0]["sd"], key=lambda k: rows[0]["sd"][k]["iteration_ms"])
   key = sd_key or keys[0]
   if any(key not in r["sd"] for r in rows):
@@ -119,7 +126,7 @@ def costs_from_decode_json(path: str, max_batch: int = 64, sd_key: str | None = 
 
   device = data.get("device", "?")
   device = device.get("device_kind", "?") if isinstance(device, dict) else device
-  source = (f"{path} ({device}, {data.get('shape', '?')}, SD {key}, "
+  source = (f"{path} ({device}, {data.get('shape') or data.get('model', '?')}, SD {key}, "
             f"measured at batch {sorted(set(batch.astype(int).tolist()))}; assumed: accept "
             f"length {accept_len}, {kv_s_per_row * 1e3:g} ms per row of long context)")
   return make_costs(b, line([r["tlt_plain_ms"] for r in rows]),
@@ -291,7 +298,7 @@ def write_outputs(rows: list[dict], record: dict, out: str) -> None:
 FLAGS = (
     ("--costs", str, None, "measured cost table (JSON); default: built-in model"),
     ("--costs-from-bench", str, None, "derive costs from bench_rollout.py's JSON"),
-    ("--costs-from-decode", str, None, "iteration times from bench_decode.py's JSON"),
+    ("--costs-from-decode", str, None, "iteration times from profile_decode.py's JSON"),
     ("--decode-sd", str, None, "with --costs-from-decode: its SD strategy key"),
     ("--accept-len", float, 6.4, "with --costs-from-decode: tokens per SD iteration"),
     ("--lengths", str, None, "measured lengths: lengths.json or rollouts.jsonl"),

@@ -5,13 +5,14 @@
   python -m experiments.smollm2_cpu --out runs/smollm2_cpu --stages decode rollout
 
 A campaign (experiments/stages.py: each stage a process, its log in OUT/logs/STAGE.log, a
-finished stage recorded in OUT/stages.json and skipped on a rerun): decode (bench_decode: the
-plain decode step at each of --batches rows -> OUT/decode.json), warmup (tlt_jax.warmup_drafter
--> OUT/warmup/export/eagle), rollout (bench_rollout with the warmed drafter: --rollout-prompts
-problems, plain vs each fixed strategy and BEG-MAB -> OUT/rollout.json), rl (rl_runs: GRPO
-baseline and TLT -> OUT/rl). OUT/smollm2_cpu.json holds the run's record and each stage's
-headline numbers; OUT/smollm2_cpu.png the decode step against batch size, the rollout's whole
-and tail seconds per mode, the RL runs' reward and step time per step.
+finished stage recorded in OUT/stages.json and skipped on a rerun): decode (profile_decode: the
+plain decode iteration at each of --batches rows -> OUT/decode/profile_decode.json), warmup
+(tlt_jax.warmup_drafter -> OUT/warmup/export/eagle), rollout (bench_rollout with the warmed
+drafter: --rollout-prompts problems, plain vs each fixed strategy and BEG-MAB ->
+OUT/rollout.json), rl (rl_runs: GRPO baseline and TLT -> OUT/rl). OUT/smollm2_cpu.json holds
+the run's record and each stage's headline numbers; OUT/smollm2_cpu.png the decode iteration
+against batch size, the rollout's whole and tail seconds per mode, the RL runs' reward and
+step time per step.
 """
 
 from __future__ import annotations
@@ -28,19 +29,17 @@ STAGES = ("decode", "warmup", "rollout", "rl")
 CONFIG = str(REPO / "configs" / "smollm2.py")
 
 
-def stage_commands(out: pathlib.Path, quick: bool, sets: list[str], args) -> dict:
-  py = sys.executable
-  config = CONFIG + (":runlocal" if quick else "")
-  flags = [f"--config.{kv}" for kv in sets]
-  own = [a for kv in sets for a in ("--set", kv)]
+def stage_commands(out: pathlib.Path, args) -> dict:
+  config = CONFIG + (":runlocal" if args.quick else "")
+  own = [a for kv in args.set for a in ("--set", kv)]
   warmed = ["--set", f"drafter.eagle.path={out / 'warmup' / 'export' / 'eagle'}"]
   return {
-      # Plain steps only: the stage measures where the step stops being flat in the batch.
-      "decode": [*module_command("bench_decode"), "--config", config, *own, "--strategies",
-                 "--batches", *map(str, args.batches), "--iters", str(args.iters),
-                 "--out", str(out / "decode.json")],
-      "warmup": [py, "-m", "tlt_jax.warmup_drafter", f"--config={config}",
-                 f"--workdir={out / 'warmup'}", *flags],
+      # Plain iterations only: the stage measures where a step stops being flat in the rows.
+      "decode": [*module_command("profile_decode"), "--config", config, "--weights", "config",
+                 *own, "--arms", "--batches", *map(str, args.batches), "--iterations",
+                 str(args.iterations), "--no-trace", "--flags", "--out", str(out / "decode")],
+      "warmup": [sys.executable, "-m", "tlt_jax.warmup_drafter", f"--config={config}",
+                 f"--workdir={out / 'warmup'}", *[f"--config.{kv}" for kv in args.set]],
       # Held-out problems (another stream than the warm-up's training prompts), one key.
       "rollout": [*module_command("bench_rollout"), "--config", config, *warmed, *own,
                   "--prompts", str(args.rollout_prompts), "--seed", "7", "--tuners", "beg_mab",
@@ -52,23 +51,20 @@ def stage_commands(out: pathlib.Path, quick: bool, sets: list[str], args) -> dic
 
 def collect(out: pathlib.Path, stages: dict) -> dict:
   """The headline numbers of every stage, from its own outputs."""
-  decode, roll = read_json(out / "decode.json"), read_json(out / "rollout.json")
+  decode, roll = read_json(out / "decode" / "profile_decode.json"), read_json(out / "rollout.json")
   warm, rl = read_json(out / "warmup" / "summary.json"), read_json(out / "rl" / "rl_runs.json")
   modes = roll.get("modes", {})
-  runs = {}
-  for name, r in rl.get("runs", {}).items():
-    metrics = r.get("metrics", [])
-    runs[name] = {"reward_by_step": [m["reward_mean"] for m in metrics],
-                  "reward_vs_initial": [m.get("reward_vs_initial") for m in metrics],
-                  "step_s": [m["step_s"] for m in metrics],
-                  "rollout_s": [m["rollout_s"] for m in metrics],
-                  "update_s": [m["update_s"] for m in metrics],
-                  "heldout": {k: v for k, v in r.get("summary", {}).items() if "accuracy" in k}}
+  # Per-step series of each RL run: our name -> rl_runs' metric.
+  series = {"reward_by_step": "reward_mean", "reward_vs_initial": "reward_vs_initial",
+            "step_s": "step_s", "rollout_s": "rollout_s", "update_s": "update_s"}
+  runs = {name: {**{k: [m.get(v) for m in r.get("metrics", [])] for k, v in series.items()},
+                 "heldout": {k: v for k, v in r.get("summary", {}).items() if "accuracy" in k}}
+          for name, r in rl.get("runs", {}).items()}
   return {**run_metadata(), "device": f"CPU, {usable_cpus()} cores (the rollout and RL stages "
           f"on 2 emulated devices)", "stages": stages,
-          "decode": [{"batch": r["batch"], "step_ms": r["tlt_plain_ms"],
-                      "tokens_per_s": 1e3 * r["batch"] / r["tlt_plain_ms"]}
-                     for r in decode.get("rows", []) if r.get("complete")],
+          "decode": [{"batch": r["batch"], "step_ms": r["plain"]["timing"]["iteration_ms"],
+                      "tokens_per_s": r["plain"].get("tokens_per_s")}
+                     for r in decode.get("rows", []) if "timing" in r["plain"]],
           "drafter": {k: warm.get(k) for k in ("accept_len_untrained", "accept_len_warmed",
                                               "strategy")},
           "rollout": {name: {k: m.get(k) for k in ("wall_s", "tail_s", "accept_len",
@@ -87,8 +83,8 @@ def plot(out: pathlib.Path, summary: dict) -> None:
     ax_d.set_xscale("log", base=2)
     ax_d.set_ylim(bottom=0)
   ax_d.set_xlabel("batch (rows decoding)")
-  ax_d.set_ylabel("decode step (ms)")
-  ax_d.set_title("SmolLM2-135M float32 decode step", fontsize=9)
+  ax_d.set_ylabel("plain decode iteration (ms)")
+  ax_d.set_title("SmolLM2-135M float32 decode iteration", fontsize=9)
   modes = summary.get("rollout") or {}
   names = list(modes)
   x = range(len(names))
@@ -132,14 +128,13 @@ def main(argv=None):
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="config override for every stage (repeatable)")
   p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--iterations", type=int, default=8,
+                 help="decode stage: iterations of a long call (see profile_decode)")
   p.add_argument("--rollout-prompts", type=int, default=8,
                  help="problems in the rollout stage's batch (x the config's samples)")
   args = p.parse_args(argv)
   out = args.out.resolve()
-  out.mkdir(parents=True, exist_ok=True)
-  stages = run_stages(out, stage_commands(out, args.quick, args.set, args), args.stages,
-                      args.quick)
+  stages = run_stages(out, stage_commands(out, args), args.stages, args.quick)
   summary = collect(out, stages)
   write_json(out / "smollm2_cpu.json", summary)
   plot(out, summary)

@@ -11,9 +11,6 @@ import pytest
 
 from tests.experiment_modules import load_experiment
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
-from tlt_jax.models import ModelConfig
-from tlt_jax.drafters.eagle.network import DrafterConfig
-from tlt_jax.models.shapes import MODEL_SHAPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,20 +83,6 @@ def test_bench_tree_attention_times_calls_chained_in_one_program():
   assert jnp.isnan(bench.repeated(log, 3)(q, k)[0])
 
 
-def test_bench_decode_counts_an_sd_iterations_weight_bytes():
-  """At the Qwen2.5-7B shape a policy step reads 7.07B parameters (7.62B less the 545M
-  embedding table); a drafter pass reads the 1-layer drafter (259M) and the policy's head
-  (545M), or with a 32k draft vocabulary its own head (117M with the rest: 376M)."""
-  bench = load_experiment("bench_decode")
-  cfg = ModelConfig(**MODEL_SHAPES["qwen2.5-7b"], dtype="bfloat16", param_dtype="bfloat16")
-  step = 7_615_616_512 - 544_997_376
-  assert bench.weight_read_floor(cfg, DrafterConfig(), 0) == 1.0
-  assert bench.weight_read_floor(cfg, DrafterConfig(), 8) == pytest.approx(
-      1 + 8 * (258_747_904 + 544_997_376) / step)
-  assert bench.weight_read_floor(cfg, DrafterConfig(draft_vocab_size=32768), 8) == \
-      pytest.approx(1 + 8 * (376_221_184 - 32768) / step)  # not its id map's 32k ints
-
-
 def test_bench_tree_attention_targets():
   """Which points a target covers, and the kernel's verdict there."""
   bench = load_experiment("bench_tree_attention")
@@ -132,22 +115,6 @@ def test_bench_tree_attention_targets():
   assert summary["bandwidth_batch1_long_prefix"]["all_met"] is None
 
 
-def _check_bench_decode_quick(out):
-  """bench_decode.py --quick's outputs on random weights."""
-  data = json.loads(out.read_text())
-  assert out.with_suffix(".png").exists()
-  _check_run_metadata(data, "bench_decode.py")
-  assert data["attention_impl"] == "auto" and data["shape"] == "small"
-  assert data["stopped_early"] is False
-  (row,) = data["rows"]
-  assert row["batch"] == 1 and row["complete"]
-  assert row["tlt_plain_ms"] > 0 and row["tlt_plain_sync_ms"] > 0
-  assert row["floor_ms"] > 0
-  assert list(row["sd"]) == ["3,2,6"] and row["sd"]["3,2,6"]["iteration_ms"] > 0
-  assert row["sd"]["3,2,6"]["drafter"] == "random"
-  assert "loop_iteration_ms" not in row["sd"]["3,2,6"]  # --loop-iterations is opt-in
-
-
 @pytest.mark.slow
 def test_bench_tree_attention_stops_at_time_budget(tmp_path):
   """A budget spent before the second grid point keeps the first one and says what was
@@ -157,41 +124,6 @@ def test_bench_tree_attention_stops_at_time_budget(tmp_path):
   data = json.loads(out.read_text())
   assert data["stopped_early"] is True and len(data["results"]) == 1
   assert len(data["skipped_points"]) == 7
-
-
-@pytest.mark.slow
-def test_bench_decode_quick_on_a_config(tmp_path):
-  """The tiny default's policy and prompts with the oracle EAGLE drafter (the policy itself)
-  in a hybrid strategy (its suffix drafter copies from a corpus), also in a shared shape,
-  timed per call and in a decode loop: every SD iteration emits plain decoding's tokens, the
-  oracle accepts every draft (depth + 1 tokens), and a budget spent after the first batch
-  keeps it and skips the second. (bench_rollout's test checks the config's trained drafter.)"""
-  out = tmp_path / "decode.json"
-  _run_script("bench_decode", "--quick", "--config", "configs/default.py", "--batches", "1", "2",
-              "--drafters", "oracle", "--strategies", "2,2,4,eagle+suffix", "--shared-shape",
-              "3,2,6", "--loop-iterations", "4", "--time-budget", "0.001", "--out", str(out))
-  data = json.loads(out.read_text())
-  assert out.with_suffix(".png").exists()
-  _check_run_metadata(data, "bench_decode.py")
-  assert data["stopped_early"] is True and data["skipped_batches"] == [2]
-  assert data["shape"] is None and data["model"].endswith("tiny-policy")
-  (row,) = data["rows"]
-  assert row["complete"] and row["batch"] == 1
-  for key in ("tlt_plain_ms", "tlt_plain_sync_ms", "tlt_plain_loop_ms", "floor_ms"):
-    assert row[key] > 0, key
-  oracle, shape = "2,2,4,eagle+suffix oracle", "3,2,6,eagle+suffix"
-  assert set(row["sd"]) == {oracle, f"{oracle} in {shape}"}
-  for name, sd in row["sd"].items():
-    assert sd["identical_to_plain"], name  # greedy SD is lossless, in a shared program too
-    assert sd["iteration_ms"] > 0 and sd["loop_iteration_ms"] > 0
-    assert sd["decode_speedup"] == pytest.approx(
-        sd["accept_len"] * row["tlt_plain_ms"] / sd["iteration_ms"])
-  own, shared = row["sd"][oracle], row["sd"][f"{oracle} in {shape}"]
-  assert own["accept_len"] == 3.0  # every draft accepted: depth 2 + the bonus token
-  assert own["drafter"] == "oracle" and own["weight_floor_vs_plain_step"] > 1.0
-  assert shared["program"] == [3, 2, 6, "eagle+suffix"] and shared["own"] == oracle
-  assert shared["accept_len"] == own["accept_len"]  # the same tree, padded
-  assert shared["padding_cost"] > 0 and shared["loop_padding_cost"] > 0
 
 
 def _check_bench_rollout(out, modes):
@@ -434,15 +366,35 @@ def test_drafter_ttt_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_tree_attention_and_bench_decode_quick(tmp_path):
-  """The kernel grid and the decode bench at toy shapes, as a GPU lease runs them at full
-  ones."""
+def test_bench_tree_attention_quick(tmp_path):
+  """The kernel grid at toy shapes, as a GPU lease runs it at full ones (the decode benchmark's
+  quick run: tests/test_profile_decode.py)."""
   _run_script("bench_tree_attention", "--quick", "--out", str(tmp_path / "tree_attention.json"),
               "--time-budget", "160")
   _check_bench_tree_attention_quick(tmp_path / "tree_attention.json")
-  _run_script("bench_decode", "--quick", "--out", str(tmp_path / "decode.json"),
-              "--time-budget", "180")
-  _check_bench_decode_quick(tmp_path / "decode.json")
+
+
+@pytest.mark.slow
+def test_smollm2_cpu_decode_stage_and_resume(tmp_path):
+  """smollm2_cpu's decode stage: the decode benchmark's plain iterations on SmolLM2 (no SD
+  arm), read back into the campaign's summary and figure; a rerun skips the finished stage."""
+  from tlt_jax.import_model import DownloadError, smollm2_folder
+  try:
+    smollm2_folder()
+  except DownloadError as e:
+    pytest.skip(f"SmolLM2 is not in the cache and cannot be downloaded: {e}")
+  out = tmp_path / "sm"
+  args = ("--quick", "--stages", "decode", "--batches", "1", "2", "--iterations", "2",
+          "--out", str(out))
+  _run_script("smollm2_cpu", *args)
+  bench = json.loads((out / "decode" / "profile_decode.json").read_text())
+  assert bench["arms"] == [] and all(r["sd"] == {} for r in bench["rows"])
+  summary = json.loads((out / "smollm2_cpu.json").read_text())
+  assert [(r["batch"], r["step_ms"]) for r in summary["decode"]] == \
+      [(r["batch"], r["plain"]["timing"]["iteration_ms"]) for r in bench["rows"]]
+  assert [r["batch"] for r in summary["decode"]] == [1, 2]
+  assert summary["stages"]["decode"]["returncode"] == 0 and (out / "smollm2_cpu.png").is_file()
+  assert "=== decode: done in an earlier run" in _run_script("smollm2_cpu", *args).stdout
 
 
 @pytest.mark.slow

@@ -257,19 +257,28 @@ def test_costs_from_rollout_json(tmp_path):
 
 
 def test_costs_from_decode_json(tmp_path):
-  """bench_decode.py's rows: plain 6 + 0.1 b ms and SD 10 + 1 b ms measured at batches 1 and
-  8 give those lines, plus the per-row cache cost of long context, at every power of two."""
+  """profile_decode.py's rows (and bench_decode.py's, as committed results hold them): plain
+  6 + 0.1 b ms and SD 10 + 1 b ms measured at batches 1 and 8 give those lines, plus the
+  per-row cache cost of long context, at every power of two; a batch without SD is left out."""
   def row(b):
     return {"batch": b, "complete": True, "tlt_plain_ms": 6 + 0.1 * b,
             "sd": {"8,4,48": {"iteration_ms": 12 + b}, "8,4,48 r=32768": {"iteration_ms": 10 + b}}}
+
+  def profile_row(b, sd=True):
+    timing = lambda ms: {"timing": {"iteration_ms": ms}}  # noqa: E731
+    return {"batch": b, "plain": timing(6 + 0.1 * b),
+            "sd": {"8,4,48": timing(12 + b), "8,4,48 r=32768": timing(10 + b)} if sd else {}}
   path = tmp_path / "decode.json"
-  path.write_text(json.dumps({"device": {"device_kind": "H100"}, "shape": "qwen2.5-7b",
-                              "rows": [row(1), row(8)]}))
-  costs, upto = sim.costs_from_decode_json(str(path), max_batch=16, kv_s_per_row=1e-4)
-  assert upto == 8 and costs.batch.tolist() == [1, 2, 4, 8, 16]
-  assert costs.plain_at(16) == pytest.approx(1e-3 * (6 + 1.6) + 16e-4)
-  assert costs.sd_at(4) == pytest.approx(1e-3 * (10 + 4) + 4e-4)  # the fastest strategy
-  assert costs.accept_at(1) == 6.4 and "H100, qwen2.5-7b, SD 8,4,48 r=32768" in costs.source
+  path.write_text(json.dumps({"device": {"device_kind": "H100"}, "model": "random qwen2.5-7b",
+                              "rows": [profile_row(1), profile_row(8), profile_row(32, False)]}))
+  for shape in ("random qwen2.5-7b", "qwen2.5-7b"):
+    costs, upto = sim.costs_from_decode_json(str(path), max_batch=16, kv_s_per_row=1e-4)
+    assert upto == 8 and costs.batch.tolist() == [1, 2, 4, 8, 16]
+    assert costs.plain_at(16) == pytest.approx(1e-3 * (6 + 1.6) + 16e-4)
+    assert costs.sd_at(4) == pytest.approx(1e-3 * (10 + 4) + 4e-4)  # the fastest strategy
+    assert costs.accept_at(1) == 6.4 and f"H100, {shape}, SD 8,4,48 r=32768" in costs.source
+    path.write_text(json.dumps({"device": {"device_kind": "H100"}, "shape": "qwen2.5-7b",
+                                "rows": [row(1), row(8)]}))  # bench_decode.py's, next
   full, _ = sim.costs_from_decode_json(str(path), 16, sd_key="8,4,48", kv_s_per_row=0.0)
   assert full.sd_at(1) == pytest.approx(13e-3)
   with pytest.raises(ValueError, match="no SD strategy '4,2,8' at every batch"):

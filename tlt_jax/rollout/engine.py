@@ -55,8 +55,8 @@ class EngineConfig:
   plainly meanwhile), so no call waits for a compile. Tokens do not change.
   shared_sd_max_batch: at program batch sizes up to this (0: none), the tuner's arms of one
   top-k share one SD program shaped for their largest depth and verify_tokens, each drawing
-  its own (padded) tree: fewer compiles for a costlier iteration (bench_decode.py
-  --shared-shape). Tokens and accept lengths do not change.
+  its own (padded) tree: fewer compiles for a costlier iteration
+  (docs/results/shared_programs). Tokens and accept lengths do not change.
   corpus_rows: for suffix-drafter strategies, how many of a row's group's finished responses
   (the G - 1 siblings in GRPO; the most recent first) it may copy from.
   batch_sizes: the program batch sizes of a slice (max_batch is always one, and a size above
