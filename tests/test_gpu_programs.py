@@ -19,6 +19,17 @@ EXPECTED = {"sft": {"sft_step"},
             "warmup": {"rollout_prefill_b16", "rollout_decode_b16", "drafter_step"}}
 
 
+def test_the_sd_program_is_at_the_engine_s_bucket_for_the_sd_threshold():
+  """The budget lays out the SD call at the program batch the engine runs SD in: the smallest
+  of rollout.batch_sizes that holds rollout.sd_threshold rows (not the next power of two)."""
+  c = repo_config("gpu_demo", "quick")
+  with c.unlocked():
+    c.rollout.batch_sizes = (6,)
+  names = {p.name for p in job_programs(c, "train")[1]}
+  assert "rollout_decode_sd(4, 2, 8)_b6" in names, names
+  assert not any(n.startswith("rollout_decode_sd") and n.endswith("_b2") for n in names)
+
+
 def _forced_kernel_config(model_type="qwen2"):
   c = repo_config("gpu_demo", "quick")
   with c.unlocked():

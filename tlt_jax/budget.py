@@ -214,7 +214,7 @@ def _rollout_programs(config, cfg, params, drafters: dict, log_features: bool,
   state = progs.start(params, drafters, prompts, np.ones((b,), np.int32), rows, rows, key, sp)
   progs.decode(params, drafters, state, key, sp, None, 1, econf.iterations_per_call)
   if drafters and econf.sd_threshold:
-    sd_batch = min(b, 1 << max(econf.sd_threshold - 1, 0).bit_length())
+    sd_batch = econf.batch_for(econf.sd_threshold)  # the engine's own bucket for it
     small = progs.take_rows(state, np.arange(sd_batch))
     sd = config.rollout.speculative
     for arm in dict.fromkeys((*sd.arms, sd.strategy)):
