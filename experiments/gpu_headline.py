@@ -53,8 +53,8 @@ QUICK_SETS = ["mesh.num_cpu_devices=0", "model.dtype=float32", "model.param_dtyp
 MEASURED = REPO / "docs" / "results" / "gpu_h200_2026-12-04"
 # The profiling call's seconds (experiments/profile_decode.py --time-budget, and its compiles).
 PROFILE_S = 180
-# Seconds a device call costs besides its command (GPU.md: transfers both ways, the
-# dispatch), and a machine's start: for the lease's device-time estimate.
+# Seconds a device call costs besides its command (transfers both ways, the dispatch), and
+# a machine's start: for the lease's device-time estimate.
 CALL_OVERHEAD_S = 15.0
 MACHINE_START_S = 90.0
 DEVICE_TMP = pathlib.Path(os.environ.get("TLT_LEASE_TMP", "/tmp"))
@@ -263,7 +263,8 @@ def stage(out: pathlib.Path, steps: int, identity_steps: int) -> dict:
   if not (drafter / "model.safetensors").is_file():
     raise LeaseError(f"{drafter} has no drafter: warm it first (docs/gpu_lease.md)")
   # SmolLM2's GGUF from its PyPI wheel, compressed once (that takes a minute) into the cache.
-  xz = pathlib.Path(cache_root()) / "headline" / f"{SMOLLM2_GGUF}.xz"
+  # Named by the wheel's pin too: another release of the same file name is compressed anew.
+  xz = pathlib.Path(cache_root()) / "headline" / f"{SMOLLM2_WHEEL}.{SMOLLM2_GGUF}.xz"
   if not xz.is_file():
     xz.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 wheels the device's image lacks), staged through the device's /tmp over as many calls as it
 takes, and a rehearsal of those calls under the device's rules on this machine.
 
-The device's rules (../shared/GPU.md; seen on an H200, 2026-12-04): a call carries the working
+The device's rules (as a lease on an H200 showed them, 2026-12-04): a call carries the working
 tree and the ignored paths it names, CALL_LIMIT in all; a carried path that the next call does
 not name again is removed there; what a command writes under /tmp survives while the machine is
 warm (the next call within 30 s); at most MAX_FILES files of FILE_LIMIT come back from $OUT,
@@ -37,7 +37,7 @@ MiB = 1 << 20
 CALL_LIMIT = 64 * MiB
 MAX_FILES = 8
 FILE_LIMIT = 16 * MiB
-MARGIN = MiB // 2     # what the tree may gain between staging and the calls (same session)
+MARGIN = MiB // 2     # what the tree may gain between staging and the calls
 MANIFEST_ROOM = 64 * 1024
 STAGE_DIR = "tlt_lease"  # under $TLT_LEASE_TMP (default /tmp) on the device
 # On the device: where staged parts and installed wheels live between calls.

@@ -45,7 +45,7 @@ def stage_commands(out: pathlib.Path, args) -> dict:
                   "--prompts", str(args.rollout_prompts), "--seed", "7", "--tuners", "beg_mab",
                   "--out", str(out / "rollout.json")],
       "rl": [*module_command("rl_runs"), "--out", str(out / "rl"), "--config", config,
-             *warmed, "--variants", "baseline", "tlt", "--resume", *own],
+             *warmed, "--variants", "baseline", "tlt", *own],
   }
 
 

@@ -2,17 +2,15 @@
 command in a bash block parses (its module's argument parser, or for a job its config file and
 overrides), the knob reference is the schema's, and docs/extending.md's examples run."""
 
-import argparse
-import contextlib
 import glob
 import importlib
 import os
 import re
 import shlex
-import sys
 
 import pytest
 
+from tests.experiment_modules import parse_error
 from tlt_jax.cli import config_from_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,26 +97,6 @@ def _bash_commands(page: str) -> list[str]:
   return out
 
 
-class _Parsed(Exception):
-  pass
-
-
-@contextlib.contextmanager
-def _parse_only():
-  """argparse parses as usual (errors exit 2), then stops the script before it runs."""
-  original = argparse.ArgumentParser.parse_args
-
-  def parse_args(self, args=None, namespace=None):
-    original(self, args, namespace)
-    raise _Parsed
-
-  argparse.ArgumentParser.parse_args = parse_args
-  try:
-    yield
-  finally:
-    argparse.ArgumentParser.parse_args = original
-
-
 def _check_job(argv: list[str]) -> None:
   """A job's flags: known names, --flag=value form, a config file that loads with its
   overrides (placeholders such as CFG are not checked)."""
@@ -202,18 +180,11 @@ def test_every_command_parses(monkeypatch):
       continue
     if not module.startswith(("experiments.", "tools.", "tlt_jax.")) or module == "pytest":
       continue
-    mod = importlib.import_module(module)
+    importlib.import_module(module)
     if not argv:  # a mention of the module in the prose, not a command
       continue
-    monkeypatch.setattr(sys, "argv", [module, *argv])
-    try:
-      with _parse_only():
-        mod.main(argv) if "argv" in mod.main.__code__.co_varnames[:1] else mod.main()
-      failures.append(f"{shown}: main() returned without parsing its arguments")
-    except _Parsed:
-      pass
-    except SystemExit as e:
-      failures.append(f"{shown}: exit {e.code}")
+    if error := parse_error(module, argv, monkeypatch):
+      failures.append(f"{shown}: {error}")
   assert not failures, "\n".join(failures)
 
 

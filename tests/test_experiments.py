@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.experiment_modules import load_experiment
+from tests.experiment_modules import load_experiment, parse_error
 from tlt_jax.kernels.reference import prefix_tree_attention_reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -336,6 +336,27 @@ def test_reproduce_lists_every_experiment_and_rejects_unknown_names(tmp_path):
                         "--only", "figure9", "--out", str(tmp_path)],
                        capture_output=True, text=True)
   assert bad.returncode != 0 and "unknown experiment" in bad.stderr
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_campaign_stage_s_command_parses(quick, tmp_path, monkeypatch):
+  """Each experiment a campaign runs (reproduce's, smollm2_cpu's stages) accepts the flags
+  the campaign passes it: a flag one of them retires fails here, not hours into a campaign."""
+  import argparse
+  smollm2 = load_experiment("smollm2_cpu")
+  args = argparse.Namespace(quick=quick, set=[], iterations=8, rollout_prompts=4,
+                            batches=[1, 2])
+  campaigns = {"reproduce": load_experiment("reproduce").experiments(tmp_path, quick).values(),
+               "smollm2_cpu": [c[2:] for c in smollm2.stage_commands(tmp_path, args).values()]}
+  checked, failures = 0, []
+  for campaign, commands in campaigns.items():
+    for module, *argv in commands:
+      module = module if "." in module else f"experiments.{module}"
+      if module.startswith("experiments."):
+        checked += 1
+        if error := parse_error(module, argv, monkeypatch):
+          failures.append(f"{campaign}: {module} {' '.join(argv)}: {error}")
+  assert checked >= 9 and not failures, failures
 
 
 def test_reproduce_runs_a_subset_and_records_it(tmp_path):

@@ -107,7 +107,7 @@ def test_a_tensorboard_folder_that_cannot_be_written_is_one_line(tmp_path, monke
 @pytest.mark.slow
 def test_a_job_says_what_it_does_at_once_stops_on_a_signal_in_setup_and_at_once_on_two(
     tmp_path):
-  """The warm-up job (the issue's: silent for minutes, then deaf to a second SIGTERM): its
+  """The warm-up job (once silent for minutes, then deaf to a second SIGTERM): its
   first line, at its start, names the mesh; a signal during setup ends it at the next phase
   (exit 75), two end it at once; the same command then runs to the end and names the folder
   to pass as drafter.eagle.path."""
@@ -250,7 +250,7 @@ def test_a_workdir_from_before_the_record_is_known_by_its_files(tmp_path):
 
 
 def test_the_warmup_job_refuses_a_train_run_s_workdir_in_one_line(tmp_path):
-  """The issue's case: python -m tlt_jax.warmup_drafter over a train run's workdir moved its
+  """The case that failed once: python -m tlt_jax.warmup_drafter over a train run's workdir moved its
   checkpoints aside and overwrote its metrics; now it exits at once and touches nothing."""
   import subprocess
   import sys

@@ -43,7 +43,7 @@ def registries(monkeypatch):
     for name in set(registry) - before[id(registry)]:
       del registry[name]
   for name in set(sys.modules) - modules:
-    if name.startswith(("tlt_jax_plugin_", "plugin_by_name")):
+    if name.startswith(("tlt_jax_file_", "plugin_by_name")):
       del sys.modules[name]
 
 
@@ -132,7 +132,7 @@ def test_a_module_name_on_the_path_and_the_errors_name_the_knob(tmp_path, monkey
   with pytest.raises(ConfigError, match=r"^plugins='.*broken.py' failed to import: "
                                         r"RuntimeError: boom$"):
     plugins.import_plugins(str(tmp_path / "broken.py"))
-  assert not any(m.startswith("tlt_jax_plugin_broken") for m in sys.modules)
+  assert not any(m.startswith("tlt_jax_file_broken") for m in sys.modules)
 
 
 def _job(cwd, *extra) -> subprocess.CompletedProcess:
