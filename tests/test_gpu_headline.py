@@ -21,6 +21,7 @@ from tlt_jax.speculative.sampling import SamplingParams
 
 headline = load_experiment("gpu_headline")
 lease = load_experiment("gpu_lease")
+device_run = load_experiment("headline_run")
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +116,17 @@ def _rows(step, tokens, reward=1.0):
 
 def test_responses_are_compared_token_for_token_with_their_rewards():
   base = _rows(1, [1, 2, 3]) + _rows(2, [4])
-  assert headline.compare_responses(base, list(base))["identical"]
+  assert device_run.compare_responses(base, list(base))["identical"]
   other = _rows(1, [1, 2, 3]) + _rows(2, [5])
-  diff = headline.compare_responses(base, other)
+  diff = device_run.compare_responses(base, other)
   assert not diff["identical"] and diff["mismatches"] == 2
   assert diff["first_mismatches"][0]["step"] == 2
   assert diff["first_mismatches"][0]["first_difference_at"] == 0
-  longer = headline.compare_responses(_rows(1, [1, 2, 3]), _rows(1, [1, 2, 3, 4]))
+  longer = device_run.compare_responses(_rows(1, [1, 2, 3]), _rows(1, [1, 2, 3, 4]))
   assert longer["first_mismatches"][0]["first_difference_at"] == 3  # one stopped earlier
   rewarded = _rows(1, [1, 2, 3], reward=0.0) + _rows(2, [4])
-  assert headline.compare_responses(base, rewarded)["mismatches"] == 2
-  assert not headline.compare_responses(base, base[:2])["identical"]  # a response missing
+  assert device_run.compare_responses(base, rewarded)["mismatches"] == 2
+  assert not device_run.compare_responses(base, base[:2])["identical"]  # a response missing
 
 
 def test_run_exits_3_when_responses_differ_where_they_must_not(monkeypatch, tmp_path, capsys):
@@ -151,21 +152,21 @@ def test_run_writes_only_where_it_may(tmp_path):
   (tmp_path / "repo" / "runs").mkdir()
   (tmp_path / "repo" / "runs" / "mine.txt").write_text("keep")
   with pytest.raises(lease.LeaseError, match="holds files that gpu_headline did not write"):
-    headline.run(tmp_path / "parts", 1, tmp_path / "out", tmp_path / "repo")
+    device_run.run(tmp_path / "parts", 1, tmp_path / "out", tmp_path / "repo")
   assert (tmp_path / "repo" / "runs" / "mine.txt").read_text() == "keep"
   (tmp_path / "file").write_text("")
   with pytest.raises(lease.LeaseError, match="--out .* is a file"):
-    headline.run(tmp_path / "parts", 1, tmp_path / "file", tmp_path / "work")
+    device_run.run(tmp_path / "parts", 1, tmp_path / "file", tmp_path / "work")
   with pytest.raises(lease.LeaseError, match="no call folder"):  # its own: taken
-    headline.run(tmp_path / "parts", 1, tmp_path / "out", tmp_path / "work")
+    device_run.run(tmp_path / "parts", 1, tmp_path / "out", tmp_path / "work")
 
 
 def test_agreement_counts_identical_responses_and_where_the_others_differ():
   a = [[1, 2, 3], [4, 5], [6]]
-  assert headline.agreement(a, a) == {"identical": True, "identical_responses": 3,
+  assert device_run.agreement(a, a) == {"identical": True, "identical_responses": 3,
                                       "responses": 3, "first_difference_at": []}
   b = [[1, 2, 9], [4, 5], [6, 7]]
-  got = headline.agreement(a, b)
+  got = device_run.agreement(a, b)
   assert not got["identical"] and got["identical_responses"] == 1
   assert got["first_difference_at"] == [2, 1]
 
@@ -176,7 +177,7 @@ def test_the_steady_state_leaves_the_first_step_out():
             "accept_len": accept, "sd_iterations": sd}
   base = [step(1, 100.0, 90.0), step(2, 10.0, 8.0), step(3, 12.0, 10.0)]
   tlt = [step(1, 50.0, 40.0), step(2, 5.0, 3.0, 3.0, 10), step(3, 6.0, 4.0, 2.0, 30)]
-  s = headline.steady_state(base, tlt)
+  s = device_run.steady_state(base, tlt)
   assert s["steps"] == "2..3" and s["count"] == 2
   assert s["step_ratio"] == pytest.approx(22.0 / 11.0)
   assert s["rollout_ratio"] == pytest.approx(18.0 / 7.0)
