@@ -5,6 +5,7 @@ parses, without running it."""
 import argparse
 import contextlib
 import importlib
+import sys
 
 
 def load_experiment(name: str):
@@ -36,8 +37,7 @@ def _parse_only():
 def parse_error(module: str, argv: list[str], monkeypatch) -> str | None:
   """None when `python -m module *argv`'s argument parser accepts argv (the script stops
   before it runs), else what went wrong in one line."""
-  import sys
-  mod = importlib.import_module(module)
+  mod = load_experiment(module)
   monkeypatch.setattr(sys, "argv", [module, *argv])
   try:
     with _parse_only():

@@ -171,8 +171,7 @@ def unread_knobs(config: ml_collections.ConfigDict,
   used, key = run_drafters(config), _strategies_key(config)
   trained = [name for name in used if drafter_class(name).trained]
   for knob in LOSS_KNOBS:
-    readers = [name for name in trained if knob in drafter_class(name).loss_reads]
-    if not readers:
+    if not any(knob in drafter_class(name).loss_reads for name in trained):
       takers = [name for name, cls in DRAFTERS.items()
                 if cls.trained and knob in cls.loss_reads]
       unread("drafter", knob, f"no drafter the run trains reads it (it trains {trained})",
