@@ -33,7 +33,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 WHEELS = ("ml_collections==1.1.0", "gguf==0.19.0")  # missing on the GPU image (Python 3.12)
 # What the shipped drafter's warm-up set on top of configs/smollm2.py:headline_cpu.
-WARMUP_OVERRIDES = " --config.drafter.warmup.steps=1000"
 GGUF_XZ = "model.gguf.xz"
 # The quick run: the headline's config at toy size on a CPU.
 QUICK_SETS = ["mesh.num_cpu_devices=0", "model.dtype=float32", "model.param_dtype=float32",
@@ -368,7 +367,7 @@ def ship_drafter(export: pathlib.Path, warmup: pathlib.Path, out: pathlib.Path,
       f"{warmed['accept_len_warmed']:.2f} (untrained: {warmed['accept_len_untrained']:.2f}).\n\n"
       f"Made by:\n\n```bash\npython -m tlt_jax.warmup_drafter --config "
       f"configs/smollm2.py:headline_cpu --config.drafter.eagle.path= --workdir "
-      f"runs/headline_warmup{WARMUP_OVERRIDES}\npython -m experiments.gpu_headline drafter "
+      f"runs/headline_warmup\npython -m experiments.gpu_headline drafter "
       f"--warmup runs/headline_warmup\n```\n")
   old = out.with_name(f".{out.name}.old")
   if out.exists():
