@@ -206,3 +206,20 @@ def test_the_smollm2_config_validates_and_its_prompts_fit(smollm2_dir, variant):
   assert config.model.path == smollm2_dir
   validate_config(config)
   check_prompt_lengths(config, load_tokenizer_for(config))
+
+
+def test_the_shipped_drafter_is_what_the_headline_configs_warm_up_makes(smollm2_dir):
+  """assets/smollm2-drafter records the warm-up that made it; its README names
+  configs/smollm2.py:headline_cpu's warm-up with no override, so the config's warm-up and
+  EAGLE settings must be the ones it was made with (a changed knob needs a new drafter)."""
+  import json
+  from tlt_jax.cli import config_from_file
+  config = config_from_file("configs/smollm2.py:headline_cpu")
+  with open(os.path.join(REPO, "assets", "smollm2-drafter", "config.json")) as f:
+    shipped = json.load(f)
+  warmup, eagle = config.drafter.warmup, config.drafter.eagle
+  assert shipped["warm_up"]["steps"] == warmup.steps
+  assert shipped["warm_up"]["responses"] == warmup.num_prompts * warmup.samples_per_prompt
+  assert shipped["warm_up"]["strategy"] == config.rollout.speculative.strategy
+  for knob in ("num_layers", "intermediate_size", "draft_vocab_size"):
+    assert shipped["drafter"][knob] == eagle[knob], knob
