@@ -32,7 +32,6 @@ from .headline_run import CONFIG, agreement, own_lease_folder, run
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 WHEELS = ("ml_collections==1.1.0", "gguf==0.19.0")  # missing on the GPU image (Python 3.12)
-# What the shipped drafter's warm-up set on top of configs/smollm2.py:headline_cpu.
 GGUF_XZ = "model.gguf.xz"
 # The quick run: the headline's config at toy size on a CPU.
 QUICK_SETS = ["mesh.num_cpu_devices=0", "model.dtype=float32", "model.param_dtype=float32",
