@@ -22,31 +22,47 @@ from tlt_jax.config import ConfigError
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def git_commit(repo: pathlib.Path = REPO) -> str | None:
-  """The checkout's HEAD, or None where there is no git or no checkout (a copied tree)."""
+def _git(repo: pathlib.Path, *args) -> str | None:
   try:
-    return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                          text=True, timeout=10).stdout.strip() or None
+    out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                         timeout=10)
   except (OSError, subprocess.SubprocessError):
     return None
+  return out.stdout if out.returncode == 0 else None
+
+
+def git_commit(repo: pathlib.Path = REPO) -> str | None:
+  """The checkout's HEAD, or None where there is no git or no checkout (a copied tree)."""
+  return (_git(repo, "rev-parse", "HEAD") or "").strip() or None
+
+
+def uncommitted_files(repo: pathlib.Path = REPO) -> list[str] | None:
+  """The tracked files whose content differs from HEAD's (staged or not), sorted: a record
+  made from such a tree was not made by its commit alone. None where git_commit is None."""
+  if git_commit(repo) is None:
+    return None
+  out = _git(repo, "status", "--porcelain", "--untracked-files=no", "--no-renames")
+  # Porcelain v1: two status letters, a space, the path.
+  return None if out is None else sorted(line[3:] for line in out.splitlines() if line.strip())
 
 
 def run_metadata(device=None) -> dict:
   """Where and how this run was made: device (default: JAX's first), jax version, UTC date,
-  commit, command line."""
+  commit, the tracked files changed since it (`uncommitted_files`), command line."""
   import jax
   device = device or jax.devices()[0]
   return {"device": {"platform": device.platform, "device_kind": device.device_kind},
           "jax_version": jax.__version__,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "git_commit": git_commit(), "command": shlex.join(sys.argv)}
+          "git_commit": git_commit(), "uncommitted": uncommitted_files(),
+          "command": shlex.join(sys.argv)}
 
 
 def run_stamp() -> dict:
   """When and from what a record was made, as the GPU headline's records write it: the date,
-  the commit and the command line."""
+  the commit, the tracked files changed since it (`uncommitted_files`) and the command line."""
   return {"date": datetime.date.today().isoformat(), "commit": git_commit(),
-          "command": " ".join(sys.argv)}
+          "uncommitted": uncommitted_files(), "command": " ".join(sys.argv)}
 
 
 def write_json(path, doc) -> None:

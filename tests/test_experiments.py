@@ -35,7 +35,7 @@ def _run_script(name, *args, timeout=600):
 def _check_run_metadata(data, script):
   assert data["device"]["platform"] == "cpu" and data["device"]["device_kind"]
   assert data["jax_version"] and data["date"] and script in data["command"]
-  assert "git_commit" in data  # None outside a git checkout
+  assert "git_commit" in data and "uncommitted" in data  # None outside a git checkout
 
 
 def _check_bench_tree_attention_quick(out):
@@ -253,6 +253,31 @@ def _check_rl_runs(out, responses_per_step, compile_ahead):
     assert completions[name] == completions["baseline"], name
     assert [{k: m[k] for k in same} for m in run["metrics"]] == \
         [{k: m[k] for k in same} for m in data["runs"]["baseline"]["metrics"]], name
+
+
+def test_a_record_names_the_tracked_files_changed_since_its_commit(tmp_path):
+  """uncommitted_files: tracked files edited or staged since HEAD, not untracked ones; None
+  outside a checkout. run_stamp and run_metadata carry it beside the commit."""
+  common = load_experiment("common")
+  repo = tmp_path / "repo"
+  repo.mkdir()
+  git = lambda *a: subprocess.run(["git", "-C", str(repo), "-c", "user.name=t",
+                                   "-c", "user.email=t@t", *a], check=True, capture_output=True)
+  git("init", "-q")
+  for name in ("a.py", "b.py", "c.py"):
+    (repo / name).write_text(name)
+  git("add", ".")
+  git("commit", "-q", "-m", "c")
+  assert common.uncommitted_files(repo) == []
+  (repo / "b.py").write_text("edited")
+  (repo / "c.py").write_text("staged")
+  git("add", "c.py")
+  (repo / "new.py").write_text("untracked")
+  assert common.uncommitted_files(repo) == ["b.py", "c.py"]
+  assert common.uncommitted_files(tmp_path / "not-a-checkout") is None
+  stamp = common.run_stamp()
+  assert list(stamp) == ["date", "commit", "uncommitted", "command"]
+  assert stamp["uncommitted"] == common.uncommitted_files()
 
 
 def test_a_script_replaces_only_folders_it_made(tmp_path):
