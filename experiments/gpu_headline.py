@@ -25,7 +25,7 @@ from tlt_jax.config import ConfigError
 from tlt_jax.import_model import ImportModelError
 
 from . import gpu_lease
-from .common import add_config_flags, git_commit, run_stamp, write_json
+from .common import add_config_flags, run_stamp, write_json
 from .gpu_lease import LeaseError, MiB
 from .headline_run import CONFIG, agreement, own_lease_folder, run
 
@@ -143,8 +143,7 @@ def lease_plan(out: pathlib.Path, manifest: dict, steps: int, identity_steps: in
                            f"experiments.profile_decode --out $OUT --peer --time-budget "
                            f"{PROFILE_S - 30} 2>&1 | tee $OUT/profile.log"})
   plan = {"what": "the headline's GPU lease (experiments/gpu_headline.py stage)",
-          "date": datetime.date.today().isoformat(), "commit": git_commit(),
-          "config": CONFIG, "steps": steps, "identity_steps": identity_steps,
+          **run_stamp(), "config": CONFIG, "steps": steps, "identity_steps": identity_steps,
           "payload_mib": [round(b / MiB, 1) for b in manifest["payload_bytes"]],
           "calls": calls, "device_time": time_s,
           "rule": "each call within 30 s of the last one's end; give the machine back after "
